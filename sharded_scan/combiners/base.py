@@ -1,0 +1,121 @@
+"""The Combiner protocol: how a reduction folds rows, merges partials and finishes.
+
+A combiner describes one reduction in four pure functions:
+
+- ``init(spec) -> acc``: the identity accumulator for one shard. ``spec`` is a pytree,
+  shaped like the data, of ``jax.ShapeDtypeStruct`` giving the shape and dtype of ONE
+  row of each leaf (no row dimension).
+- ``add(acc, batch, mask) -> acc``: fold a micro-batch in. ``batch`` is a pytree of
+  arrays with a leading row dimension ``mb``; ``mask`` is a ``(mb,)`` bool array and
+  rows where it is False are padding that must not count.
+- ``merge(a, b) -> acc``: combine two partial accumulators. Associative, with
+  ``init(spec)`` as its identity.
+- ``finalize(acc) -> result``: turn the merged accumulator, given as host numpy
+  arrays, into the result (numpy, or a NamedTuple of numpy arrays).
+
+``init``, ``add`` and ``merge`` are traced by JAX and run on devices; ``finalize`` runs
+on the host in numpy (float64 where it helps accuracy).
+
+A combiner whose ``merge`` is leafwise addition sets ``additive = True`` (or derives
+from :class:`AdditiveCombiner`); the engine then merges its partials with one ``psum``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharded_scan.errors import UsageError
+
+PyTree = Any
+
+
+class Combiner(abc.ABC):
+    """Base class for reductions run by :func:`sharded_scan.run`."""
+
+    #: True when ``merge`` is leafwise addition (enables the ``psum`` fast path).
+    additive: bool = False
+
+    @abc.abstractmethod
+    def init(self, spec: PyTree) -> PyTree:
+        """Returns the identity accumulator for data whose rows have ``spec``."""
+
+    @abc.abstractmethod
+    def add(self, acc: PyTree, batch: PyTree, mask: jax.Array) -> PyTree:
+        """Folds one micro-batch into ``acc``; rows with ``mask`` False are ignored."""
+
+    @abc.abstractmethod
+    def merge(self, a: PyTree, b: PyTree) -> PyTree:
+        """Combines two partial accumulators (associative; ``init`` is the identity)."""
+
+    @abc.abstractmethod
+    def finalize(self, acc: PyTree) -> Any:
+        """Turns the merged accumulator (host numpy arrays) into the result."""
+
+    def check_spec(self, spec: PyTree) -> None:
+        """Raises :class:`UsageError` when the combiner cannot take data of ``spec``.
+
+        Called once before any compute. The default accepts anything numeric.
+        """
+        for leaf in jax.tree.leaves(spec):
+            check_numeric(leaf.dtype, type(self).__name__)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Returns what identifies this reduction: its class and parameters.
+
+        Two runs may share a checkpoint only when their fingerprints are equal. The
+        default uses the dataclass fields (or ``vars``) rendered with ``repr``.
+        """
+        if dataclasses.is_dataclass(self):
+            params = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        else:
+            params = dict(vars(self))
+        return {"combiner": type(self).__name__, **{k: repr(v) for k, v in params.items()}}
+
+
+class AdditiveCombiner(Combiner):
+    """A combiner whose merge is leafwise addition: partials are combined by ``psum``."""
+
+    additive = True
+
+    def merge(self, a: PyTree, b: PyTree) -> PyTree:
+        return jax.tree.map(jnp.add, a, b)
+
+
+def check_numeric(dtype: Any, who: str) -> None:
+    """Raises :class:`UsageError` unless ``dtype`` is a numeric (bool, int, float) dtype."""
+    dtype = np.dtype(dtype)
+    numeric = jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_
+    if not numeric or jnp.issubdtype(dtype, jnp.complexfloating):
+        raise UsageError(
+            f"{who} needs numeric data, got dtype {dtype}; convert the data to a float "
+            "or integer dtype first."
+        )
+
+
+def accumulator_dtype(dtype: Any) -> np.dtype:
+    """The dtype to accumulate rows of ``dtype`` in: float32 at least, float64 kept.
+
+    bfloat16 and float16 inputs (and integers) accumulate in float32; under
+    ``jax_enable_x64`` float64 inputs stay float64.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.float64 and jax.config.jax_enable_x64:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:
+    """Replaces the rows of ``x`` where ``mask`` is False by ``fill``."""
+    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+    return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
+def row_count(mask: jax.Array) -> jax.Array:
+    """The number of real (unmasked) rows, as int32."""
+    return jnp.sum(mask, dtype=jnp.int32)

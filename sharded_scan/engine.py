@@ -1,0 +1,175 @@
+"""The engine: builds the per-device step, runs the loop, merges once, finalizes.
+
+Each device keeps its own partial accumulator (a leading ``data`` axis of size D on
+every accumulator leaf, sharded over ``data``). A step folds ``steps_per_call``
+micro-batches per device with ``lax.scan`` and has no cross-device collective; the
+partials are donated so they stay in place. At the end one collective merges them:
+a ``psum`` for additive combiners, otherwise one all-gather and a fixed-order tree
+fold with ``combiner.merge``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.errors import UsageError
+from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
+from sharded_scan.mesh import DATA_AXIS, make_mesh
+from sharded_scan.prefetch import device_batches
+from sharded_scan.sources import as_source
+
+PyTree = Any
+
+DEFAULT_MICROBATCH = 1024
+DEFAULT_STEPS_PER_CALL = 8
+
+
+class Progress(NamedTuple):
+    """What the engine reports after each step."""
+
+    step: int          # steps done in this run (counting from the resumed one)
+    total_steps: int
+    rows_done: int     # cursor: rows folded so far, including those of a resumed checkpoint
+    num_rows: int
+    seconds: float     # since the loop started
+
+
+def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
+    """Returns ``step(partials, batch, num_valid) -> partials``, jitted and donating partials.
+
+    ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
+    first ``num_valid`` are real. Every device scans its block as
+    ``steps_per_call`` micro-batches of ``microbatch`` rows.
+    """
+    mb, spc, rows_per_device = layout.microbatch, layout.steps_per_call, layout.rows_per_device
+
+    def local_step(partials, batch, num_valid):
+        acc = jax.tree.map(lambda x: x[0], partials)
+        first_row = jax.lax.axis_index(DATA_AXIS) * rows_per_device
+        local_valid = jnp.clip(num_valid - first_row, 0, rows_per_device)
+        micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), batch)
+        offsets = jnp.arange(spc, dtype=jnp.int32) * mb
+
+        def fold(acc, item):
+            offset, rows = item
+            mask = offset + jnp.arange(mb, dtype=jnp.int32) < local_valid
+            return combiner.add(acc, rows, mask), None
+
+        acc, _ = jax.lax.scan(fold, acc, (offsets, micro))
+        return jax.tree.map(lambda x: x[None], acc)
+
+    step = jax.shard_map(
+        local_step, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS), P()), out_specs=P(DATA_AXIS)
+    )
+    return jax.jit(step, donate_argnums=0)
+
+
+def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh) -> PyTree:
+    """One identity accumulator per device of the ``data`` axis, sharded over ``data``."""
+    size = mesh.shape[DATA_AXIS]
+
+    def stacked():
+        return jax.tree.map(
+            lambda x: jnp.broadcast_to(x[None], (size,) + x.shape), combiner.init(spec)
+        )
+
+    return jax.jit(stacked, out_shardings=data_sharding(mesh))()
+
+
+def tree_fold(merge: Callable, items: list) -> Any:
+    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order)."""
+    while len(items) > 1:
+        paired = [merge(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        items = paired + ([items[-1]] if len(items) % 2 else [])
+    return items[0]
+
+
+def build_merge(combiner: Combiner, mesh: Mesh) -> Callable:
+    """Returns ``merge(partials) -> acc``: one collective, the result on every device."""
+    size = mesh.shape[DATA_AXIS]
+    if combiner.additive:
+
+        def local_psum(partials):
+            return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
+
+        return jax.jit(
+            jax.shard_map(local_psum, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P())
+        )
+
+    def gather_and_fold(partials):
+        everywhere = jax.lax.with_sharding_constraint(partials, replicated(mesh))
+        parts = [jax.tree.map(lambda x, i=i: x[i], everywhere) for i in range(size)]
+        return tree_fold(combiner.merge, parts)
+
+    return jax.jit(gather_and_fold, out_shardings=replicated(mesh))
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """Copies a replicated device pytree to host numpy (works on every process)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def run(
+    combiner: Combiner,
+    data: Any,
+    *,
+    mesh: Mesh | str | None = None,
+    microbatch: int = DEFAULT_MICROBATCH,
+    steps_per_call: int = DEFAULT_STEPS_PER_CALL,
+    prefetch: int = 2,
+    checkpoint: Any = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> Any:
+    """Reduces ``data`` with ``combiner`` over every device of ``mesh``.
+
+    Args:
+      combiner: the reduction, e.g. ``sharded_scan.Gram()``.
+      data: a numpy array, a pytree of arrays with one leading row dimension such as
+        ``(X, y)``, or a :class:`sharded_scan.sources.Source`.
+      mesh: a ``Mesh`` or a spec such as ``"data:8"``; all devices on ``data`` by default.
+      microbatch: rows per device per scan iteration.
+      steps_per_call: micro-batches each device folds per compiled call.
+      prefetch: steps placed on the devices ahead of use (0 turns prefetching off).
+      checkpoint: reserved for the checkpointing seam; must be None for now.
+      progress: called with a :class:`Progress` after every step.
+
+    Returns:
+      ``combiner.finalize`` of the merged accumulator: host numpy, the same on every
+      process.
+
+    Raises:
+      UsageError: bad data, mesh or arguments, before any compute.
+    """
+    if not isinstance(combiner, Combiner):
+        raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+        raise UsageError(f"prefetch must be a non-negative integer, got {prefetch!r}.")
+    if checkpoint is not None:
+        raise UsageError("checkpoint is not supported by this version of sharded_scan.run.")
+    source = as_source(data)
+    if source.num_rows == 0:
+        raise UsageError("the data has zero rows; there is nothing to reduce.")
+    combiner.check_spec(source.spec)
+    mesh = make_mesh(mesh)
+    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call)
+
+    step = build_step(combiner, mesh, layout)
+    partials = init_partials(combiner, source.spec, mesh)
+    total = layout.num_steps()
+    started = time.perf_counter()
+    for i, item in enumerate(device_batches(source, layout, mesh, 0, prefetch)):
+        partials = step(partials, item.batch, np.int32(item.num_valid))
+        if progress is not None:
+            done = item.cursor + item.num_valid
+            progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
+    merged = build_merge(combiner, mesh)(partials)
+    return combiner.finalize(to_host(merged))

@@ -1,0 +1,104 @@
+"""Turns a mesh spec such as ``"data:8"`` or ``"data:4,model:2"`` into a JAX Mesh."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from sharded_scan.errors import UsageError
+
+_log = logging.getLogger(__name__)
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Parses ``"name:size,..."`` into axis names and sizes, resolving one ``-1``.
+
+    Args:
+      spec: comma-separated ``name:size`` pairs; one size may be ``-1`` meaning
+        "all the devices the other axes leave".
+      num_devices: how many devices are available.
+
+    Returns:
+      ``(names, sizes)`` with every size positive and their product at most
+      ``num_devices`` (exactly, when a size was ``-1``).
+
+    Raises:
+      UsageError: the spec is malformed, lacks a ``data`` axis, or does not fit.
+    """
+    names: list[str] = []
+    sizes: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        name, sep, size = part.partition(":")
+        name = name.strip()
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if not sep or not name.isidentifier() or value == 0 or value < -1:
+            raise UsageError(
+                f"mesh spec {spec!r} is malformed at {part!r}: write name:size pairs "
+                "such as 'data:8', 'data:-1' or 'data:4,model:2'."
+            )
+        if name in names:
+            raise UsageError(f"mesh spec {spec!r} names axis {name!r} twice.")
+        names.append(name)
+        sizes.append(value)
+    if DATA_AXIS not in names:
+        raise UsageError(f"mesh spec {spec!r} has no 'data' axis; rows are split over 'data'.")
+    if sizes.count(-1) > 1:
+        raise UsageError(f"mesh spec {spec!r} has more than one -1; at most one axis can be inferred.")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise UsageError(
+                f"mesh spec {spec!r} does not fit {num_devices} devices: the fixed axes "
+                f"({known}) do not divide the device count."
+            )
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) > num_devices:
+        raise UsageError(
+            f"mesh spec {spec!r} needs {math.prod(sizes)} devices but {num_devices} are "
+            "present; use 'data:-1' for all of them, or change the sizes."
+        )
+    return tuple(names), tuple(sizes)
+
+
+def make_mesh(spec: str | Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a mesh from a spec string, using all devices (of every process).
+
+    Args:
+      spec: e.g. ``"data:-1"`` (the default: every device on one ``data`` axis),
+        ``"data:8"`` or ``"data:4,model:2"``. A ``Mesh`` is returned unchanged.
+      devices: the devices to use; all of ``jax.devices()`` by default.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with Auto axis types. A spec smaller than the devices
+      present uses the first ones (single process only; a warning says so).
+
+    Raises:
+      UsageError: the spec is malformed or does not match the devices present.
+    """
+    if isinstance(spec, Mesh):
+        if DATA_AXIS not in spec.axis_names:
+            raise UsageError(f"mesh axes {spec.axis_names} have no 'data' axis; rows are split over 'data'.")
+        return spec
+    devices = list(jax.devices() if devices is None else devices)
+    spec = spec or f"{DATA_AXIS}:-1"
+    names, sizes = parse_mesh_spec(spec, len(devices))
+    used = math.prod(sizes)
+    if used < len(devices):
+        if jax.process_count() > 1:
+            raise UsageError(
+                f"mesh spec {spec!r} uses {used} of {len(devices)} devices; with several "
+                "processes the mesh must use every device: try 'data:-1'."
+            )
+        _log.warning("mesh %r uses %d of the %d devices present.", spec, used, len(devices))
+        devices = devices[:used]
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)

@@ -1,0 +1,22 @@
+"""Shared test helpers: collectives in compiled HLO, float64 references."""
+
+import re
+
+import numpy as np
+
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
+
+
+def collectives(compiled_text: str) -> list[str]:
+    """The cross-device collectives in a compiled HLO module's text."""
+    return COLLECTIVE.findall(compiled_text)
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+def rel_err(got, want) -> float:
+    """Max absolute error, relative to the largest magnitude of ``want``."""
+    got, want = f64(got), f64(want)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))

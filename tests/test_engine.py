@@ -1,0 +1,164 @@
+"""The engine: sharding, the ragged tail, micro-batch independence, collectives, bad input."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan import engine
+from sharded_scan.layout import make_layout
+from tests.helpers import collectives, f64, rel_err
+
+MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
+
+
+def rows(n, d=5, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, d)).astype(dtype)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("n", [1, 3, 7, 97, 1000])
+def test_gram_and_sum_match_float64(mesh, n):
+    x = rows(n)
+    assert rel_err(ss.run(ss.Gram(), x, mesh=mesh, microbatch=8, steps_per_call=2), f64(x).T @ f64(x)) < 1e-5
+    result = ss.run(ss.Sum(), x, mesh=mesh, microbatch=8, steps_per_call=2)
+    assert result.count == n
+    assert rel_err(result.sum, f64(x).sum(0)) < 1e-5
+
+
+@pytest.mark.parametrize("microbatch, steps_per_call", [(1, 1), (3, 5), (16, 1), (64, 8), (4096, 2)])
+def test_result_independent_of_microbatch_and_steps(microbatch, steps_per_call):
+    x = rows(1009, d=7)
+    got = ss.run(ss.Gram(), x, microbatch=microbatch, steps_per_call=steps_per_call)
+    assert rel_err(got, f64(x).T @ f64(x)) < 1e-5
+
+
+def test_bfloat16_rows_accumulate_in_float32():
+    x = rows(515, d=6).astype(ml_dtypes.bfloat16)
+    got = ss.run(ss.Gram(), x, microbatch=16)
+    assert got.dtype == np.float32
+    assert rel_err(got, f64(x).T @ f64(x)) < 1e-5
+
+
+def test_integer_rows_are_counted_exactly():
+    x = np.arange(3 * 333, dtype=np.int32).reshape(333, 3)
+    result = ss.run(ss.Sum(), x, microbatch=5)
+    np.testing.assert_array_equal(result.sum, x.sum(0))
+
+
+def test_pytree_data_sums_every_leaf():
+    x, y = rows(101, d=4), rows(101, d=1, seed=1)[:, 0]
+    result = ss.run(ss.Sum(), {"x": x, "y": y}, microbatch=4)
+    assert rel_err(result.sum["x"], f64(x).sum(0)) < 1e-5
+    assert rel_err(result.sum["y"], f64(y).sum()) < 1e-5
+    assert result.count == 101
+
+
+class MaxAbs(ss.Combiner):
+    """A user combiner written against the protocol: column-wise max |x| (not additive)."""
+
+    def init(self, spec):
+        return jnp.zeros(spec.shape, jnp.float32)
+
+    def add(self, acc, batch, mask):
+        return jnp.maximum(acc, jnp.max(jnp.where(mask[:, None], jnp.abs(batch), 0.0), axis=0))
+
+    def merge(self, a, b):
+        return jnp.maximum(a, b)
+
+    def finalize(self, acc):
+        return acc
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_user_combiner_with_collective_fold(mesh):
+    x = rows(77, d=3)
+    x[-1] = 100.0  # in the last, ragged step
+    np.testing.assert_array_equal(ss.run(MaxAbs(), x, mesh=mesh, microbatch=4), np.abs(x).max(0))
+
+
+def test_padding_never_counts():
+    # Padding rows are zeros; a combiner that would see them gets a max of 0 < 1.
+    x = -np.ones((13, 2), np.float32)
+
+    class Min(MaxAbs):
+        def add(self, acc, batch, mask):
+            return jnp.minimum(acc, jnp.min(jnp.where(mask[:, None], batch, jnp.inf), axis=0))
+
+        def init(self, spec):
+            return jnp.full(spec.shape, jnp.inf)
+
+        def merge(self, a, b):
+            return jnp.minimum(a, b)
+
+    np.testing.assert_array_equal(ss.run(Min(), x, microbatch=4), [-1.0, -1.0])
+
+
+def compiled_step_and_merge(combiner, spec, mesh="data:8"):
+    mesh = ss.make_mesh(mesh)
+    layout = make_layout(10_000, mesh, 16, 4)
+    partials = engine.init_partials(combiner, spec, mesh)
+    batch = jax.ShapeDtypeStruct((layout.rows_per_step,) + spec.shape, spec.dtype)
+    step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile()
+    merge = engine.build_merge(combiner, mesh).lower(partials).compile()
+    return step.as_text(), merge.as_text()
+
+
+@pytest.mark.parametrize("combiner", [ss.Gram(), ss.Sum(), MaxAbs()])
+def test_step_has_no_collective_and_merge_is_one(combiner):
+    step, merge = compiled_step_and_merge(combiner, jax.ShapeDtypeStruct((6,), np.float32))
+    assert collectives(step) == []
+    kinds = collectives(merge)
+    expected = "all-reduce" if combiner.additive else "all-gather"
+    assert kinds and set(kinds) == {expected}
+    # XLA fuses the psum of a pytree into one all-reduce per dtype.
+    assert len(kinds) <= 2
+
+
+def test_run_merges_exactly_once(monkeypatch):
+    calls = []
+    real = engine.build_merge
+
+    def counting(combiner, mesh):
+        merge = real(combiner, mesh)
+        return lambda partials: calls.append(1) or merge(partials)
+
+    monkeypatch.setattr(engine, "build_merge", counting)
+    ss.run(ss.Gram(), rows(5000), microbatch=8, steps_per_call=2)
+    assert len(calls) == 1
+
+
+def test_progress_reports_every_step():
+    seen = []
+    ss.run(ss.Sum(), rows(100), microbatch=2, steps_per_call=2, progress=seen.append)
+    assert [p.step for p in seen] == [1, 2, 3, 4]  # 8 devices x 2 x 2 = 32 rows a step
+    assert seen[-1].rows_done == 100 and seen[-1].total_steps == 4
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: ss.run(ss.Gram(), rows(10), mesh="data:16"), ["16", "8"]),
+        (lambda: ss.run(ss.Gram(), rows(10), microbatch=0), ["microbatch"]),
+        (lambda: ss.run(ss.Gram(), rows(10), microbatch=-3), ["microbatch"]),
+        (lambda: ss.run(ss.Gram(), rows(10), steps_per_call=0), ["steps_per_call"]),
+        (lambda: ss.run(ss.Gram(), rows(10), prefetch=-1), ["prefetch"]),
+        (lambda: ss.run(ss.Sum(), (rows(10), rows(9))), ["row counts"]),
+        (lambda: ss.run(ss.Gram(), rows(10).reshape(10, 5, 1)), ["(d,)"]),
+        (lambda: ss.run(ss.Gram(), (rows(10), rows(10))), ["one array"]),
+        (lambda: ss.run(ss.Gram(), np.array([["a", "b"]])), ["numeric"]),
+        (lambda: ss.run(ss.Gram(), rows(10).astype(np.complex64)), ["numeric"]),
+        (lambda: ss.run(ss.Gram(), rows(0)), ["zero rows"]),
+        (lambda: ss.run(ss.Sum(), np.float32(3.0)), ["scalar"]),
+        (lambda: ss.run("gram", rows(10)), ["Combiner"]),
+    ],
+)
+def test_bad_input_is_one_clear_line(call, words):
+    with pytest.raises(ss.UsageError) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
