@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
 from sharded_scan.mesh import DATA_AXIS, make_mesh
@@ -139,6 +140,8 @@ def run(
     steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     prefetch: int = 2,
     logical_shards: int | None = None,
+    nan_policy: str = "propagate",
+    compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> Any:
@@ -156,6 +159,9 @@ def run(
         ``data`` axis size). Each folds fixed rows in a fixed order and they merge in a
         fixed tree, so the result is bitwise identical on every device count dividing it.
         None: one accumulator per device, merged by ``psum`` when additive.
+      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour),
+        ``"omit"`` (skipped like padding) or ``"raise"`` (stop at the first such step).
+      compensated: Kahan-compensated float accumulation for additive combiners.
       checkpoint: reserved for the checkpointing seam; must be None for now.
       progress: called with a :class:`Progress` after every step.
 
@@ -172,6 +178,7 @@ def run(
         raise UsageError(f"prefetch must be a non-negative integer, got {prefetch!r}.")
     if checkpoint is not None:
         raise UsageError("checkpoint is not supported by this version of sharded_scan.run.")
+    combiner = apply_policies(combiner, nan_policy=nan_policy, compensated=compensated)
     source = as_source(data)
     if source.num_rows == 0:
         raise UsageError("the data has zero rows; there is nothing to reduce.")
@@ -182,11 +189,14 @@ def run(
     step = build_step(combiner, mesh, layout)
     partials = init_partials(combiner, source.spec, mesh, layout.num_shards)
     total = layout.num_steps()
+    watch = NonFiniteWatch(combiner)
     started = time.perf_counter()
     for i, item in enumerate(device_batches(source, layout, mesh, 0, prefetch)):
         partials = step(partials, item.batch, np.int32(item.num_valid))
+        watch.after_step(partials, item.cursor, item.num_valid)
         if progress is not None:
             done = item.cursor + item.num_valid
             progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
+    watch.check()
     merged = build_merge(combiner, mesh, ordered=logical_shards is not None)(partials)
     return combiner.finalize(to_host(merged))

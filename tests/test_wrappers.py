@@ -12,8 +12,11 @@ def test_compensation_removes_float32_drift():
     # 2**18 single-row micro-batches of 0.1 on one device: plain float32 drifts visibly.
     x = np.full((2**18, 1), 0.1, np.float32)
     want = f64(x).sum(0)
-    plain = ss.run(ss.Sum(), x, mesh="data:1", microbatch=1, steps_per_call=4096)
-    kahan = ss.run(Compensated(ss.Sum()), x, mesh="data:1", microbatch=1, steps_per_call=4096)
+    kw = dict(mesh="data:1", microbatch=1, steps_per_call=4096)
+    plain = ss.run(ss.Sum(), x, compensated=False, **kw)
+    kahan = ss.run(Compensated(ss.Sum()), x, compensated=False, **kw)
+    default = ss.run(ss.Sum(), x, **kw)
+    np.testing.assert_array_equal(default.sum, kahan.sum)
     assert rel_err(plain.sum, want) > 1e-4
     assert rel_err(kahan.sum, want) < 1e-7
     assert kahan.count == plain.count == 2**18
@@ -60,6 +63,24 @@ def test_raise_counts_bad_rows():
     x, _ = with_bad_rows()
     with pytest.raises(NonFiniteError, match="2 rows"):
         ss.run(NonFinite(ss.Sum(), "raise"), x, microbatch=4)
+
+
+@pytest.mark.parametrize("bad_row, step_start", [(37, 32), (3, 0), (100, 96)])
+def test_raise_through_run_names_the_first_bad_step(bad_row, step_start):
+    x = np.ones((101, 2), np.float32)
+    x[bad_row, 0] = np.nan
+    x[bad_row + 1 :, 1] = np.inf  # later steps are bad too; the first one is named
+    # 8 devices x 2 rows x 2 micro-batches: 32 rows a step.
+    with pytest.raises(NonFiniteError, match=f"step starting at row {step_start}\\b") as err:
+        ss.run(ss.Sum(), x, microbatch=2, steps_per_call=2, nan_policy="raise")
+    assert "\n" not in str(err.value)
+
+
+def test_run_nan_policy_omit():
+    x, clean = with_bad_rows()
+    got = ss.run(ss.Sum(), x, microbatch=4, nan_policy="omit")
+    assert got.count == len(clean)
+    assert rel_err(got.sum, f64(clean).sum(0)) < 1e-6
 
 
 def test_unknown_policy_is_one_line_error():

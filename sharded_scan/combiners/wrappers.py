@@ -136,6 +136,37 @@ class NonFiniteError(UsageError):
     """Rows with NaN or Inf met ``nan_policy="raise"``."""
 
 
+class NonFiniteWatch:
+    """Stops a run at the first step whose rows hold NaN or Inf (``nan_policy="raise"``).
+
+    After each step it starts a tiny device reduction of the bad-row counts and reads
+    the previous step's one, which is done by then, so the devices never wait on it.
+    """
+
+    def __init__(self, combiner: Combiner):
+        self.active = isinstance(combiner, NonFinite) and combiner.policy == "raise"
+        self._pending = None
+
+    def after_step(self, partials, first_row: int, num_rows: int) -> None:
+        """Records this step's count; raises if the previous step met a bad row."""
+        if not self.active:
+            return
+        self.check()
+        self._pending = (jax.numpy.sum(partials.bad_rows), first_row, num_rows)
+
+    def check(self) -> None:
+        """Raises :class:`NonFiniteError` naming the step if its count is non-zero."""
+        if self._pending is None:
+            return
+        count, first_row, num_rows = self._pending
+        self._pending = None
+        if int(count):
+            raise NonFiniteError(
+                f"rows {first_row}..{first_row + num_rows - 1} (the step starting at row {first_row}) "
+                f"hold NaN or Inf; clean the data, or pass nan_policy='omit' to skip such rows."
+            )
+
+
 def apply_policies(combiner: Combiner, *, nan_policy: str = "propagate", compensated: bool = True) -> Combiner:
     """Wraps ``combiner`` for ``nan_policy`` and (if additive) compensated accumulation."""
     if nan_policy not in NAN_POLICIES:
