@@ -234,6 +234,7 @@ def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
         checkpoint = CheckpointOptions(os.fspath(checkpoint))
     if not isinstance(checkpoint, CheckpointOptions):
         raise UsageError(
-            f"checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; got {type(checkpoint).__name__}."
+            "checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; "
+            f"got {type(checkpoint).__name__}."
         )
     return Checkpointer(checkpoint)

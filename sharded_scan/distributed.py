@@ -65,7 +65,7 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     *,
-    timeouts: Timeouts = Timeouts(),
+    timeouts: Timeouts | None = None,
     local_device_ids: Any = None,
 ) -> str:
     """Starts ``jax.distributed`` when this is a multi-process job.
@@ -88,6 +88,7 @@ def initialize(
       UsageError: only some of the three explicit settings are given, or they are
         out of range.
     """
+    timeouts = timeouts or Timeouts()
     given = [coordinator_address is not None, num_processes is not None, process_id is not None]
     kwargs = {
         "initialization_timeout": int(timeouts.initialization),

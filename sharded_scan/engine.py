@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners.base import Combiner
 from sharded_scan.checkpoint import Checkpointer, as_checkpointer, fingerprint
+from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
 from sharded_scan.distributed import Preempted, PreemptionWatch
 from sharded_scan.errors import UsageError
