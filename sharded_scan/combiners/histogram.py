@@ -40,7 +40,8 @@ class Histogram(AdditiveCombiner):
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
     ``np.linspace(lo, hi, bins + 1)`` in float64, each bin holds ``[edge_i, edge_i+1)``,
     the last also its right edge, and values outside ``[lo, hi]`` (and NaN) are not
-    counted. Values are compared in float32 against the float64 edges exactly.
+    counted. Values are compared in float32 against the float64 edges exactly (XLA
+    flushes subnormal values, below about 1e-38 in magnitude, to zero first).
 
     Args:
       bins: the number of bins, ``> 0``.
