@@ -16,18 +16,18 @@ def rows(n, d=4, dtype=np.float32, seed=0, offset=0.0):
     return x.astype(dtype)
 
 
-def check_covariance(got, x, ddof):
+def check_covariance(got, x, ddof, tol=1e-5):
     x = f64(x)
     assert got.count == len(x)
     assert rel_err(got.mean, x.mean(0)) < 1e-6
-    assert rel_err(got.cov, np.cov(x, rowvar=False, ddof=ddof).reshape(got.cov.shape)) < 1e-5
+    assert rel_err(got.cov, np.cov(x, rowvar=False, ddof=ddof).reshape(got.cov.shape)) < tol
 
 
-def check_moments(got, x, ddof):
+def check_moments(got, x, ddof, tol=1e-5):
     x = f64(x)
     assert got.count == len(x)
     assert rel_err(got.mean, x.mean(0)) < 1e-6
-    assert rel_err(got.var, x.var(0, ddof=ddof)) < 1e-5
+    assert rel_err(got.var, x.var(0, ddof=ddof)) < tol
     np.testing.assert_array_equal(got.min, x.min(0))
     np.testing.assert_array_equal(got.max, x.max(0))
 
@@ -51,8 +51,9 @@ def test_default_ddof_is_numpys():
 def test_large_mean_offset_stays_accurate():
     x = rows(1009, offset=1e4, seed=3)
     got = ss.run(ss.Covariance(), x, mesh="data:8", microbatch=8, steps_per_call=2)
-    check_covariance(got, x, 1)
-    check_moments(ss.run(ss.Moments(), x, mesh="data:8", microbatch=8, steps_per_call=2), x, 0)
+    # Tighter than elsewhere: a plain Chan merge with float32 means from zero gives ~1e-5 here.
+    check_covariance(got, x, 1, tol=1e-6)
+    check_moments(ss.run(ss.Moments(), x, mesh="data:8", microbatch=8, steps_per_call=2), x, 0, tol=1e-6)
     # The naive float32 formula E[x²] - E[x]² loses every digit here: the test can fail.
     x32 = x.astype(np.float32)
     naive = (x32 * x32).mean(0, dtype=np.float32) - x32.mean(0, dtype=np.float32) ** 2
