@@ -9,16 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import AdditiveCombiner, masked, row_count
+from sharded_scan.combiners.base import AdditiveCombiner, first_line, masked, row_count, rows_spec
 from sharded_scan.errors import UsageError
 
 PyTree = Any
 
 _CHECK_ROWS = 5  # a micro-batch size for the shape check; 1 would hide (mb, mb)-shaped bugs
-
-
-def _rows_like(spec: PyTree, n: int) -> PyTree:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), spec)
 
 
 def _describe(tree: PyTree) -> str:
@@ -44,9 +40,9 @@ class FnCombiner(AdditiveCombiner):
         start = jax.eval_shape(lambda: self._start(spec))
         for rows in (1, _CHECK_ROWS):
             try:
-                out = jax.eval_shape(self.body, start, _rows_like(spec, rows))
+                out = jax.eval_shape(self.body, start, rows_spec(spec, rows))
             except Exception as err:  # the body cannot take a batch of this data
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first = first_line(err)
                 raise UsageError(
                     f"from_fn: body(carry, batch) fails for carry {_describe(start)} and a batch of {rows} rows "
                     f"of {_describe(spec)}: {first}"

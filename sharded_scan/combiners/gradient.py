@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, check_numeric, masked, row_count
+from sharded_scan.combiners.base import (
+    AdditiveCombiner,
+    accumulator_dtype,
+    check_numeric,
+    first_line,
+    masked,
+    row_count,
+    rows_spec,
+)
 from sharded_scan.errors import UsageError
 
 PyTree = Any
@@ -29,10 +37,6 @@ class GradientAcc(NamedTuple):
     count: jax.Array     # int32 ()
     loss_sum: jax.Array  # ()
     grad_sum: PyTree
-
-
-def _rows_like(spec: PyTree, n: int) -> PyTree:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), spec)
 
 
 def _varying_like(tree: PyTree, ref: jax.Array) -> PyTree:
@@ -73,9 +77,9 @@ class Gradient(AdditiveCombiner):
                 raise UsageError(f"Gradient needs float params, got a leaf of dtype {np.asarray(p).dtype}.")
         mb = 3
         try:
-            out = jax.eval_shape(self.loss_fn, self._params(), _rows_like(spec, mb))
+            out = jax.eval_shape(self.loss_fn, self._params(), rows_spec(spec, mb))
         except Exception as err:  # the user's loss cannot take this data
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise UsageError(f"Gradient: loss_fn(params, batch) fails on a batch of {mb} rows: {first}") from err
         if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != (mb,):
             shape = getattr(out, "shape", type(out).__name__)
