@@ -77,8 +77,10 @@ class FnCombiner(AdditiveCombiner):
 
     def finalize(self, acc):
         offset = getattr(self, "_offset", None)
+        if offset is None and not callable(self.init_value):  # check_spec was not called
+            offset = jax.tree.map(np.asarray, self.init_value)
         if offset is None:
-            return jax.tree.map(np.asarray, acc)
+            raise UsageError("from_fn: call check_spec(spec) before finalize, as sharded_scan.run does.")
         return jax.tree.map(lambda a, o: np.asarray(a) + o, acc, offset)
 
     def fingerprint(self):
