@@ -22,7 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import app, flags, logging as absl_logging
+from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from launch.data import make_combiner, make_source

@@ -94,7 +94,9 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """The first field where two fingerprints differ, as a phrase; None when equal."""
     old, new = _flat(saved), _flat(current)
-    for key in sorted(set(old) | set(new)):
+    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator
+    keys = list(dict.fromkeys([*new, *old]))
+    for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
         if old.get(key, "<absent>") != new.get(key, "<absent>"):
             return f"{key} is {old.get(key, '<absent>')!r} there but {new.get(key, '<absent>')!r} here"
     return None
@@ -210,8 +212,10 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources."""
-        self._manager.close()
+        """Waits for pending saves and releases orbax's resources (idempotent)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
 
 
 def check_writable(directory: str) -> None:

@@ -231,39 +231,23 @@ def run_with_report(
     mesh = make_mesh(mesh)
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, logical_shards)
     ckpt = as_checkpointer(checkpoint)
-    state = start_state(combiner, source, mesh, layout, ckpt, microbatch)
-
-    step = build_step(combiner, mesh, layout)
-    partials, cursor, steps_before = state.partials, state.cursor, state.steps_before
-    total = layout.num_steps(cursor)
-    watch = NonFiniteWatch(combiner)
-    steps = 0
-    meta = {"fingerprint": state.fingerprint, "shards": layout.num_shards, "devices": mesh.size,
-            "processes": jax.process_count()}
-    with PreemptionWatch(enabled=ckpt is not None) as preemption:
-        batches = device_batches(source, layout, mesh, cursor, prefetch)
-        for i, item in enumerate(batches):
-            partials = step(partials, item.batch, np.int32(item.num_valid))
-            watch.after_step(partials, item.cursor, item.num_valid)
-            steps, done = i + 1, item.cursor + item.num_valid
-            if progress is not None:
-                progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
-            if ckpt is None or done >= layout.num_rows:
-                continue
-            if preemption.should_stop(i):
-                batches.close()
-                watch.check()
-                ckpt.save(done, steps_before + steps, partials, meta)
-                ckpt.close()
-                raise Preempted(done, layout.num_rows, ckpt.directory)
-            if ckpt.due(steps_before + steps):
-                watch.check()
-                ckpt.save(done, steps_before + steps, partials, meta)
-    watch.check()
-    if ckpt is not None:
-        if steps:  # the finished state: rerunning the command returns the result at once
+    try:
+        state = start_state(combiner, source, mesh, layout, ckpt, microbatch)
+        step = build_step(combiner, mesh, layout)
+        partials, cursor, steps_before = state.partials, state.cursor, state.steps_before
+        watch = NonFiniteWatch(combiner)
+        meta = {"fingerprint": state.fingerprint, "shards": layout.num_shards, "devices": mesh.size,
+                "processes": jax.process_count()}
+        partials, steps = scan_loop(
+            step, partials, source, layout, mesh, cursor=cursor, prefetch=prefetch, ckpt=ckpt, meta=meta,
+            steps_before=steps_before, watch=watch, progress=progress, started=started,
+        )
+        watch.check()
+        if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
             ckpt.save(layout.num_rows, steps_before + steps, partials, meta)
-        ckpt.close()
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the saves in flight, also when the loop failed
     merge_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(partials)) // layout.num_shards
     merged = build_merge(combiner, mesh, ordered=logical_shards is not None)(partials)
     result = combiner.finalize(to_host(merged))
@@ -281,6 +265,41 @@ def run_with_report(
         mesh=dict(mesh.shape),
     )
     return result, report
+
+
+def scan_loop(
+    step: Callable, partials: PyTree, source: Any, layout: Layout, mesh: Mesh, *, cursor: int, prefetch: int,
+    ckpt: Checkpointer | None, meta: dict, steps_before: int, watch: NonFiniteWatch,
+    progress: Callable[[Progress], None] | None, started: float,
+) -> tuple[PyTree, int]:
+    """Folds every step from ``cursor`` on; saves between steps; stops on preemption.
+
+    Returns:
+      ``(partials, steps)``: the partials after the last row, and the steps run.
+
+    Raises:
+      Preempted: after saving a checkpoint at the step boundary all processes agreed on.
+    """
+    total, steps = layout.num_steps(cursor), 0
+    with PreemptionWatch(enabled=ckpt is not None) as preemption:
+        batches = device_batches(source, layout, mesh, cursor, prefetch)
+        for i, item in enumerate(batches):
+            partials = step(partials, item.batch, np.int32(item.num_valid))
+            watch.after_step(partials, item.cursor, item.num_valid)
+            steps, done = i + 1, item.cursor + item.num_valid
+            if progress is not None:
+                progress(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))
+            if ckpt is None or done >= layout.num_rows:
+                continue
+            if preemption.should_stop(i):
+                batches.close()
+                watch.check()
+                ckpt.save(done, steps_before + steps, partials, meta)
+                raise Preempted(done, layout.num_rows, ckpt.directory)
+            if ckpt.due(steps_before + steps):
+                watch.check()
+                ckpt.save(done, steps_before + steps, partials, meta)
+    return partials, steps
 
 
 class StartState(NamedTuple):
