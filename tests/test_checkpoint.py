@@ -17,14 +17,14 @@ def rows(n=1009, d=5, seed=0):
     return np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
 
 
-class Crash(Exception):
+class CrashError(Exception):
     pass
 
 
 def crash_at(step):
     def progress(p):
         if p.step == step:
-            raise Crash
+            raise CrashError
 
     return progress
 
@@ -37,7 +37,7 @@ def test_crash_and_rerun_counts_every_row_once_bitwise(tmp_path):
     x = rows()
     want, _ = ss.run_with_report(ss.Gram(), x, mesh="data:8", **KW)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2, keep=3)
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         ss.run(ss.Gram(), x, mesh="data:8", checkpoint=options, progress=crash_at(5), **KW)
     got, report = ss.run_with_report(ss.Gram(), x, mesh="data:8", checkpoint=options, **KW)
     assert report.resumed_from_cursor == 4 * 128 and report.resumed_from_step == 4
@@ -59,7 +59,7 @@ def test_elastic_resume_on_other_device_counts(tmp_path, new_mesh):
     for combiner in (ss.Gram(), hist):
         directory = tmp_path / type(combiner).__name__
         options = ss.CheckpointOptions(str(directory), every_steps=1)
-        with pytest.raises(Crash):
+        with pytest.raises(CrashError):
             ss.run(combiner, x, mesh="data:8", checkpoint=options, progress=crash_at(4), **KW)
         got, report = ss.run_with_report(combiner, x, mesh=new_mesh, checkpoint=options, **KW)
         assert report.resumed_from_cursor == 3 * 128 and report.devices == int(new_mesh[-1])
@@ -80,7 +80,7 @@ def test_fixed_logical_shards_resume_bitwise_on_fewer_devices(tmp_path):
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     kw = dict(KW, logical_shards=8)
     want = ss.run(ss.Gram(), x, mesh="data:8", **kw)
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         ss.run(ss.Gram(), x, mesh="data:8", checkpoint=options, progress=crash_at(3), **kw)
     got, report = ss.run_with_report(ss.Gram(), x, mesh="data:4", checkpoint=options, **kw)
     assert report.resumed_from_cursor is not None and report.devices == 4
@@ -122,7 +122,7 @@ def test_fingerprint_mismatch_is_one_line_and_keeps_the_checkpoint(tmp_path, cha
     x = rows(1009, d=5)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     hist = ss.Histogram(bins=4, range=(-1.0, 1.0))
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         ss.run(hist, x, mesh="data:8", checkpoint=options, progress=crash_at(3), **KW)
     before = listing(tmp_path)
     args = {"combiner": hist, "data": x, "microbatch": 8, "compensated": True, **change}
