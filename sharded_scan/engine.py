@@ -10,6 +10,7 @@ fold with ``combiner.merge``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -281,8 +282,8 @@ def scan_loop(
       Preempted: after saving a checkpoint at the step boundary all processes agreed on.
     """
     total, steps = layout.num_steps(cursor), 0
-    with PreemptionWatch(enabled=ckpt is not None) as preemption:
-        batches = device_batches(source, layout, mesh, cursor, prefetch)
+    batches = device_batches(source, layout, mesh, cursor, prefetch)
+    with PreemptionWatch(enabled=ckpt is not None) as preemption, contextlib.closing(batches):
         for i, item in enumerate(batches):
             partials = step(partials, item.batch, np.int32(item.num_valid))
             watch.after_step(partials, item.cursor, item.num_valid)
@@ -292,7 +293,6 @@ def scan_loop(
             if ckpt is None or done >= layout.num_rows:
                 continue
             if preemption.should_stop(i):
-                batches.close()
                 watch.check()
                 ckpt.save(done, steps_before + steps, partials, meta)
                 raise Preempted(done, layout.num_rows, ckpt.directory)
