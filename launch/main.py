@@ -61,15 +61,45 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+def one_line(e: BaseException) -> str:
+    """An exception's message (and its cause's) folded into one line."""
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None else [])
+    lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):  # keep the heading and the error itself
+        lines = [lines[0], lines[-1]] if not lines[0].startswith("Traceback") else [lines[-1]]
+    return " ".join(dict.fromkeys(lines)) or type(e).__name__
+
+
+def field_name(e: BaseException) -> str:
+    return repr(str(e.args[0] if e.args else e).strip("\"'"))
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing that reports a bad flag or config override as one line."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        fail(str(e).splitlines()[0])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:  # from config overrides / loading
-        fail(f"bad --config: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        fail(one_line(e))
+    except (KeyError, AttributeError) as e:  # a locked config refuses an unknown field
+        fail(f"bad --config override: {field_name(e)} is not a field of this config; check the spelling.")
+    except (TypeError, ValueError, OSError) as e:
+        fail(f"bad --config: {one_line(e)}")
     return []
+
+
+def load_config() -> Any:
+    """The parsed ``--config`` (loaded lazily by ml_collections), or one line and exit."""
+    try:
+        config = _CONFIG.value
+        if config is not None:
+            config.keys()  # a config file that failed to load raises only when first used
+    except KeyError as e:
+        fail(f"bad --config override: {field_name(e)} is not a field of this config; check the spelling.")
+    except Exception as e:  # noqa: BLE001 - whatever the config file raises is a usage error here
+        fail(f"bad --config: {one_line(e)}")
+    if config is None:
+        fail("--config is required, e.g. --config=configs/gram.py:quick.")
+    return config
 
 
 class ProgressLog:
@@ -137,7 +167,7 @@ def summary(report: RunReport, source: Any, config: Any, started_as: str) -> dic
         "resumed_from_cursor": report.resumed_from_cursor,
         "checkpoints_written": report.checkpoints_written,
         "merge_bytes": report.merge_bytes,
-        "config": json.loads(config.to_json(default=repr)),
+        "config": json.loads(json.dumps(config.to_dict(), default=repr)),
     }
 
 
@@ -186,8 +216,7 @@ def run_job(config: Any, workdir: str, started_as: str = "single") -> tuple[Any,
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; every option is a --flag.")
-    if _CONFIG.value is None:
-        fail("--config is required, e.g. --config=configs/gram.py:quick.")
+    config = load_config()
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
     workdir = os.path.abspath(_WORKDIR.value)
@@ -197,12 +226,15 @@ def main(argv: list[str]) -> None:
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),
         )
-        os.makedirs(workdir, exist_ok=True)
+        try:
+            os.makedirs(workdir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create --workdir {workdir}: {e.strerror}; pick another path.") from None
         logging.info(
             "process %d of %d (%s), %d devices: %s", jax.process_index(), jax.process_count(), started_as,
             jax.device_count(), jax.devices()[0].platform,
         )
-        _, record = run_job(_CONFIG.value, workdir, started_as)
+        _, record = run_job(config, workdir, started_as)
     except UsageError as e:
         fail(str(e))
     except distributed.Preempted as e:
@@ -216,8 +248,16 @@ def main(argv: list[str]) -> None:
         )
 
 
+class _QuietLibraries(logging.Filter):
+    """Drops orbax's INFO chatter (every save logs a dozen lines); keeps its warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
 def cli() -> None:
     absl_logging.set_verbosity(absl_logging.INFO)
+    absl_logging.get_absl_handler().addFilter(_QuietLibraries())
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
     app.run(main, flags_parser=parse_flags)
 
