@@ -121,7 +121,9 @@ class Checkpointer:
         check_writable(self.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=int(options.keep), create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=int(options.keep), create=True, cleanup_tmp_directories=True
+            ),
             item_handlers={PARTIALS: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
         )
         self.written = 0
