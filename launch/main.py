@@ -195,6 +195,10 @@ def run_job(config: Any, workdir: str, started_as: str = "single") -> tuple[Any,
     check_writable(workdir)
     source = make_source(config.data)
     combiner = make_combiner(config.combiner)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the workdir {workdir}: {e.strerror}; pick another path.") from None
     ck = config.checkpoint
     checkpoint = None
     if ck.enabled:
@@ -226,10 +230,6 @@ def main(argv: list[str]) -> None:
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),
         )
-        try:
-            os.makedirs(workdir, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot create --workdir {workdir}: {e.strerror}; pick another path.") from None
         logging.info(
             "process %d of %d (%s), %d devices: %s", jax.process_index(), jax.process_count(), started_as,
             jax.device_count(), jax.devices()[0].platform,
