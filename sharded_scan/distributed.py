@@ -124,6 +124,12 @@ def _multi_controller() -> bool:
     return distributed.global_state.client is not None
 
 
+def _preemption_service() -> bool:
+    from jax._src import distributed
+
+    return distributed.global_state.preemption_sync_manager is not None
+
+
 class PreemptionWatch:
     """Says at which step boundary to stop after a SIGTERM, the same on every process.
 
@@ -144,6 +150,9 @@ class PreemptionWatch:
 
     def __enter__(self) -> PreemptionWatch:
         self._multi = self.enabled and _multi_controller()
+        if self._multi and not _preemption_service():
+            _log.warning("jax_enable_preemption_service is off: SIGTERM will stop this job without a checkpoint.")
+            self.enabled = self._multi = False
         if self.enabled and not self._multi and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
