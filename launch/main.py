@@ -193,8 +193,8 @@ def run_job(config: Any, workdir: str, started_as: str = "single") -> tuple[Any,
       sharded_scan.Preempted: SIGTERM arrived and a checkpoint was saved.
     """
     check_writable(workdir)
-    source = make_source(config.data)
     combiner = make_combiner(config.combiner)
+    source = make_source(config.data)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
