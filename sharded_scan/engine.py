@@ -10,6 +10,7 @@ fold with ``combiner.merge``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -166,10 +167,13 @@ def run(
     partials = init_partials(combiner, source.spec, mesh)
     total = layout.num_steps()
     started = time.perf_counter()
-    for i, item in enumerate(device_batches(source, layout, mesh, 0, prefetch)):
-        partials = step(partials, item.batch, np.int32(item.num_valid))
-        if progress is not None:
-            done = item.cursor + item.num_valid
-            progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
+    batches = device_batches(source, layout, mesh, 0, prefetch)
+    with contextlib.closing(batches):  # stops and joins the reader thread on any exit
+        for i, item in enumerate(batches):
+            partials = step(partials, item.batch, np.int32(item.num_valid))
+            jax.block_until_ready(partials)  # one step in flight: prefetch alone bounds memory
+            if progress is not None:
+                done = item.cursor + item.num_valid
+                progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
     merged = build_merge(combiner, mesh)(partials)
     return combiner.finalize(to_host(merged))
