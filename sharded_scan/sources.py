@@ -436,6 +436,7 @@ class IteratorSource(Source):
             raise UsageError(f"IteratorSource needs an iterable of numpy batches, got {type(batches).__name__}.")
         self._batches, self._num_rows = batches, int(num_rows)
         self._lock = threading.Lock()
+        self._initial_state = batches.get_state() if self.resumable else None
         self._restart(0, None)
         if spec is None:
             first = self._next_batch()
@@ -539,7 +540,9 @@ class IteratorSource(Source):
             if cursor == 0 and not state:
                 if self._position == 0 and self._buffer is None:
                     return  # fresh: keep the batch drawn for the spec
-                if self._batches is iter(self._batches):
+                if self.resumable:
+                    self._batches.set_state(self._initial_state)
+                elif self._batches is iter(self._batches):
                     raise UsageError("IteratorSource's one-shot iterator was already read; pass a re-iterable.")
                 self._restart(0, None)
                 return
