@@ -25,6 +25,7 @@ output tail when one fails or the timeout passes, and kills every child in a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import pickle
@@ -82,10 +83,8 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             p.kill()
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _tail(outdir: str, i: int, chars: int = 3000) -> str:
@@ -135,8 +134,8 @@ def run_processes(
             codes = [p.poll() for p in procs]
             if any(c != 0 for c in codes):
                 report = "\n".join(f"--- process {i}: exit {c}\n{_tail(outdir, i)}" for i, c in enumerate(codes))
-                why = "timed out" if None in codes else "failed"
-                raise AssertionError(f"{target} {why} (None = still running after {timeout}s)\n{report}")
+                why = f"timed out after {timeout}s (exit None: still running)" if None in codes else "failed"
+                raise AssertionError(f"{target} {why}\n{report}")
             results = []
             for i in range(num_processes):
                 with open(os.path.join(outdir, f"result-{i}.pkl"), "rb") as f:
