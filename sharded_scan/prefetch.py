@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
-from sharded_scan.sources import Source
+from sharded_scan.sources import Source, aligned_empty
 
 PyTree = Any
 
@@ -59,10 +59,15 @@ def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
     rows = source.read(min(start, source.num_rows), min(stop, source.num_rows))
     short = stop - start - (min(stop, source.num_rows) - min(start, source.num_rows))
     if short:
-        rows = jax.tree.map(
-            lambda x: np.concatenate([x, np.zeros((short,) + x.shape[1:], x.dtype)]), rows
-        )
+        rows = jax.tree.map(lambda x: _padded(x, short), rows)
     return rows
+
+
+def _padded(x: np.ndarray, short: int) -> np.ndarray:
+    out = aligned_empty((len(x) + short,) + x.shape[1:], x.dtype)
+    out[: len(x)] = x
+    out[len(x) :] = 0
+    return out
 
 
 def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
