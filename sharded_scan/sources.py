@@ -431,7 +431,9 @@ class IteratorSource(Source):
     """A Python iterable of numpy batches (arrays, or pytrees such as ``(X, y)``), read forward.
 
     Batches may have any number of rows; together they must hold ``num_rows`` rows. The
-    source is sequential (see the module docstring). It is resumable only when the
+    source is sequential (see the module docstring): with several processes each one
+    iterates the whole stream and keeps only its own rows, so prefer a random-access
+    source for multi-host jobs. It is resumable only when the
     iterable has ``get_state()`` and ``set_state(state)``; then ``iter(iterable)`` after
     ``set_state`` must continue from that state.
 

@@ -116,6 +116,13 @@ def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
     assert not isinstance(src.read(0, 2), real)  # a copy: the map is gone
 
 
+@pytest.mark.parametrize("kind", ["npy", "shards"])
+def test_file_reads_are_aligned_for_zero_copy_placement(kind, tmp_path):
+    src = make(kind, tmp_path, rows())
+    for start, stop in [(0, 1), (3, 70), (1, 101)]:
+        assert src.read(start, stop).ctypes.data % sources.ALIGN == 0
+
+
 def test_synthetic_rows_do_not_depend_on_how_they_are_read():
     src = SyntheticSource(1000, 5, seed=3, chunk_rows=64)
     whole = src.read(0, 1000)
