@@ -11,7 +11,7 @@ For each case it times, over the same steps and layout the engine uses:
   overlap   max(source, compute) / e2e: 1.0 is perfect overlap, 0.5 is none when balanced.
 Cases: a generated ``.npy`` (``NpySource``; it was just written, so it reads from the page
 cache), and a source that sleeps a fixed time per chunk, set to the measured compute
-time per step, so reading ~= compute. Peak resident memory (``ru_maxrss``) is measured in
+time per step, so reading ~= compute. Peak resident memory (``VmHWM``) is measured in
 a fresh subprocess streaming files of 1x and 4x size. JSON goes to
 ``bench/results/streaming.json``.
 """
@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -156,7 +155,10 @@ def peak_rss(path: str) -> float:
 
 def _rss_child(path: str) -> None:
     Bench(NpySource(path)).end_to_end(2)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    # VmHWM, not ru_maxrss: on Linux ru_maxrss keeps the parent's peak across fork + exec.
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(kib / 1024)
 
 
 def main() -> None:
@@ -175,6 +177,9 @@ def main() -> None:
         big_path, small_path = os.path.join(tmp, "4x.npy"), os.path.join(tmp, "1x.npy")
         write_npy(big_path, big)
         write_npy(small_path, big // 4)
+        # Peak memory first, in fresh processes, before this one holds placed rows.
+        rss = {"1x": peak_rss(small_path), "4x": peak_rss(big_path)}
+        sizes = {"1x": os.path.getsize(small_path) / 2**30, "4x": os.path.getsize(big_path) / 2**30}
         rows = [measure("npy", NpySource(big_path), repeats)]
 
         # Balanced: the same compute per step as the .npy case, a read delay equal to it.
@@ -185,9 +190,6 @@ def main() -> None:
         delay = min(compute) / steps
         rows.append(measure(f"delay {1e3 * delay:.1f} ms/chunk", DelayedSource(steps * len(chunk), chunk, delay),
                             repeats, compute))
-
-        rss = {"1x": peak_rss(small_path), "4x": peak_rss(big_path)}
-        sizes = {"1x": os.path.getsize(small_path) / 2**30, "4x": os.path.getsize(big_path) / 2**30}
 
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}, cores: {os.cpu_count()}, "
           f"step: {rows[0]['steps']} steps of {MICROBATCH * STEPS_PER_CALL} rows x {FEATURES} float32, Gram")
