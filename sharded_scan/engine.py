@@ -10,6 +10,7 @@ fold with ``combiner.merge``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -17,12 +18,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
-from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
+from sharded_scan.layout import Layout, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
@@ -43,13 +45,44 @@ class Progress(NamedTuple):
     seconds: float     # since the loop started
 
 
+def cached(build: Callable) -> Callable:
+    """Memoizes an engine builder on its (hashable) arguments, so repeated runs of the
+    same job reuse the compiled step instead of tracing and compiling it again."""
+    memo = functools.lru_cache(maxsize=32)(build)
+
+    @functools.wraps(build)
+    def lookup(*args):
+        try:
+            return memo(*args)
+        except TypeError:  # an unhashable user combiner: build afresh
+            return build(*args)
+
+    lookup.cache_clear = memo.cache_clear
+    return lookup
+
+
+def accumulator_specs(combiner: Combiner, mesh: Mesh, *lead: str | None) -> PyTree:
+    """The PartitionSpecs of the accumulator leaves, with ``lead`` axes in front.
+
+    A pytree prefix of the accumulator: ``P(*lead)`` for a replicated combiner, else
+    ``combiner.partition(mesh)`` with ``lead`` prepended to every entry.
+    """
+    parts = combiner.partition(mesh)
+    if parts is None:
+        return P(*lead)
+    return jax.tree.map(lambda p: P(*lead, *p), parts, is_leaf=lambda x: isinstance(x, P))
+
+
+@cached
 def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
     """Returns ``step(partials, batch, num_valid) -> partials``, jitted and donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
     first ``num_valid`` are real. Every device scans its block as
-    ``steps_per_call`` micro-batches of ``microbatch`` rows.
+    ``steps_per_call`` micro-batches of ``microbatch`` rows. A device whose block is
+    all real rows takes a branch with a constant all-True mask, which XLA folds away.
     """
+    combiner = combiner.for_mesh(mesh)
     mb, spc, rows_per_device = layout.microbatch, layout.steps_per_call, layout.rows_per_device
 
     def local_step(partials, batch, num_valid):
@@ -59,22 +92,33 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
         micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), batch)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 
-        def fold(acc, item):
+        def ragged(acc, item):
             offset, rows = item
             mask = offset + jnp.arange(mb, dtype=jnp.int32) < local_valid
             return combiner.add(acc, rows, mask), None
 
-        acc, _ = jax.lax.scan(fold, acc, (offsets, micro))
+        def full(acc, item):
+            return combiner.add(acc, item[1], jnp.ones((mb,), bool)), None
+
+        acc = jax.lax.cond(
+            local_valid == rows_per_device,
+            lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
+            lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
+            acc,
+        )
         return jax.tree.map(lambda x: x[None], acc)
 
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     step = jax.shard_map(
-        local_step, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS), P()), out_specs=P(DATA_AXIS)
+        local_step, mesh=mesh, in_specs=(partial_specs, P(DATA_AXIS), P()), out_specs=partial_specs
     )
     return jax.jit(step, donate_argnums=0)
 
 
 def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh) -> PyTree:
-    """One identity accumulator per device of the ``data`` axis, sharded over ``data``."""
+    """One identity accumulator per device of the ``data`` axis, sharded over ``data``
+    (and over the axes ``combiner.partition`` names)."""
+    combiner = combiner.for_mesh(mesh)
     size = mesh.shape[DATA_AXIS]
 
     def stacked():
@@ -82,7 +126,12 @@ def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh) -> PyTree:
             lambda x: jnp.broadcast_to(x[None], (size,) + x.shape), combiner.init(spec)
         )
 
-    return jax.jit(stacked, out_shardings=data_sharding(mesh))()
+    return jax.jit(stacked, out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)))()
+
+
+def named(mesh: Mesh, specs: PyTree) -> PyTree:
+    """``NamedSharding``s on ``mesh`` for a pytree (prefix) of PartitionSpecs."""
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def tree_fold(merge: Callable, items: list) -> Any:
@@ -93,29 +142,49 @@ def tree_fold(merge: Callable, items: list) -> Any:
     return items[0]
 
 
+@cached
 def build_merge(combiner: Combiner, mesh: Mesh) -> Callable:
-    """Returns ``merge(partials) -> acc``: one collective, the result on every device."""
+    """Returns ``merge(partials) -> acc``: one collective over ``data``.
+
+    The result is on every device, or split over the axes ``combiner.partition``
+    names (a psum over ``data`` only: no gather of a wide accumulator).
+    """
+    combiner = combiner.for_mesh(mesh)
     size = mesh.shape[DATA_AXIS]
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    merged_specs = accumulator_specs(combiner, mesh)
     if combiner.additive:
 
         def local_psum(partials):
             return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
 
         return jax.jit(
-            jax.shard_map(local_psum, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P())
+            jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs,), out_specs=merged_specs)
         )
 
     def gather_and_fold(partials):
-        everywhere = jax.lax.with_sharding_constraint(partials, replicated(mesh))
+        everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
         parts = [jax.tree.map(lambda x, i=i: x[i], everywhere) for i in range(size)]
         return tree_fold(combiner.merge, parts)
 
-    return jax.jit(gather_and_fold, out_shardings=replicated(mesh))
+    return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 
 
 def to_host(tree: PyTree) -> PyTree:
-    """Copies a replicated device pytree to host numpy (works on every process)."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+    """Copies a device pytree to host numpy (works on every process).
+
+    A replicated leaf is read from a local copy; a leaf split over devices is gathered
+    (across processes too, when some shards live elsewhere).
+    """
+
+    def fetch(x):
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
 
 
 def run(
