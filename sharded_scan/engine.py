@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
@@ -51,11 +52,12 @@ def cached(build: Callable) -> Callable:
     memo = functools.lru_cache(maxsize=32)(build)
 
     @functools.wraps(build)
-    def lookup(*args):
+    def lookup(*args, **kwargs):
         try:
-            return memo(*args)
+            hash((args, tuple(kwargs.items())))
         except TypeError:  # an unhashable user combiner: build afresh
-            return build(*args)
+            return build(*args, **kwargs)
+        return memo(*args, **kwargs)
 
     lookup.cache_clear = memo.cache_clear
     return lookup
@@ -78,35 +80,43 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
     """Returns ``step(partials, batch, num_valid) -> partials``, jitted and donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
-    first ``num_valid`` are real. Every device scans its block as
-    ``steps_per_call`` micro-batches of ``microbatch`` rows. A device whose block is
-    all real rows takes a branch with a constant all-True mask, which XLA folds away.
+    first ``num_valid`` are real. Each logical shard folds its block of rows as
+    ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
+    block is all real rows takes a branch with a constant all-True mask, which XLA
+    folds away.
     """
     combiner = combiner.for_mesh(mesh)
-    mb, spc, rows_per_device = layout.microbatch, layout.steps_per_call, layout.rows_per_device
+    mb, spc = layout.microbatch, layout.steps_per_call
+    per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
 
-    def local_step(partials, batch, num_valid):
-        acc = jax.tree.map(lambda x: x[0], partials)
-        first_row = jax.lax.axis_index(DATA_AXIS) * rows_per_device
-        local_valid = jnp.clip(num_valid - first_row, 0, rows_per_device)
-        micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), batch)
+    def fold_shard(acc, rows, valid):
+        micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 
         def ragged(acc, item):
-            offset, rows = item
-            mask = offset + jnp.arange(mb, dtype=jnp.int32) < local_valid
-            return combiner.add(acc, rows, mask), None
+            offset, batch = item
+            mask = offset + jnp.arange(mb, dtype=jnp.int32) < valid
+            return combiner.add(acc, batch, mask), None
 
         def full(acc, item):
             return combiner.add(acc, item[1], jnp.ones((mb,), bool)), None
 
-        acc = jax.lax.cond(
-            local_valid == rows_per_device,
+        return jax.lax.cond(
+            valid == rows_per_shard,
             lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
             lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
             acc,
         )
-        return jax.tree.map(lambda x: x[None], acc)
+
+    def local_step(partials, batch, num_valid):
+        first_row = jax.lax.axis_index(DATA_AXIS) * layout.rows_per_device
+        valid = jnp.clip(num_valid - first_row - jnp.arange(per_device) * rows_per_shard, 0, rows_per_shard)
+        if per_device == 1:
+            acc = fold_shard(jax.tree.map(lambda x: x[0], partials), batch, valid[0])
+            return jax.tree.map(lambda x: x[None], acc)
+        shards = jax.tree.map(lambda x: x.reshape((per_device, rows_per_shard) + x.shape[1:]), batch)
+        # One shard after another, each with the same scan as a lone shard would run.
+        return jax.lax.map(lambda args: fold_shard(*args), (partials, shards, valid))
 
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     step = jax.shard_map(
@@ -115,11 +125,11 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
     return jax.jit(step, donate_argnums=0)
 
 
-def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh) -> PyTree:
-    """One identity accumulator per device of the ``data`` axis, sharded over ``data``
-    (and over the axes ``combiner.partition`` names)."""
+def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int | None = None) -> PyTree:
+    """One identity accumulator per logical shard (default: per device), sharded over
+    ``data`` (and over the axes ``combiner.partition`` names)."""
     combiner = combiner.for_mesh(mesh)
-    size = mesh.shape[DATA_AXIS]
+    size = num_shards or mesh.shape[DATA_AXIS]
 
     def stacked():
         return jax.tree.map(
@@ -143,17 +153,19 @@ def tree_fold(merge: Callable, items: list) -> Any:
 
 
 @cached
-def build_merge(combiner: Combiner, mesh: Mesh) -> Callable:
+def build_merge(combiner: Combiner, mesh: Mesh, ordered: bool = False) -> Callable:
     """Returns ``merge(partials) -> acc``: one collective over ``data``.
 
-    The result is on every device, or split over the axes ``combiner.partition``
-    names (a psum over ``data`` only: no gather of a wide accumulator).
+    Additive combiners are merged by one ``psum`` unless ``ordered``; otherwise the
+    partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree,
+    which makes the result independent of the device count. The result is on every
+    device, or split over the axes ``combiner.partition`` names (a wide accumulator is
+    summed over ``data`` only, never gathered whole on one device).
     """
     combiner = combiner.for_mesh(mesh)
-    size = mesh.shape[DATA_AXIS]
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     merged_specs = accumulator_specs(combiner, mesh)
-    if combiner.additive:
+    if combiner.additive and not ordered:
 
         def local_psum(partials):
             return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
@@ -164,7 +176,8 @@ def build_merge(combiner: Combiner, mesh: Mesh) -> Callable:
 
     def gather_and_fold(partials):
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
-        parts = [jax.tree.map(lambda x, i=i: x[i], everywhere) for i in range(size)]
+        count = jax.tree.leaves(everywhere)[0].shape[0]
+        parts = [jax.tree.map(lambda x, i=i: x[i], everywhere) for i in range(count)]
         return tree_fold(combiner.merge, parts)
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
@@ -195,6 +208,9 @@ def run(
     microbatch: int = DEFAULT_MICROBATCH,
     steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     prefetch: int = 2,
+    logical_shards: int | None = None,
+    nan_policy: str = "propagate",
+    compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> Any:
@@ -208,6 +224,13 @@ def run(
       microbatch: rows per device per scan iteration.
       steps_per_call: micro-batches each device folds per compiled call.
       prefetch: steps placed on the devices ahead of use (0 turns prefetching off).
+      logical_shards: a fixed number of independent accumulators (a multiple of the
+        ``data`` axis size). Each folds fixed rows in a fixed order and they merge in a
+        fixed tree, so the result is bitwise identical on every device count dividing it.
+        None: one accumulator per device, merged by ``psum`` when additive.
+      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour),
+        ``"omit"`` (skipped like padding) or ``"raise"`` (stop at the first such step).
+      compensated: Kahan-compensated float accumulation for additive combiners.
       checkpoint: reserved for the checkpointing seam; must be None for now.
       progress: called with a :class:`Progress` after every step.
 
@@ -224,21 +247,25 @@ def run(
         raise UsageError(f"prefetch must be a non-negative integer, got {prefetch!r}.")
     if checkpoint is not None:
         raise UsageError("checkpoint is not supported by this version of sharded_scan.run.")
+    combiner = apply_policies(combiner, nan_policy=nan_policy, compensated=compensated)
     source = as_source(data)
     if source.num_rows == 0:
         raise UsageError("the data has zero rows; there is nothing to reduce.")
     combiner.check_spec(source.spec)
     mesh = make_mesh(mesh)
-    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call)
+    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, logical_shards)
 
     step = build_step(combiner, mesh, layout)
-    partials = init_partials(combiner, source.spec, mesh)
+    partials = init_partials(combiner, source.spec, mesh, layout.num_shards)
     total = layout.num_steps()
+    watch = NonFiniteWatch(combiner)
     started = time.perf_counter()
     for i, item in enumerate(device_batches(source, layout, mesh, 0, prefetch)):
         partials = step(partials, item.batch, np.int32(item.num_valid))
+        watch.after_step(partials, item.cursor, item.num_valid)
         if progress is not None:
             done = item.cursor + item.num_valid
             progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
-    merged = build_merge(combiner, mesh)(partials)
+    watch.check()
+    merged = build_merge(combiner, mesh, ordered=logical_shards is not None)(partials)
     return combiner.finalize(to_host(merged))

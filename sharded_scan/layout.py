@@ -1,9 +1,13 @@
 """Which rows each step, device and process handles.
 
-A step covers ``rows_per_step = data_size * steps_per_call * microbatch`` consecutive
-rows starting at the cursor. Device ``i`` of the ``data`` axis takes the ``i``-th block of
-``rows_per_device = steps_per_call * microbatch`` rows of it, and scans them as
-``steps_per_call`` micro-batches. A process reads only the blocks of its own devices.
+The rows are folded by ``logical_shards`` independent accumulators (by default one per
+device of the ``data`` axis). A step covers ``rows_per_step = logical_shards *
+steps_per_call * microbatch`` consecutive rows starting at the cursor; logical shard ``l``
+takes the ``l``-th block of ``rows_per_shard = steps_per_call * microbatch`` rows of it and
+folds them as ``steps_per_call`` micro-batches, in order. Device ``i`` holds the
+consecutive shards ``[i * k, (i + 1) * k)`` with ``k = logical_shards / data_size``, so
+which rows a shard folds, and in what order, does not depend on the device count. A
+process reads only the blocks of its own devices.
 """
 
 from __future__ import annotations
@@ -29,10 +33,24 @@ class Layout:
     microbatch: int
     steps_per_call: int
     local_blocks: tuple[int, int]  # [first, last) data-axis index held by this process
+    logical_shards: int = 0  # 0: one per device
+
+    @property
+    def num_shards(self) -> int:
+        """Logical shards: independent accumulators, ``shards_per_device`` on each device."""
+        return self.logical_shards or self.data_size
+
+    @property
+    def shards_per_device(self) -> int:
+        return self.num_shards // self.data_size
+
+    @property
+    def rows_per_shard(self) -> int:
+        return self.microbatch * self.steps_per_call
 
     @property
     def rows_per_device(self) -> int:
-        return self.microbatch * self.steps_per_call
+        return self.shards_per_device * self.rows_per_shard
 
     @property
     def rows_per_step(self) -> int:
@@ -51,21 +69,44 @@ class Layout:
         return cursor + first * self.rows_per_device, cursor + last * self.rows_per_device
 
 
-def make_layout(num_rows: int, mesh: Mesh, microbatch: int, steps_per_call: int) -> Layout:
+def make_layout(
+    num_rows: int, mesh: Mesh, microbatch: int, steps_per_call: int, logical_shards: int | None = None
+) -> Layout:
     """Builds the layout, shrinking micro-batch and steps for datasets smaller than one step.
 
+    Args:
+      num_rows: rows in the dataset.
+      mesh: the mesh; rows are split over its ``data`` axis.
+      microbatch: rows per scan iteration of one logical shard.
+      steps_per_call: micro-batches each logical shard folds per compiled step.
+      logical_shards: fixed number of independent accumulators, a multiple of the
+        ``data`` axis size; None for one per device.
+
     Raises:
-      UsageError: ``microbatch`` or ``steps_per_call`` is not a positive integer, or
-        this process's devices are not contiguous on the ``data`` axis.
+      UsageError: an argument is not a positive integer, ``logical_shards`` is not a
+        multiple of the ``data`` axis size, or this process's devices are not
+        contiguous on the ``data`` axis.
     """
-    for name, value in (("microbatch", microbatch), ("steps_per_call", steps_per_call)):
+    checks = [("microbatch", microbatch), ("steps_per_call", steps_per_call)]
+    if logical_shards is not None:
+        checks.append(("logical_shards", logical_shards))
+    for name, value in checks:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise UsageError(f"{name} must be a positive integer, got {value!r}.")
     data_size = mesh.shape[DATA_AXIS]
-    # Never pad a small dataset out to a huge step: the result does not depend on these.
-    microbatch = int(min(microbatch, max(1, math.ceil(num_rows / data_size))))
-    steps_per_call = int(min(steps_per_call, max(1, math.ceil(num_rows / (data_size * microbatch)))))
-    return Layout(num_rows, data_size, microbatch, steps_per_call, local_data_blocks(mesh))
+    if logical_shards is not None and logical_shards % data_size:
+        raise UsageError(
+            f"logical_shards={logical_shards} is not a multiple of the mesh's {data_size} 'data' "
+            "devices; pick a multiple, e.g. the largest device count you will use."
+        )
+    shards = int(logical_shards or data_size)
+    # Never pad a small dataset out to a huge step. This depends on the shard count only,
+    # so a fixed logical_shards gives the same layout on every mesh.
+    microbatch = int(min(microbatch, max(1, math.ceil(num_rows / shards))))
+    steps_per_call = int(min(steps_per_call, max(1, math.ceil(num_rows / (shards * microbatch)))))
+    return Layout(
+        num_rows, data_size, microbatch, steps_per_call, local_data_blocks(mesh), int(logical_shards or 0)
+    )
 
 
 def local_data_blocks(mesh: Mesh) -> tuple[int, int]:

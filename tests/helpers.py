@@ -20,3 +20,17 @@ def rel_err(got, want) -> float:
     """Max absolute error, relative to the largest magnitude of ``want``."""
     got, want = f64(got), f64(want)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def assert_usage_error(call, words) -> None:
+    """``call()`` raises a one-line UsageError whose message holds every one of ``words``."""
+    import pytest
+
+    from sharded_scan import UsageError
+
+    with pytest.raises(UsageError) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)

@@ -121,8 +121,8 @@ def test_run_merges_exactly_once(monkeypatch):
     calls = []
     real = engine.build_merge
 
-    def counting(combiner, mesh):
-        merge = real(combiner, mesh)
+    def counting(combiner, mesh, **kwargs):
+        merge = real(combiner, mesh, **kwargs)
         return lambda partials: calls.append(1) or merge(partials)
 
     monkeypatch.setattr(engine, "build_merge", counting)
@@ -145,6 +145,8 @@ def test_progress_reports_every_step():
         (lambda: ss.run(ss.Gram(), rows(10), microbatch=-3), ["microbatch"]),
         (lambda: ss.run(ss.Gram(), rows(10), steps_per_call=0), ["steps_per_call"]),
         (lambda: ss.run(ss.Gram(), rows(10), prefetch=-1), ["prefetch"]),
+        (lambda: ss.run(ss.Gram(), rows(10), logical_shards=12), ["logical_shards=12", "8"]),
+        (lambda: ss.run(ss.Gram(), rows(10), logical_shards=0), ["logical_shards"]),
         (lambda: ss.run(ss.Sum(), (rows(10), rows(9))), ["row counts"]),
         (lambda: ss.run(ss.Gram(), rows(10).reshape(10, 5, 1)), ["(d,)"]),
         (lambda: ss.run(ss.Gram(), (rows(10), rows(10))), ["one array"]),
@@ -162,3 +164,21 @@ def test_bad_input_is_one_clear_line(call, words):
     assert "\n" not in message
     for word in words:
         assert word in message
+
+
+@pytest.mark.parametrize("combiner", [ss.Gram(), MaxAbs()])
+def test_logical_shards_are_bitwise_identical_on_every_device_count(combiner):
+    x = rows(2003, d=9) * 3 + 1
+    results = [
+        ss.run(combiner, x, mesh=f"data:{d}", microbatch=8, steps_per_call=3, logical_shards=8)
+        for d in (1, 2, 4, 8)
+    ]
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    assert rel_err(results[0], f64(x).T @ f64(x) if combiner.additive else np.abs(x).max(0)) < 1e-5
+
+
+def test_rerun_on_same_mesh_is_bitwise_identical():
+    x = rows(3001, d=6)
+    first = ss.run(ss.Gram(), x, microbatch=8)
+    np.testing.assert_array_equal(ss.run(ss.Gram(), x, microbatch=8), first)

@@ -142,3 +142,14 @@ def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:
 def row_count(mask: jax.Array) -> jax.Array:
     """The number of real (unmasked) rows, as int32."""
     return jnp.sum(mask, dtype=jnp.int32)
+
+
+def rows_spec(spec: PyTree, n: int) -> PyTree:
+    """The spec of a batch of ``n`` rows of ``spec`` (for ``jax.eval_shape`` checks)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), spec)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,47 @@
+"""The same job on backends with 1 and 2 simulated devices (each in a fresh subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+import numpy as np
+import sharded_scan as ss
+x = np.random.default_rng(0).normal(size=(1009, 6)).astype(np.float32)
+gram = ss.run(ss.Gram(), x, microbatch=8)
+fixed = ss.run(ss.Gram(), x, microbatch=8, logical_shards=4)
+print(json.dumps({"devices": jax.device_count(), "gram": gram.tolist(), "fixed": fixed.tolist()}))
+"""
+
+
+def run_with_devices(count: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(count)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {count: run_with_devices(count) for count in (1, 2, 4)}
+
+
+def test_every_backend_size_matches_float64(results):
+    x = np.random.default_rng(0).normal(size=(1009, 6))
+    want = x.astype(np.float32).astype(np.float64).T @ x.astype(np.float32).astype(np.float64)
+    for count, got in results.items():
+        assert got["devices"] == count
+        np.testing.assert_allclose(got["gram"], want, rtol=1e-5, atol=1e-4)
+
+
+def test_logical_shards_bitwise_across_backend_sizes(results):
+    first = np.asarray(results[1]["fixed"], np.float32)
+    for got in results.values():
+        np.testing.assert_array_equal(np.asarray(got["fixed"], np.float32), first)

@@ -1,0 +1,76 @@
+"""Histogram: counts equal np.histogram's per column, exactly, on every mesh."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from tests.helpers import assert_usage_error
+
+
+def rows(n, d=3, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
+
+
+def reference(x, bins, ranges):
+    ranges = np.broadcast_to(np.asarray(ranges, np.float64), (x.shape[1], 2))
+    return np.stack([np.histogram(np.asarray(x[:, j], np.float64), bins, r)[0] for j, r in enumerate(ranges)])
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:2", "data:8", "data:4,model:2"])
+@pytest.mark.parametrize("n", [1, 5, 1009])
+def test_counts_equal_numpy(mesh, n):
+    x = rows(n)
+    got = ss.run(ss.Histogram(7, (-1.5, 2.0)), x, mesh=mesh, microbatch=8, steps_per_call=2)
+    np.testing.assert_array_equal(got.counts, reference(x, 7, (-1.5, 2.0)))
+    np.testing.assert_array_equal(got.edges, np.histogram(x[:, 0], 7, (-1.5, 2.0))[1])
+
+
+def test_edges_values_outside_nan_and_per_column_ranges():
+    edges = np.linspace(-1.0, 1.2, 11)  # no edge at 0: XLA flushes subnormals (nextafter(0)) to zero
+    column = np.concatenate([edges, np.nextafter(edges.astype(np.float32), np.float32(np.inf)),
+                             np.nextafter(edges.astype(np.float32), np.float32(-np.inf)), [np.nan, -5, 5]])
+    x = np.stack([column, column[::-1] * 3], axis=1).astype(np.float32)
+    ranges = [(-1.0, 1.2), (-3.6, 2.9)]
+    got = ss.run(ss.Histogram(10, ranges), x, microbatch=4)
+    np.testing.assert_array_equal(got.counts, reference(x, 10, ranges))
+    assert got.counts[0].sum() < len(column) and got.edges.shape == (2, 11)
+
+
+def test_independent_of_microbatch_and_bfloat16_and_int_inputs():
+    x = rows(1009, seed=1)
+    want = reference(x, 5, (-2, 2))
+    for microbatch, steps in [(1, 1), (64, 3)]:
+        got = ss.run(ss.Histogram(5, (-2, 2)), x, microbatch=microbatch, steps_per_call=steps)
+        np.testing.assert_array_equal(got.counts, want)
+    xb = x.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(ss.run(ss.Histogram(5, (-2, 2)), xb).counts, reference(xb, 5, (-2, 2)))
+    xi = np.arange(300, dtype=np.int32).reshape(100, 3) % 17
+    np.testing.assert_array_equal(ss.run(ss.Histogram(4, (0, 16)), xi).counts, reference(xi, 4, (0, 16)))
+
+
+def test_merge_adds_counts_with_init_as_identity():
+    combiner, spec = ss.Histogram(4, (0, 1)), jax.ShapeDtypeStruct((3,), np.float32)
+    x = np.random.default_rng(2).random((8, 3)).astype(np.float32)
+    mask = np.arange(8) < 5
+    a = combiner.add(combiner.init(spec), x, mask)
+    np.testing.assert_array_equal(combiner.merge(combiner.init(spec), a), a)
+    np.testing.assert_array_equal(combiner.finalize(np.asarray(a)).counts, reference(x[:5], 4, (0, 1)))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: ss.Histogram(0, (0, 1)), ["bins=0"]),
+        (lambda: ss.Histogram(2.5, (0, 1)), ["bins=2.5"]),
+        (lambda: ss.Histogram(4, None), ["range"]),
+        (lambda: ss.Histogram(4, (1, 1)), ["lo < hi"]),
+        (lambda: ss.Histogram(4, (0, np.inf)), ["finite"]),
+        (lambda: ss.Histogram(4, (0, 1, 2)), ["(d, 2)"]),
+        (lambda: ss.run(ss.Histogram(4, [(0, 1)] * 2), rows(10)), ["2 per-column ranges", "3 columns"]),
+        (lambda: ss.run(ss.Histogram(4, (0, 1)), rows(10).reshape(10, 3, 1)), ["(d,)"]),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(make, words):
+    assert_usage_error(make, words)

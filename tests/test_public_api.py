@@ -1,0 +1,48 @@
+"""The design's public contract: every stable name imports from where it is promised."""
+
+import numpy as np
+
+import sharded_scan as ss
+from sharded_scan import combiners
+
+CONTRACT = [
+    "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
+    "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
+]
+RESULT_FIELDS = {
+    "SumResult": ("sum", "count"),
+    "CovarianceResult": ("count", "mean", "cov"),
+    "MomentsResult": ("count", "mean", "var", "min", "max"),
+    "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean"),
+    "LinearRegressionResult": ("coef", "intercept"),
+    "HistogramResult": ("counts", "edges"),
+    "GradientResult": ("count", "loss", "grad"),
+}
+
+
+def test_contract_names_are_exported():
+    for name in CONTRACT:
+        assert name in ss.__all__, name
+        assert getattr(ss, name) is not None
+    assert set(ss.__all__) <= set(dir(ss))
+    assert set(combiners.__all__) <= set(dir(combiners))
+
+
+def test_result_field_names_are_the_contracts():
+    for name, fields in RESULT_FIELDS.items():
+        assert name in combiners.__all__, name
+        assert getattr(combiners, name)._fields == fields
+
+
+def test_builtins_are_combiners_and_the_additive_ones_say_so():
+    built = {
+        "Sum": ss.Sum(), "Gram": ss.Gram(), "Covariance": ss.Covariance(), "Moments": ss.Moments(),
+        "PCA": ss.PCA(1), "LinearRegression": ss.LinearRegression(), "Histogram": ss.Histogram(2, (0, 1)),
+        "Gradient": ss.Gradient(lambda p, x: x @ p, np.ones(2, np.float32)),
+        "from_fn": ss.from_fn(lambda c, b: c + b.sum(0), np.zeros(2, np.float32)),
+    }
+    additive = {"Sum", "Gram", "LinearRegression", "Histogram", "Gradient", "from_fn"}
+    for name, combiner in built.items():
+        assert isinstance(combiner, ss.Combiner), name
+        assert combiner.additive == (name in additive), name
+        assert combiner.fingerprint()["combiner"] in (name, "from_fn")

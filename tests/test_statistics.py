@@ -1,0 +1,136 @@
+"""Covariance, Moments and PCA against numpy/scikit-learn float64, stable far from zero."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from tests.helpers import assert_usage_error, f64, rel_err
+
+MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
+
+
+def rows(n, d=4, dtype=np.float32, seed=0, offset=0.0):
+    x = np.random.default_rng(seed).normal(size=(n, d)) * np.arange(1, d + 1) + offset
+    return x.astype(dtype)
+
+
+def check_covariance(got, x, ddof, tol=1e-5):
+    x = f64(x)
+    assert got.count == len(x)
+    assert rel_err(got.mean, x.mean(0)) < 1e-6
+    assert rel_err(got.cov, np.cov(x, rowvar=False, ddof=ddof).reshape(got.cov.shape)) < tol
+
+
+def check_moments(got, x, ddof, tol=1e-5):
+    x = f64(x)
+    assert got.count == len(x)
+    assert rel_err(got.mean, x.mean(0)) < 1e-6
+    assert rel_err(got.var, x.var(0, ddof=ddof)) < tol
+    np.testing.assert_array_equal(got.min, x.min(0))
+    np.testing.assert_array_equal(got.max, x.max(0))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("n", [1, 3, 1009])
+def test_covariance_and_moments_match_numpy(mesh, n):
+    x = rows(n)
+    ddof = 1 if n > 1 else 0
+    check_covariance(ss.run(ss.Covariance(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
+    check_moments(ss.run(ss.Moments(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
+
+
+def test_default_ddof_is_numpys():
+    x = rows(97)
+    got = ss.run(ss.Covariance(), x, microbatch=8)
+    assert rel_err(got.cov, np.cov(f64(x), rowvar=False)) < 1e-5
+    assert rel_err(ss.run(ss.Moments(), x, microbatch=8).var, f64(x).var(0)) < 1e-5
+
+
+def test_large_mean_offset_stays_accurate():
+    x = rows(1009, offset=1e4, seed=3)
+    got = ss.run(ss.Covariance(), x, mesh="data:8", microbatch=8, steps_per_call=2)
+    # Tighter than elsewhere: a plain Chan merge with float32 means from zero gives ~1e-5 here.
+    check_covariance(got, x, 1, tol=1e-6)
+    check_moments(ss.run(ss.Moments(), x, mesh="data:8", microbatch=8, steps_per_call=2), x, 0, tol=1e-6)
+    # The naive float32 formula E[x²] - E[x]² loses every digit here: the test can fail.
+    x32 = x.astype(np.float32)
+    naive = (x32 * x32).mean(0, dtype=np.float32) - x32.mean(0, dtype=np.float32) ** 2
+    assert rel_err(naive, f64(x).var(0)) > 1e-3
+
+
+@pytest.mark.parametrize("microbatch, steps_per_call", [(1, 1), (7, 3), (64, 2)])
+def test_independent_of_microbatch_and_steps(microbatch, steps_per_call):
+    x = rows(1009, offset=50.0, seed=1)
+    got = ss.run(ss.Covariance(), x, microbatch=microbatch, steps_per_call=steps_per_call)
+    check_covariance(got, x, 1)
+
+
+def test_bfloat16_rows_accumulate_in_float32():
+    x = rows(515).astype(ml_dtypes.bfloat16)
+    got = ss.run(ss.Covariance(), x, microbatch=16)
+    assert got.cov.dtype == np.float64 and got.count.dtype == np.int64
+    check_covariance(got, x, 1)
+    check_moments(ss.run(ss.Moments(), x, microbatch=16), x, 0)
+
+
+@pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments(), ss.PCA(2)])
+def test_merge_is_associative_with_init_as_identity(combiner):
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    x = rows(30, offset=1e3, seed=2)
+    mask = np.ones(10, bool)
+    a, b, c = (combiner.add(combiner.init(spec), x[i : i + 10], mask) for i in (0, 10, 20))
+    empty = combiner.init(spec)
+    for leaf_got, leaf_want in zip(jax.tree.leaves(combiner.merge(empty, a)), jax.tree.leaves(a), strict=True):
+        np.testing.assert_array_equal(leaf_got, leaf_want)
+    for leaf_got, leaf_want in zip(jax.tree.leaves(combiner.merge(a, empty)), jax.tree.leaves(a), strict=True):
+        np.testing.assert_array_equal(leaf_got, leaf_want)
+    left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
+    right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
+    for got, want in zip(left, right, strict=True):
+        assert rel_err(got, want) < 1e-6
+
+
+def test_masked_rows_never_count():
+    combiner, spec = ss.Moments(), jax.ShapeDtypeStruct((4,), np.float32)
+    x = rows(10)
+    mask = np.arange(10) < 6
+    got = combiner.finalize(jax.device_get(combiner.add(combiner.init(spec), x * 1e6, np.zeros(10, bool))))
+    assert got.count == 0
+    got = combiner.finalize(jax.device_get(combiner.add(combiner.init(spec), x, mask)))
+    check_moments(got, x[:6], 0)
+
+
+@pytest.mark.parametrize("mesh, n", [("data:2", 1009), ("data:8", 97)])
+def test_pca_matches_scikit_learn(mesh, n):
+    sklearn = pytest.importorskip("sklearn.decomposition")
+    x = rows(n, d=5, seed=4, offset=10.0)
+    got = ss.run(ss.PCA(3), x, mesh=mesh, microbatch=8)
+    want = sklearn.PCA(3, svd_solver="full").fit(f64(x))
+    assert rel_err(got.components, want.components_) < 1e-4
+    assert rel_err(got.explained_variance, want.explained_variance_) < 1e-5
+    assert rel_err(got.explained_variance_ratio, want.explained_variance_ratio_) < 1e-5
+    assert rel_err(got.mean, want.mean_) < 1e-6
+
+
+def test_pca_components_are_orthonormal_rows_sorted_by_variance():
+    got = ss.run(ss.PCA(4), rows(200, seed=5), microbatch=8)
+    np.testing.assert_allclose(got.components @ got.components.T, np.eye(4), atol=1e-10)
+    assert np.all(np.diff(got.explained_variance) <= 0)
+    assert abs(got.explained_variance_ratio.sum() - 1) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: ss.run(ss.PCA(0), rows(10)), ["k", "1 <= k <= d = 4"]),
+        (lambda: ss.run(ss.PCA(5), rows(10)), ["k=5"]),
+        (lambda: ss.run(ss.PCA(2.5), rows(10)), ["k=2.5"]),
+        (lambda: ss.run(ss.Covariance(), rows(10).reshape(10, 4, 1)), ["(4, 1)", "(d,)"]),
+        (lambda: ss.run(ss.Moments(), rows(10)[:, 0]), ["()", "(d,)"]),
+        (lambda: ss.run(ss.Moments(), (rows(10), rows(10))), ["one array"]),
+    ],
+)
+def test_bad_input_is_one_clear_line(call, words):
+    assert_usage_error(call, words)
