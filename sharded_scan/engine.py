@@ -32,8 +32,20 @@ from sharded_scan.sources import as_source
 
 PyTree = Any
 
-DEFAULT_MICROBATCH = 1024
+# From the sweep in bench/results/bench.json (Gram on 8 simulated CPU devices): the best
+# micro-batch holds about the same bytes whatever the row width (32768 rows at d=32,
+# 4096 at d=256, 1024 at d=1024), so the default is a byte budget, not a row count.
+DEFAULT_MICROBATCH = None          # None: DEFAULT_MICROBATCH_BYTES of rows
+DEFAULT_MICROBATCH_BYTES = 4 << 20
+MICROBATCH_RANGE = (256, 1 << 16)
 DEFAULT_STEPS_PER_CALL = 8
+
+
+def default_microbatch(spec: PyTree) -> int:
+    """The power-of-two row count nearest ``DEFAULT_MICROBATCH_BYTES`` of rows of ``spec``."""
+    row_bytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(spec))
+    rows = 2 ** round(np.log2(max(DEFAULT_MICROBATCH_BYTES / max(row_bytes, 1), 1)))
+    return int(np.clip(rows, *MICROBATCH_RANGE))
 
 
 class Progress(NamedTuple):
@@ -128,6 +140,12 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
 def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int | None = None) -> PyTree:
     """One identity accumulator per logical shard (default: per device), sharded over
     ``data`` (and over the axes ``combiner.partition`` names)."""
+    return identity_program(combiner, spec, mesh, num_shards)()
+
+
+@cached
+def identity_program(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int | None) -> Callable:
+    """The jitted (and memoized) maker of :func:`init_partials`'s value."""
     combiner = combiner.for_mesh(mesh)
     size = num_shards or mesh.shape[DATA_AXIS]
 
@@ -136,7 +154,7 @@ def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int 
             lambda x: jnp.broadcast_to(x[None], (size,) + x.shape), combiner.init(spec)
         )
 
-    return jax.jit(stacked, out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)))()
+    return jax.jit(stacked, out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)))
 
 
 def named(mesh: Mesh, specs: PyTree) -> PyTree:
@@ -205,7 +223,7 @@ def run(
     data: Any,
     *,
     mesh: Mesh | str | None = None,
-    microbatch: int = DEFAULT_MICROBATCH,
+    microbatch: int | None = DEFAULT_MICROBATCH,
     steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     prefetch: int = 2,
     logical_shards: int | None = None,
@@ -221,7 +239,7 @@ def run(
       data: a numpy array, a pytree of arrays with one leading row dimension such as
         ``(X, y)``, or a :class:`sharded_scan.sources.Source`.
       mesh: a ``Mesh`` or a spec such as ``"data:8"``; all devices on ``data`` by default.
-      microbatch: rows per device per scan iteration.
+      microbatch: rows per device per scan iteration; None: :func:`default_microbatch`.
       steps_per_call: micro-batches each device folds per compiled call.
       prefetch: steps placed on the devices ahead of use (0 turns prefetching off).
       logical_shards: a fixed number of independent accumulators (a multiple of the
@@ -253,6 +271,7 @@ def run(
         raise UsageError("the data has zero rows; there is nothing to reduce.")
     combiner.check_spec(source.spec)
     mesh = make_mesh(mesh)
+    microbatch = default_microbatch(source.spec) if microbatch is None else microbatch
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, logical_shards)
 
     step = build_step(combiner, mesh, layout)
