@@ -71,7 +71,7 @@ def cached(build: Callable) -> Callable:
             return build(*args, **kwargs)
         return memo(*args, **kwargs)
 
-    lookup.cache_clear = memo.cache_clear
+    lookup.cache_clear, lookup.cache_info = memo.cache_clear, memo.cache_info
     return lookup
 
 
