@@ -73,7 +73,7 @@ class Triangle(NamedTuple):
 
 
 # Block size by d, from the sweep in bench/results (Gram, 8 simulated CPU devices).
-BLOCK_BY_WIDTH = ((128, None), (512, 128), (2048, 256))
+BLOCK_BY_WIDTH = ((256, None), (2048, 256))
 DEFAULT_LARGE_BLOCK = 512
 
 
