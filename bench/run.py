@@ -1,7 +1,7 @@
 """sharded_scan against its peers, side by side in one process run.
 
     python bench/run.py            # 256 MiB per workload, best of 5, the tuning sweep (~10 min)
-    python bench/run.py --quick    # 48 MiB, best of 3, a small sweep (~1 min)
+    python bench/run.py --quick    # 24 MiB, best of 2, a small sweep (~1 min)
 
 Prints one table (rate, and sharded_scan's ratio to the best peer) and writes
 ``bench/results/bench[_quick].json`` and ``.png``. Every caller of a workload is timed
@@ -98,15 +98,15 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small data, few repeats, small sweep (~1 min)")
-    parser.add_argument("--megabytes", type=int, help="input size per workload (default 256, quick 48)")
-    parser.add_argument("--repeats", type=int, help="timed rounds per workload (default 5, quick 3)")
+    parser.add_argument("--megabytes", type=int, help="input size per workload (default 256, quick 24)")
+    parser.add_argument("--repeats", type=int, help="timed rounds per workload (default 5, quick 2)")
     parser.add_argument("--only", help="comma-separated workload names")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     parser.add_argument("--keep-openblas-env", action="store_true", help="keep OPENBLAS_* for numpy")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
-    megabytes = args.megabytes or (48 if args.quick else 256)
-    repeats = args.repeats or (3 if args.quick else 5)
+    megabytes = args.megabytes or (24 if args.quick else 256)
+    repeats = args.repeats or (2 if args.quick else 5)
     started = time.perf_counter()
 
     rows = []

@@ -58,7 +58,7 @@ def sweep(quick: bool, repeats: int) -> dict:
     """Gram rate by (microbatch, steps_per_call), then by block; 64 MiB (quick: 16 MiB)."""
     widths = (256,) if quick else (32, 256, 1024)
     steps = (8,) if quick else (2, 8, 32)
-    out = {"megabytes": 16 if quick else 64, "points": [], "best": {}}
+    out = {"megabytes": 8 if quick else 64, "points": [], "best": {}}
     for d in widths:
         x = aligned_rows(rows_for(out["megabytes"], d, 8 * 4096), d, seed=7)
         block, mb0 = default_block(d), engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32))
@@ -110,8 +110,8 @@ def host_overhead(quick: bool) -> list[dict]:
     waits for the devices, so the host part is not hidden behind compute.)
     """
     out = []
-    steps = 4 if quick else 8
-    for d in (32, 256, 1024):
+    steps = 3 if quick else 8
+    for d in (256,) if quick else (32, 256, 1024):
         spec = jax.ShapeDtypeStruct((d,), np.float32)
         mb = engine.default_microbatch(spec)
         mesh = ss.make_mesh(None)
