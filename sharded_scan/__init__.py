@@ -1,5 +1,6 @@
 """sharded_scan: exact, restartable reductions over huge datasets on many devices."""
 
+from sharded_scan.checkpoint import CheckpointOptions
 from sharded_scan.combiners import (
     PCA,
     AdditiveCombiner,
@@ -13,13 +14,15 @@ from sharded_scan.combiners import (
     Sum,
     from_fn,
 )
-from sharded_scan.engine import Progress, run
+from sharded_scan.distributed import Preempted
+from sharded_scan.engine import Progress, RunReport, run, run_with_report
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import make_mesh
 
 __all__ = [
     "PCA",
     "AdditiveCombiner",
+    "CheckpointOptions",
     "Combiner",
     "Covariance",
     "Gradient",
@@ -27,10 +30,13 @@ __all__ = [
     "Histogram",
     "LinearRegression",
     "Moments",
+    "Preempted",
     "Progress",
+    "RunReport",
     "Sum",
     "UsageError",
     "from_fn",
     "make_mesh",
     "run",
+    "run_with_report",
 ]

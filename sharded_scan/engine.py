@@ -10,7 +10,9 @@ fold with ``combiner.merge``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,15 +24,18 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.checkpoint import Checkpointer, as_checkpointer, fingerprint
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
+from sharded_scan.distributed import Preempted, PreemptionWatch
 from sharded_scan.errors import UsageError
-from sharded_scan.layout import Layout, make_layout
+from sharded_scan.layout import Layout, data_sharding, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 # From the sweep in bench/results/bench.json (Gram on 8 simulated CPU devices): the best
 # micro-batch holds about the same bytes whatever the row width (32768 rows at d=32,
@@ -218,6 +223,22 @@ def to_host(tree: PyTree) -> PyTree:
     return jax.tree.map(fetch, tree)
 
 
+class RunReport(NamedTuple):
+    """What a run did, for logs and ``summary.json``."""
+
+    rows: int                  # rows of the dataset (all folded once the run finishes)
+    rows_this_run: int         # rows folded by this run (less when it resumed)
+    seconds: float             # wall time of this run, restore to result
+    steps: int                 # steps run by this run
+    resumed_from_cursor: int | None  # the checkpoint's cursor when the run resumed
+    resumed_from_step: int | None    # steps done before the resume (over all earlier runs)
+    checkpoints_written: int
+    merge_bytes: int           # bytes of one shard's accumulator pytree: what the final merge moves per shard
+    devices: int
+    processes: int
+    mesh: dict[str, int]
+
+
 def run(
     combiner: Combiner,
     data: Any,
@@ -249,7 +270,11 @@ def run(
       nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour),
         ``"omit"`` (skipped like padding) or ``"raise"`` (stop at the first such step).
       compensated: Kahan-compensated float accumulation for additive combiners.
-      checkpoint: reserved for the checkpointing seam; must be None for now.
+      checkpoint: None, a directory, :class:`sharded_scan.CheckpointOptions` or a
+        :class:`sharded_scan.checkpoint.Checkpointer`. The run then resumes from the
+        latest checkpoint there (verifying it belongs to this job), saves every
+        ``every_steps`` / ``every_seconds`` and at the end, and on SIGTERM saves and
+        raises :class:`sharded_scan.Preempted`.
       progress: called with a :class:`Progress` after every step.
 
     Returns:
@@ -257,14 +282,37 @@ def run(
       process.
 
     Raises:
-      UsageError: bad data, mesh or arguments, before any compute.
+      UsageError: bad data, mesh or arguments, or a checkpoint of another job, before
+        any compute.
+      Preempted: SIGTERM arrived; a checkpoint was saved and rerunning resumes from it.
     """
+    return run_with_report(
+        combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
+        logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated, checkpoint=checkpoint,
+        progress=progress,
+    )[0]
+
+
+def run_with_report(
+    combiner: Combiner,
+    data: Any,
+    *,
+    mesh: Mesh | str | None = None,
+    microbatch: int | None = DEFAULT_MICROBATCH,
+    steps_per_call: int = DEFAULT_STEPS_PER_CALL,
+    prefetch: int = 2,
+    logical_shards: int | None = None,
+    nan_policy: str = "propagate",
+    compensated: bool = True,
+    checkpoint: Any = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> tuple[Any, RunReport]:
+    """Like :func:`run`, and also returns a :class:`RunReport` of what the run did."""
+    started = time.perf_counter()
     if not isinstance(combiner, Combiner):
         raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
     if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
         raise UsageError(f"prefetch must be a non-negative integer, got {prefetch!r}.")
-    if checkpoint is not None:
-        raise UsageError("checkpoint is not supported by this version of sharded_scan.run.")
     combiner = apply_policies(combiner, nan_policy=nan_policy, compensated=compensated)
     source = as_source(data)
     if source.num_rows == 0:
@@ -273,18 +321,129 @@ def run(
     mesh = make_mesh(mesh)
     microbatch = default_microbatch(source.spec) if microbatch is None else microbatch
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, logical_shards)
-
-    step = build_step(combiner, mesh, layout)
-    partials = init_partials(combiner, source.spec, mesh, layout.num_shards)
-    total = layout.num_steps()
-    watch = NonFiniteWatch(combiner)
-    started = time.perf_counter()
-    for i, item in enumerate(device_batches(source, layout, mesh, 0, prefetch)):
-        partials = step(partials, item.batch, np.int32(item.num_valid))
-        watch.after_step(partials, item.cursor, item.num_valid)
-        if progress is not None:
-            done = item.cursor + item.num_valid
-            progress(Progress(i + 1, total, done, layout.num_rows, time.perf_counter() - started))
-    watch.check()
+    ckpt = as_checkpointer(checkpoint)
+    try:
+        state = start_state(combiner, source, mesh, layout, ckpt, microbatch)
+        step = build_step(combiner, mesh, layout)
+        partials, cursor, steps_before = state.partials, state.cursor, state.steps_before
+        watch = NonFiniteWatch(combiner)
+        meta = {"fingerprint": state.fingerprint, "shards": layout.num_shards, "devices": mesh.size,
+                "processes": jax.process_count()}
+        partials, steps = scan_loop(
+            step, partials, source, layout, mesh, cursor=cursor, prefetch=prefetch, ckpt=ckpt, meta=meta,
+            steps_before=steps_before, watch=watch, progress=progress, started=started,
+        )
+        watch.check()
+        if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
+            ckpt.save(layout.num_rows, steps_before + steps, partials, meta)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the saves in flight, also when the loop failed
+    merge_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(partials)) // layout.num_shards
     merged = build_merge(combiner, mesh, ordered=logical_shards is not None)(partials)
-    return combiner.finalize(to_host(merged))
+    result = combiner.finalize(to_host(merged))
+    report = RunReport(
+        rows=layout.num_rows,
+        rows_this_run=layout.num_rows - cursor,
+        seconds=time.perf_counter() - started,
+        steps=steps,
+        resumed_from_cursor=state.resumed_from,
+        resumed_from_step=steps_before if state.resumed_from is not None else None,
+        checkpoints_written=0 if ckpt is None else ckpt.written,
+        merge_bytes=merge_bytes,
+        devices=mesh.size,
+        processes=jax.process_count(),
+        mesh=dict(mesh.shape),
+    )
+    return result, report
+
+
+def scan_loop(
+    step: Callable, partials: PyTree, source: Any, layout: Layout, mesh: Mesh, *, cursor: int, prefetch: int,
+    ckpt: Checkpointer | None, meta: dict, steps_before: int, watch: NonFiniteWatch,
+    progress: Callable[[Progress], None] | None, started: float,
+) -> tuple[PyTree, int]:
+    """Folds every step from ``cursor`` on; saves between steps; stops on preemption.
+
+    Returns:
+      ``(partials, steps)``: the partials after the last row, and the steps run.
+
+    Raises:
+      Preempted: after saving a checkpoint at the step boundary all processes agreed on.
+    """
+    total, steps = layout.num_steps(cursor), 0
+    batches = device_batches(source, layout, mesh, cursor, prefetch)
+    with PreemptionWatch(enabled=ckpt is not None) as preemption, contextlib.closing(batches):
+        for i, item in enumerate(batches):
+            partials = step(partials, item.batch, np.int32(item.num_valid))
+            watch.after_step(partials, item.cursor, item.num_valid)
+            jax.block_until_ready(partials)  # one step in flight: prefetch alone bounds memory
+            steps, done = i + 1, item.cursor + item.num_valid
+            if progress is not None:
+                progress(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))
+            if ckpt is None or done >= layout.num_rows:
+                continue
+            if preemption.should_stop(i):
+                watch.check()
+                ckpt.save(done, steps_before + steps, partials, meta)
+                raise Preempted(done, layout.num_rows, ckpt.directory)
+            if ckpt.due(steps_before + steps):
+                watch.check()
+                ckpt.save(done, steps_before + steps, partials, meta)
+    return partials, steps
+
+
+class StartState(NamedTuple):
+    """Where a run starts: fresh, or from a checkpoint."""
+
+    partials: PyTree
+    cursor: int
+    steps_before: int
+    fingerprint: dict | None = None
+    resumed_from: int | None = None
+
+
+def start_state(
+    combiner: Combiner, source: Any, mesh: Mesh, layout: Layout, ckpt: Checkpointer | None, microbatch: int
+) -> StartState:
+    """Fresh identity partials, or those of the latest checkpoint, verified and laid out.
+
+    A checkpoint with the current shard count is restored in place (bitwise the state
+    it saved). One with another shard count is folded with ``combiner.merge`` into one
+    accumulator, laid out as ``[merged, init, init, ...]`` over the current shards.
+    """
+    if ckpt is None:
+        return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0)
+    current = fingerprint(combiner, source, microbatch)
+    cursor = ckpt.latest()
+    if cursor is None:
+        return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0, current)
+    meta = ckpt.read_meta(cursor)
+    like = jax.eval_shape(lambda: init_partials(combiner, source.spec, mesh, layout.num_shards))
+    ckpt.verify(meta, current, like)
+    if meta["shards"] == layout.num_shards:
+        partials = ckpt.restore_partials(cursor, like, data_sharding(mesh))
+    else:
+        partials = relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
+    _log.info(
+        "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
+        cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
+    )
+    return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
+
+
+def relayout(combiner: Combiner, saved: PyTree, spec: PyTree, mesh: Mesh, num_shards: int) -> PyTree:
+    """Folds host partials (any leading shard count) into ``[merged, init, ...]`` over ``num_shards``."""
+    count = jax.tree.leaves(saved)[0].shape[0]
+
+    def fold(saved):
+        merged = tree_fold(combiner.merge, [jax.tree.map(lambda x, i=i: x[i], saved) for i in range(count)])
+        identity = combiner.init(spec)
+        return jax.tree.map(
+            lambda m, z: jnp.concatenate([m[None], jnp.broadcast_to(z[None], (num_shards - 1,) + z.shape)]),
+            merged, identity,
+        )
+
+    host = jax.tree.map(np.asarray, jax.jit(fold)(saved))
+    sharding = data_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host)

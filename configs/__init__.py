@@ -1,0 +1,1 @@
+"""Job configs for ``python -m launch.main --config=configs/NAME.py[:ARG]``."""

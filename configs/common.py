@@ -1,0 +1,45 @@
+"""What every job config shares: run options, checkpointing, logging, the quick variant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from launch.data import data_config
+
+VARIANTS = ("full", "quick")
+
+
+def base_config(
+    combiner: str, kwargs: dict[str, Any] | None, arg: str | None, *, num_rows: int, features: int,
+    targets: bool = False,
+) -> ml_collections.ConfigDict:
+    """A job config. ``arg`` is ``None``/``"full"`` or ``"quick"`` (a tiny run for tests)."""
+    variant = arg or "full"
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown config variant {arg!r}; use one of {VARIANTS}.")
+    quick = variant == "quick"
+    c = ml_collections.ConfigDict()
+    c.combiner = ml_collections.ConfigDict({"name": combiner, "kwargs": dict(kwargs or {})})
+    c.data = data_config(1000 if quick else num_rows, features, targets=targets)
+    c.mesh = "data:-1"
+    c.microbatch = 16 if quick else 1024
+    c.steps_per_call = 2 if quick else 8
+    c.prefetch = 2
+    c.logical_shards = config_dict.placeholder(int)  # None: one accumulator per device
+    c.nan_policy = "propagate"
+    c.compensated = True
+    c.checkpoint = ml_collections.ConfigDict(
+        {
+            "enabled": True,
+            "every_steps": config_dict.placeholder(int),
+            "every_seconds": 600.0,
+            "keep": 2,
+        }
+    )
+    if quick:
+        c.checkpoint.every_steps = 2
+    c.log_every_seconds = 10.0
+    return c

@@ -1,0 +1,1 @@
+"""The command-line launcher: ``python -m launch.main`` and ``python -m launch.local``."""

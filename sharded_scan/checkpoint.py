@@ -1,0 +1,246 @@
+"""Checkpoints of a running reduction: per-shard partials, the cursor and a fingerprint.
+
+A checkpoint is one orbax step directory under ``options.directory`` named by the
+cursor (the next row of the stream to fold), holding two items:
+
+- ``partials``: the accumulator pytree with its leading shard axis, saved sharded
+  (every process writes its own shards);
+- ``meta``: JSON with ``cursor``, ``steps`` (steps done over all runs), ``shards``,
+  ``devices``, ``processes`` and the ``fingerprint``.
+
+The fingerprint names the job: the combiner and its parameters, the data (kind, row
+count, row spec), the requested micro-batch and the accumulator's leaf dtypes and
+shapes. It leaves out the device count, so a checkpoint resumes on another mesh.
+Checkpoints are written only between steps, so every row is folded exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from sharded_scan.errors import UsageError
+
+PyTree = Any
+
+PARTIALS, META = "partials", "meta"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """Where and how often :func:`sharded_scan.run` checkpoints.
+
+    Attributes:
+      directory: the checkpoint directory (shared by every process). Running the same
+        job again with it resumes from its latest checkpoint.
+      every_steps: save after this many steps; None for no step-based saves.
+      every_seconds: save when this many seconds passed since the last save; None for
+        no time-based saves.
+      keep: how many of the latest checkpoints to keep.
+    """
+
+    directory: str
+    every_steps: int | None = None
+    every_seconds: float | None = 600.0
+    keep: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
+            raise UsageError(f"checkpoint directory must be a path, got {self.directory!r}.")
+        for name in ("every_steps", "every_seconds", "keep"):
+            value = getattr(self, name)
+            if value is None and name != "keep":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
+                raise UsageError(f"checkpoint {name} must be a positive number or None, got {value!r}.")
+
+
+def accumulator_spec(combiner: Any, spec: PyTree) -> list[str]:
+    """The accumulator's leaves as ``"path: dtype[shape]"`` for ONE shard."""
+    shapes = jax.eval_shape(combiner.init, spec)
+    return [
+        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+    ]
+
+
+def fingerprint(combiner: Any, source: Any, microbatch: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator."""
+    raw = {
+        "combiner": combiner.fingerprint(),
+        "data": source.describe(),
+        "microbatch": int(microbatch),
+        "accumulator": accumulator_spec(combiner, source.spec),
+    }
+    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out if out or not prefix else {prefix: {}}
+    return {prefix: tree}
+
+
+def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The first field where two fingerprints differ, as a phrase; None when equal."""
+    old, new = _flat(saved), _flat(current)
+    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator
+    keys = list(dict.fromkeys([*new, *old]))
+    for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
+        if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            return f"{key} is {old.get(key, '<absent>')!r} there but {new.get(key, '<absent>')!r} here"
+    return None
+
+
+def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
+    # Leaves by position: restores do not depend on how orbax stores NamedTuples.
+    return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
+
+
+class Checkpointer:
+    """Saves and restores the running state of one job in ``options.directory``.
+
+    Every process of a multi-process job builds one and calls every method in the same
+    order (orbax synchronises them). Saves are asynchronous: :meth:`save` returns once
+    the partials are copied off the devices; :meth:`wait` blocks until they are on disk.
+    """
+
+    def __init__(self, options: CheckpointOptions):
+        self.options = options
+        self.directory = os.path.abspath(os.fspath(options.directory))
+        check_writable(self.directory)
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=int(options.keep), create=True, cleanup_tmp_directories=True
+            ),
+            item_handlers={PARTIALS: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
+        )
+        self.written = 0
+        self._last_step, self._last_time = 0, time.monotonic()
+
+    def latest(self) -> int | None:
+        """The cursor of the latest complete checkpoint, or None."""
+        return self._manager.latest_step()
+
+    def read_meta(self, cursor: int) -> dict[str, Any]:
+        """The ``meta`` item of the checkpoint at ``cursor``."""
+        return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def verify(self, meta: dict[str, Any], current: dict[str, Any], like: PyTree) -> None:
+        """Raises UsageError unless the checkpoint was written by the same job.
+
+        Compares the fingerprints, then the saved arrays' dtypes and shapes with ``like``
+        (orbax would cast a dtype silently).
+        """
+        where = f"the checkpoint at {self.directory} (cursor {meta.get('cursor')})"
+        diff = fingerprint_difference(meta.get("fingerprint", {}), current)
+        if diff is None:
+            stored = self._manager.item_metadata(meta["cursor"])[PARTIALS]
+            stored = dict(getattr(stored, "tree", stored) or {})
+            want = _to_flat_dict(like)
+            for key, leaf in want.items():
+                got = stored.get(key)
+                got_shape = None if got is None else tuple(got.shape)[1:]
+                if got is None or got_shape != tuple(leaf.shape)[1:] or np.dtype(got.dtype) != leaf.dtype:
+                    found = "missing" if got is None else f"{np.dtype(got.dtype).name}{list(got_shape)}"
+                    diff = f"accumulator leaf {key} is {found} there but {leaf.dtype.name}{list(leaf.shape[1:])} here"
+                    break
+        if diff is not None:
+            raise UsageError(
+                f"{where} belongs to a different job: {diff}; rerun with the original settings, "
+                "or use a new workdir / checkpoint directory."
+            )
+
+    def restore_partials(self, cursor: int, like: PyTree, sharding: Any = None) -> PyTree:
+        """Restores the partials saved at ``cursor``, shaped like ``like``.
+
+        Args:
+          cursor: the checkpoint's cursor.
+          like: a pytree with the structure and leaf dtypes of the accumulators.
+          sharding: restore sharded jax.Arrays with this sharding (the saved leading axis
+            must equal the current one); None restores full host numpy arrays on every
+            process (to fold them when the shard count changed).
+        """
+        if sharding is None:
+            restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in _to_flat_dict(like)}
+        else:
+            restore_args = {k: ocp.ArrayRestoreArgs(sharding=sharding) for k in _to_flat_dict(like)}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(cursor, args=args)[PARTIALS]
+        treedef = jax.tree.structure(like)
+        return treedef.unflatten([flat[str(i)] for i in range(treedef.num_leaves)])
+
+    def due(self, steps: int) -> bool:
+        """Whether a save is due after ``steps`` steps (all processes get the same answer).
+
+        The time rule is decided by process 0 and broadcast, so every process saves at the
+        same step.
+        """
+        every_steps, every_seconds = self.options.every_steps, self.options.every_seconds
+        if every_steps is not None and steps - self._last_step >= every_steps:
+            return True
+        if every_seconds is None:
+            return False
+        late = time.monotonic() - self._last_time >= every_seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+        return late
+
+    def save(self, cursor: int, steps: int, partials: PyTree, meta: dict[str, Any]) -> None:
+        """Starts an async save of ``partials`` with ``meta`` as the checkpoint at ``cursor``."""
+        meta = {**meta, "cursor": int(cursor), "steps": int(steps)}
+        args = ocp.args.Composite(
+            **{PARTIALS: ocp.args.PyTreeSave(_to_flat_dict(partials)), META: ocp.args.JsonSave(meta)}
+        )
+        self._manager.save(int(cursor), args=args, force=True)
+        self.written += 1
+        self._last_step, self._last_time = steps, time.monotonic()
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's resources (idempotent)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+def check_writable(directory: str) -> None:
+    """Raises UsageError unless ``directory`` exists or can be created, and is writable."""
+    path = directory
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{directory} is not a writable directory ({path} is not writable); pick another path.")
+
+
+def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
+    """Accepts None, a path, :class:`CheckpointOptions` or a :class:`Checkpointer`."""
+    if checkpoint is None or isinstance(checkpoint, Checkpointer):
+        return checkpoint
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = CheckpointOptions(os.fspath(checkpoint))
+    if not isinstance(checkpoint, CheckpointOptions):
+        raise UsageError(
+            "checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; "
+            f"got {type(checkpoint).__name__}."
+        )
+    return Checkpointer(checkpoint)

@@ -1,0 +1,109 @@
+"""Runs ``launch.main`` / ``launch.local`` in subprocesses for the launcher tests.
+
+Every process started here ends in the test that started it (``finally`` kills it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 120
+
+
+def needs_synthetic_source():
+    """Skips the test when this build lacks SyntheticSource (the configs' default data)."""
+    from sharded_scan import sources
+
+    if not hasattr(sources, "SyntheticSource"):
+        pytest.skip("sharded_scan.sources.SyntheticSource (branch streaming) is not merged yet")
+
+
+def main_cmd(*args: str, devices: int = 4) -> list[str]:
+    return [sys.executable, "-m", "launch.main", *args, f"--jax_num_cpu_devices={devices}", "--jax_platforms=cpu"]
+
+
+def local_cmd(num_processes: int, devices: int, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "launch.local", f"--num_processes={num_processes}", f"--devices_per_process={devices}",
+        "--", *args, "--heartbeat_timeout=10",
+    ]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ, PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    e.pop("JAX_NUM_CPU_DEVICES", None)
+    return e
+
+
+def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` to the end (killed at ``timeout``); stdout and stderr as text."""
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], log_path: Path):
+    """A running ``cmd`` in its own process group, output to ``log_path``; the group is killed on exit."""
+    log = open(log_path, "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def checkpoints(workdir: Path) -> list[int]:
+    """Cursors of the complete checkpoints under ``workdir/checkpoints``."""
+    where = workdir / "checkpoints"
+    if not where.is_dir():
+        return []
+    return sorted(int(p.name) for p in where.iterdir() if re.fullmatch(r"\d+", p.name))
+
+
+def wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, at_least: int = 1, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = checkpoints(workdir)
+        if len(found) >= at_least:
+            return found
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before checkpointing"
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint in {workdir} after {timeout} s")
+
+
+def result(workdir: Path) -> dict[str, np.ndarray]:
+    with np.load(workdir / "result.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], exact: bool = True) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if exact:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * np.abs(b[k]).max(), err_msg=k)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """Asserts a usage failure: status 2, one ``error:`` line, no traceback; returns the line."""
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out, out
+    assert len(errors) == 1, out
+    return errors[0]
