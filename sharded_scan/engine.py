@@ -11,6 +11,7 @@ fold with ``combiner.merge``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.checkpoint import Checkpointer, as_checkpointer, fingerprint
@@ -27,7 +29,7 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
 from sharded_scan.distributed import Preempted, PreemptionWatch
 from sharded_scan.errors import UsageError
-from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
+from sharded_scan.layout import Layout, data_sharding, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
@@ -35,8 +37,20 @@ from sharded_scan.sources import as_source
 PyTree = Any
 _log = logging.getLogger(__name__)
 
-DEFAULT_MICROBATCH = 1024
+# From the sweep in bench/results/bench.json (Gram on 8 simulated CPU devices): the best
+# micro-batch holds about the same bytes whatever the row width (32768 rows at d=32,
+# 4096 at d=256, 1024 at d=1024), so the default is a byte budget, not a row count.
+DEFAULT_MICROBATCH = None          # None: DEFAULT_MICROBATCH_BYTES of rows
+DEFAULT_MICROBATCH_BYTES = 4 << 20
+MICROBATCH_RANGE = (256, 1 << 16)
 DEFAULT_STEPS_PER_CALL = 8
+
+
+def default_microbatch(spec: PyTree) -> int:
+    """The power-of-two row count nearest ``DEFAULT_MICROBATCH_BYTES`` of rows of ``spec``."""
+    row_bytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(spec))
+    rows = 2 ** round(np.log2(max(DEFAULT_MICROBATCH_BYTES / max(row_bytes, 1), 1)))
+    return int(np.clip(rows, *MICROBATCH_RANGE))
 
 
 class Progress(NamedTuple):
@@ -49,13 +63,46 @@ class Progress(NamedTuple):
     seconds: float     # since the loop started
 
 
+def cached(build: Callable) -> Callable:
+    """Memoizes an engine builder on its (hashable) arguments, so repeated runs of the
+    same job reuse the compiled step instead of tracing and compiling it again."""
+    memo = functools.lru_cache(maxsize=32)(build)
+
+    @functools.wraps(build)
+    def lookup(*args, **kwargs):
+        try:
+            hash((args, tuple(kwargs.items())))
+        except TypeError:  # an unhashable user combiner: build afresh
+            return build(*args, **kwargs)
+        return memo(*args, **kwargs)
+
+    lookup.cache_clear, lookup.cache_info = memo.cache_clear, memo.cache_info
+    return lookup
+
+
+def accumulator_specs(combiner: Combiner, mesh: Mesh, *lead: str | None) -> PyTree:
+    """The PartitionSpecs of the accumulator leaves, with ``lead`` axes in front.
+
+    A pytree prefix of the accumulator: ``P(*lead)`` for a replicated combiner, else
+    ``combiner.partition(mesh)`` with ``lead`` prepended to every entry.
+    """
+    parts = combiner.partition(mesh)
+    if parts is None:
+        return P(*lead)
+    return jax.tree.map(lambda p: P(*lead, *p), parts, is_leaf=lambda x: isinstance(x, P))
+
+
+@cached
 def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
     """Returns ``step(partials, batch, num_valid) -> partials``, jitted and donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
     first ``num_valid`` are real. Each logical shard folds its block of rows as
-    ``steps_per_call`` micro-batches of ``microbatch`` rows, in order.
+    ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
+    block is all real rows takes a branch with a constant all-True mask, which XLA
+    folds away.
     """
+    combiner = combiner.for_mesh(mesh)
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
 
@@ -63,12 +110,20 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
         micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 
-        def fold(acc, item):
+        def ragged(acc, item):
             offset, batch = item
             mask = offset + jnp.arange(mb, dtype=jnp.int32) < valid
             return combiner.add(acc, batch, mask), None
 
-        return jax.lax.scan(fold, acc, (offsets, micro))[0]
+        def full(acc, item):
+            return combiner.add(acc, item[1], jnp.ones((mb,), bool)), None
+
+        return jax.lax.cond(
+            valid == rows_per_shard,
+            lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
+            lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
+            acc,
+        )
 
     def local_step(partials, batch, num_valid):
         first_row = jax.lax.axis_index(DATA_AXIS) * layout.rows_per_device
@@ -80,14 +135,23 @@ def build_step(combiner: Combiner, mesh: Mesh, layout: Layout) -> Callable:
         # One shard after another, each with the same scan as a lone shard would run.
         return jax.lax.map(lambda args: fold_shard(*args), (partials, shards, valid))
 
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     step = jax.shard_map(
-        local_step, mesh=mesh, in_specs=(P(DATA_AXIS), P(DATA_AXIS), P()), out_specs=P(DATA_AXIS)
+        local_step, mesh=mesh, in_specs=(partial_specs, P(DATA_AXIS), P()), out_specs=partial_specs
     )
     return jax.jit(step, donate_argnums=0)
 
 
 def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int | None = None) -> PyTree:
-    """One identity accumulator per logical shard (default: per device), sharded over ``data``."""
+    """One identity accumulator per logical shard (default: per device), sharded over
+    ``data`` (and over the axes ``combiner.partition`` names)."""
+    return identity_program(combiner, spec, mesh, num_shards)()
+
+
+@cached
+def identity_program(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int | None) -> Callable:
+    """The jitted (and memoized) maker of :func:`init_partials`'s value."""
+    combiner = combiner.for_mesh(mesh)
     size = num_shards or mesh.shape[DATA_AXIS]
 
     def stacked():
@@ -95,7 +159,12 @@ def init_partials(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int 
             lambda x: jnp.broadcast_to(x[None], (size,) + x.shape), combiner.init(spec)
         )
 
-    return jax.jit(stacked, out_shardings=data_sharding(mesh))()
+    return jax.jit(stacked, out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)))
+
+
+def named(mesh: Mesh, specs: PyTree) -> PyTree:
+    """``NamedSharding``s on ``mesh`` for a pytree (prefix) of PartitionSpecs."""
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def tree_fold(merge: Callable, items: list) -> Any:
@@ -106,34 +175,52 @@ def tree_fold(merge: Callable, items: list) -> Any:
     return items[0]
 
 
+@cached
 def build_merge(combiner: Combiner, mesh: Mesh, ordered: bool = False) -> Callable:
-    """Returns ``merge(partials) -> acc``: one collective, the result on every device.
+    """Returns ``merge(partials) -> acc``: one collective over ``data``.
 
     Additive combiners are merged by one ``psum`` unless ``ordered``; otherwise the
     partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree,
-    which makes the result independent of the device count.
+    which makes the result independent of the device count. The result is on every
+    device, or split over the axes ``combiner.partition`` names (a wide accumulator is
+    summed over ``data`` only, never gathered whole on one device).
     """
+    combiner = combiner.for_mesh(mesh)
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    merged_specs = accumulator_specs(combiner, mesh)
     if combiner.additive and not ordered:
 
         def local_psum(partials):
             return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
 
         return jax.jit(
-            jax.shard_map(local_psum, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P())
+            jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs,), out_specs=merged_specs)
         )
 
     def gather_and_fold(partials):
-        everywhere = jax.lax.with_sharding_constraint(partials, replicated(mesh))
+        everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
         count = jax.tree.leaves(everywhere)[0].shape[0]
         parts = [jax.tree.map(lambda x, i=i: x[i], everywhere) for i in range(count)]
         return tree_fold(combiner.merge, parts)
 
-    return jax.jit(gather_and_fold, out_shardings=replicated(mesh))
+    return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 
 
 def to_host(tree: PyTree) -> PyTree:
-    """Copies a replicated device pytree to host numpy (works on every process)."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+    """Copies a device pytree to host numpy (works on every process).
+
+    A replicated leaf is read from a local copy; a leaf split over devices is gathered
+    (across processes too, when some shards live elsewhere).
+    """
+
+    def fetch(x):
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
 
 
 class RunReport(NamedTuple):
@@ -157,7 +244,7 @@ def run(
     data: Any,
     *,
     mesh: Mesh | str | None = None,
-    microbatch: int = DEFAULT_MICROBATCH,
+    microbatch: int | None = DEFAULT_MICROBATCH,
     steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     prefetch: int = 2,
     logical_shards: int | None = None,
@@ -173,7 +260,7 @@ def run(
       data: a numpy array, a pytree of arrays with one leading row dimension such as
         ``(X, y)``, or a :class:`sharded_scan.sources.Source`.
       mesh: a ``Mesh`` or a spec such as ``"data:8"``; all devices on ``data`` by default.
-      microbatch: rows per device per scan iteration.
+      microbatch: rows per device per scan iteration; None: :func:`default_microbatch`.
       steps_per_call: micro-batches each device folds per compiled call.
       prefetch: steps placed on the devices ahead of use (0 turns prefetching off).
       logical_shards: a fixed number of independent accumulators (a multiple of the
@@ -211,7 +298,7 @@ def run_with_report(
     data: Any,
     *,
     mesh: Mesh | str | None = None,
-    microbatch: int = DEFAULT_MICROBATCH,
+    microbatch: int | None = DEFAULT_MICROBATCH,
     steps_per_call: int = DEFAULT_STEPS_PER_CALL,
     prefetch: int = 2,
     logical_shards: int | None = None,
@@ -232,6 +319,7 @@ def run_with_report(
         raise UsageError("the data has zero rows; there is nothing to reduce.")
     combiner.check_spec(source.spec)
     mesh = make_mesh(mesh)
+    microbatch = default_microbatch(source.spec) if microbatch is None else microbatch
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, logical_shards)
     ckpt = as_checkpointer(checkpoint)
     try:

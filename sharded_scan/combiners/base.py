@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from sharded_scan.errors import UsageError
 
@@ -56,6 +57,28 @@ class Combiner(abc.ABC):
     @abc.abstractmethod
     def finalize(self, acc: PyTree) -> Any:
         """Turns the merged accumulator (host numpy arrays) into the result."""
+
+    def for_mesh(self, mesh: Mesh) -> Combiner:
+        """Returns the combiner to run on ``mesh`` (by default ``self``).
+
+        A combiner whose accumulator can be split over the mesh's non-``data`` axes
+        returns a copy configured for them; the engine calls this before ``init``.
+        """
+        del mesh
+        return self
+
+    def partition(self, mesh: Mesh) -> PyTree | None:
+        """How the accumulator's own axes are split over the mesh's non-``data`` axes.
+
+        Returns None (the default: every leaf replicated over the non-``data`` axes)
+        or a pytree prefix of the accumulator of ``PartitionSpec``s, one entry per leaf
+        axis, e.g. ``P(None, 'model')`` for a (d, d) matrix split by columns. ``add``
+        then sees only its own block and may find it with
+        ``jax.lax.axis_index('model')``; the merge sums over ``data`` only and the
+        result stays split until it is gathered for ``finalize``.
+        """
+        del mesh
+        return None
 
     def check_spec(self, spec: PyTree) -> None:
         """Raises :class:`UsageError` when the combiner cannot take data of ``spec``.

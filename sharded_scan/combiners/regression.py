@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, check_numeric, masked, row_count
+from sharded_scan.combiners.sums import Triangle, default_block, triangle_add, triangle_full, triangle_zeros
 from sharded_scan.errors import UsageError
 
 
@@ -24,7 +25,7 @@ class NormalEquations(NamedTuple):
     count: jax.Array  # int32 ()
     sum_x: jax.Array  # (d,)
     sum_y: jax.Array  # () for y of shape (n,), else (t,)
-    xtx: jax.Array    # (d, d)
+    xtx: Triangle     # upper triangle of XᵀX (sums.Triangle)
     xty: jax.Array    # (d,) or (d, t)
 
 
@@ -75,11 +76,12 @@ class LinearRegression(AdditiveCombiner):
         d, t, dtype = x.shape[0], y.shape, accumulator_dtype(x.dtype)
         zeros = jnp.zeros
         return NormalEquations(
-            zeros((), jnp.int32), zeros((d,), dtype), zeros(t, dtype), zeros((d, d), dtype), zeros((d, *t), dtype)
+            zeros((), jnp.int32), zeros((d,), dtype), zeros(t, dtype), triangle_zeros(d, default_block(d), dtype),
+            zeros((d, *t), dtype),
         )
 
     def add(self, acc, batch, mask):
-        dtype = acc.xtx.dtype
+        dtype = acc.sum_x.dtype
         x, y = batch
         x = masked(x.astype(dtype), mask)
         y = masked(y.astype(dtype), mask)
@@ -87,13 +89,13 @@ class LinearRegression(AdditiveCombiner):
             acc.count + row_count(mask),
             acc.sum_x + jnp.sum(x, axis=0),
             acc.sum_y + jnp.sum(y, axis=0),
-            acc.xtx + jnp.matmul(x.T, x, preferred_element_type=dtype),
+            triangle_add(acc.xtx, x),
             acc.xty + jnp.matmul(x.T, y, preferred_element_type=dtype),
         )
 
     def finalize(self, acc):
         n = float(acc.count)
-        xtx = np.asarray(acc.xtx, np.float64)
+        xtx = triangle_full(acc.xtx).astype(np.float64)
         d = xtx.shape[0]
         xty = np.asarray(acc.xty, np.float64).reshape(d, -1)
         mean_x = np.asarray(acc.sum_x, np.float64) / n

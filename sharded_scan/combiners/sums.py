@@ -1,4 +1,12 @@
-"""Additive sums: column sums with a row count, and the Gram matrix XᵀX."""
+"""Additive sums: column sums with a row count, and the Gram matrix XᵀX.
+
+The Gram matrix is symmetric, so by default only its upper triangle is accumulated, as
+block rows: ``rows[i] = (XᵀX)[s_i:e_i, s_i:]`` for consecutive column blocks
+``[s_i, e_i)``. Each block row costs one matmul, the whole about ``(d + b) / 2d`` of the
+flops (and of the checkpoint and merge bytes) of the full product; ``finalize`` mirrors
+it. On a mesh with a ``model`` axis the (d, d) accumulator is instead split by columns
+over ``model``, so each device holds ``d²/M`` of it.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, masked, row_count
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import MODEL_AXIS
 
 
 class SumResult(NamedTuple):
@@ -50,21 +61,108 @@ def check_matrix_spec(spec, who: str) -> None:
         )
 
 
+
+class Triangle(NamedTuple):
+    """The upper triangle of a symmetric (d, d) matrix as block rows.
+
+    ``rows[i]`` is ``M[s_i:e_i, s_i:]`` (shape ``(e_i - s_i, d - s_i)``); the shapes alone
+    say where each block starts, so no other bookkeeping travels with it.
+    """
+
+    rows: tuple
+
+
+# Block size by d, from the sweep in bench/results (Gram, 8 simulated CPU devices).
+BLOCK_BY_WIDTH = ((256, None), (2048, 256))
+DEFAULT_LARGE_BLOCK = 512
+
+
+def default_block(d: int) -> int:
+    """The measured best block for a ``d``-wide triangle (``d`` itself: no blocking)."""
+    for width, block in BLOCK_BY_WIDTH:
+        if d <= width:
+            return block or d
+    return DEFAULT_LARGE_BLOCK
+
+
+def triangle_zeros(d: int, block: int, dtype) -> Triangle:
+    """The zero triangle of a (d, d) matrix cut into column blocks of ``block``."""
+    starts = range(0, d, block)
+    return Triangle(tuple(jnp.zeros((min(block, d - s), d - s), dtype) for s in starts))
+
+
+def triangle_add(tri: Triangle, x: jax.Array) -> Triangle:
+    """Adds the upper triangle of ``xᵀx`` (``x``: (rows, d)): one matmul per block row."""
+    d = x.shape[1]
+    out = []
+    for acc in tri.rows:
+        start = d - acc.shape[1]
+        left = x[:, start : start + acc.shape[0]]
+        out.append(acc + jnp.matmul(left.T, x[:, start:], preferred_element_type=acc.dtype))
+    return Triangle(tuple(out))
+
+
+def triangle_full(tri: Triangle) -> np.ndarray:
+    """The symmetric (d, d) host array whose upper triangle ``tri`` holds."""
+    rows = [np.asarray(r) for r in tri.rows]
+    d = rows[0].shape[1]
+    full = np.zeros((d, d), rows[0].dtype)
+    for r in rows:
+        start = d - r.shape[1]
+        full[start : start + r.shape[0], start:] = r
+    lower = np.tril_indices(d, -1)
+    full[lower] = full.T[lower]
+    return full
+
+
+def column_block(x: jax.Array, shards: int) -> jax.Array:
+    """This ``model`` device's block of ``x``'s columns (zero-padded to ``shards`` blocks)."""
+    width = -(-x.shape[1] // shards)
+    x = jnp.pad(x, ((0, 0), (0, width * shards - x.shape[1])))
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL_AXIS) * width, width, axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Gram(AdditiveCombiner):
-    """The Gram matrix XᵀX of rows X (shape (n, d)); the result is the (d, d) array."""
+    """The Gram matrix XᵀX of rows X (shape (n, d)); the result is the (d, d) array.
+
+    Attributes:
+      block: columns per block row of the upper triangle; None picks the measured
+        default for ``d`` (:func:`default_block`).
+      model_shards: set by :meth:`for_mesh`: when above 1 the accumulator is the
+        (d, d) matrix split by columns over the mesh's ``model`` axis (no symmetry).
+    """
+
+    block: int | None = None
+    model_shards: int = 1
 
     def check_spec(self, spec):
         super().check_spec(spec)
         check_matrix_spec(spec, "Gram")
+        block = self.block
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise UsageError(f"Gram block must be a positive integer or None, got {self.block!r}.")
+
+    def for_mesh(self, mesh: Mesh) -> Gram:
+        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
+        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
+
+    def partition(self, mesh: Mesh):
+        return P(None, MODEL_AXIS) if self.model_shards > 1 else None
 
     def init(self, spec):
-        d = spec.shape[0]
-        return jnp.zeros((d, d), accumulator_dtype(spec.dtype))
+        d, dtype = spec.shape[0], accumulator_dtype(spec.dtype)
+        if self.model_shards > 1:
+            return jnp.zeros((d, -(-d // self.model_shards) * self.model_shards), dtype)
+        return triangle_zeros(d, min(self.block or default_block(d), d), dtype)
 
     def add(self, acc, batch, mask):
         x = masked(batch, mask)
-        return acc + jnp.matmul(x.T, x, preferred_element_type=acc.dtype)
+        if self.model_shards > 1:
+            return acc + jnp.matmul(x.T, column_block(x, self.model_shards), preferred_element_type=acc.dtype)
+        return triangle_add(acc, x)
 
     def finalize(self, acc):
-        return np.asarray(acc)
+        if isinstance(acc, Triangle):
+            return triangle_full(acc)
+        return np.asarray(acc)[:, : acc.shape[0]]

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
@@ -50,6 +51,19 @@ class Compensated(Combiner):
 
     def check_spec(self, spec):
         self.inner.check_spec(spec)
+
+    def __eq__(self, other):  # equal wrappers share the engine's compiled step
+        return type(other) is type(self) and other.inner == self.inner
+
+    def __hash__(self):
+        return hash((type(self), self.inner))
+
+    def for_mesh(self, mesh):
+        return Compensated(self.inner.for_mesh(mesh))
+
+    def partition(self, mesh):
+        parts = self.inner.partition(mesh)
+        return None if parts is None else CompensatedAcc(parts, parts)
 
     def fingerprint(self):
         return {**self.inner.fingerprint(), "compensated": "True"}
@@ -107,6 +121,19 @@ class NonFinite(Combiner):
 
     def check_spec(self, spec):
         self.inner.check_spec(spec)
+
+    def __eq__(self, other):  # equal wrappers share the engine's compiled step
+        return type(other) is type(self) and (other.inner, other.policy) == (self.inner, self.policy)
+
+    def __hash__(self):
+        return hash((type(self), self.inner, self.policy))
+
+    def for_mesh(self, mesh):
+        return NonFinite(self.inner.for_mesh(mesh), self.policy)
+
+    def partition(self, mesh):
+        parts = self.inner.partition(mesh)
+        return None if parts is None else NonFiniteAcc(parts, P())
 
     def fingerprint(self):
         return {**self.inner.fingerprint(), "nan_policy": self.policy}

@@ -1,0 +1,211 @@
+"""Measurements behind the engine's defaults: the tuning sweep, host overhead, communication.
+
+- :func:`sweep`: Gram rate over ``microbatch`` x ``steps_per_call`` at the default block,
+  then over the block size at the best of those, for d in {32, 256, 1024}.
+- :func:`host_overhead`: the share of a default ``run`` spent outside the compiled steps
+  (reading, placing, dispatch, merge, finalize).
+- :func:`communication`: collectives in the compiled step and merge, and the bytes each
+  device contributes to the one merge.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import jax
+import numpy as np
+
+import sharded_scan as ss
+from bench.workloads import aligned_rows, rows_for
+from sharded_scan import engine
+from sharded_scan.combiners.sums import default_block
+from sharded_scan.combiners.wrappers import apply_policies
+from sharded_scan.layout import make_layout
+from sharded_scan.prefetch import device_batches
+from sharded_scan.sources import Source
+
+COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
+
+
+def interleaved_best(calls: dict, repeats: int) -> dict[str, float]:
+    """Best wall time of each call over ``repeats`` rounds, one call of each per round."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _gram_rates(x: np.ndarray, configs: list[tuple[int, int, int]], repeats: int) -> list[dict]:
+    calls = {
+        cfg: (lambda mb=cfg[0], spc=cfg[1], b=cfg[2]: ss.run(ss.Gram(block=b), x, microbatch=mb, steps_per_call=spc))
+        for cfg in configs
+    }
+    for call in calls.values():
+        call()  # compile
+    seconds = interleaved_best(calls, repeats)
+    n, d = x.shape
+    return [
+        {"d": d, "microbatch": mb, "steps_per_call": spc, "block": b, "gflops": 2.0 * n * d * d / t / 1e9}
+        for (mb, spc, b), t in seconds.items()
+    ]
+
+
+def sweep(quick: bool, repeats: int) -> dict:
+    """Gram rate by (microbatch, steps_per_call), then by block; 64 MiB (quick: 16 MiB)."""
+    widths = (256,) if quick else (32, 256, 1024)
+    steps = (8,) if quick else (2, 8, 32)
+    out = {"megabytes": 8 if quick else 64, "points": [], "best": {}}
+    for d in widths:
+        x = aligned_rows(rows_for(out["megabytes"], d, 8 * 4096), d, seed=7)
+        block, mb0 = default_block(d), engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32))
+        microbatches = (mb0 // 4, mb0) if quick else (mb0 // 4, mb0, mb0 * 4)
+        points = _gram_rates(x, [(mb, s, block) for mb in microbatches for s in steps], repeats)
+        top = max(points, key=lambda p: p["gflops"])
+        blocks = sorted({b for b in (32, 64, 128, 256, 512, d) if b <= d} - {block})
+        if quick:
+            blocks = blocks[-2:]
+        points += _gram_rates(x, [(top["microbatch"], top["steps_per_call"], b) for b in blocks], repeats)
+        out["points"] += points
+        out["best"][str(d)] = max(points, key=lambda p: p["gflops"])
+    out["defaults"] = {
+        str(d): {
+            "microbatch": engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32)),
+            "steps_per_call": engine.DEFAULT_STEPS_PER_CALL,
+            "block": default_block(d),
+        }
+        for d in widths
+    }
+    return out
+
+
+class RepeatSource(Source):
+    """``steps`` steps whose rows all come from one step's worth of ``rows`` (no extra memory)."""
+
+    def __init__(self, rows: np.ndarray, steps: int):
+        self.rows, self.steps = rows, steps
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.shape[0] * self.steps
+
+    @property
+    def spec(self):
+        return jax.ShapeDtypeStruct(self.rows.shape[1:], self.rows.dtype)
+
+    def read(self, start: int, stop: int):
+        offset = start // self.rows.shape[0] * self.rows.shape[0]
+        return self.rows[start - offset : stop - offset]
+
+
+def host_overhead(quick: bool) -> list[dict]:
+    """Host time per step of the default ``run`` loop against the compiled step's time.
+
+    ``run``'s loop (read the rows, place them, dispatch the step) is timed to the last
+    step's end, and the compiled step alone on a batch already on the devices; host
+    overhead is what the loop adds per step. (On XLA's CPU client a step's dispatch
+    waits for the devices, so the host part is not hidden behind compute.)
+    """
+    out = []
+    steps = 3 if quick else 8
+    for d in (256,) if quick else (32, 256, 1024):
+        spec = jax.ShapeDtypeStruct((d,), np.float32)
+        mb = engine.default_microbatch(spec)
+        mesh = ss.make_mesh(None)
+        rows = aligned_rows(mesh.shape["data"] * mb * engine.DEFAULT_STEPS_PER_CALL, d, seed=8)
+        source = RepeatSource(rows, steps)
+        combiner = apply_policies(ss.Gram())
+        layout = make_layout(source.num_rows, mesh, mb, engine.DEFAULT_STEPS_PER_CALL)
+        step = engine.build_step(combiner, mesh, layout)
+        placed = next(device_batches(source, layout, mesh, 0, 0))
+
+        def compiled(step=step, placed=placed, combiner=combiner, mesh=mesh, spec=spec):
+            partials = engine.init_partials(combiner, spec, mesh)
+            jax.block_until_ready(partials)
+            start = time.perf_counter()
+            for _ in range(steps):
+                partials = step(partials, placed.batch, np.int32(placed.num_valid))
+            jax.block_until_ready(partials)
+            return time.perf_counter() - start
+
+        def host(step=step, source=source, layout=layout, combiner=combiner, mesh=mesh, spec=spec):
+            partials = engine.init_partials(combiner, spec, mesh)
+            jax.block_until_ready(partials)
+            start = time.perf_counter()
+            for item in device_batches(source, layout, mesh, 0, 2):
+                partials = step(partials, item.batch, np.int32(item.num_valid))
+            jax.block_until_ready(partials)
+            return time.perf_counter() - start
+
+        compiled(), host()
+        timings = interleaved_best({"compiled": compiled, "loop": host}, 3)
+        step_s, loop_s = timings["compiled"] / steps, timings["loop"] / steps
+        host_s = max(loop_s - step_s, 0.0)
+        out.append({
+            "d": d, "microbatch": mb, "steps_per_call": engine.DEFAULT_STEPS_PER_CALL, "steps": steps,
+            "step_seconds": step_s, "loop_seconds_per_step": loop_s, "host_seconds_per_step": host_s,
+            "host_share": host_s / step_s,
+        })
+    return out
+
+
+def _bytes_per_device(tree) -> int:
+    return int(sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree)))
+
+
+def communication() -> list[dict]:
+    """Collectives of the compiled step and merge, and the merge's bytes per device."""
+    cases = [
+        ("Gram d=256", ss.Gram(), jax.ShapeDtypeStruct((256,), np.float32), "data:8"),
+        ("Gram d=256 (dense)", ss.Gram(block=256), jax.ShapeDtypeStruct((256,), np.float32), "data:8"),
+        ("Gram d=1024", ss.Gram(), jax.ShapeDtypeStruct((1024,), np.float32), "data:8"),
+        ("Gram d=1024 wide", ss.Gram(), jax.ShapeDtypeStruct((1024,), np.float32), "data:4,model:2"),
+        ("Moments d=256", ss.Moments(), jax.ShapeDtypeStruct((256,), np.float32), "data:8"),
+        (
+            "LinearRegression d=256",
+            ss.LinearRegression(),
+            (jax.ShapeDtypeStruct((256,), np.float32), jax.ShapeDtypeStruct((), np.float32)),
+            "data:8",
+        ),
+    ]
+    out = []
+    for name, combiner, spec, mesh_spec in cases:
+        mesh = ss.make_mesh(mesh_spec)
+        combiner = apply_policies(combiner)
+        layout = make_layout(1 << 20, mesh, engine.default_microbatch(spec), engine.DEFAULT_STEPS_PER_CALL)
+        partials = engine.init_partials(combiner, spec, mesh)
+        rows = layout.rows_per_step
+        batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), spec)
+        step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile().as_text()
+        merge = engine.build_merge(combiner, mesh).lower(partials).compile().as_text()
+        out.append({
+            "case": name, "mesh": mesh_spec,
+            "step_collectives": COLLECTIVE.findall(step), "merge_collectives": COLLECTIVE.findall(merge),
+            "merge_bytes_per_device": _bytes_per_device(partials),
+        })
+    return out
+
+
+def describe(result: dict, overhead: list[dict]) -> str:
+    lines = ["tuning sweep (Gram, GFLOP/s effective; best point per d):"]
+    for d, p in result["best"].items():
+        want = result["defaults"][d]
+        at_default = [
+            q["gflops"] for q in result["points"]
+            if q["d"] == int(d) and all(q[k] == want[k] for k in ("microbatch", "steps_per_call", "block"))
+        ]
+        default = f"{at_default[0]:.0f} at the defaults" if at_default else "defaults not in the sweep"
+        lines.append(
+            f"  d={d}: {p['gflops']:.0f} at microbatch={p['microbatch']} steps_per_call={p['steps_per_call']} "
+            f"block={p['block']}; {default}"
+        )
+    for o in overhead:
+        lines.append(
+            f"  host overhead d={o['d']}: {o['host_share']:.1%} of the step time "
+            f"({o['host_seconds_per_step'] * 1e3:.2f} ms/step on the host, "
+            f"{o['step_seconds'] * 1e3:.2f} ms compiled step)"
+        )
+    return "\n".join(lines)
