@@ -30,6 +30,7 @@ from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
+from sharded_scan.watchdog import Watchdog
 
 PyTree = Any
 
@@ -163,6 +164,7 @@ def run(
     compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
+    step_timeout: float | None = None,
 ) -> Any:
     """Reduces ``data`` with ``combiner`` over every device of ``mesh``.
 
@@ -187,6 +189,9 @@ def run(
         ``every_steps`` / ``every_seconds`` and at the end, and on SIGTERM saves and
         raises :class:`sharded_scan.Preempted`.
       progress: called with a :class:`Progress` after every step.
+      step_timeout: seconds; when no step finishes for that long (a stuck process or
+        peer), print one line and end the process with status 3
+        (:class:`sharded_scan.watchdog.Watchdog`). None (the default) for no watchdog.
 
     Returns:
       ``combiner.finalize`` of the merged accumulator: host numpy, the same on every
@@ -200,7 +205,7 @@ def run(
     return run_with_report(
         combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
         logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated, checkpoint=checkpoint,
-        progress=progress,
+        progress=progress, step_timeout=step_timeout,
     )[0]
 
 
@@ -217,8 +222,16 @@ def run_with_report(
     compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
+    step_timeout: float | None = None,
 ) -> tuple[Any, RunReport]:
     """Like :func:`run`, and also returns a :class:`RunReport` of what the run did."""
+    if step_timeout is not None:  # the same run, watched from restore to result
+        with Watchdog(step_timeout) as dog:
+            return run_with_report(
+                combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
+                logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated,
+                checkpoint=checkpoint, progress=dog.wrap(progress),
+            )
     started = time.perf_counter()
     if not isinstance(combiner, Combiner):
         raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
