@@ -13,101 +13,16 @@ Ctrl-C here is passed on to every process (which then save a checkpoint and stop
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 
 from absl import app, flags
+
+from launch.processes import launch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices_per_process", 1, "Simulated CPU devices per process.", lower_bound=1)
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1; 0 picks a free one.")
 _GRACE = flags.DEFINE_float("kill_after", 30.0, "Seconds to wait after passing on SIGTERM before SIGKILL.")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def commands(main_args: list[str], num_processes: int, devices: int, port: int) -> list[list[str]]:
-    """The ``launch.main`` command line of each process."""
-    return [
-        [
-            sys.executable, "-m", "launch.main", *main_args,
-            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={i}",
-            f"--jax_num_cpu_devices={devices}", "--jax_platforms=cpu",
-        ]
-        for i in range(num_processes)
-    ]
-
-
-def _pump(i: int, stream, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, b""):
-        with lock:
-            sys.stdout.write(f"[{i}] {line.decode(errors='replace')}")
-            sys.stdout.flush()
-
-
-def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0, kill_after: float = 30.0) -> int:
-    """Starts the processes, waits for them, returns the job's exit status.
-
-    The status is 0 when every process exits 0, else the first non-zero status seen
-    (a process killed by signal S gives 128 + S). Every process is ended before this
-    returns.
-    """
-    port = port or free_port()
-    lock = threading.Lock()
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for cmd in commands(main_args, num_processes, devices, port)
-    ]
-    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, lock), daemon=True) for i, p in enumerate(procs)]
-    for t in pumps:
-        t.start()
-    terminated_at: list[float] = []
-
-    def forward(signum, frame):
-        del frame
-        terminated_at.append(time.monotonic())
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    status = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed and not status:
-                status = _status(failed[0].returncode)
-                with lock:
-                    print(f"[local] process {procs.index(failed[0])} exited with {status}; stopping the others",
-                          flush=True)
-                break
-            if terminated_at and time.monotonic() - terminated_at[0] > kill_after:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-        for t in pumps:
-            t.join(timeout=5)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return status or next((_status(p.returncode) for p in procs if p.returncode), 0)
-
-
-def _status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def main(argv: list[str]) -> None:

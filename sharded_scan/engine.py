@@ -11,6 +11,7 @@ fold with ``combiner.merge``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from sharded_scan.sources import as_source
 from sharded_scan.watchdog import Watchdog
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 DEFAULT_MICROBATCH = 1024
 DEFAULT_STEPS_PER_CALL = 8
@@ -347,6 +349,10 @@ def start_state(
         partials = ckpt.restore_partials(cursor, like, data_sharding(mesh))
     else:
         partials = relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
+    _log.info(
+        "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
+        cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
+    )
     return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import sharded_scan as ss
 from configs import moments
 from launch.data import make_source
-from launch.local import commands, free_port
+from launch.processes import commands, free_port
 from tests import cli
 
 
