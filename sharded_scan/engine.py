@@ -11,6 +11,7 @@ fold with ``combiner.merge``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -339,21 +340,25 @@ def start_state(
     if ckpt is None:
         return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0)
     current = fingerprint(combiner, source, microbatch)
-    cursor = ckpt.latest()
-    if cursor is None:
-        return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0, current)
-    meta = ckpt.read_meta(cursor)
     like = jax.eval_shape(lambda: init_partials(combiner, source.spec, mesh, layout.num_shards))
-    ckpt.verify(meta, current, like)
-    if meta["shards"] == layout.num_shards:
-        partials = ckpt.restore_partials(cursor, like, data_sharding(mesh))
-    else:
-        partials = relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
-    _log.info(
-        "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
-        cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
-    )
-    return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
+
+    def restore(cursor: int, meta: dict) -> PyTree:
+        ckpt.verify(meta, current, like)  # reads the arrays' metadata: may find damage too
+        if meta["shards"] == layout.num_shards:
+            return ckpt.restore_partials(cursor, like, data_sharding(mesh))
+        return relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
+
+    for cursor in ckpt.candidates():  # newest first; a damaged one is set aside with a warning
+        meta = ckpt.read_meta(cursor)
+        partials = ckpt.try_restore(cursor, functools.partial(restore, cursor, meta))
+        if partials is None:
+            continue
+        _log.info(
+            "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
+            cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
+        )
+        return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
+    return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0, current)
 
 
 def relayout(combiner: Combiner, saved: PyTree, spec: PyTree, mesh: Mesh, num_shards: int) -> PyTree:
