@@ -266,6 +266,13 @@ class Checkpointer:
         """Blocks until every started save is on disk."""
         self._manager.wait_until_finished()
 
+    def abandon(self) -> None:
+        """Drops the manager without waiting for saves in flight (a peer is gone; they cannot finish).
+
+        Their temporary directories are removed when the job starts again.
+        """
+        self._manager = None
+
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources (idempotent)."""
         if self._manager is not None:

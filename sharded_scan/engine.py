@@ -32,7 +32,7 @@ from sharded_scan.layout import Layout, data_sharding, make_layout, replicated
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
-from sharded_scan.watchdog import Watchdog
+from sharded_scan.watchdog import Watchdog, is_peer_lost
 
 PyTree = Any
 _log = logging.getLogger(__name__)
@@ -262,6 +262,10 @@ def run_with_report(
         watch.check()
         if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
             ckpt.save(layout.num_rows, steps_before + steps, partials, meta)
+    except Exception as e:
+        if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
+            ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+        raise
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the saves in flight, also when the loop failed
