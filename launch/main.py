@@ -200,8 +200,8 @@ def run_job(
       sharded_scan.Preempted: SIGTERM arrived and a checkpoint was saved.
     """
     check_writable(workdir)
-    source = make_source(config.data)
     combiner = make_combiner(config.combiner)
+    source = make_source(config.data)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:

@@ -307,6 +307,7 @@ def scan_loop(
         for i, item in enumerate(batches):
             partials = step(partials, item.batch, np.int32(item.num_valid))
             watch.after_step(partials, item.cursor, item.num_valid)
+            jax.block_until_ready(partials)  # one step in flight: prefetch alone bounds memory
             steps, done = i + 1, item.cursor + item.num_valid
             if progress is not None:
                 progress(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))

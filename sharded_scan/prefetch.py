@@ -1,7 +1,22 @@
-"""Reads each step's rows on the host and places them on the devices ahead of use."""
+"""Reads each step's rows on the host and places them on the devices ahead of use.
+
+With ``prefetch=p > 0`` one daemon reader thread walks the steps in order: it reads
+this process's rows of a step from the source (``Layout.local_range``), builds the
+global step arrays with ``jax.make_array_from_process_local_data`` and puts them in a
+queue of at most ``p`` steps. While the devices fold step ``i``, steps ``i+1 .. i+p``
+are read and placed; the reader then waits, so host and device memory stay bounded by
+``p + 2`` steps whatever the dataset size. ``prefetch=0`` reads and places each step
+only when it is asked for, in the caller's thread.
+
+A reader error is raised in the caller: a :class:`UsageError` as it is, anything else
+as :class:`ReadError` chained to its cause. Closing the generator (end of loop, an
+exception or Ctrl-C in the caller) stops the reader and joins it.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -9,10 +24,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
-from sharded_scan.sources import Source
+from sharded_scan.sources import Source, aligned_empty
 
 PyTree = Any
+
+__all__ = ["DeviceBatch", "ReadError", "device_batches", "place", "read_local"]
+
+_POLL_S = 0.05       # how often blocked queue calls look at the stop flag
+_JOIN_S = 10.0       # the longest a close waits for a reader stuck in source.read
 
 
 class DeviceBatch(NamedTuple):
@@ -23,16 +44,30 @@ class DeviceBatch(NamedTuple):
     num_valid: int     # rows of the step that are real (the rest is zero padding)
 
 
+class ReadError(RuntimeError):
+    """Reading or placing a step failed in the reader thread; ``__cause__`` is the error."""
+
+
+class _Failed(NamedTuple):
+    cursor: int
+    error: BaseException
+
+
 def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
     """Reads this process's rows of the step at ``cursor``, zero-padded past the end."""
     start, stop = layout.local_range(cursor)
     rows = source.read(min(start, source.num_rows), min(stop, source.num_rows))
     short = stop - start - (min(stop, source.num_rows) - min(start, source.num_rows))
     if short:
-        rows = jax.tree.map(
-            lambda x: np.concatenate([x, np.zeros((short,) + x.shape[1:], x.dtype)]), rows
-        )
+        rows = jax.tree.map(lambda x: _padded(x, short), rows)
     return rows
+
+
+def _padded(x: np.ndarray, short: int) -> np.ndarray:
+    out = aligned_empty((len(x) + short,) + x.shape[1:], x.dtype)
+    out[: len(x)] = x
+    out[len(x) :] = 0
+    return out
 
 
 def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
@@ -46,13 +81,84 @@ def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
     )
 
 
+def _step(source: Source, layout: Layout, mesh: Mesh, cursor: int) -> DeviceBatch:
+    num_valid = min(layout.rows_per_step, layout.num_rows - cursor)
+    return DeviceBatch(cursor, place(read_local(source, layout, cursor), layout, mesh), num_valid)
+
+
+def _cursors(layout: Layout, cursor: int) -> range:
+    return range(cursor, layout.num_rows, layout.rows_per_step)
+
+
 def device_batches(
-    source: Source, layout: Layout, mesh: Mesh, cursor: int = 0, prefetch: int = 2
+    source: Source,
+    layout: Layout,
+    mesh: Mesh,
+    cursor: int = 0,
+    prefetch: int = 2,
+    state: dict[str, Any] | None = None,
 ) -> Iterator[DeviceBatch]:
-    """Yields every step from ``cursor`` on, placed on the devices."""
-    del prefetch  # TODO(streaming): reader thread and placement ahead of use.
-    while cursor < layout.num_rows:
-        rows = read_local(source, layout, cursor)
-        num_valid = min(layout.rows_per_step, layout.num_rows - cursor)
-        yield DeviceBatch(cursor, place(rows, layout, mesh), num_valid)
-        cursor += layout.rows_per_step
+    """Yields every step from ``cursor`` on, placed on the devices, ``prefetch`` steps ahead.
+
+    Args:
+      source: the rows.
+      layout: how rows map to steps, devices and processes.
+      mesh: the devices.
+      cursor: the first row (a step boundary); ``source.seek(cursor, state)`` runs first.
+      prefetch: steps read and placed ahead of the one the caller folds (0: none).
+      state: what ``source.state_at(cursor)`` gave when the checkpoint was taken.
+
+    Raises:
+      UsageError: the source cannot resume at ``cursor``, or it found bad data.
+      ReadError: reading failed otherwise; the cause is chained.
+    """
+    source.seek(cursor, state)
+    if prefetch == 0:
+        for c in _cursors(layout, cursor):
+            yield _step(source, layout, mesh, c)
+        return
+
+    ready: queue.Queue = queue.Queue(maxsize=prefetch)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def reader() -> None:
+        c = cursor
+        try:
+            for c in _cursors(layout, cursor):
+                if stop.is_set() or not put(_step(source, layout, mesh, c)):
+                    return
+            put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+            put(_Failed(c, e))
+
+    thread = threading.Thread(target=reader, name="sharded_scan-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item = ready.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            if isinstance(item, _Failed):
+                if isinstance(item.error, UsageError):
+                    raise item.error
+                start, stop_row = layout.local_range(item.cursor)
+                raise ReadError(
+                    f"reading rows [{start}, {min(stop_row, layout.num_rows)}) from {type(source).__name__} "
+                    f"failed: {type(item.error).__name__}: {item.error}"
+                ) from item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join(_JOIN_S)

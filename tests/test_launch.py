@@ -9,7 +9,9 @@ import pytest
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
 from launch.main import named_arrays, run_job
+from sharded_scan import distributed
 from tests import cli
+from tests.helpers import assert_usage_error
 
 CONFIGS = ["gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example"]
 
@@ -67,9 +69,7 @@ def test_named_arrays():
     [
         (["--config.typo=1"], ["'typo'", "not a field"]),
         (["--config.microbatch=abc"], ["microbatch", "abc"]),
-        (["--config.data.kind=npy"], ["data.path"]),
         (["--config=configs/nope.py"], ["configs/nope.py"]),
-        (["--num_processes=2"], ["--coordinator_address"]),
     ],
 )
 def test_bad_input_is_one_line_before_any_write(tmp_path, args, words):
@@ -78,6 +78,23 @@ def test_bad_input_is_one_line_before_any_write(tmp_path, args, words):
     for word in words:
         assert word in line, line
     assert not workdir.exists()
+
+
+def test_bad_config_values_and_partial_coordinator_flags_are_usage_errors(tmp_path):
+    config = quick("gram")
+    config.data.kind = "npy"
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["--config.data.path"])
+    config.data.kind = "parquet"
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["data.kind", "parquet"])
+    config = quick("gram")
+    config.combiner.name = "Nope"
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["Nope"])
+    config.combiner.name, config.combiner.kwargs = "Histogram", {"bins": 3, "rnage": (0, 1)}
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["Histogram", "rnage"])
+    assert not (tmp_path / "w").exists()
+    assert_usage_error(lambda: distributed.initialize(num_processes=2), ["--coordinator_address"])
+    assert_usage_error(lambda: distributed.initialize("127.0.0.1:1", 2, 2), ["process_id"])
+    assert distributed.initialize() == "single"  # no cluster here
 
 
 def test_missing_or_unwritable_workdir(tmp_path):

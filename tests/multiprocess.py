@@ -1,0 +1,176 @@
+"""Run a function in N local JAX processes of M CPU devices each, as N hosts would.
+
+Usage from a test::
+
+    from tests import multiprocess
+
+    def worker(n):                    # module level, importable as tests.test_x:worker
+        import jax, sharded_scan as ss
+        return ss.run(ss.Sum(), np.ones((n, 3)), mesh="data:-1").sum
+
+    results = multiprocess.run_processes("tests.test_x:worker", 2, 2, kwargs={"n": 10})
+    # results[i] is what process i returned (pickled back), i = jax.process_index()
+
+Each child is ``python -m tests.multiprocess`` started from the repository root. Before
+the backend starts it sets ``jax_num_cpu_devices=M``, then calls
+``jax.distributed.initialize('127.0.0.1:PORT', N, i)`` on a fresh free port with short
+heartbeat and shutdown timeouts (so a dead peer ends the others in seconds, not
+minutes), imports ``module:function``, calls it with ``kwargs`` and pickles the return
+value. ``run_processes`` raises ``AssertionError`` with every child's exit code and
+output tail when one fails or the timeout passes, and kills every child in a
+``finally`` whatever happens. For tests that kill or restart processes themselves,
+``spawn`` starts them and ``kill_all`` ends them (call it in a ``finally``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEARTBEAT_S = 5
+INIT_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    target: str,
+    num_processes: int,
+    devices_per_process: int,
+    outdir: str,
+    kwargs: dict[str, Any] | None = None,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen]:
+    """Starts the processes; process ``i`` pickles its result to ``outdir/result-i.pkl``.
+
+    Output goes to ``outdir/log-i.txt``. The caller must end them (``kill_all``).
+    """
+    port = port or free_port()
+    with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
+        pickle.dump(kwargs or {}, f)
+    child_env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
+    procs = []
+    for i in range(num_processes):
+        cmd = [sys.executable, "-m", "tests.multiprocess", f"--target={target}", f"--outdir={outdir}",
+               f"--num_processes={num_processes}", f"--process_id={i}",
+               f"--devices_per_process={devices_per_process}", f"--port={port}"]
+        log = open(os.path.join(outdir, f"log-{i}.txt"), "wb")  # noqa: SIM115 - lives as long as the child
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """Kills every child still running and reaps it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+
+
+def _tail(outdir: str, i: int, chars: int = 3000) -> str:
+    try:
+        with open(os.path.join(outdir, f"log-{i}.txt"), errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return "(no output)"
+
+
+def run_processes(
+    target: str,
+    num_processes: int,
+    devices_per_process: int,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Runs ``module:function(**kwargs)`` in every process and returns their results.
+
+    Args:
+      target: ``"package.module:function"``, importable from the repository root.
+      num_processes: N processes, joined with ``jax.distributed``.
+      devices_per_process: M CPU devices in each.
+      kwargs: keyword arguments for the function (picklable).
+      timeout: seconds for all of them together.
+      env: extra environment variables.
+
+    Returns:
+      The return values, indexed by process id.
+
+    Raises:
+      AssertionError: a process failed or the timeout passed; the message holds each
+        process's exit code and output tail.
+    """
+    with tempfile.TemporaryDirectory(prefix="multiprocess-") as outdir:
+        procs = []
+        try:
+            procs = spawn(target, num_processes, devices_per_process, outdir, kwargs, env=env)
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(0.5)  # let the others print why, then stop
+                    break
+                time.sleep(0.05)
+            codes = [p.poll() for p in procs]
+            if any(c != 0 for c in codes):
+                report = "\n".join(f"--- process {i}: exit {c}\n{_tail(outdir, i)}" for i, c in enumerate(codes))
+                why = f"timed out after {timeout}s (exit None: still running)" if None in codes else "failed"
+                raise AssertionError(f"{target} {why}\n{report}")
+            results = []
+            for i in range(num_processes):
+                with open(os.path.join(outdir, f"result-{i}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+        finally:
+            kill_all(procs)
+
+
+def _child() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("target", "outdir"):
+        parser.add_argument(f"--{name}", required=True)
+    for name in ("num_processes", "process_id", "devices_per_process", "port"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    a = parser.parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", a.devices_per_process)
+    jax.distributed.initialize(
+        f"127.0.0.1:{a.port}", a.num_processes, a.process_id,
+        initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )
+    module, function = a.target.split(":")
+    with open(os.path.join(a.outdir, "kwargs.pkl"), "rb") as f:
+        kwargs = pickle.load(f)
+    result = getattr(importlib.import_module(module), function)(**kwargs)
+    with open(os.path.join(a.outdir, f"result-{a.process_id}.pkl.tmp"), "wb") as f:
+        pickle.dump(result, f)
+    os.replace(os.path.join(a.outdir, f"result-{a.process_id}.pkl.tmp"),
+               os.path.join(a.outdir, f"result-{a.process_id}.pkl"))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    _child()

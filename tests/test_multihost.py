@@ -1,0 +1,62 @@
+"""Multi-host slicing: 2 processes x 2 CPU devices give the result of 1 process x 4 devices."""
+
+import jax
+import numpy as np
+
+from tests import multiprocess
+from tests.helpers import f64, rel_err
+
+N, D = 1237, 6  # ragged against the 4 x 8 x 2 rows of a step
+
+
+def worker(npy: str, prefetch: int):
+    import jax
+
+    import sharded_scan as ss
+    from sharded_scan.sources import ArraySource, IteratorSource, NpySource, SyntheticSource
+
+    class Logged(NpySource):
+        def __init__(self, path):
+            super().__init__(path)
+            self.ranges = []
+
+        def read(self, start, stop):
+            self.ranges.append((start, stop))
+            return super().read(start, stop)
+
+    x = np.load(npy)
+    logged = Logged(npy)
+    kw = dict(mesh="data:-1", microbatch=8, steps_per_call=2, prefetch=prefetch)
+    results = {
+        "gram_npy": ss.run(ss.Gram(), logged, **kw),
+        "sum_array": tuple(ss.run(ss.Sum(), ArraySource(x), **kw)),
+        "sum_xy": tuple(ss.run(ss.Sum(), SyntheticSource(N, D, seed=5, targets=True, chunk_rows=100), **kw)),
+        "gram_iterator": ss.run(ss.Gram(), IteratorSource([x[:500], x[500:501], x[501:]], N), **kw),
+    }
+    return {"process": jax.process_index(), "devices": jax.device_count(), "ranges": logged.ranges, **results}
+
+
+def test_two_processes_match_one_process_and_read_only_their_rows(tmp_path):
+    x = np.random.default_rng(0).normal(size=(N, D)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    kwargs = {"npy": str(tmp_path / "x.npy"), "prefetch": 2}
+    one = multiprocess.run_processes("tests.test_multihost:worker", 1, 4, kwargs=kwargs, timeout=90)
+    two = multiprocess.run_processes("tests.test_multihost:worker", 2, 2, kwargs=kwargs, timeout=90)
+
+    assert [r["process"] for r in two] == [0, 1] and all(r["devices"] == 4 for r in one + two)
+    assert rel_err(one[0]["gram_npy"], f64(x).T @ f64(x)) < 1e-5
+    for key in ("gram_npy", "sum_array", "sum_xy", "gram_iterator"):
+        want = jax.tree.leaves(one[0][key])
+        for r in two:
+            got = jax.tree.leaves(r[key])
+            assert len(got) == len(want) > 0
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=key)
+
+    # Each step has 4 blocks of 16 rows; process p reads blocks 2p, 2p+1 of every step only.
+    step, half = 64, 32
+    for p, r in enumerate(two):
+        want = [(c + p * half, min(c + (p + 1) * half, N)) for c in range(0, N, step) if c + p * half < N]
+        got = [(a, b) for a, b in r["ranges"] if b > a]
+        assert got == want, p
+    assert one[0]["ranges"][: 2] == [(0, 64), (64, 128)]

@@ -1,0 +1,153 @@
+"""Prefetch: results unchanged, lookahead bounded, reader errors surface, the thread always ends."""
+
+import _thread
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.layout import make_layout
+from sharded_scan.mesh import make_mesh
+from sharded_scan.prefetch import ReadError, device_batches
+from sharded_scan.sources import ArraySource
+from tests.helpers import f64, rel_err
+
+READER = "sharded_scan-reader"
+
+
+def rows(n, d=4):
+    return np.random.default_rng(0).normal(size=(n, d)).astype(np.float32)
+
+
+def readers():
+    return [t for t in threading.enumerate() if t.name == READER]
+
+
+class Spy(ArraySource):
+    """Records reads; optionally fails at a row, or blocks until released."""
+
+    def __init__(self, x, fail_at=None, block_at=None):
+        super().__init__(x)
+        self.reads, self.fail_at, self.block_at = [], fail_at, block_at
+        self.blocked, self.release = threading.Event(), threading.Event()
+
+    def read(self, start, stop):
+        self.reads.append(start)
+        if self.fail_at is not None and start >= self.fail_at:
+            raise OSError(f"disk gone at row {start}")
+        if self.block_at is not None and start >= self.block_at:
+            self.blocked.set()
+            self.release.wait(30)
+        return super().read(start, stop)
+
+
+def batches(src, prefetch, mb=4):
+    mesh = make_mesh("data:2")
+    return device_batches(src, make_layout(src.num_rows, mesh, mb, 1), mesh, 0, prefetch)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+def test_prefetch_does_not_change_the_result(prefetch):
+    x = rows(203)
+    got = ss.run(ss.Gram(), Spy(x), mesh="data:8", microbatch=4, steps_per_call=2, prefetch=prefetch)
+    assert rel_err(got, f64(x).T @ f64(x)) < 1e-5
+    assert not readers()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_host_never_reads_more_than_prefetch_ahead(prefetch):
+    src = Spy(rows(400))  # 50 steps of 8 rows
+    it = batches(src, prefetch)
+    first = next(it)
+    assert first.cursor == 0 and first.num_valid == 8
+    bound = 1 if prefetch == 0 else prefetch + 2  # queued + one being placed + the one handed out
+    deadline = time.monotonic() + 2
+    while len(src.reads) < bound and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # room to overshoot, if it could
+    assert len(src.reads) <= bound
+    assert len(src.reads) == bound or prefetch == 0
+    it.close()
+    assert not readers()
+
+
+def test_reader_error_surfaces_with_its_cause():
+    src = Spy(rows(80), fail_at=40)
+    got = []
+    with pytest.raises(ReadError, match=r"rows \[40, 48\) from Spy failed: OSError: disk gone") as info:
+        for item in batches(src, 2):
+            got.append(item.cursor)
+    assert isinstance(info.value.__cause__, OSError)
+    assert got == [0, 8, 16, 24, 32]  # every step before the failure arrived, in order
+    assert not readers()
+
+
+def test_reader_error_surfaces_from_run():
+    with pytest.raises(ReadError) as info:
+        ss.run(ss.Sum(), Spy(rows(80), fail_at=16), mesh="data:2", microbatch=4, steps_per_call=1)
+    assert isinstance(info.value.__cause__, OSError)
+    assert not readers()
+
+
+def test_reader_usage_error_is_raised_as_is():
+    class Bad(ArraySource):
+        def read(self, start, stop):
+            raise ss.UsageError("row 3 is corrupt; fix the file.")
+
+    with pytest.raises(ss.UsageError, match="corrupt"):
+        list(batches(Bad(rows(40)), 2))
+    assert not readers()
+
+
+def test_closing_early_stops_the_reader():
+    src = Spy(rows(4000))
+    it = batches(src, 2)
+    next(it)
+    it.close()
+    assert not readers()
+    assert len(src.reads) <= 4
+
+
+def test_error_in_the_consumer_stops_the_reader():
+    def boom(progress):
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        ss.run(ss.Sum(), Spy(rows(400)), mesh="data:2", microbatch=4, steps_per_call=1, progress=boom)
+    assert not readers()
+
+
+def test_ctrl_c_while_the_reader_is_blocked_stops_promptly():
+    src = Spy(rows(400), block_at=16)
+    it = batches(src, 2)
+    next(it)
+    next(it)
+
+    main = threading.main_thread().ident
+
+    def waiting_in_the_generator():
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code.co_name != "device_batches":
+            frame = frame.f_back
+        return frame is not None
+
+    def interrupt():
+        src.blocked.wait(5)
+        deadline = time.monotonic() + 5
+        while not waiting_in_the_generator() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _thread.interrupt_main()
+        time.sleep(0.2)
+        src.release.set()  # the stuck read returns, so the join completes
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in it:  # waits on the empty queue: the read of row 16 is stuck
+                pass
+    finally:
+        src.release.set()
+    assert not readers()

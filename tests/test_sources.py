@@ -1,0 +1,248 @@
+"""Sources: every kind against the in-memory rows, ragged ranges, validation, resuming."""
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import sharded_scan as ss
+from sharded_scan import sources
+from sharded_scan.sources import (
+    ArraySource,
+    IteratorSource,
+    NpyShardsSource,
+    NpySource,
+    SyntheticSource,
+    TreeSource,
+    ZarrSource,
+    as_source,
+)
+from tests.helpers import f64, rel_err
+
+N = 101  # prime: ragged against every step size below
+
+
+def rows(n=N, d=3, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).normal(size=(n, d)).astype(dtype)
+
+
+def write_zarr(path, x, driver="zarr"):
+    store = ts.open(
+        {"driver": driver, "kvstore": {"driver": "file", "path": str(path)}},
+        create=True, dtype=ts.dtype(x.dtype.name), shape=list(x.shape),
+    ).result()
+    store.write(x).result()
+
+
+class Batches:
+    """A re-iterable of ragged batches that exposes its state (resumable)."""
+
+    def __init__(self, x, sizes):
+        self.x, self.sizes, self.next_batch = x, sizes, 0
+
+    def get_state(self):
+        return {"batch": self.next_batch}
+
+    def set_state(self, state):
+        self.next_batch = state["batch"]
+
+    def __iter__(self):
+        starts = np.cumsum([0] + self.sizes)
+        while self.next_batch < len(self.sizes):
+            b = self.next_batch
+            self.next_batch += 1
+            yield self.x[starts[b] : starts[b + 1]]
+        self.next_batch = 0
+
+
+SIZES = [1, 7, 30, 2, 50, 11]  # sums to N
+
+
+def make(kind, tmp_path, x):
+    if kind == "array":
+        return ArraySource(x)
+    if kind == "npy":
+        np.save(tmp_path / "x.npy", x)
+        return NpySource(tmp_path / "x.npy")
+    if kind == "shards":
+        for i, part in enumerate(np.split(x, [5, 6, 60])):
+            np.save(tmp_path / f"part-{i:02d}.npy", part)
+        return NpyShardsSource(tmp_path)
+    if kind == "zarr":
+        write_zarr(tmp_path / "x.zarr", x)
+        return ZarrSource(tmp_path / "x.zarr")
+    if kind == "zarr3":
+        write_zarr(tmp_path / "x3.zarr", x, "zarr3")
+        return ZarrSource(tmp_path / "x3.zarr")
+    if kind == "iterator":
+        return IteratorSource(Batches(x, SIZES), N)
+    raise AssertionError(kind)
+
+
+KINDS = ["array", "npy", "shards", "zarr", "zarr3", "iterator"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reads_match_the_array(kind, tmp_path):
+    x = rows()
+    src = make(kind, tmp_path, x)
+    assert src.num_rows == N and src.spec.shape == (3,) and src.spec.dtype == np.float32
+    for start, stop in [(0, 1), (1, 6), (6, 6), (6, 59), (59, 60), (60, 101), (101, 101)]:
+        np.testing.assert_array_equal(src.read(start, stop), x[start:stop])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_run_over_each_source_matches_float64(kind, mesh, tmp_path):
+    x = rows()
+    got = ss.run(ss.Gram(), make(kind, tmp_path, x), mesh=mesh, microbatch=4, steps_per_call=2)
+    assert rel_err(got, f64(x).T @ f64(x)) < 1e-5
+
+
+def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
+    x = rows(1000, 4)
+    np.save(tmp_path / "x.npy", x)
+    src = NpySource(tmp_path / "x.npy")
+    maps = []
+    real = np.memmap
+
+    def spy(path, dtype, mode, offset, shape):
+        maps.append((offset, shape))
+        return real(path, dtype, mode, offset, shape)
+
+    monkeypatch.setattr(sources.np, "memmap", spy)
+    np.testing.assert_array_equal(src.read(300, 307), x[300:307])
+    header = (tmp_path / "x.npy").stat().st_size - x.nbytes
+    assert maps == [(header + 300 * 16, (7, 4))]
+    assert not isinstance(src.read(0, 2), real)  # a copy: the map is gone
+
+
+@pytest.mark.parametrize("kind", ["npy", "shards"])
+def test_file_reads_are_aligned_for_zero_copy_placement(kind, tmp_path):
+    src = make(kind, tmp_path, rows())
+    for start, stop in [(0, 1), (3, 70), (1, 101)]:
+        assert src.read(start, stop).ctypes.data % sources.ALIGN == 0
+
+
+def test_synthetic_rows_do_not_depend_on_how_they_are_read():
+    src = SyntheticSource(1000, 5, seed=3, chunk_rows=64)
+    whole = src.read(0, 1000)
+    assert whole.shape == (1000, 5) and whole.dtype == np.float32
+    pieces = np.concatenate([src.read(a, b) for a, b in [(0, 1), (1, 63), (63, 64), (64, 500), (500, 1000)]])
+    np.testing.assert_array_equal(pieces, whole)
+    np.testing.assert_array_equal(SyntheticSource(1000, 5, seed=3, chunk_rows=64).read(130, 131), whole[130:131])
+    assert not np.array_equal(SyntheticSource(1000, 5, seed=4, chunk_rows=64).read(0, 10), whole[:10])
+    assert abs(whole.mean()) < 0.1 and abs(whole.std() - 1) < 0.1
+
+
+def test_synthetic_targets_follow_a_hidden_linear_model():
+    src = SyntheticSource(4000, 3, seed=1, targets=True, noise=0.01, chunk_rows=500)
+    x, y = src.read(0, 4000)
+    assert y.shape == (4000,)
+    design = np.c_[f64(x), np.ones(4000)]
+    fit = np.linalg.lstsq(design, f64(y), rcond=None)[0]
+    np.testing.assert_allclose(fit[:3], src.coef, atol=1e-2)
+    np.testing.assert_allclose(fit[3], src.intercept, atol=1e-2)
+    xs, ys = src.read(1234, 1800)
+    np.testing.assert_array_equal(xs, x[1234:1800])
+    np.testing.assert_array_equal(ys, y[1234:1800])
+
+
+def test_pytree_of_sources_reads_together(tmp_path):
+    x, y = rows(), rows(d=1, seed=1)[:, 0]
+    np.save(tmp_path / "x.npy", x)
+    src = as_source((NpySource(tmp_path / "x.npy"), y))
+    assert isinstance(src, TreeSource)
+    got_x, got_y = src.read(10, 20)
+    np.testing.assert_array_equal(got_x, x[10:20])
+    np.testing.assert_array_equal(got_y, y[10:20])
+    result = ss.run(ss.Sum(), src, microbatch=4)
+    assert rel_err(result.sum[0], f64(x).sum(0)) < 1e-5 and rel_err(result.sum[1], f64(y).sum()) < 1e-5
+    with pytest.raises(ss.UsageError, match="different row counts"):
+        as_source((NpySource(tmp_path / "x.npy"), y[:-1]))
+
+
+def test_bad_inputs_are_one_line_usage_errors(tmp_path):
+    np.save(tmp_path / "scalar.npy", np.float32(1))
+    np.save(tmp_path / "strings.npy", np.array(["a", "b"]))
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(rows()))
+    (tmp_path / "junk.npy").write_bytes(b"not a numpy file")
+    (tmp_path / "shards").mkdir()
+    np.save(tmp_path / "shards" / "a.npy", rows(d=3))
+    np.save(tmp_path / "shards" / "b.npy", rows(d=4))
+    (tmp_path / "dtypes").mkdir()
+    np.save(tmp_path / "dtypes" / "a.npy", rows())
+    np.save(tmp_path / "dtypes" / "b.npy", rows(dtype=np.float64))
+    cases = [
+        (lambda: NpySource(tmp_path / "missing.npy"), "no such"),
+        (lambda: NpySource(tmp_path / "junk.npy"), "cannot read"),
+        (lambda: NpySource(tmp_path / "scalar.npy"), "scalar"),
+        (lambda: NpySource(tmp_path / "strings.npy"), "numeric"),
+        (lambda: NpySource(tmp_path / "fortran.npy"), "Fortran"),
+        (lambda: NpyShardsSource(tmp_path / "nothing-*.npy"), "no .npy shards"),
+        (lambda: NpyShardsSource(tmp_path / "shards"), "same features"),
+        (lambda: NpyShardsSource(tmp_path / "dtypes"), "same features and dtype"),
+        (lambda: ZarrSource(tmp_path / "missing.zarr"), "no such zarr"),
+        (lambda: ZarrSource(tmp_path / "shards"), "cannot open"),
+        (lambda: SyntheticSource(10, 0), "features"),
+        (lambda: SyntheticSource(10, 3, dtype="int32"), "float dtype"),
+        (lambda: SyntheticSource(10, 3, kind="cauchy"), "kind"),
+        (lambda: IteratorSource([np.array(["x"])], 1), "numeric"),
+        (lambda: IteratorSource(iter([]), 1), "no batch"),
+    ]
+    for build, match in cases:
+        with pytest.raises(ss.UsageError, match=match) as info:
+            build()
+        assert "\n" not in str(info.value)
+
+
+def test_truncated_npy_is_reported(tmp_path):
+    np.save(tmp_path / "x.npy", rows(100))
+    data = (tmp_path / "x.npy").read_bytes()
+    (tmp_path / "x.npy").write_bytes(data[:-50])
+    with pytest.raises(ss.UsageError, match="truncated"):
+        NpySource(tmp_path / "x.npy")
+
+
+def test_iterator_with_wrong_rows_fails_in_the_caller():
+    short = IteratorSource([rows(10)], 20)
+    with pytest.raises(ss.UsageError, match="ended at row 10"):
+        ss.run(ss.Sum(), short, microbatch=4)
+    mixed = IteratorSource([rows(10), rows(10, d=4)], 20)
+    with pytest.raises(ss.UsageError, match="expected"):
+        ss.run(ss.Sum(), mixed, microbatch=4)
+
+
+def test_non_resumable_iterator_says_so():
+    src = IteratorSource(iter([rows(10), rows(10)]), 20)
+    assert not src.resumable and src.sequential
+    with pytest.raises(ss.UsageError, match="not resumable") as info:
+        src.seek(8)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ss.UsageError, match="not resumable"):
+        src.state_at(8)
+    src.seek(0)  # from the start is fine while nothing was read
+    np.testing.assert_array_equal(src.read(0, 20), np.concatenate([rows(10), rows(10)]))
+    with pytest.raises(ss.UsageError, match="one-shot"):
+        src.seek(0)
+
+
+def test_resumable_iterator_resumes_at_any_row():
+    x = rows()
+    src = IteratorSource(Batches(x, SIZES), N)
+    assert src.resumable
+    for cursor in [0, 1, 8, 37, 38, 100, 101]:
+        src.seek(0)
+        src.read(0, min(cursor + 5, N))  # reads past the cursor, as a reader thread does
+        state = src.state_at(cursor)
+        fresh = IteratorSource(Batches(x, SIZES), N)
+        fresh.seek(cursor, state)
+        np.testing.assert_array_equal(fresh.read(cursor, N), x[cursor:])
+
+
+def test_iterator_reads_forward_only_and_may_skip():
+    x = rows()
+    src = IteratorSource(Batches(x, SIZES), N)
+    np.testing.assert_array_equal(src.read(3, 9), x[3:9])
+    np.testing.assert_array_equal(src.read(40, 41), x[40:41])
+    with pytest.raises(ValueError, match="forward only"):
+        src.read(10, 12)
