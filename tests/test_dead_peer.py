@@ -11,7 +11,7 @@ import sharded_scan as ss
 from configs import gram
 from launch.data import make_source
 from launch.processes import commands, free_port
-from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED
+from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, Watchdog
 from tests import cli
 
 ROWS = 60000  # 64 rows per step on 2 devices: ~940 steps, a checkpoint every 50
@@ -77,3 +77,20 @@ def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
     one_line(tmp_path / "log0", ["process 0 of 2", "no step finished", f"step_timeout {timeout} s", "stuck",
                                  "rerun the same command"])
     assert cli.checkpoints(workdir)  # the last complete checkpoint is there to resume from
+
+
+def test_watchdog_fires_only_when_beats_stop():
+    fired = []
+    with Watchdog(0.4, on_stall=fired.append) as dog:
+        for _ in range(8):  # 0.8 s of steady beats: no stall
+            time.sleep(0.1)
+            dog.beat("after row 7")
+        assert not fired
+        time.sleep(1.5)
+    assert len(fired) == 1 and "no step finished" in fired[0] and "after row 7" in fired[0], fired
+
+
+def test_run_with_a_step_timeout_gives_the_same_result():
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    watched = ss.run(ss.Gram(), x, microbatch=2, step_timeout=60)
+    np.testing.assert_array_equal(watched, ss.run(ss.Gram(), x, microbatch=2))
