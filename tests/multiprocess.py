@@ -29,24 +29,18 @@ import contextlib
 import importlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from launch.processes import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 5
 INIT_TIMEOUT_S = 60
 SHUTDOWN_TIMEOUT_S = 10
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(
