@@ -31,6 +31,7 @@ from sharded_scan import distributed
 from sharded_scan.checkpoint import CheckpointOptions, check_writable
 from sharded_scan.engine import Progress, RunReport, run_with_report
 from sharded_scan.errors import UsageError
+from sharded_scan.watchdog import EXIT_PEER_LOST, RESUME_HINT, abort, is_peer_lost
 
 jax.config.config_with_absl()
 
@@ -50,6 +51,10 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
 _SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
     "shutdown_timeout", distributed.DEFAULT_SHUTDOWN_TIMEOUT,
     "Seconds a finishing process waits for the others at shutdown.",
+)
+_STEP_TIMEOUT = flags.DEFINE_float(
+    "step_timeout", 900.0,
+    "Seconds without a finished step after which a process stops with one line (a stuck peer); 0 for off.",
 )
 
 EXIT_USAGE = 2
@@ -182,7 +187,9 @@ def write_outputs(workdir: str, result: Any, record: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(workdir, "summary.json"))
 
 
-def run_job(config: Any, workdir: str, started_as: str = "single") -> tuple[Any, dict[str, Any]]:
+def run_job(
+    config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Runs the job ``config`` describes with checkpoints in ``workdir``; writes the outputs.
 
     Returns:
@@ -210,6 +217,7 @@ def run_job(config: Any, workdir: str, started_as: str = "single") -> tuple[Any,
         combiner, source, mesh=config.mesh, microbatch=config.microbatch, steps_per_call=config.steps_per_call,
         prefetch=config.prefetch, logical_shards=config.logical_shards, nan_policy=config.nan_policy,
         compensated=config.compensated, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds),
+        step_timeout=step_timeout,
     )
     record = summary(report, source, config, started_as)
     if jax.process_index() == 0:
@@ -234,12 +242,17 @@ def main(argv: list[str]) -> None:
             "process %d of %d (%s), %d devices: %s", jax.process_index(), jax.process_count(), started_as,
             jax.device_count(), jax.devices()[0].platform,
         )
-        _, record = run_job(config, workdir, started_as)
+        _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None)
     except UsageError as e:
         fail(str(e))
     except distributed.Preempted as e:
         print(str(e), flush=True)
         sys.exit(0)
+    except Exception as e:
+        if jax.process_count() > 1 and is_peer_lost(e):  # one line, and no shutdown barrier to abort in
+            abort(f"process {jax.process_index()} of {jax.process_count()} lost a peer ({one_line(e)[:160]}); "
+                  f"{RESUME_HINT}.", EXIT_PEER_LOST)
+        raise
     if jax.process_index() == 0:
         logging.info(
             "done: %d rows in %.2f s (%.3g rows/s) on %d devices; wrote %s",

@@ -69,8 +69,8 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
             if failed and not status:
                 status = _status(failed[0].returncode)
                 with lock:
-                    print(f"[local] process {procs.index(failed[0])} exited with {status}; stopping the others",
-                          flush=True)
+                    print(f"[local] process {procs.index(failed[0])} {_how(failed[0].returncode)}; stopping the "
+                          "others; rerun the same command to resume from the last checkpoint", flush=True)
                 break
             if terminated_at and time.monotonic() - terminated_at[0] > kill_after:
                 break
@@ -86,6 +86,12 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status or next((_status(p.returncode) for p in procs if p.returncode), 0)
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name} (status {128 - returncode})"
+    return f"exited with status {returncode}"
 
 
 def _status(returncode: int) -> int:

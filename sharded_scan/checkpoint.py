@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -29,8 +32,12 @@ import orbax.checkpoint as ocp
 from sharded_scan.errors import UsageError
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 PARTIALS, META = "partials", "meta"
+DAMAGED = "damaged"  # damaged checkpoints are moved here, never loaded
+# What orbax (0.12) writes into a step directory before it counts as complete.
+COMMIT_MARKER, STEP_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +126,65 @@ class Checkpointer:
         self.options = options
         self.directory = os.path.abspath(os.fspath(options.directory))
         check_writable(self.directory)
-        self._manager = ocp.CheckpointManager(
+        self.set_aside: list[str] = []
+        for name, problem in damaged_steps(self.directory):
+            self._set_aside(name, problem)
+        _barrier("sharded_scan_checkpoint_scan")
+        self._manager = self._open()
+        self.written = 0
+        self._last_step, self._last_time = 0, time.monotonic()
+
+    def _open(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=int(options.keep), create=True, cleanup_tmp_directories=True
+                max_to_keep=int(self.options.keep), create=True, cleanup_tmp_directories=True
             ),
             item_handlers={PARTIALS: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
         )
-        self.written = 0
-        self._last_step, self._last_time = 0, time.monotonic()
 
     def latest(self) -> int | None:
         """The cursor of the latest complete checkpoint, or None."""
         return self._manager.latest_step()
+
+    def candidates(self) -> Iterator[int]:
+        """Cursors to resume from, newest first; each one :meth:`try_restore` set aside drops out."""
+        while (cursor := self.latest()) is not None:
+            yield cursor
+
+    def try_restore(self, cursor: int, restore: Callable[[], PyTree]) -> PyTree | None:
+        """``restore()``, or None after setting the checkpoint at ``cursor`` aside as damaged.
+
+        A UsageError (a checkpoint of another job) passes through: that is never skipped.
+
+        Every process gets the same answer: when one of them failed to read its part,
+        all of them set it aside and go on to the previous checkpoint.
+        """
+        try:
+            restored, problem = restore(), None
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+            restored, problem = None, " ".join(str(e).split())[:200] or type(e).__name__
+        if not _all_processes(problem is None):
+            self._manager.close()
+            self._set_aside(str(cursor), problem or "another process could not read it")
+            _barrier(f"sharded_scan_checkpoint_set_aside_{cursor}")
+            self._manager = self._open()
+            return None
+        return restored
+
+    def _set_aside(self, name: str, problem: str) -> None:
+        """Moves step directory ``name`` into ``damaged/`` (process 0) with a warning."""
+        target = os.path.join(self.directory, DAMAGED, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        _log.warning(
+            "skipping the damaged checkpoint %s in %s (%s); moved it to %s and using the one before it.",
+            name, self.directory, problem, target,
+        )
+        self.set_aside.append(name)
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(os.path.join(self.directory, name), target)
 
     def read_meta(self, cursor: int) -> dict[str, Any]:
         """The ``meta`` item of the checkpoint at ``cursor``."""
@@ -213,11 +266,72 @@ class Checkpointer:
         """Blocks until every started save is on disk."""
         self._manager.wait_until_finished()
 
+    def abandon(self) -> None:
+        """Drops the manager without waiting for saves in flight (a peer is gone; they cannot finish).
+
+        Their temporary directories are removed when the job starts again.
+        """
+        self._manager = None
+
     def close(self) -> None:
         """Waits for pending saves and releases orbax's resources (idempotent)."""
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def step_damage(step_dir: str) -> str | None:
+    """Why ``step_dir`` is not a complete checkpoint of ours (a phrase), or None.
+
+    Checks what can be checked without reading the arrays: orbax's commit marker and
+    step metadata, our ``meta`` item (JSON with a cursor and a fingerprint) and the
+    partials' tree metadata. A truncated array shows up only when it is read
+    (:meth:`Checkpointer.try_restore`).
+    """
+    needed = [COMMIT_MARKER, STEP_METADATA, os.path.join(META, "metadata"), os.path.join(PARTIALS, "_METADATA")]
+    for name in needed:
+        if not os.path.isfile(os.path.join(step_dir, name)):
+            return f"{name} is missing"
+    try:
+        meta = _read_json(os.path.join(step_dir, META, "metadata"))
+        _read_json(os.path.join(step_dir, STEP_METADATA))
+        _read_json(os.path.join(step_dir, PARTIALS, "_METADATA"))
+    except (OSError, ValueError) as e:
+        return f"unreadable metadata: {' '.join(str(e).split())[:120]}"
+    if not isinstance(meta, dict) or not {"cursor", "steps", "shards", "fingerprint"} <= set(meta):
+        return "meta lacks cursor, steps, shards or fingerprint"
+    if str(meta["cursor"]) != os.path.basename(step_dir):
+        return f"meta says cursor {meta['cursor']}"
+    return None
+
+
+def damaged_steps(directory: str) -> list[tuple[str, str]]:
+    """``(name, problem)`` for each step directory under ``directory`` that is damaged."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted((n for n in os.listdir(directory) if re.fullmatch(r"\d+", n)), key=int)
+    found = [(n, step_damage(os.path.join(directory, n))) for n in names]
+    return [(n, problem) for n, problem in found if problem is not None]
+
+
+def _all_processes(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def check_writable(directory: str) -> None:

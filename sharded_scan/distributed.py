@@ -102,6 +102,7 @@ def initialize(
             "(to auto-detect a TPU pod, SLURM or Open MPI job)."
         )
     if all(given):
+        check_address(coordinator_address)
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise UsageError(
                 f"process_id must be in [0, num_processes); got process_id={process_id}, "
@@ -116,6 +117,15 @@ def initialize(
         return "single"
     jax.distributed.initialize(**kwargs)
     return f"auto:{cluster}"
+
+
+def check_address(address: str) -> None:
+    """Raises UsageError unless ``address`` reads ``host:port`` with a port in 1..65535."""
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(
+            f"--coordinator_address must be host:port of process 0, e.g. 10.0.0.1:1234; got {address!r}."
+        )
 
 
 def _multi_controller() -> bool:

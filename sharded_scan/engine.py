@@ -33,6 +33,7 @@ from sharded_scan.layout import Layout, data_sharding, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
+from sharded_scan.watchdog import Watchdog, is_peer_lost
 
 PyTree = Any
 _log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ def run(
     compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
+    step_timeout: float | None = None,
 ) -> Any:
     """Reduces ``data`` with ``combiner`` over every device of ``mesh``.
 
@@ -276,6 +278,9 @@ def run(
         ``every_steps`` / ``every_seconds`` and at the end, and on SIGTERM saves and
         raises :class:`sharded_scan.Preempted`.
       progress: called with a :class:`Progress` after every step.
+      step_timeout: seconds; when no step finishes for that long (a stuck process or
+        peer), print one line and end the process with status 3
+        (:class:`sharded_scan.watchdog.Watchdog`). None (the default) for no watchdog.
 
     Returns:
       ``combiner.finalize`` of the merged accumulator: host numpy, the same on every
@@ -289,7 +294,7 @@ def run(
     return run_with_report(
         combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
         logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated, checkpoint=checkpoint,
-        progress=progress,
+        progress=progress, step_timeout=step_timeout,
     )[0]
 
 
@@ -306,8 +311,16 @@ def run_with_report(
     compensated: bool = True,
     checkpoint: Any = None,
     progress: Callable[[Progress], None] | None = None,
+    step_timeout: float | None = None,
 ) -> tuple[Any, RunReport]:
     """Like :func:`run`, and also returns a :class:`RunReport` of what the run did."""
+    if step_timeout is not None:  # the same run, watched from restore to result
+        with Watchdog(step_timeout) as dog:
+            return run_with_report(
+                combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
+                logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated,
+                checkpoint=checkpoint, progress=dog.wrap(progress),
+            )
     started = time.perf_counter()
     if not isinstance(combiner, Combiner):
         raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
@@ -336,6 +349,10 @@ def run_with_report(
         watch.check()
         if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
             ckpt.save(layout.num_rows, steps_before + steps, partials, meta)
+    except Exception as e:
+        if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
+            ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+        raise
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the saves in flight, also when the loop failed
@@ -415,21 +432,25 @@ def start_state(
     if ckpt is None:
         return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0)
     current = fingerprint(combiner, source, microbatch)
-    cursor = ckpt.latest()
-    if cursor is None:
-        return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0, current)
-    meta = ckpt.read_meta(cursor)
     like = jax.eval_shape(lambda: init_partials(combiner, source.spec, mesh, layout.num_shards))
-    ckpt.verify(meta, current, like)
-    if meta["shards"] == layout.num_shards:
-        partials = ckpt.restore_partials(cursor, like, data_sharding(mesh))
-    else:
-        partials = relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
-    _log.info(
-        "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
-        cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
-    )
-    return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
+
+    def restore(cursor: int, meta: dict) -> PyTree:
+        ckpt.verify(meta, current, like)  # reads the arrays' metadata: may find damage too
+        if meta["shards"] == layout.num_shards:
+            return ckpt.restore_partials(cursor, like, data_sharding(mesh))
+        return relayout(combiner, ckpt.restore_partials(cursor, like), source.spec, mesh, layout.num_shards)
+
+    for cursor in ckpt.candidates():  # newest first; a damaged one is set aside with a warning
+        meta = ckpt.read_meta(cursor)
+        partials = ckpt.try_restore(cursor, functools.partial(restore, cursor, meta))
+        if partials is None:
+            continue
+        _log.info(
+            "resuming from the checkpoint at row %d of %d (step %d, written by %d shards on %d devices) in %s",
+            cursor, layout.num_rows, meta["steps"], meta["shards"], meta["devices"], ckpt.directory,
+        )
+        return StartState(partials, int(meta["cursor"]), int(meta["steps"]), current, int(meta["cursor"]))
+    return StartState(init_partials(combiner, source.spec, mesh, layout.num_shards), 0, 0, current)
 
 
 def relayout(combiner: Combiner, saved: PyTree, spec: PyTree, mesh: Mesh, num_shards: int) -> PyTree:

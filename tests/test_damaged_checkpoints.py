@@ -1,0 +1,107 @@
+"""A damaged latest checkpoint is skipped with a warning, set aside and never loaded."""
+
+import glob
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.checkpoint import DAMAGED, damaged_steps
+
+KW = {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # 128 rows per step
+X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
+
+
+class CrashError(Exception):
+    pass
+
+
+def crash_at_step_5(p):
+    if p.step == 5:
+        raise CrashError
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """Checkpoints at cursors 256, 384, 512 of a Gram run that died in step 5, and the uninterrupted result."""
+    directory = tmp_path_factory.mktemp("crashed") / "ck"
+    options = ss.CheckpointOptions(str(directory), every_steps=1, keep=3)
+    with pytest.raises(CrashError):
+        ss.run(ss.Gram(), X, checkpoint=options, progress=crash_at_step_5, **KW)
+    assert sorted(int(n) for n in os.listdir(directory)) == [256, 384, 512]
+    return directory, ss.run(ss.Gram(), X, **KW)
+
+
+def no_commit_marker(step):
+    os.remove(step / "commit_success.txt")
+
+
+def no_step_metadata(step):
+    os.remove(step / "_CHECKPOINT_METADATA")
+
+
+def truncated_meta(step):
+    path = step / "meta" / "metadata"
+    path.write_text(path.read_text()[:10])
+
+
+def truncated_arrays(step):
+    files = [f for f in glob.glob(str(step / "partials" / "**" / "d" / "*"), recursive=True) if os.path.isfile(f)]
+    assert files
+    for f in files:
+        os.truncate(f, os.path.getsize(f) // 3)
+
+
+def emptied(step):
+    shutil.rmtree(step)
+    step.mkdir()
+
+
+def half_written(step):
+    """A save killed before orbax renamed its temporary directory."""
+    os.rename(step, step.with_name(f"{step.name}.orbax-checkpoint-tmp-1234"))
+
+
+DAMAGES = [no_commit_marker, no_step_metadata, truncated_meta, truncated_arrays, emptied, half_written]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__)
+def test_damaged_latest_is_skipped_and_the_previous_one_used(tmp_path, crashed, damage, caplog):
+    original, want = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    damage(directory / "512")
+    with caplog.at_level(logging.WARNING, logger="sharded_scan.checkpoint"):
+        got, report = ss.run_with_report(ss.Gram(), X, checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+    assert report.resumed_from_cursor == 384  # never the damaged 512
+    np.testing.assert_array_equal(got, want)  # bitwise: every row once
+    if damage is not half_written:  # orbax itself drops its temporary directories
+        warnings = [r.getMessage() for r in caplog.records if "damaged checkpoint 512" in r.getMessage()]
+        assert len(warnings) == 1 and "using the one before it" in warnings[0], caplog.text
+        assert [p.split("-")[0] for p in os.listdir(directory / DAMAGED)] == ["512"]
+    assert damaged_steps(str(directory)) == []
+
+
+def test_every_checkpoint_damaged_starts_afresh(tmp_path, crashed):
+    original, want = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    for cursor in (256, 384):
+        no_commit_marker(directory / str(cursor))
+    truncated_arrays(directory / "512")
+    got, report = ss.run_with_report(ss.Gram(), X, checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+    assert report.resumed_from_cursor is None and report.rows_this_run == len(X)
+    np.testing.assert_array_equal(got, want)
+    assert sorted(p.split("-")[0] for p in os.listdir(directory / DAMAGED)) == ["256", "384", "512"]
+
+
+def test_a_checkpoint_of_another_job_is_refused_not_skipped(tmp_path, crashed):
+    original, _ = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    with pytest.raises(ss.UsageError, match="different job"):
+        ss.run(ss.Gram(), X[:1000], checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+    assert sorted(os.listdir(directory)) == ["256", "384", "512"]

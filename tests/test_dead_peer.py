@@ -1,0 +1,96 @@
+"""Two launch.main processes as two hosts: a dead or stuck peer ends the other in one line."""
+
+import contextlib
+import json
+import signal
+import time
+
+import numpy as np
+
+import sharded_scan as ss
+from configs import gram
+from launch.data import make_source
+from launch.processes import commands, free_port
+from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, Watchdog
+from tests import cli
+
+ROWS = 60000  # 64 rows per step on 2 devices: ~940 steps, a checkpoint every 50
+ARGS = ("--config=configs/gram.py:quick", f"--config.data.num_rows={ROWS}", "--config.checkpoint.every_steps=50")
+HEARTBEAT_S = 5
+SLACK_S = 15
+
+
+@contextlib.contextmanager
+def two_processes(tmp_path, workdir, *extra, logs="log"):
+    """Both processes of the job (one CPU device each), killed on exit whatever happens."""
+    cmds = commands([*ARGS, f"--workdir={workdir}", *extra], 2, 1, free_port())
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(cli.started(cmd, tmp_path / f"{logs}{i}")) for i, cmd in enumerate(cmds)]
+
+
+def one_line(log_path, words):
+    out = log_path.read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
+def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path):
+    cli.needs_synthetic_source()
+    workdir = tmp_path / "w"
+    with two_processes(tmp_path, workdir, f"--heartbeat_timeout={HEARTBEAT_S}") as (survivor, victim):
+        cli.wait_for_checkpoint(workdir, survivor)
+        time.sleep(0.5)  # between saves: the survivor is stepping
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor.wait(timeout=HEARTBEAT_S + SLACK_S)
+        took = time.monotonic() - killed
+    assert survivor.returncode == EXIT_PEER_LOST, (tmp_path / "log0").read_text()[-3000:]
+    print(f"survivor exited {took:.2f} s after its peer was killed")
+    one_line(tmp_path / "log0", ["process 0 of 2", "lost a peer", "rerun the same command"])
+    # The same command on both processes resumes from the last checkpoint and finishes.
+    with two_processes(tmp_path, workdir, f"--heartbeat_timeout={HEARTBEAT_S}", logs="rerun") as procs:
+        assert [p.wait(timeout=cli.TIMEOUT) for p in procs] == [0, 0]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from_cursor"] is not None and summary["rows_this_run"] < ROWS
+    config = gram.get_config("quick")
+    config.data.num_rows = ROWS
+    want = ss.run(ss.Gram(), make_source(config.data), mesh="data:2", microbatch=16, steps_per_call=2)
+    np.testing.assert_array_equal(cli.result(workdir)["result"], want)  # every row once
+
+
+def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
+    cli.needs_synthetic_source()
+    workdir = tmp_path / "w"
+    timeout = 4
+    with two_processes(tmp_path, workdir, "--heartbeat_timeout=60", f"--step_timeout={timeout}") as (healthy, stuck):
+        cli.wait_for_checkpoint(workdir, healthy)
+        stuck.send_signal(signal.SIGSTOP)  # alive, holds its connections, never steps again
+        stopped = time.monotonic()
+        healthy.wait(timeout=timeout + SLACK_S)
+        took = time.monotonic() - stopped
+        stuck.send_signal(signal.SIGCONT)
+    assert healthy.returncode == EXIT_STALLED, (tmp_path / "log0").read_text()[-3000:]
+    print(f"watchdog ended the healthy process {took:.2f} s after its peer stopped")
+    one_line(tmp_path / "log0", ["process 0 of 2", "no step finished", f"step_timeout {timeout} s", "stuck",
+                                 "rerun the same command"])
+    assert cli.checkpoints(workdir)  # the last complete checkpoint is there to resume from
+
+
+def test_watchdog_fires_only_when_beats_stop():
+    fired = []
+    with Watchdog(0.4, on_stall=fired.append) as dog:
+        for _ in range(8):  # 0.8 s of steady beats: no stall
+            time.sleep(0.1)
+            dog.beat("after row 7")
+        assert not fired
+        time.sleep(1.5)
+    assert len(fired) == 1 and "no step finished" in fired[0] and "after row 7" in fired[0], fired
+
+
+def test_run_with_a_step_timeout_gives_the_same_result():
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    watched = ss.run(ss.Gram(), x, microbatch=2, step_timeout=60)
+    np.testing.assert_array_equal(watched, ss.run(ss.Gram(), x, microbatch=2))
