@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -240,21 +241,7 @@ class RunReport(NamedTuple):
     mesh: dict[str, int]
 
 
-def run(
-    combiner: Combiner,
-    data: Any,
-    *,
-    mesh: Mesh | str | None = None,
-    microbatch: int | None = DEFAULT_MICROBATCH,
-    steps_per_call: int = DEFAULT_STEPS_PER_CALL,
-    prefetch: int = 2,
-    logical_shards: int | None = None,
-    nan_policy: str = "propagate",
-    compensated: bool = True,
-    checkpoint: Any = None,
-    progress: Callable[[Progress], None] | None = None,
-    step_timeout: float | None = None,
-) -> Any:
+def run(combiner: Combiner, data: Any, **options: Any) -> Any:
     """Reduces ``data`` with ``combiner`` over every device of ``mesh``.
 
     Args:
@@ -291,11 +278,7 @@ def run(
         any compute.
       Preempted: SIGTERM arrived; a checkpoint was saved and rerunning resumes from it.
     """
-    return run_with_report(
-        combiner, data, mesh=mesh, microbatch=microbatch, steps_per_call=steps_per_call, prefetch=prefetch,
-        logical_shards=logical_shards, nan_policy=nan_policy, compensated=compensated, checkpoint=checkpoint,
-        progress=progress, step_timeout=step_timeout,
-    )[0]
+    return run_with_report(combiner, data, **options)[0]
 
 
 def run_with_report(
@@ -313,7 +296,7 @@ def run_with_report(
     progress: Callable[[Progress], None] | None = None,
     step_timeout: float | None = None,
 ) -> tuple[Any, RunReport]:
-    """Like :func:`run`, and also returns a :class:`RunReport` of what the run did."""
+    """Like :func:`run` (which documents every option), also returning a :class:`RunReport`."""
     if step_timeout is not None:  # the same run, watched from restore to result
         with Watchdog(step_timeout) as dog:
             return run_with_report(
@@ -468,3 +451,7 @@ def relayout(combiner: Combiner, saved: PyTree, spec: PyTree, mesh: Mesh, num_sh
     host = jax.tree.map(np.asarray, jax.jit(fold)(saved))
     sharding = data_sharding(mesh)
     return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host)
+
+
+# `run` takes exactly the options of `run_with_report`; show them to help() and IDEs.
+run.__signature__ = inspect.signature(run_with_report).replace(return_annotation=Any)
