@@ -99,21 +99,32 @@ def test_run_over_each_source_matches_float64(kind, mesh, tmp_path):
 
 
 def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
-    x = rows(1000, 4)
+    x = rows(1000, 4)  # 16-byte rows
     np.save(tmp_path / "x.npy", x)
     src = NpySource(tmp_path / "x.npy")
-    maps = []
-    real = np.memmap
-
-    def spy(path, dtype, mode, offset, shape):
-        maps.append((offset, shape))
-        return real(path, dtype, mode, offset, shape)
-
-    monkeypatch.setattr(sources.np, "memmap", spy)
-    np.testing.assert_array_equal(src.read(300, 307), x[300:307])
     header = (tmp_path / "x.npy").stat().st_size - x.nbytes
-    assert maps == [(header + 300 * 16, (7, 4))]
-    assert not isinstance(src.read(0, 2), real)  # a copy: the map is gone
+    copied, mapped = [], []
+    real_memmap, real_mmap = np.memmap, sources.mmap.mmap
+
+    def spy_memmap(path, dtype, mode, offset, shape):
+        copied.append((offset, shape))
+        return real_memmap(path, dtype, mode, offset, shape)
+
+    def spy_mmap(fileno, length, **kw):
+        mapped.append((kw["offset"], length))
+        return real_mmap(fileno, length, **kw)
+
+    monkeypatch.setattr(sources.np, "memmap", spy_memmap)
+    monkeypatch.setattr(sources.mmap, "mmap", spy_mmap)
+    # Row 300 starts on a 64-byte boundary: a zero-copy view of a map of just those rows.
+    np.testing.assert_array_equal(src.read(300, 307), x[300:307])
+    begin, end = header + 300 * 16, header + 307 * 16
+    [(offset, length)] = mapped
+    assert offset <= begin < offset + sources.mmap.ALLOCATIONGRANULARITY and offset + length == end
+    # Row 301 does not: those rows are copied out of a map of exactly them into an aligned array.
+    np.testing.assert_array_equal(src.read(301, 307), x[301:307])
+    assert copied == [(header + 301 * 16, (6, 4))]
+    assert not isinstance(src.read(0, 2), real_memmap)
 
 
 @pytest.mark.parametrize("kind", ["npy", "shards"])
