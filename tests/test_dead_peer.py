@@ -40,7 +40,10 @@ def one_line(log_path, words):
 def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path):
     cli.needs_synthetic_source()
     workdir = tmp_path / "w"
-    with two_processes(tmp_path, workdir, f"--heartbeat_timeout={HEARTBEAT_S}") as (survivor, victim):
+    # Saves far apart (~1 s of steps): the kill lands while the survivor steps. A peer that
+    # dies during a save's barrier is JAX's heartbeat abort (WORKSPACE.md, "When a job hangs").
+    sparse = (f"--heartbeat_timeout={HEARTBEAT_S}", "--config.checkpoint.every_steps=300")
+    with two_processes(tmp_path, workdir, *sparse) as (survivor, victim):
         cli.wait_for_checkpoint(workdir, survivor)
         time.sleep(0.5)  # between saves: the survivor is stepping
         victim.send_signal(signal.SIGKILL)
@@ -51,7 +54,7 @@ def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path)
     print(f"survivor exited {took:.2f} s after its peer was killed")
     one_line(tmp_path / "log0", ["process 0 of 2", "lost a peer", "rerun the same command"])
     # The same command on both processes resumes from the last checkpoint and finishes.
-    with two_processes(tmp_path, workdir, f"--heartbeat_timeout={HEARTBEAT_S}", logs="rerun") as procs:
+    with two_processes(tmp_path, workdir, *sparse, logs="rerun") as procs:
         assert [p.wait(timeout=cli.TIMEOUT) for p in procs] == [0, 0]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_cursor"] is not None and summary["rows_this_run"] < ROWS
