@@ -134,3 +134,53 @@ def test_pca_components_are_orthonormal_rows_sorted_by_variance():
 )
 def test_bad_input_is_one_clear_line(call, words):
     assert_usage_error(call, words)
+
+
+@pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments()])
+def test_padding_rows_never_become_the_reference_point(combiner):
+    # Padding first, holding huge values and NaN: the shift must come from real rows only.
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    x = rows(16, offset=1e4, seed=6)
+    batch = np.concatenate([np.full((5, 4), 3e38, np.float32), x[:8]])
+    batch[1] = np.nan
+    mask = np.arange(13) >= 5
+    acc = combiner.add(combiner.init(spec), batch, mask)
+    acc = combiner.add(acc, x[8:], np.ones(8, bool))
+    got = combiner.finalize(jax.device_get(acc))
+    if isinstance(combiner, ss.Moments):
+        check_moments(got, x, 0, tol=1e-6)
+    else:
+        check_covariance(got, x, 1, tol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments()])
+def test_a_micro_batch_without_real_rows_changes_nothing(combiner):
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    garbage = np.full((8, 4), np.nan, np.float32)
+    none = np.zeros(8, bool)
+    fresh = combiner.init(spec)
+    some = combiner.add(fresh, rows(8, offset=1e3), np.ones(8, bool))
+    for acc in (fresh, some):
+        after = combiner.add(acc, garbage, none)
+        for leaf_got, leaf_want in zip(jax.tree.leaves(after), jax.tree.leaves(acc), strict=True):
+            np.testing.assert_array_equal(leaf_got, leaf_want)
+
+
+def test_nan_in_a_real_row_propagates_to_its_column_like_numpy():
+    x = rows(203, offset=1e4, seed=7)
+    x[150, 2] = np.nan
+    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=16)
+    want = f64(x)
+    for name, value in zip(("mean", "var", "min", "max"), got[1:], strict=True):
+        expected = getattr(np, name)(want, axis=0)
+        assert np.isnan(value[2]) and np.isnan(expected[2])
+        assert rel_err(np.delete(value, 2), np.delete(expected, 2)) < 1e-6
+    cov = ss.run(ss.Covariance(), x, mesh="data:2", microbatch=16).cov
+    np.testing.assert_array_equal(np.isnan(cov), np.isnan(np.cov(want, rowvar=False)))
+
+
+def test_drifting_rows_far_from_zero_stay_accurate():
+    # Sorted rows: every micro-batch's mean is far from the first one's, and drifts.
+    x = np.sort(rows(2003, offset=1e4, seed=8), axis=0)
+    check_moments(ss.run(ss.Moments(), x, mesh="data:2", microbatch=32), x, 0, tol=1e-6)
+    check_covariance(ss.run(ss.Covariance(), x, mesh="data:2", microbatch=32), x, 1, tol=1e-6)

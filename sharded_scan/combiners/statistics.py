@@ -1,10 +1,13 @@
 """Stable second-order statistics: covariance, per-column moments, principal components.
 
 Each device keeps ``(count, shift, mean, M2)``: ``mean`` is measured from ``shift``, a
-value taken from the first rows the accumulator saw, so that float32 keeps the digits
-of the data's spread even when its mean is large (e.g. 1e4 + N(0, 1)). A micro-batch is
-centred on its own masked mean and combined with Chan's pairwise formula; partials are
-merged the same way. Nothing subtracts a square of sums from a sum of squares.
+value taken from the rows the accumulator saw, so that float32 keeps the digits of the
+data's spread even when its mean is large (e.g. 1e4 + N(0, 1)). A micro-batch is folded
+in one pass over its rows: shifted power sums of ``x - c`` (squares, or outer products
+for the covariance), with ``c`` the accumulator's running mean, so that ``x - c`` is
+small and the sums keep their digits; Chan's formula folds them in with O(d) work, and
+partials are merged with it too. Nothing subtracts a square of sums of raw values from
+a sum of their squares.
 """
 
 from __future__ import annotations
@@ -55,17 +58,59 @@ def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
     return CenteredAcc(n, shift, mean, m2)
 
 
-def centered_batch(x: jax.Array, mask: jax.Array, dtype, full: bool) -> CenteredAcc:
-    """One micro-batch's accumulator, centred on its own masked mean."""
+def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -> CenteredAcc:
+    """Folds a micro-batch's real rows into ``acc`` in one pass over them.
+
+    The rows are measured from the accumulator's mean ``c = shift + mean`` as
+    ``(x - shift) - mean``, so that ``c`` is never rounded (a fresh accumulator's
+    ``shift`` is the mean of a few of the micro-batch's real rows; after each fold TwoSum moves it onto
+    the running mean). With ``S1, S2`` their sum and sum of squares (outer products),
+    ``delta = S1 / n_b`` is the micro-batch's mean minus ``c`` and Chan's formula gives
+    ``M2 = M2_a + (S2 - S1 delta) + delta² n_a n_b / n``. An empty micro-batch
+    (no real row) leaves ``acc`` exactly as it was.
+    """
+    dtype = acc.m2.dtype
     x = x.astype(dtype)
-    count = row_count(mask)
-    nf = jnp.maximum(count, 1).astype(dtype)
-    shift = jnp.sum(masked(x, mask), axis=0) / nf          # rough mean: the reference point
-    centred = masked(x - shift, mask)
-    mean = jnp.sum(centred, axis=0) / nf                     # small and precise
-    dev = masked(centred - mean, mask)
-    m2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
-    return CenteredAcc(count, shift, mean, m2)
+    nb = row_count(mask)
+    shift = jnp.where(acc.count == 0, _rough_mean(acc.shift, x, mask, nb), acc.shift)
+    dev = masked((x - shift) - acc.mean, mask)
+    n = acc.count + nb
+    s1 = jnp.sum(dev, axis=0)
+    delta = s1 / jnp.maximum(nb, 1).astype(dtype)
+    s2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
+    weight = nb.astype(dtype) / jnp.maximum(n, 1).astype(dtype)
+    m2 = acc.m2 + (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (acc.count.astype(dtype) * weight)
+    moved, mean = _two_sum(shift, acc.mean + delta * weight)
+    some = nb > 0
+    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2)
+
+
+HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
+
+
+def _rough_mean(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
+    """A fresh accumulator's reference point, read from a few real rows, never padding.
+
+    The masked mean of the micro-batch's first ``HEAD_ROWS`` rows (a slice, not a pass
+    over the micro-batch); if those are all padding, its first real row; if it has no
+    real row, ``shift``.
+    """
+    head, head_mask = x[:HEAD_ROWS], mask[:HEAD_ROWS]
+    nh = row_count(head_mask)
+    mean = jnp.sum(masked(head, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
+    first = jnp.where(nb > 0, x[jnp.argmax(mask)], shift)
+    return jnp.where(nh > 0, mean, first)
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(hi, lo)`` with ``hi = fl(a + b)`` and ``hi + lo == a + b`` exactly (Knuth's TwoSum).
+
+    Moves ``shift`` onto the running mean, so the next micro-batch is measured from
+    the mean, and ``mean`` keeps only the residual digits.
+    """
+    hi = a + b
+    b_part = hi - a
+    return hi, (a - (hi - b_part)) + (b - b_part)
 
 
 def host_mean(acc: CenteredAcc) -> np.ndarray:
@@ -104,7 +149,7 @@ class Covariance(Combiner):
         return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
 
     def add(self, acc, batch, mask):
-        return centered_merge(acc, centered_batch(batch, mask, acc.m2.dtype, full=True), full=True)
+        return centered_fold(acc, batch, mask, full=True)
 
     def merge(self, a, b):
         return centered_merge(a, b, full=True)
@@ -152,12 +197,11 @@ class Moments(Combiner):
 
     def add(self, acc, batch, mask):
         x = batch.astype(acc.min.dtype)
-        part = MomentsAcc(
-            centered_batch(x, mask, acc.min.dtype, full=False),
-            jnp.min(masked(x, mask, jnp.inf), axis=0),
-            jnp.max(masked(x, mask, -jnp.inf), axis=0),
+        return MomentsAcc(
+            centered_fold(acc.centered, x, mask, full=False),
+            jnp.minimum(acc.min, jnp.min(masked(x, mask, jnp.inf), axis=0)),
+            jnp.maximum(acc.max, jnp.max(masked(x, mask, -jnp.inf), axis=0)),
         )
-        return self.merge(acc, part)
 
     def merge(self, a, b):
         return MomentsAcc(
