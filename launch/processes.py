@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from sharded_scan.watchdog import EXIT_PEER_LOST
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -65,7 +67,7 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
     status = 0
     try:
         while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
+            failed = sorted((p for p in procs if p.poll() not in (None, 0)), key=_blame)
             if failed and not status:
                 status = _status(failed[0].returncode)
                 with lock:
@@ -86,6 +88,13 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status or next((_status(p.returncode) for p in procs if p.returncode), 0)
+
+
+def _blame(proc: subprocess.Popen) -> int:
+    """Orders processes that ended at once: the cause (a signal, an error) before a peer-lost exit."""
+    if proc.returncode < 0:
+        return 0
+    return 2 if proc.returncode == EXIT_PEER_LOST else 1
 
 
 def _how(returncode: int) -> str:
