@@ -66,15 +66,16 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
-        while any(p.poll() is None for p in procs):
-            failed = sorted((p for p in procs if p.poll() not in (None, 0)), key=_blame)
-            if failed and not status:
+        while True:
+            running = [p for p in procs if p.poll() is None]
+            failed = sorted((p for p in procs if p.returncode not in (None, 0)), key=_blame)
+            if failed:
                 status = _status(failed[0].returncode)
                 with lock:
                     print(f"[local] process {procs.index(failed[0])} {_how(failed[0].returncode)}; stopping the "
                           "others; rerun the same command to resume from the last checkpoint", flush=True)
                 break
-            if terminated_at and time.monotonic() - terminated_at[0] > kill_after:
+            if not running or (terminated_at and time.monotonic() - terminated_at[0] > kill_after):
                 break
             time.sleep(0.05)
     finally:
@@ -87,7 +88,10 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
             t.join(timeout=5)
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return status or next((_status(p.returncode) for p in procs if p.returncode), 0)
+    if status:
+        return status
+    failed = sorted((p for p in procs if p.returncode), key=_blame)
+    return _status(failed[0].returncode) if failed else 0
 
 
 def _blame(proc: subprocess.Popen) -> int:
