@@ -49,7 +49,7 @@ def step_seconds(combiner, x: np.ndarray, repeats: int) -> float:
     """Best seconds for folding ``x`` with compiled steps (compile and merge excluded)."""
     mesh = ss.make_mesh()
     spec = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    layout = make_layout(len(x), mesh, engine.default_microbatch(spec), engine.DEFAULT_STEPS_PER_CALL)
+    layout = make_layout(len(x), mesh, *engine.resolve_chunking(spec))
     step = engine.build_step(combiner, mesh, layout)
     batches = list(device_batches(ArraySource(x), layout, mesh))
 

@@ -42,7 +42,7 @@ def main(names: list[str]) -> None:
         data = w.x if w.y is None else (w.x, w.y)
         source, mesh = as_source(data), ss.make_mesh(None)
         combiner = apply_policies(COMBINERS[w.kind]())
-        layout = make_layout(w.n, mesh, engine.default_microbatch(source.spec), engine.DEFAULT_STEPS_PER_CALL)
+        layout = make_layout(w.n, mesh, *engine.resolve_chunking(source.spec))
         partials = engine.init_partials(combiner, source.spec, mesh)
         rows = layout.rows_per_step
         batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), source.spec)

@@ -57,12 +57,13 @@ def _gram_rates(x: np.ndarray, configs: list[tuple[int, int, int]], repeats: int
 def sweep(quick: bool, repeats: int) -> dict:
     """Gram rate by (microbatch, steps_per_call), then by block; 64 MiB (quick: 16 MiB)."""
     widths = (256,) if quick else (32, 256, 1024)
-    steps = (8,) if quick else (2, 8, 32)
     out = {"megabytes": 8 if quick else 64, "points": [], "best": {}}
     for d in widths:
         x = aligned_rows(rows_for(out["megabytes"], d, 8 * 4096), d, seed=7)
-        block, mb0 = default_block(d), engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32))
+        block = default_block(d)
+        mb0, spc0 = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
         microbatches = (mb0 // 4, mb0) if quick else (mb0 // 4, mb0, mb0 * 4)
+        steps = (spc0,) if quick else sorted({2, 8, 32, spc0})
         points = _gram_rates(x, [(mb, s, block) for mb in microbatches for s in steps], repeats)
         top = max(points, key=lambda p: p["gflops"])
         blocks = sorted({b for b in (32, 64, 128, 256, 512, d) if b <= d} - {block})
@@ -71,14 +72,10 @@ def sweep(quick: bool, repeats: int) -> dict:
         points += _gram_rates(x, [(top["microbatch"], top["steps_per_call"], b) for b in blocks], repeats)
         out["points"] += points
         out["best"][str(d)] = max(points, key=lambda p: p["gflops"])
-    out["defaults"] = {
-        str(d): {
-            "microbatch": engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32)),
-            "steps_per_call": engine.DEFAULT_STEPS_PER_CALL,
-            "block": default_block(d),
-        }
-        for d in widths
-    }
+    out["defaults"] = {}
+    for d in widths:
+        microbatch, steps = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
+        out["defaults"][str(d)] = dict(microbatch=microbatch, steps_per_call=steps, block=default_block(d))
     return out
 
 
@@ -113,12 +110,12 @@ def host_overhead(quick: bool) -> list[dict]:
     steps = 3 if quick else 8
     for d in (256,) if quick else (32, 256, 1024):
         spec = jax.ShapeDtypeStruct((d,), np.float32)
-        mb = engine.default_microbatch(spec)
+        mb, spc = engine.resolve_chunking(spec)
         mesh = ss.make_mesh(None)
-        rows = aligned_rows(mesh.shape["data"] * mb * engine.DEFAULT_STEPS_PER_CALL, d, seed=8)
+        rows = aligned_rows(mesh.shape["data"] * mb * spc, d, seed=8)
         source = RepeatSource(rows, steps)
         combiner = apply_policies(ss.Gram())
-        layout = make_layout(source.num_rows, mesh, mb, engine.DEFAULT_STEPS_PER_CALL)
+        layout = make_layout(source.num_rows, mesh, mb, spc)
         step = engine.build_step(combiner, mesh, layout)
         placed = next(device_batches(source, layout, mesh, 0, 0))
 
@@ -145,7 +142,7 @@ def host_overhead(quick: bool) -> list[dict]:
         step_s, loop_s = timings["compiled"] / steps, timings["loop"] / steps
         host_s = max(loop_s - step_s, 0.0)
         out.append({
-            "d": d, "microbatch": mb, "steps_per_call": engine.DEFAULT_STEPS_PER_CALL, "steps": steps,
+            "d": d, "microbatch": mb, "steps_per_call": spc, "steps": steps,
             "step_seconds": step_s, "loop_seconds_per_step": loop_s, "host_seconds_per_step": host_s,
             "host_share": host_s / step_s,
         })
@@ -175,7 +172,7 @@ def communication() -> list[dict]:
     for name, combiner, spec, mesh_spec in cases:
         mesh = ss.make_mesh(mesh_spec)
         combiner = apply_policies(combiner)
-        layout = make_layout(1 << 20, mesh, engine.default_microbatch(spec), engine.DEFAULT_STEPS_PER_CALL)
+        layout = make_layout(1 << 20, mesh, *engine.resolve_chunking(spec))
         partials = engine.init_partials(combiner, spec, mesh)
         rows = layout.rows_per_step
         batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), spec)

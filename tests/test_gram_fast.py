@@ -48,11 +48,23 @@ def test_partials_and_merge_bytes_are_about_half(d):
     assert sizes["triangle"] < sizes["dense"]
 
 
-def test_default_microbatch_is_a_byte_budget():
+def test_default_microbatch_is_a_byte_budget_with_a_row_cap():
     mb = [engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32)) for d in (32, 256, 1024)]
-    assert mb == [engine.DEFAULT_MICROBATCH_BYTES // (4 * d) for d in (32, 256, 1024)]
+    assert mb[1:] == [engine.DEFAULT_MICROBATCH_BYTES // (4 * d) for d in (256, 1024)]
+    assert mb[0] == engine.MICROBATCH_RANGE[1] < engine.DEFAULT_MICROBATCH_BYTES // (4 * 32)
     tiny = engine.default_microbatch(jax.ShapeDtypeStruct((), np.int8))
     assert tiny == engine.MICROBATCH_RANGE[1]
+
+
+def test_default_steps_give_each_shard_a_byte_floor_per_step():
+    for d in (32, 256, 1024):
+        spec = jax.ShapeDtypeStruct((d,), np.float32)
+        mb, spc = engine.resolve_chunking(spec)
+        assert spc >= engine.MIN_STEPS_PER_CALL
+        assert mb * spc * 4 * d >= engine.STEP_BYTES_PER_SHARD
+        assert spc == engine.MIN_STEPS_PER_CALL or mb * (spc // 2) * 4 * d < engine.STEP_BYTES_PER_SHARD
+    assert engine.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32), 64, 3) == (64, 3)
+    assert engine.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32))[1] == 16
 
 
 def test_repeated_runs_reuse_the_compiled_step():
