@@ -30,7 +30,7 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import NonFiniteWatch, apply_policies
 from sharded_scan.distributed import Preempted, PreemptionWatch
 from sharded_scan.errors import UsageError
-from sharded_scan.layout import Layout, data_sharding, make_layout
+from sharded_scan.layout import Layout, check_positive_int, data_sharding, make_layout
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.prefetch import device_batches
 from sharded_scan.sources import as_source
@@ -69,15 +69,15 @@ def default_microbatch(spec: PyTree) -> int:
 def default_steps_per_call(spec: PyTree, microbatch: int) -> int:
     """Micro-batches per compiled step: ``MIN_STEPS_PER_CALL``, or the power of two that
     makes a step hold ``STEP_BYTES_PER_SHARD`` of rows per logical shard if that is more."""
-    if isinstance(microbatch, bool) or not isinstance(microbatch, (int, np.integer)) or microbatch <= 0:
-        return MIN_STEPS_PER_CALL  # make_layout names the bad microbatch
     micro_bytes = max(int(microbatch) * row_bytes(spec), 1)
     return int(max(MIN_STEPS_PER_CALL, 2 ** int(np.ceil(np.log2(max(STEP_BYTES_PER_SHARD / micro_bytes, 1))))))
 
 
 def resolve_chunking(spec: PyTree, microbatch: int | None = None, steps_per_call: int | None = None) -> tuple[int, int]:
     """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``."""
-    microbatch = default_microbatch(spec) if microbatch is None else microbatch
+    if microbatch is None:
+        microbatch = default_microbatch(spec)
+    check_positive_int("microbatch", microbatch)
     if steps_per_call is None:
         steps_per_call = default_steps_per_call(spec, microbatch)
     return microbatch, steps_per_call

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -69,6 +70,12 @@ class Layout:
         return cursor + first * self.rows_per_device, cursor + last * self.rows_per_device
 
 
+def check_positive_int(name: str, value: Any) -> None:
+    """Raises a one-line UsageError unless ``value`` is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}.")
+
+
 def make_layout(
     num_rows: int, mesh: Mesh, microbatch: int, steps_per_call: int, logical_shards: int | None = None
 ) -> Layout:
@@ -91,8 +98,7 @@ def make_layout(
     if logical_shards is not None:
         checks.append(("logical_shards", logical_shards))
     for name, value in checks:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}.")
+        check_positive_int(name, value)
     data_size = mesh.shape[DATA_AXIS]
     if logical_shards is not None and logical_shards % data_size:
         raise UsageError(
