@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
 
@@ -76,15 +77,17 @@ class Compensated(Combiner):
         delta = self.inner.add(jax.tree.map(jnp.zeros_like, acc.value), batch, mask)
 
         def kahan(s, c, d):
+            if isinstance(s, wide.Wide):  # exact; normalised so the limbs never grow
+                return wide.add(s, d), c
             if not _is_float(s):
                 return s + d, c
             y = d - c
             t = s + y
             return t, (t - s) - y
 
-        pairs = jax.tree.map(kahan, acc.value, acc.compensation, delta)
-        value = jax.tree.map(lambda s, p: p[0], acc.value, pairs)
-        compensation = jax.tree.map(lambda s, p: p[1], acc.value, pairs)
+        pairs = jax.tree.map(kahan, acc.value, acc.compensation, delta, is_leaf=wide.is_wide)
+        value = jax.tree.map(lambda s, p: p[0], acc.value, pairs, is_leaf=wide.is_wide)
+        compensation = jax.tree.map(lambda s, p: p[1], acc.value, pairs, is_leaf=wide.is_wide)
         return CompensatedAcc(value, compensation)
 
     def merge(self, a, b):

@@ -1,0 +1,92 @@
+"""Exact wide integers in 32-bit words: row counts and bin counts that never wrap.
+
+JAX without ``jax_enable_x64`` (and TPUs at any setting) has no 64-bit integers, and an
+int32 count wraps after 2^31 rows, a few minutes of a pod. A :class:`Wide` holds an
+integer array as ``LIMBS`` int32 limbs on a trailing axis: limb ``k`` weighs
+``2^(16 k)``; the lower limbs are kept in ``[0, 2^16)`` by :func:`add`, the top one is
+signed and holds the rest, so one :class:`Wide` holds integers of up to 63 bits and more.
+
+Partials may be summed leafwise (``psum``, a plain ``+``) without normalising: the lower
+limbs of up to 2^15 normalised partials still fit in int32, and :func:`to_int` reads
+limbs of any size exactly on the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIMB_BITS = 16
+LIMBS = 4  # 3 x 16 bits + a signed top limb: |value| < 2^79
+_MASK = (1 << LIMB_BITS) - 1
+
+
+class Wide(NamedTuple):
+    """An exact integer array: int32 ``limbs`` of shape ``(*shape, LIMBS)``."""
+
+    limbs: jax.Array
+
+
+def zeros(shape: tuple[int, ...] = (), limbs: int = LIMBS) -> Wide:
+    """Zero, of ``shape``."""
+    return Wide(jnp.zeros((*shape, limbs), jnp.int32))
+
+
+def normalize(w: Wide) -> Wide:
+    """Carries every lower limb into ``[0, 2^16)``; the value is unchanged."""
+    limbs = [w.limbs[..., k] for k in range(w.limbs.shape[-1])]
+    for k in range(len(limbs) - 1):
+        carry = limbs[k] >> LIMB_BITS  # arithmetic: floor division, also for negative limbs
+        limbs[k] = limbs[k] & _MASK
+        limbs[k + 1] = limbs[k + 1] + carry
+    return Wide(jnp.stack(limbs, axis=-1))
+
+
+def add(a: Wide, b: Wide) -> Wide:
+    """``a + b``, normalised (both normalised, or with limbs below 2^30)."""
+    return normalize(Wide(a.limbs + b.limbs))
+
+
+def of_int32(n: jax.Array, limbs: int = LIMBS) -> Wide:
+    """The int32 array ``n`` (any sign) as a normalised :class:`Wide`."""
+    n = jnp.asarray(n, jnp.int32)
+    parts = [n & _MASK, n >> LIMB_BITS] + [jnp.zeros_like(n)] * (limbs - 2)
+    return Wide(jnp.stack(parts, axis=-1))
+
+
+def add_int32(w: Wide, n: jax.Array) -> Wide:
+    """``w + n`` for an int32 array ``n`` broadcastable to ``w``'s shape (e.g. a row count)."""
+    return add(w, of_int32(jnp.broadcast_to(n, w.limbs.shape[:-1]), w.limbs.shape[-1]))
+
+
+def count_rows(w: Wide, mask: jax.Array) -> Wide:
+    """``w`` plus the number of True entries of ``mask`` (a micro-batch's real rows)."""
+    return add_int32(w, jnp.sum(mask, dtype=jnp.int32))
+
+
+def to_float(w: Wide, dtype=jnp.float32) -> jax.Array:
+    """The value in ``dtype`` on the device (rounded once per limb: for weights, not for reports)."""
+    out = jnp.zeros(w.limbs.shape[:-1], dtype)
+    for k in reversed(range(w.limbs.shape[-1])):
+        out = out * (1 << LIMB_BITS) + w.limbs[..., k].astype(dtype)
+    return out
+
+
+def to_int(w: Wide | np.ndarray) -> np.ndarray:
+    """The exact value on the host: int64, or Python ints (object) when it does not fit."""
+    limbs = np.asarray(w.limbs if isinstance(w, Wide) else w)
+    total = np.zeros(limbs.shape[:-1], object)
+    for k in reversed(range(limbs.shape[-1])):
+        total = np.asarray(total * (1 << LIMB_BITS) + limbs[..., k].astype(object), object)
+    info = np.iinfo(np.int64)
+    if all(info.min <= int(v) <= info.max for v in total.reshape(-1)):
+        return total.astype(np.int64)
+    return total
+
+
+def is_wide(x) -> bool:
+    """For ``jax.tree.map(..., is_leaf=is_wide)``: treat a :class:`Wide` as one leaf."""
+    return isinstance(x, Wide)
