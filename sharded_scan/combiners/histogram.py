@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, masked
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 
 
 class HistogramResult(NamedTuple):
-    """Counts ``(d, bins)`` (int64) and edges: ``(bins + 1,)``, or ``(d, bins + 1)`` per column."""
+    """Counts ``(d, bins)`` (int64, exact past 2^31) and edges: ``(bins + 1,)``, or ``(d, bins + 1)`` per column."""
 
     counts: np.ndarray
     edges: np.ndarray
@@ -77,10 +78,10 @@ class Histogram(AdditiveCombiner):
             )
 
     def init(self, spec):
-        return jnp.zeros((spec.shape[0], self.bins), jnp.int32)
+        return wide.zeros((spec.shape[0], self.bins))
 
     def add(self, acc, batch, mask):
-        d = acc.shape[0]
+        d = acc.limbs.shape[0]
         edges = self._edges(d)
         inner = jnp.asarray(_float32_at_least(edges[:, 1:-1]))    # (d, bins - 1)
         lo = jnp.asarray(_float32_at_least(edges[:, 0]))
@@ -90,10 +91,10 @@ class Histogram(AdditiveCombiner):
         keep = masked((x >= lo) & (x <= hi), mask, False)
         flat = (index + jnp.arange(d, dtype=index.dtype) * self.bins).reshape(-1)
         counts = jnp.zeros(d * self.bins, jnp.int32).at[flat].add(keep.reshape(-1).astype(jnp.int32))
-        return acc + counts.reshape(d, self.bins)
+        return wide.add_int32(acc, counts.reshape(d, self.bins))
 
     def finalize(self, acc):
-        counts = np.asarray(acc, np.int64)
+        counts = wide.to_int(acc)
         edges = self._edges(counts.shape[0])
         return HistogramResult(counts, edges if np.ndim(self.range) == 2 else edges[0])
 
