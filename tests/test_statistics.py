@@ -184,3 +184,26 @@ def test_drifting_rows_far_from_zero_stay_accurate():
     x = np.sort(rows(2003, offset=1e4, seed=8), axis=0)
     check_moments(ss.run(ss.Moments(), x, mesh="data:2", microbatch=32), x, 0, tol=1e-6)
     check_covariance(ss.run(ss.Covariance(), x, mesh="data:2", microbatch=32), x, 1, tol=1e-6)
+
+
+@pytest.mark.parametrize("value", [1e12, 3e19, -7.1, 0.0])
+def test_a_constant_column_has_exactly_zero_variance(value):
+    x = np.full((1000, 2), value, np.float32)
+    x[:, 1] = np.linspace(-1, 1, 1000)  # next to an ordinary column
+    for mesh, microbatch in (("data:1", 16), ("data:3", 7), ("data:8", None)):
+        moments = ss.run(ss.Moments(), x, mesh=mesh, microbatch=microbatch)
+        cov = ss.run(ss.Covariance(), x, mesh=mesh, microbatch=microbatch).cov
+        assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (mesh, moments.var, cov)
+        assert moments.mean[0] == np.float32(value)
+        assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
+
+
+def test_variances_are_never_negative():
+    # Columns of two neighbouring float32 values far from zero: deviations of one ulp.
+    base = np.float32(3e7)
+    x = np.where(np.random.default_rng(9).random((4001, 6)) < 0.999, base, np.nextafter(base, np.float32(np.inf)))
+    for mesh in ("data:1", "data:8"):
+        var = ss.run(ss.Moments(), x.astype(np.float32), mesh=mesh, microbatch=16).var
+        diag = np.diag(ss.run(ss.Covariance(), x.astype(np.float32), mesh=mesh, microbatch=16).cov)
+        assert (var >= 0).all() and (diag >= 0).all()
+        assert rel_err(var, f64(x).var(0)) < 1e-3

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
@@ -27,7 +28,7 @@ from sharded_scan.errors import UsageError
 class CenteredAcc(NamedTuple):
     """Rows seen, the reference point, the mean measured from it, and the centred M2."""
 
-    count: jax.Array  # int32 ()
+    count: wide.Wide  # rows, exact past 2^31
     shift: jax.Array  # (d,)
     mean: jax.Array   # (d,) mean - shift
     m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares
@@ -36,7 +37,7 @@ class CenteredAcc(NamedTuple):
 def centered_init(d: int, dtype, full: bool) -> CenteredAcc:
     """The identity: no rows."""
     zeros = jnp.zeros((d,), dtype)
-    return CenteredAcc(jnp.zeros((), jnp.int32), zeros, zeros, jnp.zeros((d, d) if full else (d,), dtype))
+    return CenteredAcc(wide.zeros(), zeros, zeros, jnp.zeros((d, d) if full else (d,), dtype))
 
 
 def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
@@ -45,14 +46,14 @@ def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
 
 def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
     """Chan's pairwise combination; exact identity when either side has no rows."""
-    n = a.count + b.count
-    a_empty, b_empty = a.count == 0, b.count == 0
+    n = wide.add(a.count, b.count)
+    a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     shift = jnp.where(a_empty, b.shift, a.shift)
     mean_a = a.mean + (a.shift - shift)   # the shifts are close, so their difference is exact
     mean_b = b.mean + (b.shift - shift)
     delta = mean_b - mean_a
-    na, nb = a.count.astype(delta.dtype), b.count.astype(delta.dtype)
-    nf = jnp.maximum(n, 1).astype(delta.dtype)
+    na, nb = wide.to_float(a.count, delta.dtype), wide.to_float(b.count, delta.dtype)
+    nf = jnp.maximum(wide.to_float(n, delta.dtype), 1)
     mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * (nb / nf)))
     m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * (nb / nf))
     return CenteredAcc(n, shift, mean, m2)
@@ -72,14 +73,16 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -
     dtype = acc.m2.dtype
     x = x.astype(dtype)
     nb = row_count(mask)
-    shift = jnp.where(acc.count == 0, _rough_mean(acc.shift, x, mask, nb), acc.shift)
+    fresh = wide.is_zero(acc.count)
+    shift = jnp.where(fresh, _rough_mean(acc.shift, x, mask, nb), acc.shift)
     dev = masked((x - shift) - acc.mean, mask)
-    n = acc.count + nb
+    n = wide.add_int32(acc.count, nb)
+    before = wide.to_float(acc.count, dtype)
     s1 = jnp.sum(dev, axis=0)
     delta = s1 / jnp.maximum(nb, 1).astype(dtype)
     s2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
-    weight = nb.astype(dtype) / jnp.maximum(n, 1).astype(dtype)
-    m2 = acc.m2 + (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (acc.count.astype(dtype) * weight)
+    weight = nb.astype(dtype) / jnp.maximum(before + nb.astype(dtype), 1)
+    m2 = acc.m2 + (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * weight)
     moved, mean = _two_sum(shift, acc.mean + delta * weight)
     some = nb > 0
     return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2)
@@ -91,15 +94,16 @@ HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many r
 def _rough_mean(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
     """A fresh accumulator's reference point, read from a few real rows, never padding.
 
-    The masked mean of the micro-batch's first ``HEAD_ROWS`` rows (a slice, not a pass
-    over the micro-batch); if those are all padding, its first real row; if it has no
-    real row, ``shift``.
+    The micro-batch's first real row plus the masked mean of its first ``HEAD_ROWS``
+    rows' differences from it (a slice, not a pass over the micro-batch): close to the
+    mean, and exactly the value of a column whose rows are all equal, so a constant
+    column's deviations are exactly 0 at any magnitude. With no real row, ``shift``.
     """
+    first = jnp.where(nb > 0, x[jnp.argmax(mask)], shift)
     head, head_mask = x[:HEAD_ROWS], mask[:HEAD_ROWS]
     nh = row_count(head_mask)
-    mean = jnp.sum(masked(head, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
-    first = jnp.where(nb > 0, x[jnp.argmax(mask)], shift)
-    return jnp.where(nh > 0, mean, first)
+    offset = jnp.sum(masked(head - first, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
+    return first + offset
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,6 +125,17 @@ def host_mean(acc: CenteredAcc) -> np.ndarray:
 def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
+
+
+def _nonnegative_diagonal(m2: np.ndarray) -> np.ndarray:
+    """``m2`` with its variances (the diagonal, or every entry of a vector) at least 0.
+
+    Rounding can leave a sum of squared deviations a few ulps below zero; NaN stays.
+    """
+    m2 = np.array(m2, np.float64)
+    diagonal = m2 if m2.ndim == 1 else np.einsum("ii->i", m2)
+    diagonal[diagonal < 0] = 0.0
+    return m2
 
 
 class CovarianceResult(NamedTuple):
@@ -155,8 +170,8 @@ class Covariance(Combiner):
         return centered_merge(a, b, full=True)
 
     def finalize(self, acc):
-        count = int(acc.count)
-        return CovarianceResult(np.int64(count), host_mean(acc), _divide(acc.m2, count - self.ddof))
+        count = wide.to_int(acc.count)
+        return CovarianceResult(count, host_mean(acc), _divide(_nonnegative_diagonal(acc.m2), count - self.ddof))
 
 
 class MomentsResult(NamedTuple):
@@ -209,11 +224,11 @@ class Moments(Combiner):
         )
 
     def finalize(self, acc):
-        count = int(acc.centered.count)
+        count = wide.to_int(acc.centered.count)
         return MomentsResult(
-            np.int64(count),
+            count,
             host_mean(acc.centered),
-            _divide(acc.centered.m2, count - self.ddof),
+            _divide(_nonnegative_diagonal(acc.centered.m2), count - self.ddof),
             np.asarray(acc.min),
             np.asarray(acc.max),
         )
