@@ -4,6 +4,8 @@ import re
 
 import numpy as np
 
+from bench.certified import run_x64  # noqa: F401  (float64 checks run in a subprocess)
+
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
@@ -35,32 +37,3 @@ def assert_usage_error(call, words) -> None:
     for word in words:
         assert word in message, (word, message)
 
-
-def run_x64(code: str, timeout: float = 300) -> dict:
-    """Runs ``code`` in a fresh Python with ``jax_enable_x64`` and 8 CPU devices; returns
-    the JSON object it prints on its last line (``emit(obj)`` prints one).
-
-    float64 checks need a process of their own: the engine reads rows on a thread, which
-    a ``jax.enable_x64()`` context would not reach (its rows would be narrowed).
-    """
-    import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    prelude = (
-        "import json, jax\n"
-        "jax.config.update('jax_enable_x64', True)\n"
-        "jax.config.update('jax_num_cpu_devices', 8)\n"
-        "def emit(obj):\n"
-        "    print(json.dumps(obj, default=float))\n"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
-        cwd=root, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -148,3 +148,15 @@ def test_int64_sums_and_float64_statistics_under_x64():
     assert got["sum"] == got["want"] and got["count"] == 3_000_000
     assert got["cov_err"] < 1e-15 and got["cov_dtype"] == "float64"  # float32 would be ~1e-7 off here
     assert got["var_err"] < 1e-9 and got["count2"] == 5000
+
+
+def test_regression_and_pca_factors_merge_counts_near_two_to_the_31():
+    from sharded_scan.combiners.solvers import SOLVERS
+
+    z = np.random.default_rng(2).normal(size=(16, 3)).astype(np.float32)
+    mask = np.ones(16, bool)
+    for name, make in SOLVERS.items():
+        solver = make(1)
+        acc = solver.add(solver.init(3, jnp.float32), jnp.asarray(z), mask)
+        acc = acc._replace(count=_count(NEAR))
+        assert solver.factor(jax.device_get(solver.merge(acc, acc))).count == 2 * NEAR, name

@@ -1,4 +1,4 @@
-"""Stable second-order statistics: covariance, per-column moments, principal components.
+"""Stable second-order statistics: covariance and per-column moments.
 
 Each device keeps ``(count, shift, mean, M2)``: ``mean`` is measured from ``shift``, a
 value taken from the rows the accumulator saw, so that float32 keeps the digits of the
@@ -22,7 +22,6 @@ import numpy as np
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.sums import check_matrix_spec
-from sharded_scan.errors import UsageError
 
 
 class CenteredAcc(NamedTuple):
@@ -31,13 +30,15 @@ class CenteredAcc(NamedTuple):
     count: wide.Wide  # rows, exact past 2^31
     shift: jax.Array  # (d,)
     mean: jax.Array   # (d,) mean - shift
-    m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares
+    m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares, less m2_lost
+    m2_lost: jax.Array  # Kahan compensation of m2 (many small micro-batches would drift by their count x eps)
 
 
 def centered_init(d: int, dtype, full: bool) -> CenteredAcc:
     """The identity: no rows."""
     zeros = jnp.zeros((d,), dtype)
-    return CenteredAcc(wide.zeros(), zeros, zeros, jnp.zeros((d, d) if full else (d,), dtype))
+    m2 = jnp.zeros((d, d) if full else (d,), dtype)
+    return CenteredAcc(wide.zeros(), zeros, zeros, m2, m2)
 
 
 def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
@@ -56,7 +57,7 @@ def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
     nf = jnp.maximum(wide.to_float(n, delta.dtype), 1)
     mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * (nb / nf)))
     m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * (nb / nf))
-    return CenteredAcc(n, shift, mean, m2)
+    return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost)
 
 
 def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -> CenteredAcc:
@@ -74,7 +75,7 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -
     x = x.astype(dtype)
     nb = row_count(mask)
     fresh = wide.is_zero(acc.count)
-    shift = jnp.where(fresh, _rough_mean(acc.shift, x, mask, nb), acc.shift)
+    shift = jnp.where(fresh, reference_point(acc.shift, x, mask, nb), acc.shift)
     dev = masked((x - shift) - acc.mean, mask)
     n = wide.add_int32(acc.count, nb)
     before = wide.to_float(acc.count, dtype)
@@ -82,16 +83,18 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -
     delta = s1 / jnp.maximum(nb, 1).astype(dtype)
     s2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
     weight = nb.astype(dtype) / jnp.maximum(before + nb.astype(dtype), 1)
-    m2 = acc.m2 + (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * weight)
+    y = (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * weight) - acc.m2_lost
+    m2 = acc.m2 + y
+    lost = (m2 - acc.m2) - y
     moved, mean = _two_sum(shift, acc.mean + delta * weight)
     some = nb > 0
-    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2)
+    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2, lost)
 
 
 HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
 
 
-def _rough_mean(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
+def reference_point(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
     """A fresh accumulator's reference point, read from a few real rows, never padding.
 
     The micro-batch's first real row plus the masked mean of its first ``HEAD_ROWS``
@@ -127,12 +130,11 @@ def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
 
 
-def _nonnegative_diagonal(m2: np.ndarray) -> np.ndarray:
-    """``m2`` with its variances (the diagonal, or every entry of a vector) at least 0.
-
-    Rounding can leave a sum of squared deviations a few ulps below zero; NaN stays.
-    """
-    m2 = np.array(m2, np.float64)
+def host_m2(acc: CenteredAcc) -> np.ndarray:
+    """The compensated M2 in float64, its variances (the diagonal, or every entry of a
+    vector) at least 0: rounding can leave a sum of squared deviations a few ulps below
+    zero. NaN stays."""
+    m2 = np.asarray(acc.m2, np.float64) - np.asarray(acc.m2_lost, np.float64)
     diagonal = m2 if m2.ndim == 1 else np.einsum("ii->i", m2)
     diagonal[diagonal < 0] = 0.0
     return m2
@@ -171,7 +173,7 @@ class Covariance(Combiner):
 
     def finalize(self, acc):
         count = wide.to_int(acc.count)
-        return CovarianceResult(count, host_mean(acc), _divide(_nonnegative_diagonal(acc.m2), count - self.ddof))
+        return CovarianceResult(count, host_mean(acc), _divide(host_m2(acc), count - self.ddof))
 
 
 class MomentsResult(NamedTuple):
@@ -228,65 +230,7 @@ class Moments(Combiner):
         return MomentsResult(
             count,
             host_mean(acc.centered),
-            _divide(_nonnegative_diagonal(acc.centered.m2), count - self.ddof),
+            _divide(host_m2(acc.centered), count - self.ddof),
             np.asarray(acc.min),
             np.asarray(acc.max),
         )
-
-
-class PCAResult(NamedTuple):
-    """The top ``k`` principal axes (rows), their variances and ratios, and the mean."""
-
-    components: np.ndarray
-    explained_variance: np.ndarray
-    explained_variance_ratio: np.ndarray
-    mean: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class PCA(Combiner):
-    """Principal component analysis from the stable covariance, like ``sklearn.decomposition.PCA``.
-
-    The covariance (divisor ``n - 1``) is accumulated on the devices; its symmetric
-    eigen-decomposition runs in float64 on the host. Components are rows, sorted by
-    decreasing variance, each signed so that its largest-magnitude entry is positive
-    (scikit-learn's ``svd_flip`` convention).
-
-    Args:
-      k: the number of components, ``1 <= k <= d``.
-    """
-
-    k: int
-
-    @property
-    def _cov(self) -> Covariance:
-        return Covariance(ddof=1)
-
-    def check_spec(self, spec):
-        self._cov.check_spec(spec)
-        d = spec.shape[0]
-        k = self.k
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= d:
-            raise UsageError(f"PCA needs 1 <= k <= d = {d} (the number of columns), got k={k!r}.")
-
-    def init(self, spec):
-        return self._cov.init(spec)
-
-    def add(self, acc, batch, mask):
-        return self._cov.add(acc, batch, mask)
-
-    def merge(self, a, b):
-        return self._cov.merge(a, b)
-
-    def finalize(self, acc):
-        cov = self._cov.finalize(acc)
-        values, vectors = np.linalg.eigh(cov.cov)
-        order = np.argsort(values)[::-1][: self.k]
-        components = vectors[:, order].T
-        biggest = np.argmax(np.abs(components), axis=1)
-        components *= np.sign(components[np.arange(self.k), biggest])[:, None]
-        variance = np.maximum(values[order], 0.0)
-        total = float(np.trace(cov.cov))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = variance / total
-        return PCAResult(components, variance, ratio, cov.mean)

@@ -1,0 +1,295 @@
+"""A streaming QR in a whitened basis: the stability of TSQR at the cost of matmuls.
+
+Like :mod:`.tsqr`, each shard describes the rows ``b = [1 | z - shift]`` (ones column
+first, ``shift`` a reference point near the mean), but instead of R it keeps a basis
+``W`` (upper triangular) and the Gram matrix of the rows in that basis::
+
+    M = Σ (b W)ᵀ (b W),   so that   Σ bᵀb = W⁻ᵀ M W⁻¹   and   R = chol(M) W⁻¹.
+
+``W`` is chosen so that ``M`` stays close to diagonal: then the float sums of ``M``
+keep their digits whatever the conditioning of the data (raw normal equations lose
+them as the square of the condition number). A micro-batch costs one matmul
+``c = b W`` and one Gram ``cᵀc``; while the data's centred columns are nearly
+uncorrelated ``W`` stays diagonal (plus its first row, the shift) and the first
+matmul is a column scaling: then it costs what centred co-moments cost.
+
+``W`` is re-chosen ("re-whitened") only when a micro-batch is large against what ``M``
+holds: on the first micro-batch, when the data drifts, while a shard has seen few
+rows, and when merging. Re-whitening factors ``M`` (with :mod:`.dense`, no LAPACK),
+moves the shift to the running mean, moves ``M`` to the new basis and redoes the
+micro-batch in it, twice when the basis is not diagonal (CholeskyQR2: the first pass
+shifts the correlations to see weak directions, the second leaves directions without
+data alone). Merging adds the other shard's R factor as rows, as TSQR stacks R's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharded_scan.combiners import dense, wide
+from sharded_scan.combiners.base import row_count
+from sharded_scan.combiners.lstsq import Factor
+from sharded_scan.combiners.statistics import reference_point
+from sharded_scan.combiners.tsqr import augmented, moved
+
+GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor
+DIAGONAL_COND = 64.0   # keep a diagonal basis while the centred correlations' condition number is below this
+DIAGONAL_OFFSET = 0.9  # and every column's correlation with the ones column (|mean - shift| < 2 sd)
+RECENTRE = 1.0  # move the shift to the running mean when it is this many standard deviations away
+PASSES = 2             # re-whitening passes over the micro-batch when the basis is not diagonal
+POWER_STEPS = 12
+
+
+class WhitenedAcc(NamedTuple):
+    """Rows seen, the reference point, the basis and the Gram of the rows in it."""
+
+    count: wide.Wide
+    shift: jax.Array         # (p,)
+    sums: jax.Array          # (2, n) Σ b and Σ b² (n = p + 1): the running mean is shift + sums[0, 1:] / sums[0, 0]
+    start: jax.Array         # (n,) 1 / column norms of the first micro-batch: the columns' natural units
+    basis: jax.Array         # (n, n) upper triangular W, columns of unit norm in `start` units
+    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`
+    compensation: jax.Array  # (n, n) Kahan compensation of `gram`
+    floor: jax.Array         # () smallest eigenvalue of M's correlations right after the last re-whitening
+    diagonal: jax.Array      # () bool: W is diagonal but for its first row (c = b W is a column scaling)
+
+
+def init(p: int, dtype) -> WhitenedAcc:
+    n = p + 1
+    zeros = jnp.zeros((n, n), dtype)
+    return WhitenedAcc(
+        wide.zeros(), jnp.zeros((p,), dtype), jnp.zeros((2, n), dtype), jnp.ones((n,), dtype),
+        jnp.eye(n, dtype=dtype), zeros, zeros, jnp.zeros((), dtype), jnp.ones((), bool),
+    )
+
+
+def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
+    """``b W``: a column scaling plus the ones column times W's first row when ``diagonal``."""
+
+    def scaled():
+        first = basis[0].at[0].set(0.0)
+        return b * jnp.diagonal(basis) + b[:, :1] * first
+
+    return jax.lax.cond(diagonal, scaled, lambda: b @ basis)
+
+
+def _noise(m: jax.Array) -> jax.Array:
+    """The relative size of rounding in a Gram of ``n`` columns: ``n eps``."""
+    return m.shape[0] * jnp.finfo(m.dtype).eps
+
+
+def _scales(m: jax.Array) -> jax.Array:
+    """Square roots of ``m``'s diagonal; the largest one for a column below ``√(n eps)`` of it
+    (1 for an all-zero ``m``).
+
+    A column that small is rounding noise, or data the basis has not met yet: left at
+    the common scale it stays small against the others, so its noise is never scaled
+    up to look like data.
+    """
+    scale = jnp.sqrt(jnp.maximum(jnp.diagonal(m), 0.0))
+    top = jnp.max(scale)
+    scale = jnp.where(scale >= jnp.sqrt(_noise(m)) * top, scale, top)
+    return jnp.where(scale > 0, scale, 1.0)
+
+
+def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(scale, U, deflated, U⁻¹)`` with ``UᵀU`` the correlations ``m / (scale scaleᵀ)``.
+
+    Columns of ``m`` that are all zero get a unit diagonal (left alone). Where
+    ``deflate`` (a bool, may be traced), directions ``m`` does not span in working
+    precision get unit rows (``deflated``); elsewhere the correlations are shifted by
+    ``n eps`` to be definite, which keeps a direction that is merely weak in the
+    current basis (CholeskyQR's first pass).
+    """
+    scale = _scales(m)
+    k = m / jnp.outer(scale, scale)
+    k = jnp.where(jnp.diag(jnp.diagonal(m) <= 0), 1.0, k)
+    noise = _noise(m)
+    eye = jnp.eye(m.shape[0], dtype=m.dtype)
+    return (scale, *dense.cholesky_upper(k + jnp.where(deflate, 0.0, noise) * eye, jnp.where(deflate, noise, -1.0)))
+
+
+def _power_estimate(apply, v: jax.Array) -> jax.Array:
+    """About the largest eigenvalue of the symmetric PSD operator ``apply``, by power steps from ``v``."""
+
+    def step(_, v):
+        w = apply(v)
+        return w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(w.dtype).tiny)
+
+    v = jax.lax.fori_loop(0, POWER_STEPS, step, v / jnp.linalg.norm(v))
+    return v @ apply(v)
+
+
+def _root(m: jax.Array) -> jax.Array:
+    """Rows ``F`` with ``FᵀF = m`` (symmetric PSD): its Cholesky factor, zero rows where it is singular."""
+    scale, u, deflated, _ = _correlation_root(m, deflate=True)
+    flat = deflated | (jnp.diagonal(m) <= 0)
+    return jnp.where(flat[:, None], 0.0, u) * scale[None, :]
+
+
+class _Whitening(NamedTuple):
+    basis: jax.Array
+    gram: jax.Array      # the rows seen before this micro-batch, in `basis`
+    batch: jax.Array     # this micro-batch's Gram in `basis`
+    floor: jax.Array
+    diagonal: jax.Array
+
+
+def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, deflate) -> _Whitening:
+    """One pass: a basis that whitens ``gram + batch``; ``gram`` moved to it, ``b`` redone in it.
+
+    The new basis columns are scaled to unit norm in the ``start`` units, so a direction
+    without data (noise) is never amplified from pass to pass. Whether a diagonal basis
+    still does is decided on the centred ``X`` columns: with the ones column first,
+    ``U[1:, 1:]`` factors the correlations of the centred columns (a Schur complement),
+    the ones column's correlations say how far the shift is from the mean, and the last
+    ``targets`` columns (a regression's ``y``, collinear with ``X`` when the fit is
+    good) are no reason to whiten.
+    """
+    scale, u, _, u_inv = _correlation_root(state.gram + state.batch, deflate)
+    lead = u.shape[0] - targets
+    centred = u[1:lead, 1:lead]
+    inverse = u_inv[1:lead, 1:lead]
+    smallest = 1.0 / _power_estimate(lambda v: inverse @ (inverse.T @ v), jnp.ones_like(inverse[0]))
+    largest = jnp.max(jnp.sum(jnp.abs(centred.T @ centred), axis=1))  # ‖·‖∞ bounds the largest eigenvalue
+    offset = jnp.max(jnp.abs(u[0, 1:lead]), initial=0.0)
+    stay = state.diagonal & (largest <= DIAGONAL_COND * smallest) & (offset <= DIAGONAL_OFFSET)
+
+    def keep_diagonal():  # a column scaling suffices: the sums keep their digits as they are
+        return state._replace(floor=smallest)
+
+    def full():
+        v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I
+        norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
+        v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
+        basis = state.basis @ v
+        c = b @ basis
+        return _Whitening(basis, v.T @ state.gram @ v, c.T @ c, jnp.full_like(smallest, 0.5),
+                          jnp.zeros_like(state.diagonal))
+
+    return jax.lax.cond(stay, keep_diagonal, full)
+
+
+def row_sums(b: jax.Array) -> jax.Array:
+    """``(2, n)``: the column sums of ``b`` and of its squares."""
+    return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
+
+
+def _recentred(acc: WhitenedAcc, b: jax.Array, sums: jax.Array) -> tuple[WhitenedAcc, jax.Array]:
+    """``acc`` and ``b`` with the shift moved to the running mean (``sums`` include ``b``'s)
+    in the columns whose mean is more than ``RECENTRE`` standard deviations from it.
+
+    ``[1 | z - new] = [1 | z - old] T`` with ``T = [[1, (old - new)ᵀ], [0, I]]``; the basis
+    becomes ``T⁻¹ W`` (its first row changes), so ``M`` stays as it is.
+    """
+    rows = jnp.maximum(sums[0, 0], 1.0)
+    mean = sums[0, 1:] / rows
+    variance = jnp.maximum(sums[1, 1:] / rows - mean * mean, 0.0)
+    delta = jnp.where(mean * mean > RECENTRE**2 * variance, mean, 0.0)
+    basis = acc.basis.at[0].add(delta @ acc.basis[1:])
+    total, squares = sums[0, 1:], sums[1, 1:]
+    squares = squares - 2 * delta * total + sums[0, 0] * delta * delta
+    sums = sums.at[0, 1:].set(total - sums[0, 0] * delta).at[1, 1:].set(squares)
+    b = b.at[:, 1:].add(-b[:, :1] * delta[None, :])
+    return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), b
+
+
+def fold(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Adds the rows ``b`` (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``sums``."""
+    sums = acc.sums + sums
+    c = _in_basis(b, acc.basis, acc.diagonal)
+    batch = c.T @ c
+    gram = acc.gram - acc.compensation
+    scale = _scales(gram)
+    scaled = batch / jnp.outer(scale, scale)
+    largest = jnp.maximum(_power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0])), jnp.max(jnp.diag(scaled)))
+    big = largest > GROWTH * acc.floor
+
+    def rewhiten(acc):
+        acc, rows = _recentred(acc, b, sums)  # rows @ new basis == b @ old basis: batch and gram stand
+        state = _Whitening(acc.basis, gram, batch, acc.floor, acc.diagonal)
+
+        def again(carry):
+            i, s = carry
+            return (i < PASSES) & ((i == 0) | ~s.diagonal)
+
+        def one(carry):
+            i, s = carry
+            return i + 1, _rewhiten(s, rows, acc.start, targets, deflate=i > 0)
+
+        state = jax.lax.while_loop(again, one, (0, state))[1]
+        return acc._replace(basis=state.basis, gram=state.gram, compensation=jnp.zeros_like(gram),
+                            floor=state.floor, diagonal=state.diagonal), state.batch
+
+    acc, batch = jax.lax.cond(big, rewhiten, lambda acc: (acc._replace(sums=sums), batch), acc)
+    y = batch - acc.compensation  # Kahan: gram - compensation is the running sum
+    total = acc.gram + y
+    return acc._replace(gram=total, compensation=(total - acc.gram) - y)
+
+
+def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Folds the rows ``z`` where ``mask`` is True; the last ``targets`` columns of ``z`` are ``y``."""
+    z = z.astype(acc.gram.dtype)
+    nb = row_count(mask)
+    fresh = wide.is_zero(acc.count)
+    shift = jnp.where(fresh, reference_point(acc.shift, z, mask, nb), acc.shift)
+    b = augmented(z, shift, mask)
+    norms = jnp.linalg.norm(b, axis=0)
+    start = jnp.where(fresh, 1.0 / jnp.where(norms > 0, norms, 1.0), acc.start)
+    acc = acc._replace(shift=shift, start=start, basis=jnp.where(fresh, jnp.diag(start), acc.basis))
+    folded = jax.lax.cond(nb > 0, lambda a: fold(a, b, row_sums(b), targets), lambda a: a, acc)
+    return folded._replace(count=wide.add_int32(acc.count, nb))
+
+
+def _rows(acc: WhitenedAcc) -> jax.Array:
+    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: ``chol(M) W⁻¹``."""
+    return _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
+
+
+def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
+    a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
+    move = b.shift - a.shift  # b's sums of z - a.shift and their squares
+    total, squares = b.sums[0, 1:], b.sums[1, 1:]
+    sums = b.sums.at[0, 1:].add(b.sums[0, 0] * move).at[1, 1:].set(squares + 2 * move * total + b.sums[0, 0] * move**2)
+    merged = fold(a, moved(_rows(b), b.shift, a.shift), sums, targets)
+    pick = lambda x, y, m: jnp.where(a_empty, y, jnp.where(b_empty, x, m))  # noqa: E731
+    out = jax.tree.map(pick, a, b, merged)
+    return out._replace(count=wide.add(a.count, b.count))
+
+
+def _host_root(m: np.ndarray) -> np.ndarray:
+    """A float64 ``F`` with ``FᵀF = m`` (symmetric, positive semidefinite): Cholesky of the
+    correlations when definite, else a square root from their eigen-decomposition."""
+    scale = np.sqrt(np.maximum(np.diag(m), 0.0))
+    scale = np.where(scale > 0, scale, 1.0)
+    k = (m + m.T) / 2 / np.outer(scale, scale)
+    try:
+        root = np.linalg.cholesky(k).T
+    except np.linalg.LinAlgError:
+        values, vectors = np.linalg.eigh(k)
+        root = np.sqrt(np.maximum(values, 0.0))[:, None] * vectors.T
+    return root * scale
+
+
+def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``a W⁻¹`` for an upper-triangular ``W``, by substitution (componentwise stable)."""
+    x = np.zeros_like(a)
+    for j in range(w.shape[0]):
+        x[:, j] = (a[:, j] - x[:, :j] @ w[:j, j]) / w[j, j]
+    return x
+
+
+def factor(acc: WhitenedAcc) -> Factor:
+    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹``, its first row giving the mean."""
+    m = np.asarray(acc.gram, np.float64) - np.asarray(acc.compensation, np.float64)
+    rows = _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
+    r = np.linalg.qr(rows, mode="r")
+    count = int(wide.to_int(acc.count))
+    head = r[0, 0] if count and r[0, 0] else 1.0
+    mean = np.asarray(acc.shift, np.float64) + r[0, 1:] / head
+    eps = np.finfo(np.asarray(acc.gram).dtype).eps
+    return Factor(count, mean, r[1:, 1:], noise=eps * max(r.shape[0], 10))
