@@ -13,6 +13,11 @@ them as the square of the condition number). A micro-batch costs one matmul
 uncorrelated ``W`` stays diagonal (plus its first row, the shift) and the first
 matmul is a column scaling: then it costs what centred co-moments cost.
 
+A young shard, one that has seen fewer than ``2 n`` rows, keeps the exact R of its rows
+instead (Householder QR of ``[R; rows]``, as TSQR): a few rows cannot tell a weak
+direction from an empty one. It whitens once those rows and the micro-batch after them
+are enough.
+
 ``W`` is re-chosen ("re-whitened") only when a micro-batch is large against what ``M``
 holds: on the first micro-batch, when the data drifts, while a shard has seen few
 rows, and when merging. Re-whitening factors ``M`` (with :mod:`.dense`, no LAPACK),
@@ -56,6 +61,7 @@ class WhitenedAcc(NamedTuple):
     compensation: jax.Array  # (n, n) Kahan compensation of `gram`
     floor: jax.Array         # () smallest eigenvalue of M's correlations right after the last re-whitening
     diagonal: jax.Array      # () bool: W is diagonal but for its first row (c = b W is a column scaling)
+    young: jax.Array         # () bool: fewer than 2n rows so far; `gram` holds the R of the rows
 
 
 def init(p: int, dtype) -> WhitenedAcc:
@@ -63,7 +69,7 @@ def init(p: int, dtype) -> WhitenedAcc:
     zeros = jnp.zeros((n, n), dtype)
     return WhitenedAcc(
         wide.zeros(), jnp.zeros((p,), dtype), jnp.zeros((2, n), dtype), jnp.ones((n,), dtype),
-        jnp.eye(n, dtype=dtype), zeros, zeros, jnp.zeros((), dtype), jnp.ones((), bool),
+        jnp.eye(n, dtype=dtype), zeros, zeros, jnp.zeros((), dtype), jnp.ones((), bool), jnp.ones((), bool),
     )
 
 
@@ -82,17 +88,24 @@ def _noise(m: jax.Array) -> jax.Array:
     return m.shape[0] * jnp.finfo(m.dtype).eps
 
 
-def _scales(m: jax.Array) -> jax.Array:
-    """Square roots of ``m``'s diagonal; the largest one for a column below ``√(n eps)`` of it
-    (1 for an all-zero ``m``).
+def _NOISE_ROOT(dtype) -> float:  # noqa: N802
+    """``eps^(3/4)``: between a whitened column's rounding noise (``~√n eps``) and the
+    smallest direction data of this dtype can hold after whitening (``~√(eps / n)``)."""
+    return float(jnp.finfo(dtype).eps) ** 0.75
 
-    A column that small is rounding noise, or data the basis has not met yet: left at
-    the common scale it stays small against the others, so its noise is never scaled
-    up to look like data.
+
+def _scales(m: jax.Array) -> jax.Array:
+    """Square roots of ``m``'s diagonal; the largest one for a column below
+    :func:`_NOISE_ROOT` of it (1 for an all-zero ``m``).
+
+    The basis columns have unit norm in the data's units, so a column that small is
+    rounding noise of the others (a direction without data, e.g. an exactly collinear
+    column): left at the common scale it stays small against them, so it is deflated
+    and its noise is never scaled up to look like data.
     """
     scale = jnp.sqrt(jnp.maximum(jnp.diagonal(m), 0.0))
     top = jnp.max(scale)
-    scale = jnp.where(scale >= jnp.sqrt(_noise(m)) * top, scale, top)
+    scale = jnp.where(scale >= _NOISE_ROOT(m.dtype) * top, scale, top)
     return jnp.where(scale > 0, scale, 1.0)
 
 
@@ -150,7 +163,7 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
     ``targets`` columns (a regression's ``y``, collinear with ``X`` when the fit is
     good) are no reason to whiten.
     """
-    scale, u, _, u_inv = _correlation_root(state.gram + state.batch, deflate)
+    scale, u, deflated, u_inv = _correlation_root(state.gram + state.batch, deflate)
     lead = u.shape[0] - targets
     centred = u[1:lead, 1:lead]
     inverse = u_inv[1:lead, 1:lead]
@@ -163,7 +176,8 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
         return state._replace(floor=smallest)
 
     def full():
-        v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I
+        v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I where it spans
+        v = v @ _null_free((state.basis @ v) / start[:, None], deflated)
         norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
         v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
         basis = state.basis @ v
@@ -172,6 +186,27 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
                           jnp.zeros_like(state.diagonal))
 
     return jax.lax.cond(stay, keep_diagonal, full)
+
+
+def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
+    """A unit upper-triangular ``T`` such that the columns of ``w T`` after a ``null`` column
+    have no component along it (Gram-Schmidt in coefficient space).
+
+    A column the data does not span (``b w_j = 0`` exactly) adds nothing to ``b w_k`` in
+    exact arithmetic whatever its multiple in ``w_k``, but its rounding does: taking it
+    out keeps a later column (a regression's ``y``) free of that noise.
+    """
+    index = jnp.arange(w.shape[0])
+
+    def one(j, carry):
+        w, t = carry
+        wj = w[:, j]
+        beta = (wj @ w) / jnp.maximum(wj @ wj, jnp.finfo(w.dtype).tiny)
+        beta = jnp.where(null[j] & (index > j), beta, 0.0)
+        return w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
+
+    eye = jnp.eye(w.shape[0], dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
+    return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
 
 
 def row_sums(b: jax.Array) -> jax.Array:
@@ -198,16 +233,16 @@ def _recentred(acc: WhitenedAcc, b: jax.Array, sums: jax.Array) -> tuple[Whitene
     return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), b
 
 
-def fold(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int = 0) -> WhitenedAcc:
-    """Adds the rows ``b`` (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``sums``."""
-    sums = acc.sums + sums
+def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Adds the rows ``b`` (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
+    sums = acc.sums + rows_sums
     c = _in_basis(b, acc.basis, acc.diagonal)
     batch = c.T @ c
     gram = acc.gram - acc.compensation
     scale = _scales(gram)
     scaled = batch / jnp.outer(scale, scale)
     largest = jnp.maximum(_power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0])), jnp.max(jnp.diag(scaled)))
-    big = largest > GROWTH * acc.floor
+    big = (largest > GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
 
     def rewhiten(acc):
         acc, rows = _recentred(acc, b, sums)  # rows @ new basis == b @ old basis: batch and gram stand
@@ -231,31 +266,70 @@ def fold(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int = 0) -> W
     return acc._replace(gram=total, compensation=(total - acc.gram) - y)
 
 
+def _adult(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array, targets: int) -> WhitenedAcc:
+    """A whitened accumulator of ``rows`` (the data's, or an R of them; ``sums`` the data's sums)."""
+    norms = jnp.linalg.norm(rows, axis=0)
+    start = 1.0 / jnp.where(norms > 0, norms, 1.0)
+    zeros = jnp.zeros_like(acc.gram)
+    fresh = acc._replace(
+        sums=jnp.zeros_like(acc.sums), start=start, basis=jnp.diag(start), gram=zeros, compensation=zeros,
+        floor=jnp.zeros_like(acc.floor), diagonal=jnp.ones_like(acc.diagonal), young=jnp.zeros_like(acc.young),
+    )
+    return fold(fresh, rows, sums, targets)
+
+
+def _grown(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array) -> WhitenedAcc:
+    """A young accumulator with ``rows`` added to its R (``sums`` the data's sums of them)."""
+    r = jnp.linalg.qr(jnp.concatenate([acc.gram, rows]), mode="r")
+    return acc._replace(gram=r, sums=acc.sums + sums)
+
+
+def _young_enough(acc: WhitenedAcc, more) -> jax.Array:
+    """Whether a young accumulator has, with ``more`` rows, the ``2 n`` rows to whiten."""
+    return wide.to_float(acc.count, acc.gram.dtype) + more >= 2 * acc.gram.shape[0]
+
+
 def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> WhitenedAcc:
     """Folds the rows ``z`` where ``mask`` is True; the last ``targets`` columns of ``z`` are ``y``."""
     z = z.astype(acc.gram.dtype)
     nb = row_count(mask)
     fresh = wide.is_zero(acc.count)
     shift = jnp.where(fresh, reference_point(acc.shift, z, mask, nb), acc.shift)
+    acc = acc._replace(shift=shift)
     b = augmented(z, shift, mask)
-    norms = jnp.linalg.norm(b, axis=0)
-    start = jnp.where(fresh, 1.0 / jnp.where(norms > 0, norms, 1.0), acc.start)
-    acc = acc._replace(shift=shift, start=start, basis=jnp.where(fresh, jnp.diag(start), acc.basis))
-    folded = jax.lax.cond(nb > 0, lambda a: fold(a, b, row_sums(b), targets), lambda a: a, acc)
+    sums = row_sums(b)
+    branch = jnp.where(acc.young, jnp.where(_young_enough(acc, nb.astype(z.dtype)), 1, 0), 2)
+    folded = jax.lax.switch(branch, [
+        lambda acc: _grown(acc, b, sums),
+        lambda acc: _adult(acc, jnp.concatenate([acc.gram, b]), acc.sums + sums, targets),
+        lambda acc: fold(acc, b, sums, targets),  # no real row: b is all zero and adds nothing
+    ], acc)
     return folded._replace(count=wide.add_int32(acc.count, nb))
 
 
 def _rows(acc: WhitenedAcc) -> jax.Array:
-    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: ``chol(M) W⁻¹``."""
-    return _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
+    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's R, else ``chol(M) W⁻¹``."""
+    adult = _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
+    return jnp.where(acc.young, acc.gram, adult)
+
+
+def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
+    """Sums of ``z - old`` and their squares, as sums of ``z - new``."""
+    move = old - new
+    total, squares = sums[0, 1:], sums[1, 1:]
+    return sums.at[0, 1:].add(sums[0, 0] * move).at[1, 1:].set(squares + 2 * move * total + sums[0, 0] * move**2)
 
 
 def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
+    """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
-    move = b.shift - a.shift  # b's sums of z - a.shift and their squares
-    total, squares = b.sums[0, 1:], b.sums[1, 1:]
-    sums = b.sums.at[0, 1:].add(b.sums[0, 0] * move).at[1, 1:].set(squares + 2 * move * total + b.sums[0, 0] * move**2)
-    merged = fold(a, moved(_rows(b), b.shift, a.shift), sums, targets)
+    into_b = a.young & ~b.young
+    host, guest = jax.tree.map(lambda x, y: jnp.where(into_b, y, x), (a, b), (b, a))
+    rows = moved(_rows(guest), guest.shift, host.shift)
+    sums = _moved_sums(guest.sums, guest.shift, host.shift)
+    merged = jax.lax.cond(
+        host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
+    )
     pick = lambda x, y, m: jnp.where(a_empty, y, jnp.where(b_empty, x, m))  # noqa: E731
     out = jax.tree.map(pick, a, b, merged)
     return out._replace(count=wide.add(a.count, b.count))
@@ -263,16 +337,23 @@ def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
 
 def _host_root(m: np.ndarray) -> np.ndarray:
     """A float64 ``F`` with ``FᵀF = m`` (symmetric, positive semidefinite): Cholesky of the
-    correlations when definite, else a square root from their eigen-decomposition."""
-    scale = np.sqrt(np.maximum(np.diag(m), 0.0))
-    scale = np.where(scale > 0, scale, 1.0)
-    k = (m + m.T) / 2 / np.outer(scale, scale)
+    correlations when definite, else a square root from their eigen-decomposition.
+
+    Columns with a zero diagonal (a constant column: exactly zero in every basis) stay
+    exactly zero, so no eigenvector rounding makes them look like data.
+    """
+    live = np.diag(m) > 0
+    sub = m[np.ix_(live, live)]
+    scale = np.sqrt(np.diag(sub))
+    k = (sub + sub.T) / 2 / np.outer(scale, scale)
     try:
         root = np.linalg.cholesky(k).T
     except np.linalg.LinAlgError:
         values, vectors = np.linalg.eigh(k)
         root = np.sqrt(np.maximum(values, 0.0))[:, None] * vectors.T
-    return root * scale
+    out = np.zeros_like(m, dtype=np.float64)
+    out[np.ix_(live, live)] = root * scale
+    return out
 
 
 def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -284,9 +365,11 @@ def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def factor(acc: WhitenedAcc) -> Factor:
-    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹``, its first row giving the mean."""
+    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or a young shard's R), its
+    first row giving the mean."""
     m = np.asarray(acc.gram, np.float64) - np.asarray(acc.compensation, np.float64)
-    rows = _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
+    young = bool(np.asarray(acc.young))
+    rows = m if young else _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
     r = np.linalg.qr(rows, mode="r")
     count = int(wide.to_int(acc.count))
     head = r[0, 0] if count and r[0, 0] else 1.0
