@@ -16,6 +16,7 @@ from sharded_scan.sources import (
     ZarrSource,
     as_source,
 )
+from sharded_scan.sources import files as npy_files
 from tests.helpers import f64, rel_err
 
 N = 101  # prime: ragged against every step size below
@@ -104,7 +105,7 @@ def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
     src = NpySource(tmp_path / "x.npy")
     header = (tmp_path / "x.npy").stat().st_size - x.nbytes
     copied, mapped = [], []
-    real_memmap, real_mmap = np.memmap, sources.mmap.mmap
+    real_memmap, real_mmap = np.memmap, npy_files.mmap.mmap
 
     def spy_memmap(path, dtype, mode, offset, shape):
         copied.append((offset, shape))
@@ -114,13 +115,13 @@ def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
         mapped.append((kw["offset"], length))
         return real_mmap(fileno, length, **kw)
 
-    monkeypatch.setattr(sources.np, "memmap", spy_memmap)
-    monkeypatch.setattr(sources.mmap, "mmap", spy_mmap)
+    monkeypatch.setattr(npy_files.np, "memmap", spy_memmap)
+    monkeypatch.setattr(npy_files.mmap, "mmap", spy_mmap)
     # Row 300 starts on a 64-byte boundary: a zero-copy view of a map of just those rows.
     np.testing.assert_array_equal(src.read(300, 307), x[300:307])
     begin, end = header + 300 * 16, header + 307 * 16
     [(offset, length)] = mapped
-    assert offset <= begin < offset + sources.mmap.ALLOCATIONGRANULARITY and offset + length == end
+    assert offset <= begin < offset + npy_files.mmap.ALLOCATIONGRANULARITY and offset + length == end
     # Row 301 does not: those rows are copied out of a map of exactly them into an aligned array.
     np.testing.assert_array_equal(src.read(301, 307), x[301:307])
     assert copied == [(header + 301 * 16, (6, 4))]

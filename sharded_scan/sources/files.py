@@ -1,0 +1,203 @@
+"""Sources on disk: ``.npy`` files, directories of ``.npy`` shards, and zarr arrays."""
+
+from __future__ import annotations
+
+import glob
+import math
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sharded_scan.combiners.base import check_numeric
+from sharded_scan.errors import UsageError
+from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, row_spec
+
+
+class _NpyFile:
+    """One ``.npy`` file: its header, and row ranges read through a short-lived memory map."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise UsageError(f"no such .npy file: {path!r}; check the path.")
+        try:
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                fmt = np.lib.format
+                header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                shape, fortran, dtype = header(f)
+                self.offset = f.tell()
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read {path!r} as a .npy file ({e}); check the file.") from None
+        if dtype.hasobject:
+            raise UsageError(f"{path!r} holds Python objects; save a numeric array instead.")
+        check_numeric(dtype, f"the .npy file {path!r}")
+        if len(shape) == 0:
+            raise UsageError(f"{path!r} holds a scalar; a .npy source needs a leading row dimension.")
+        if fortran and len(shape) > 1:
+            raise UsageError(f"{path!r} is stored in Fortran order; save it with np.save(np.ascontiguousarray(x)).")
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        if os.path.getsize(path) < self.offset + row_bytes * shape[0]:
+            raise UsageError(f"{path!r} is shorter than its header says ({shape}); the file is truncated.")
+        self.path, self.shape, self.dtype, self.row_bytes = path, tuple(shape), dtype, row_bytes
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if stop <= start or self.row_bytes == 0:
+            return np.zeros((max(stop - start, 0),) + self.shape[1:], self.dtype)
+        begin = self.offset + start * self.row_bytes
+        if begin % ALIGN == 0:
+            return _mapped_rows(self.path, begin, (stop - start,) + self.shape[1:], self.dtype)
+        # A map of just these rows, copied out and dropped: resident memory stays one chunk.
+        mapped = np.memmap(self.path, self.dtype, "r", begin, (stop - start,) + self.shape[1:])
+        rows = aligned_empty(mapped.shape, self.dtype)
+        rows[...] = mapped
+        del mapped
+        return rows
+
+
+def _mapped_rows(path: str, begin: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Rows of a file as a read-only view of a private memory map of just them, faulted in now.
+
+    No copy: on CPU devices placing the view is zero-copy too, so the devices read the
+    page cache directly. The map lives as long as the view (and what is placed from it);
+    ``MAP_POPULATE`` makes the reader thread, not the compute, pay the page faults.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    page_start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), begin - page_start + nbytes, flags=flags, prot=mmap.PROT_READ,
+                           offset=page_start)
+    return np.frombuffer(mapped, dtype, math.prod(shape), begin - page_start).reshape(shape)
+
+
+class NpySource(Source):
+    """One ``.npy`` file, read by row range through a memory map; never loaded whole."""
+
+    def __init__(self, path: str | os.PathLike):
+        self._file = _NpyFile(os.fspath(path))
+
+    @property
+    def path(self) -> str:
+        return self._file.path
+
+    @property
+    def num_rows(self) -> int:
+        return self._file.shape[0]
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._file.shape, self._file.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        return self._file.read(start, stop)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": os.path.abspath(self.path)}
+
+
+class NpyShardsSource(Source):
+    """Several ``.npy`` shards read as one row-concatenated array.
+
+    Args:
+      shards: a directory (its ``*.npy`` files), a glob pattern, or a list of paths.
+        Directory and glob matches are taken in sorted name order.
+    """
+
+    def __init__(self, shards: str | os.PathLike | Sequence[str | os.PathLike]):
+        if isinstance(shards, (str, os.PathLike)):
+            where = os.fspath(shards)
+            pattern = os.path.join(where, "*.npy") if os.path.isdir(where) else where
+            paths = sorted(glob.glob(pattern))
+        else:
+            where, paths = "the list", [os.fspath(p) for p in shards]
+        if not paths:
+            raise UsageError(f"no .npy shards found in {where!r}; give a directory, a glob or a list of .npy files.")
+        self._files = [_NpyFile(p) for p in paths]
+        first = self._files[0]
+        for f in self._files[1:]:
+            if f.shape[1:] != first.shape[1:] or f.dtype != first.dtype:
+                raise UsageError(
+                    f"shard {f.path!r} has rows {f.dtype}{list(f.shape[1:])} but {first.path!r} has "
+                    f"{first.dtype}{list(first.shape[1:])}; every shard needs the same features and dtype."
+                )
+        self._starts = np.cumsum([0] + [f.shape[0] for f in self._files])
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self._files]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._files[0].shape, self._files[0].dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        first = self._files[0]
+        out = aligned_empty((stop - start,) + first.shape[1:], first.dtype)
+        for i, f in enumerate(self._files):
+            lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+            if lo < hi:
+                out[lo - start : hi - start] = f.read(lo - self._starts[i], hi - self._starts[i])
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "paths": [os.path.abspath(p) for p in self.paths]}
+
+
+class ZarrSource(Source):
+    """A zarr array (v2 or v3) read through tensorstore.
+
+    Args:
+      path: a local directory, or a URL tensorstore's kvstore understands (``file://``,
+        ``gs://``, ``s3://``, ...).
+      driver: ``"zarr"`` (v2), ``"zarr3"``, or ``None`` to detect it.
+    """
+
+    def __init__(self, path: str | os.PathLike, driver: str | None = None):
+        import tensorstore as ts
+
+        path = os.fspath(path)
+        local = "://" not in path
+        if local and not os.path.isdir(path):
+            raise UsageError(f"no such zarr directory: {path!r}; check the path.")
+        kvstore = {"driver": "file", "path": os.path.abspath(path)} if local else path
+        if driver is None and local:
+            driver = "zarr3" if os.path.exists(os.path.join(path, "zarr.json")) else "zarr"
+        errors = []
+        for candidate in [driver] if driver else ["zarr3", "zarr"]:
+            try:
+                self._store = ts.open({"driver": candidate, "kvstore": kvstore}, open=True, read=True).result()
+                break
+            except ValueError as e:
+                errors.append(str(e).splitlines()[0])
+        else:
+            raise UsageError(f"cannot open {path!r} as a zarr array ({'; '.join(errors)}).")
+        self._path, self._driver = path, driver
+        self._dtype = np.dtype(self._store.dtype.numpy_dtype)
+        check_numeric(self._dtype, f"the zarr array {path!r}")
+        if self._store.rank == 0:
+            raise UsageError(f"{path!r} holds a scalar; a zarr source needs a leading row dimension.")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._store.shape[0])
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._store.shape, self._dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        return np.asarray(self._store[start:stop].read().result())
+
+    def describe(self) -> dict[str, Any]:
+        where = self._path if "://" in self._path else os.path.abspath(self._path)
+        return {**super().describe(), "path": where}
