@@ -18,11 +18,10 @@ import numpy as np
 
 import sharded_scan as ss
 from bench.workloads import aligned_rows, rows_for
-from sharded_scan import engine
 from sharded_scan.combiners.sums import default_block
-from sharded_scan.combiners.wrappers import apply_policies
-from sharded_scan.layout import make_layout
+from sharded_scan.layout import resolve_chunking
 from sharded_scan.prefetch import device_batches
+from sharded_scan.program import build_program, program_for_spec
 from sharded_scan.sources import Source
 
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
@@ -61,7 +60,7 @@ def sweep(quick: bool, repeats: int) -> dict:
     for d in widths:
         x = aligned_rows(rows_for(out["megabytes"], d, 8 * 4096), d, seed=7)
         block = default_block(d)
-        mb0, spc0 = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
+        mb0, spc0 = resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
         microbatches = (mb0 // 4, mb0) if quick else (mb0 // 4, mb0, mb0 * 4)
         steps = (spc0,) if quick else sorted({2, 8, 32, spc0})
         points = _gram_rates(x, [(mb, s, block) for mb in microbatches for s in steps], repeats)
@@ -74,7 +73,7 @@ def sweep(quick: bool, repeats: int) -> dict:
         out["best"][str(d)] = max(points, key=lambda p: p["gflops"])
     out["defaults"] = {}
     for d in widths:
-        microbatch, steps = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
+        microbatch, steps = resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
         out["defaults"][str(d)] = dict(microbatch=microbatch, steps_per_call=steps, block=default_block(d))
     return out
 
@@ -110,30 +109,27 @@ def host_overhead(quick: bool) -> list[dict]:
     steps = 3 if quick else 8
     for d in (256,) if quick else (32, 256, 1024):
         spec = jax.ShapeDtypeStruct((d,), np.float32)
-        mb, spc = engine.resolve_chunking(spec)
-        mesh = ss.make_mesh(None)
-        rows = aligned_rows(mesh.shape["data"] * mb * spc, d, seed=8)
+        mb, spc = resolve_chunking(spec)
+        rows = aligned_rows(ss.make_mesh(None).shape["data"] * mb * spc, d, seed=8)
         source = RepeatSource(rows, steps)
-        combiner = apply_policies(ss.Gram())
-        layout = make_layout(source.num_rows, mesh, mb, spc)
-        step = engine.build_step(combiner, mesh, layout)
-        placed = next(device_batches(source, layout, mesh, 0, 0))
+        prog = build_program(ss.Gram(), source, ss.RunOptions(microbatch=mb, steps_per_call=spc))
+        placed = next(device_batches(source, prog.layout, prog.mesh, 0, 0))
 
-        def compiled(step=step, placed=placed, combiner=combiner, mesh=mesh, spec=spec):
-            partials = engine.init_partials(combiner, spec, mesh)
+        def compiled(prog=prog, placed=placed):
+            partials = prog.init()
             jax.block_until_ready(partials)
             start = time.perf_counter()
             for _ in range(steps):
-                partials = step(partials, placed.batch, np.int32(placed.num_valid))
+                partials = prog.step(partials, placed.batch, placed.num_valid)
             jax.block_until_ready(partials)
             return time.perf_counter() - start
 
-        def host(step=step, source=source, layout=layout, combiner=combiner, mesh=mesh, spec=spec):
-            partials = engine.init_partials(combiner, spec, mesh)
+        def host(prog=prog, source=source):
+            partials = prog.init()
             jax.block_until_ready(partials)
             start = time.perf_counter()
-            for item in device_batches(source, layout, mesh, 0, 2):
-                partials = step(partials, item.batch, np.int32(item.num_valid))
+            for item in device_batches(source, prog.layout, prog.mesh, 0, 2):
+                partials = prog.step(partials, item.batch, item.num_valid)
             jax.block_until_ready(partials)
             return time.perf_counter() - start
 
@@ -170,14 +166,10 @@ def communication() -> list[dict]:
     ]
     out = []
     for name, combiner, spec, mesh_spec in cases:
-        mesh = ss.make_mesh(mesh_spec)
-        combiner = apply_policies(combiner)
-        layout = make_layout(1 << 20, mesh, *engine.resolve_chunking(spec))
-        partials = engine.init_partials(combiner, spec, mesh)
-        rows = layout.rows_per_step
-        batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), spec)
-        step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile().as_text()
-        merge = engine.build_merge(combiner, mesh).lower(partials).compile().as_text()
+        prog = program_for_spec(combiner, spec, 1 << 20, ss.RunOptions(mesh=mesh_spec))
+        partials = prog.init()
+        step = prog.lower_step().compile().as_text()
+        merge = prog.lower_merge().compile().as_text()
         out.append({
             "case": name, "mesh": mesh_spec,
             "step_collectives": COLLECTIVE.findall(step), "merge_collectives": COLLECTIVE.findall(merge),

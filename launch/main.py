@@ -26,7 +26,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from launch.data import make_combiner, make_source
+from launch.data import make_combiner, make_source, run_options
 from sharded_scan import distributed
 from sharded_scan.checkpoint import CheckpointOptions, check_writable
 from sharded_scan.engine import Progress, RunReport, run_with_report
@@ -213,12 +213,10 @@ def run_job(
             os.path.join(workdir, "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
             keep=ck.keep,
         )
-    result, report = run_with_report(
-        combiner, source, mesh=config.mesh, microbatch=config.microbatch, steps_per_call=config.steps_per_call,
-        prefetch=config.prefetch, logical_shards=config.logical_shards, nan_policy=config.nan_policy,
-        compensated=config.compensated, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds),
-        step_timeout=step_timeout,
+    options = run_options(
+        config, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds), step_timeout=step_timeout
     )
+    result, report = run_with_report(combiner, source, options)
     record = summary(report, source, config, started_as)
     if jax.process_index() == 0:
         write_outputs(workdir, result, record)
@@ -232,6 +230,8 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
     workdir = os.path.abspath(_WORKDIR.value)
+    if config.get("x64", False):
+        jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     try:
         check_writable(workdir)
         started_as = distributed.initialize(

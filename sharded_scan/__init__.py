@@ -18,6 +18,7 @@ from sharded_scan.distributed import Preempted
 from sharded_scan.engine import Progress, RunReport, run, run_with_report
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import make_mesh
+from sharded_scan.options import RunOptions
 
 __all__ = [
     "PCA",
@@ -32,6 +33,7 @@ __all__ = [
     "Moments",
     "Preempted",
     "Progress",
+    "RunOptions",
     "RunReport",
     "Sum",
     "UsageError",

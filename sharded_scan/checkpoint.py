@@ -1,17 +1,22 @@
-"""Checkpoints of a running reduction: per-shard partials, the cursor and a fingerprint.
+"""Checkpoints of a running reduction: per-shard partials, the cursor, the job and the reader's state.
 
 A checkpoint is one orbax step directory under ``options.directory`` named by the
-cursor (the next row of the stream to fold), holding two items:
+cursor (the next row of the stream to fold), holding three items:
 
 - ``partials``: the accumulator pytree with its leading shard axis, saved sharded
   (every process writes its own shards);
-- ``meta``: JSON with ``cursor``, ``steps`` (steps done over all runs), ``shards``,
-  ``devices``, ``processes`` and the ``fingerprint``.
+- ``meta``: JSON (:func:`checkpoint_meta`, the one schema) with ``cursor``, ``steps``
+  (steps done over all runs), ``shards`` and ``axes`` (how the partials are laid out),
+  ``devices``, ``processes`` and the ``fingerprint``;
+- ``source``: every process's ``source.state_at(cursor)``, so a sequential source (an
+  iterator with ``get_state``/``set_state``) resumes exactly where the checkpoint was.
 
 The fingerprint names the job: the combiner and its parameters, the data (kind, row
 count, row spec), the requested micro-batch and the accumulator's leaf dtypes and
-shapes. It leaves out the device count, so a checkpoint resumes on another mesh.
+shapes. It leaves out the mesh, so a checkpoint resumes on another mesh.
 Checkpoints are written only between steps, so every row is folded exactly once.
+:class:`Checkpointer` owns the protocol: :meth:`~Checkpointer.restore_latest`,
+:meth:`~Checkpointer.due` (a :class:`SavePolicy`) and :meth:`~Checkpointer.save`.
 """
 
 from __future__ import annotations
@@ -22,19 +27,20 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from sharded_scan.errors import UsageError
 
 PyTree = Any
 _log = logging.getLogger(__name__)
 
-PARTIALS, META = "partials", "meta"
+PARTIALS, META, SOURCE = "partials", "meta", "source"
 DAMAGED = "damaged"  # damaged checkpoints are moved here, never loaded
 # What orbax (0.12) writes into a step directory before it counts as complete.
 COMMIT_MARKER, STEP_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA"
@@ -69,26 +75,6 @@ class CheckpointOptions:
                 raise UsageError(f"checkpoint {name} must be a positive number or None, got {value!r}.")
 
 
-def accumulator_spec(combiner: Any, spec: PyTree) -> list[str]:
-    """The accumulator's leaves as ``"path: dtype[shape]"`` for ONE shard."""
-    shapes = jax.eval_shape(combiner.init, spec)
-    return [
-        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
-    ]
-
-
-def fingerprint(combiner: Any, source: Any, microbatch: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator."""
-    raw = {
-        "combiner": combiner.fingerprint(),
-        "data": source.describe(),
-        "microbatch": int(microbatch),
-        "accumulator": accumulator_spec(combiner, source.spec),
-    }
-    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
-
-
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
@@ -114,12 +100,74 @@ def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
     return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
 
 
+class SavePolicy:
+    """When to save: after ``every_steps`` steps and/or ``every_seconds`` since the last save.
+
+    Like CLU's ``PeriodicAction`` and orbax's save-decision policies. The time rule is
+    decided by process 0 and broadcast, so every process saves at the same step.
+    """
+
+    def __init__(self, every_steps: int | None, every_seconds: float | None):
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self._last_step, self._last_time = 0, time.monotonic()
+
+    def due(self, steps: int) -> bool:
+        """Whether a save is due after ``steps`` steps (counted over all runs of the job)."""
+        if self.every_steps is not None and steps - self._last_step >= self.every_steps:
+            return True
+        if self.every_seconds is None:
+            return False
+        late = time.monotonic() - self._last_time >= self.every_seconds
+        if jax.process_count() > 1:
+            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
+        return late
+
+    def saved(self, steps: int) -> None:
+        """Restarts both clocks after a save at ``steps``."""
+        self._last_step, self._last_time = steps, time.monotonic()
+
+
+class Restored(NamedTuple):
+    """What :meth:`Checkpointer.restore_latest` found."""
+
+    partials: PyTree
+    cursor: int           # the next row to fold
+    steps: int            # steps done over all earlier runs
+    source_state: dict    # this process's ``source.state_at(cursor)`` at the save
+    meta: dict            # the checkpoint's metadata (``checkpoint_meta``)
+
+
+def checkpoint_meta(cursor: int, steps: int, fingerprint: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+    """The ``meta`` item of a checkpoint: the one schema, written by :meth:`Checkpointer.save`.
+
+    ``shape`` is how the partials are laid out (``{"shards": S, "axes": {...}}``: shard
+    count and the mesh's non-``data`` axes); devices and processes are informational.
+    """
+    return {
+        "cursor": int(cursor),
+        "steps": int(steps),
+        "fingerprint": fingerprint,
+        "shards": int(shape["shards"]),
+        "axes": dict(shape["axes"]),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+    }
+
+
+def same_shape(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
+    """Whether a checkpoint's partials are laid out as ``shape`` (restorable in place)."""
+    return int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
+
+
 class Checkpointer:
     """Saves and restores the running state of one job in ``options.directory``.
 
-    Every process of a multi-process job builds one and calls every method in the same
-    order (orbax synchronises them). Saves are asynchronous: :meth:`save` returns once
-    the partials are copied off the devices; :meth:`wait` blocks until they are on disk.
+    A checkpoint holds the partials (sharded: each process writes its own shards), the
+    ``meta`` JSON (:func:`checkpoint_meta`) and every process's source state. Every
+    process of a job builds one and calls its methods in the same order (orbax
+    synchronises them): :meth:`restore_latest` once, then :meth:`due` / :meth:`save`
+    between steps, then :meth:`close`. Saves are asynchronous: :meth:`save` returns once
+    the partials are copied off the devices.
     """
 
     def __init__(self, options: CheckpointOptions):
@@ -131,8 +179,9 @@ class Checkpointer:
             self._set_aside(name, problem)
         _barrier("sharded_scan_checkpoint_scan")
         self._manager = self._open()
+        self.policy = SavePolicy(options.every_steps, options.every_seconds)
         self.written = 0
-        self._last_step, self._last_time = 0, time.monotonic()
+        self._job: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def _open(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
@@ -140,39 +189,142 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=int(self.options.keep), create=True, cleanup_tmp_directories=True
             ),
-            item_handlers={PARTIALS: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
+            item_handlers={
+                PARTIALS: ocp.PyTreeCheckpointHandler(),
+                META: ocp.JsonCheckpointHandler(),
+                SOURCE: ocp.JsonCheckpointHandler(),
+            },
         )
 
-    def latest(self) -> int | None:
-        """The cursor of the latest complete checkpoint, or None."""
-        return self._manager.latest_step()
+    def restore_latest(
+        self,
+        like: PyTree,
+        fingerprint: dict[str, Any],
+        relayout: Callable[[list[np.ndarray], dict[str, Any]], PyTree],
+        shape: dict[str, Any],
+    ) -> Restored | None:
+        """The newest usable checkpoint of this job, or None; also names the job for :meth:`save`.
 
-    def candidates(self) -> Iterator[int]:
-        """Cursors to resume from, newest first; each one :meth:`try_restore` set aside drops out."""
-        while (cursor := self.latest()) is not None:
-            yield cursor
+        Damaged checkpoints are set aside with a warning (all processes agree) and the
+        one before is tried. One laid out as ``shape`` is restored in place into
+        ``like``'s shardings (bitwise the state it saved); any other is read as host
+        arrays and handed to ``relayout(leaves, meta)``.
 
-    def try_restore(self, cursor: int, restore: Callable[[], PyTree]) -> PyTree | None:
-        """``restore()``, or None after setting the checkpoint at ``cursor`` aside as damaged.
+        Args:
+          like: the partials' ``jax.ShapeDtypeStruct`` leaves, with shardings.
+          fingerprint: what names this job; a checkpoint with another one is refused.
+          relayout: folds and places partials written with another shape.
+          shape: this run's layout of the partials (shard count, non-``data`` axes).
 
-        A UsageError (a checkpoint of another job) passes through: that is never skipped.
-
-        Every process gets the same answer: when one of them failed to read its part,
-        all of them set it aside and go on to the previous checkpoint.
+        Raises:
+          UsageError: the latest checkpoint belongs to another job (never skipped).
         """
-        try:
-            restored, problem = restore(), None
-        except UsageError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-            restored, problem = None, " ".join(str(e).split())[:200] or type(e).__name__
-        if not _all_processes(problem is None):
+        self._job = (fingerprint, shape)
+        while (cursor := self._manager.latest_step()) is not None:
+            meta = self._read_meta(cursor)
+            self._check_job(meta, fingerprint)
+            restored, problem = None, None
+            try:
+                if same_shape(meta, shape):
+                    partials = self._restore_in_place(cursor, like)
+                else:
+                    partials = relayout(self._restore_host(cursor), meta)
+                restored = Restored(partials, int(meta["cursor"]), int(meta["steps"]), self._source_state(cursor),
+                                    meta)
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+                problem = " ".join(str(e).split())[:200] or type(e).__name__
+            if _all_processes(problem is None):
+                _log.info(
+                    "resuming from the checkpoint at row %d (step %d, written by %d shards on %d devices) in %s",
+                    restored.cursor, restored.steps, meta["shards"], meta.get("devices", 0), self.directory,
+                )
+                return restored
             self._manager.close()
             self._set_aside(str(cursor), problem or "another process could not read it")
             _barrier(f"sharded_scan_checkpoint_set_aside_{cursor}")
             self._manager = self._open()
-            return None
-        return restored
+        return None
+
+    def save(self, cursor: int, steps: int, partials: PyTree, source_state: dict[str, Any] | None = None) -> None:
+        """Starts an async save of ``partials`` as the checkpoint at ``cursor`` (after ``steps`` steps).
+
+        ``source_state`` is this process's ``source.state_at(cursor)``; every process's is
+        kept. Call :meth:`restore_latest` first: it names the job.
+        """
+        if self._job is None:
+            raise RuntimeError("Checkpointer.save before restore_latest: the job is not named yet.")
+        fingerprint, shape = self._job
+        args = ocp.args.Composite(**{
+            PARTIALS: ocp.args.PyTreeSave(_to_flat_dict(partials)),
+            META: ocp.args.JsonSave(checkpoint_meta(cursor, steps, fingerprint, shape)),
+            SOURCE: ocp.args.JsonSave({"processes": _gather_json(source_state or {})}),
+        })
+        self._manager.save(int(cursor), args=args, force=True)
+        self.written += 1
+        self.policy.saved(steps)
+
+    def due(self, steps: int) -> bool:
+        """Whether a save is due after ``steps`` steps (all processes get the same answer)."""
+        return self.policy.due(steps)
+
+    def _read_meta(self, cursor: int) -> dict[str, Any]:
+        return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+        diff = fingerprint_difference(meta.get("fingerprint", {}), fingerprint)
+        if diff is not None:
+            raise UsageError(
+                f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
+                f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
+            )
+
+    def _restore_in_place(self, cursor: int, like: PyTree) -> PyTree:
+        """The partials restored into ``like``'s shardings, after checking the stored dtypes and shapes
+        (orbax would cast a dtype silently)."""
+        stored = self._manager.item_metadata(cursor)[PARTIALS]
+        stored = dict(getattr(stored, "tree", stored) or {})
+        want = _to_flat_dict(like)
+        for key, leaf in want.items():
+            got = stored.get(key)
+            if got is None or tuple(got.shape) != tuple(leaf.shape) or np.dtype(got.dtype) != leaf.dtype:
+                found = "missing" if got is None else f"{np.dtype(got.dtype).name}{list(got.shape)[1:]}"
+                raise UsageError(
+                    f"the checkpoint at {self.directory} (cursor {cursor}) belongs to a different job: accumulator "
+                    f"leaf {key} is {found} there but {np.dtype(leaf.dtype).name}{list(leaf.shape)[1:]} here; "
+                    "rerun with the original settings, or use a new workdir / checkpoint directory."
+                )
+        restore_args = {k: ocp.ArrayRestoreArgs(sharding=leaf.sharding) for k, leaf in want.items()}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(cursor, args=args)[PARTIALS]
+        return jax.tree.structure(like).unflatten([flat[k] for k in want])
+
+    def _restore_host(self, cursor: int) -> list[np.ndarray]:
+        """Every saved leaf, whole, as host numpy on every process, in leaf order."""
+        stored = self._manager.item_metadata(cursor)[PARTIALS]
+        keys = sorted(dict(getattr(stored, "tree", stored) or {}), key=int)
+        restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(cursor, args=args)[PARTIALS]
+        return [np.asarray(flat[k]) for k in keys]
+
+    def _source_state(self, cursor: int) -> dict[str, Any]:
+        """This process's source state saved at ``cursor`` (``{}`` for checkpoints without one)."""
+        if not os.path.isdir(os.path.join(self.directory, str(cursor), SOURCE)):
+            return {}
+        saved = self._manager.restore(cursor, args=ocp.args.Composite(**{SOURCE: ocp.args.JsonRestore()}))[SOURCE]
+        states = list((saved or {}).get("processes", []))
+        if not states or not any(states):
+            return {}
+        if len(states) == jax.process_count():
+            return states[jax.process_index()]
+        if all(s == states[0] for s in states):
+            return states[0]
+        raise UsageError(
+            f"the checkpoint at {self.directory} (cursor {cursor}) holds the reader state of {len(states)} "
+            f"processes, which differ; resume it with {len(states)} processes."
+        )
 
     def _set_aside(self, name: str, problem: str) -> None:
         """Moves step directory ``name`` into ``damaged/`` (process 0) with a warning."""
@@ -186,86 +338,6 @@ class Checkpointer:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.replace(os.path.join(self.directory, name), target)
 
-    def read_meta(self, cursor: int) -> dict[str, Any]:
-        """The ``meta`` item of the checkpoint at ``cursor``."""
-        return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-
-    def verify(self, meta: dict[str, Any], current: dict[str, Any], like: PyTree) -> None:
-        """Raises UsageError unless the checkpoint was written by the same job.
-
-        Compares the fingerprints, then the saved arrays' dtypes and shapes with ``like``
-        (orbax would cast a dtype silently).
-        """
-        where = f"the checkpoint at {self.directory} (cursor {meta.get('cursor')})"
-        diff = fingerprint_difference(meta.get("fingerprint", {}), current)
-        if diff is None:
-            stored = self._manager.item_metadata(meta["cursor"])[PARTIALS]
-            stored = dict(getattr(stored, "tree", stored) or {})
-            want = _to_flat_dict(like)
-            for key, leaf in want.items():
-                got = stored.get(key)
-                got_shape = None if got is None else tuple(got.shape)[1:]
-                if got is None or got_shape != tuple(leaf.shape)[1:] or np.dtype(got.dtype) != leaf.dtype:
-                    found = "missing" if got is None else f"{np.dtype(got.dtype).name}{list(got_shape)}"
-                    diff = f"accumulator leaf {key} is {found} there but {leaf.dtype.name}{list(leaf.shape[1:])} here"
-                    break
-        if diff is not None:
-            raise UsageError(
-                f"{where} belongs to a different job: {diff}; rerun with the original settings, "
-                "or use a new workdir / checkpoint directory."
-            )
-
-    def restore_partials(self, cursor: int, like: PyTree, sharding: Any = None) -> PyTree:
-        """Restores the partials saved at ``cursor``, shaped like ``like``.
-
-        Args:
-          cursor: the checkpoint's cursor.
-          like: a pytree with the structure and leaf dtypes of the accumulators.
-          sharding: restore sharded jax.Arrays with this sharding (the saved leading axis
-            must equal the current one); None restores full host numpy arrays on every
-            process (to fold them when the shard count changed).
-        """
-        if sharding is None:
-            restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in _to_flat_dict(like)}
-        else:
-            restore_args = {k: ocp.ArrayRestoreArgs(sharding=sharding) for k in _to_flat_dict(like)}
-        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
-        flat = self._manager.restore(cursor, args=args)[PARTIALS]
-        treedef = jax.tree.structure(like)
-        return treedef.unflatten([flat[str(i)] for i in range(treedef.num_leaves)])
-
-    def due(self, steps: int) -> bool:
-        """Whether a save is due after ``steps`` steps (all processes get the same answer).
-
-        The time rule is decided by process 0 and broadcast, so every process saves at the
-        same step.
-        """
-        every_steps, every_seconds = self.options.every_steps, self.options.every_seconds
-        if every_steps is not None and steps - self._last_step >= every_steps:
-            return True
-        if every_seconds is None:
-            return False
-        late = time.monotonic() - self._last_time >= every_seconds
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
-        return late
-
-    def save(self, cursor: int, steps: int, partials: PyTree, meta: dict[str, Any]) -> None:
-        """Starts an async save of ``partials`` with ``meta`` as the checkpoint at ``cursor``."""
-        meta = {**meta, "cursor": int(cursor), "steps": int(steps)}
-        args = ocp.args.Composite(
-            **{PARTIALS: ocp.args.PyTreeSave(_to_flat_dict(partials)), META: ocp.args.JsonSave(meta)}
-        )
-        self._manager.save(int(cursor), args=args, force=True)
-        self.written += 1
-        self._last_step, self._last_time = steps, time.monotonic()
-
-    def wait(self) -> None:
-        """Blocks until every started save is on disk."""
-        self._manager.wait_until_finished()
-
     def abandon(self) -> None:
         """Drops the manager without waiting for saves in flight (a peer is gone; they cannot finish).
 
@@ -278,6 +350,18 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+def _gather_json(value: Any) -> list[Any]:
+    """``value`` (JSON) of every process, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(data)] = data
+    everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(everyone[i, : lengths[i]]).decode()) for i in range(len(lengths))]
 
 
 def _read_json(path: str) -> Any:
@@ -322,15 +406,11 @@ def damaged_steps(directory: str) -> list[tuple[str, str]]:
 def _all_processes(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 

@@ -47,8 +47,8 @@ class Timeouts(NamedTuple):
 
 def detected_cluster() -> str | None:
     """The cluster ``jax.distributed.initialize()`` would detect, or None."""
-    try:
-        from jax._src.clusters import ClusterEnv  # the list jax itself walks
+    try:  # no public API lists the clusters; this is the list jax.distributed.initialize() walks
+        from jax._src.clusters import ClusterEnv
     except ImportError:  # pragma: no cover - jax moved it
         return None
     for env in ClusterEnv._cluster_types:
@@ -128,16 +128,9 @@ def check_address(address: str) -> None:
         )
 
 
-def _multi_controller() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.client is not None
-
-
 def _preemption_service() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.preemption_sync_manager is not None
+    """Whether this multi-process job runs JAX's preemption service (on unless turned off at start-up)."""
+    return bool(jax.config.jax_enable_preemption_service)
 
 
 class PreemptionWatch:
@@ -159,7 +152,7 @@ class PreemptionWatch:
         self._multi = False
 
     def __enter__(self) -> PreemptionWatch:
-        self._multi = self.enabled and _multi_controller()
+        self._multi = self.enabled and jax.distributed.is_initialized()
         if self._multi and not _preemption_service():
             _log.warning("jax_enable_preemption_service is off: SIGTERM will stop this job without a checkpoint.")
             self.enabled = self._multi = False
@@ -176,10 +169,6 @@ class PreemptionWatch:
     def _on_sigterm(self, signum, frame) -> None:
         del signum, frame
         _log.warning("SIGTERM: finishing the current step, then saving a checkpoint.")
-        self._flag.set()
-
-    def request(self) -> None:
-        """Asks for a stop at the next step boundary (single process; as SIGTERM would)."""
         self._flag.set()
 
     def should_stop(self, step: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -44,6 +45,14 @@ class IteratorSource(Source):
         self._batches, self._num_rows = batches, int(num_rows)
         self._lock = threading.Lock()
         self._initial_state = batches.get_state() if self.resumable else None
+        if self.resumable:
+            try:
+                json.dumps(self._initial_state)
+            except (TypeError, ValueError):
+                raise UsageError(
+                    f"IteratorSource: {type(batches).__name__}.get_state() returned a "
+                    f"{type(self._initial_state).__name__} that is not JSON; checkpoints store it as JSON."
+                ) from None
         self._restart(0, None)
         if spec is None:
             first = self._next_batch()
