@@ -40,6 +40,7 @@ from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.options import RunOptions
+from sharded_scan.prefetch import check_placeable
 from sharded_scan.sources import ArraySource, Source
 
 PyTree = Any
@@ -360,6 +361,7 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     if source.num_rows == 0:
         raise UsageError("the data has zero rows; there is nothing to reduce.")
     job.check_spec(source.spec)
+    check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
     microbatch, steps_per_call = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, options.logical_shards)
