@@ -129,12 +129,16 @@ def main() -> None:
         report["sweep"] = tuning.sweep(quick=args.quick, repeats=repeats)
         report["host_overhead"] = tuning.host_overhead(quick=args.quick)
     report["communication"] = tuning.communication()
+    report["gradient_iterations"] = tuning.gradient_iterations(quick=args.quick, repeats=repeats)
     report["seconds"] = time.perf_counter() - started
 
     print()
     print(table(rows))
     if "sweep" in report:
         print("\n" + tuning.describe(report["sweep"], report["host_overhead"]))
+    grad = report["gradient_iterations"]
+    print(f"\nGradient, {grad['rows']} rows: {grad['seconds']['new params']:.3f} s an iteration with new params, "
+          f"{grad['seconds']['same combiner']:.3f} s rerunning the same combiner ({grad['ratio']:.2f}x)")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_quick" if args.quick else "bench"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=float))
