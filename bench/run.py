@@ -130,6 +130,7 @@ def main() -> None:
         report["host_overhead"] = tuning.host_overhead(quick=args.quick)
     report["communication"] = tuning.communication()
     report["gradient_iterations"] = tuning.gradient_iterations(quick=args.quick, repeats=repeats)
+    report["logical_shards_cost"] = tuning.logical_shards_cost(quick=args.quick, repeats=repeats)
     report["seconds"] = time.perf_counter() - started
 
     print()
@@ -139,6 +140,9 @@ def main() -> None:
     grad = report["gradient_iterations"]
     print(f"\nGradient, {grad['rows']} rows: {grad['seconds']['new params']:.3f} s an iteration with new params, "
           f"{grad['seconds']['same combiner']:.3f} s rerunning the same combiner ({grad['ratio']:.2f}x)")
+    for c in report["logical_shards_cost"]:
+        print(f"{c['combiner']} d={c['d']}: logical_shards=8 takes {c['ratio']:.2f}x the time of the default run "
+              f"({c['seconds']['logical_shards=8']:.3f} s vs {c['seconds']['default']:.3f} s, {c['rows']} rows)")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_quick" if args.quick else "bench"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=float))

@@ -172,6 +172,25 @@ def gradient_iterations(quick: bool, repeats: int) -> dict:
     return {"rows": n, "seconds": seconds, "ratio": seconds["new params"] / seconds["same combiner"]}
 
 
+def logical_shards_cost(quick: bool, repeats: int) -> list[dict]:
+    """Seconds of a run with ``logical_shards=8`` (micro-batches of at most 256 rows, the same
+    on every device and process split) against the default run, on the same data."""
+    out = []
+    megabytes = 16 if quick else 64
+    for name, make, d in (("Gram", ss.Gram, 32), ("Gram", ss.Gram, 256), ("Covariance", ss.Covariance, 256)):
+        x = aligned_rows(rows_for(megabytes, d, 8 * 4096), d, seed=9)
+        calls = {
+            "default": lambda make=make, x=x: ss.run(make(), x),
+            "logical_shards=8": lambda make=make, x=x: ss.run(make(), x, logical_shards=8),
+        }
+        for call in calls.values():
+            call()  # compile
+        seconds = interleaved_best(calls, repeats)
+        out.append({"combiner": name, "d": d, "rows": len(x), "seconds": seconds,
+                    "ratio": seconds["logical_shards=8"] / seconds["default"]})
+    return out
+
+
 def _bytes_per_device(tree) -> int:
     return int(sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree)))
 

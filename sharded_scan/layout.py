@@ -36,6 +36,12 @@ MICROBATCH_RANGE = (256, 1 << 14)
 # logical shard (8 steps of 4 MiB; 16 of 2 MiB at d=32, 1.4x faster there than 8).
 MIN_STEPS_PER_CALL = 8
 STEP_BYTES_PER_SHARD = 32 << 20
+# XLA:CPU splits the contraction of a dot over more rows than this between its intra-op
+# threads, and how it splits depends on the process's device count: a (512, d) x (512, d)
+# product differs bitwise between processes of 1 and 8 devices, a 256-row one never
+# (tests/test_reproducible.py). So with logical_shards fixed a shard folds micro-batches
+# of at most this many rows, and its sums are a function of its rows alone.
+REPRODUCIBLE_MICROBATCH = 256
 
 
 def row_bytes(spec: Any) -> int:
@@ -146,6 +152,10 @@ def make_layout(
     # so a fixed logical_shards gives the same layout on every mesh.
     microbatch = int(min(microbatch, max(1, math.ceil(num_rows / shards))))
     steps_per_call = int(min(steps_per_call, max(1, math.ceil(num_rows / (shards * microbatch)))))
+    if logical_shards is not None and microbatch > REPRODUCIBLE_MICROBATCH:
+        # The same rows a step, folded in micro-batches whose dots XLA never splits by thread.
+        steps_per_call *= math.ceil(microbatch / REPRODUCIBLE_MICROBATCH)
+        microbatch = REPRODUCIBLE_MICROBATCH
     return Layout(
         num_rows, data_size, microbatch, steps_per_call, local_data_blocks(mesh), int(logical_shards or 0)
     )

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +46,7 @@ from sharded_scan.prefetch import check_placeable
 from sharded_scan.sources import ArraySource, Source
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 
 def cached(build: Callable) -> Callable:
@@ -349,6 +352,24 @@ class Program:
         return place(host, jax.tree.map(lambda s: s.sharding, self.like))
 
 
+DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+@functools.cache
+def warn_if_not_reproducible(platform: str, xla_flags: str) -> None:
+    """Logs once when ``logical_shards`` cannot promise bitwise results on ``platform``.
+
+    XLA's GPU reductions and scatters may use atomics, whose order varies from run to
+    run, unless XLA runs in its deterministic mode. CPU and TPU need nothing.
+    """
+    if platform in ("gpu", "cuda", "rocm") and DETERMINISTIC_GPU_FLAG not in xla_flags:
+        _log.warning(
+            "logical_shards makes results bitwise reproducible on GPUs only with XLA_FLAGS=%s set before JAX "
+            "starts (XLA's GPU reductions may otherwise use atomics); without it they agree to float rounding.",
+            DETERMINISTIC_GPU_FLAG,
+        )
+
+
 def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Program:
     """Checks and resolves the job ``combiner`` over ``source`` with ``options``; no compute yet.
 
@@ -365,6 +386,8 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     mesh = make_mesh(options.mesh)
     microbatch, steps_per_call = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
     layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, options.logical_shards)
+    if options.logical_shards is not None:
+        warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))
     return Program(
         combiner=job.for_mesh(mesh),
         job=job,
