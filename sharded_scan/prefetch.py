@@ -88,8 +88,8 @@ def check_placeable(spec: PyTree) -> None:
             raise UsageError(
                 f"the data is {dtype.name}, which JAX would narrow to {narrow} on its way to the devices "
                 "(jax_enable_x64 is off); enable 64-bit with jax.config.update('jax_enable_x64', True) at start-up "
-                f"(--config.x64=True on the command line), or pass the data as {narrow} (x.astype(np.{narrow})) "
-                "to accept the rounding."
+                f"(--config.x64=True on the command line), or pass the data as {narrow} (x.astype(np.{narrow}), "
+                f"or a source's dtype='{narrow}') to accept the rounding."
             )
 
 

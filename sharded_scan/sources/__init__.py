@@ -31,18 +31,22 @@ from sharded_scan.sources.compose import TreeSource, as_source
 from sharded_scan.sources.files import NpyShardsSource, NpySource, ZarrSource
 from sharded_scan.sources.iterator import IteratorSource
 from sharded_scan.sources.memory import ArraySource, SyntheticSource
+from sharded_scan.sources.tabular import CsvSource, ParquetSource, dataframe_source
 
 __all__ = [
     "ALIGN",
     "ArraySource",
+    "CsvSource",
     "IteratorSource",
     "NpyShardsSource",
     "NpySource",
+    "ParquetSource",
     "Source",
     "SyntheticSource",
     "TreeSource",
     "ZarrSource",
     "aligned_empty",
     "as_source",
+    "dataframe_source",
     "row_spec",
 ]

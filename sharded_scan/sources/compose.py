@@ -59,11 +59,16 @@ def as_source(data: Any) -> Source:
     """Wraps ``data`` as a Source.
 
     Args:
-      data: a Source, a numpy array, a pytree of arrays, or a pytree of Sources (arrays
-        may stand among them); every leaf needs the same number of rows.
+      data: a Source, a pandas or polars DataFrame (its numeric columns), a numpy array, a
+        pytree of arrays, or a pytree of Sources (arrays may stand among them); every leaf
+        needs the same number of rows.
     """
     if isinstance(data, Source):
         return data
+    if type(data).__module__.split(".")[0] in ("pandas", "polars") and hasattr(data, "columns"):
+        from sharded_scan.sources.tabular import dataframe_source
+
+        return dataframe_source(data)
     leaves = jax.tree.leaves(data, is_leaf=lambda s: isinstance(s, Source))
     if not any(isinstance(s, Source) for s in leaves):
         return ArraySource(data)
