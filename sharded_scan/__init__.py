@@ -11,8 +11,10 @@ from sharded_scan.combiners import (
     Histogram,
     LinearRegression,
     Moments,
+    Quantiles,
     Sum,
     from_fn,
+    run_passes,
 )
 from sharded_scan.distributed import Preempted
 from sharded_scan.engine import Progress, RunReport, run, run_with_report
@@ -32,11 +34,13 @@ __all__ = [
     "Moments",
     "Preempted",
     "Progress",
+    "Quantiles",
     "RunReport",
     "Sum",
     "UsageError",
     "from_fn",
     "make_mesh",
     "run",
+    "run_passes",
     "run_with_report",
 ]

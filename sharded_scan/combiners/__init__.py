@@ -4,6 +4,8 @@ from sharded_scan.combiners.base import AdditiveCombiner, Combiner
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
+from sharded_scan.combiners.passes import MultiPass, run_passes
+from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
 from sharded_scan.combiners.statistics import (
     PCA,
@@ -30,8 +32,12 @@ __all__ = [
     "LinearRegressionResult",
     "Moments",
     "MomentsResult",
+    "MultiPass",
     "PCAResult",
+    "Quantiles",
+    "QuantilesResult",
     "Sum",
     "SumResult",
     "from_fn",
+    "run_passes",
 ]
