@@ -1,6 +1,7 @@
 """The Combiner protocol and the built-in reductions."""
 
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner
+from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
@@ -23,6 +24,8 @@ __all__ = [
     "Combiner",
     "Covariance",
     "CovarianceResult",
+    "DistinctCount",
+    "DistinctCountResult",
     "Gradient",
     "GradientResult",
     "Gram",

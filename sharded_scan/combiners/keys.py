@@ -28,6 +28,7 @@ ABS = 0x7FFFFFFF
 INF_BITS = 0x7F800000
 NAN_BITS = 0x7FC00000
 MAX_KEY = 0xFFFFFFFF  # also the filler of unused slots: it sorts last
+GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: an odd constant to tell hashes apart
 
 FLOAT, SIGNED, UNSIGNED = "float", "signed", "unsigned"
 

@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.keys import MAX_KEY, mix32
+from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, mix32
 
 LEVELS = 48          # level h weighs 2^h: room for far more than 2^60 rows
 SHRINK = 2.0 / 3.0   # KLL's capacity ratio c between a level and the one above it
 MIN_CAPACITY = 8     # the capacity of the lowest levels
-GOLDEN = 0x9E3779B9
 
 
 class Sketch(NamedTuple):
