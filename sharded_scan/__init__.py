@@ -14,7 +14,9 @@ from sharded_scan.combiners import (
     Moments,
     Quantiles,
     Sum,
+    TopK,
     from_fn,
+    hash_strings,
     run_passes,
 )
 from sharded_scan.distributed import Preempted
@@ -39,8 +41,10 @@ __all__ = [
     "Quantiles",
     "RunReport",
     "Sum",
+    "TopK",
     "UsageError",
     "from_fn",
+    "hash_strings",
     "make_mesh",
     "run",
     "run_passes",

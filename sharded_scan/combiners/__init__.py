@@ -17,6 +17,7 @@ from sharded_scan.combiners.statistics import (
     PCAResult,
 )
 from sharded_scan.combiners.sums import Gram, Sum, SumResult
+from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
 
 __all__ = [
     "PCA",
@@ -41,6 +42,9 @@ __all__ = [
     "QuantilesResult",
     "Sum",
     "SumResult",
+    "TopK",
+    "TopKResult",
     "from_fn",
+    "hash_strings",
     "run_passes",
 ]

@@ -31,6 +31,9 @@ MAX_KEY = 0xFFFFFFFF  # also the filler of unused slots: it sorts last
 GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: an odd constant to tell hashes apart
 
 FLOAT, SIGNED, UNSIGNED = "float", "signed", "unsigned"
+KINDS = (FLOAT, SIGNED, UNSIGNED)
+KIND_DTYPES = {FLOAT: np.float32, SIGNED: np.int32, UNSIGNED: np.uint32}
+NAN_KEY = NAN_BITS | SIGN  # the key of every NaN: above +inf
 
 
 def key_kind(dtype) -> str:
@@ -41,6 +44,21 @@ def key_kind(dtype) -> str:
     if jnp.issubdtype(dtype, jnp.unsignedinteger) and dtype.itemsize == 4:
         return UNSIGNED
     return SIGNED
+
+
+def kind_code(dtype) -> jax.Array:
+    """The kind of ``dtype``'s keys as an int32 scalar, for accumulators to carry to ``finalize``."""
+    return jnp.int32(KINDS.index(key_kind(dtype)))
+
+
+def decode(keys: np.ndarray, code) -> np.ndarray:
+    """The values (float64) of host keys whose kind is ``code`` (from :func:`kind_code`)."""
+    return from_keys(keys, KIND_DTYPES[KINDS[int(code)]])
+
+
+def is_float(code) -> bool:
+    """Whether keys of kind ``code`` stand for floats (and so may be NaN)."""
+    return KINDS[int(code)] == FLOAT
 
 
 def check_keyable(dtype, who: str) -> None:

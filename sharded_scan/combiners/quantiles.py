@@ -27,25 +27,12 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import (
-    FLOAT,
-    MAX_KEY,
-    NAN_BITS,
-    SIGN,
-    SIGNED,
-    UNSIGNED,
-    check_column_spec,
-    columns,
-    from_keys,
-    key_kind,
-)
+from sharded_scan.combiners.keys import MAX_KEY, NAN_KEY, check_column_spec, columns, decode, is_float, kind_code
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 8192
 MIN_K = 16
-KINDS = (FLOAT, SIGNED, UNSIGNED)
-NAN_KEY = NAN_BITS | SIGN
 CONFIDENCE = 0.99
 
 
@@ -72,7 +59,7 @@ class QuantilesAcc(NamedTuple):
     count: wide.Wide
     low: jax.Array   # uint32 (d,) or (): smallest key (MAX_KEY with no rows)
     high: jax.Array  # uint32 (d,) or (): largest key (NAN_KEY once a NaN was seen)
-    kind: jax.Array  # int32 (): index in KINDS, so that finalize can turn keys back into values
+    kind: jax.Array  # int32 (): keys.kind_code, so that finalize can turn keys back into values
 
 
 def check_qs(qs: Any, num_buckets: Any, who: str) -> tuple[float, ...]:
@@ -152,7 +139,7 @@ class Quantiles(Combiner, MultiPass):
         d = shape[0] if shape else 1
         return QuantilesAcc(
             kll.empty(d, self.k), wide.zeros(limbs=3), jnp.full(shape, MAX_KEY, jnp.uint32),
-            jnp.zeros(shape, jnp.uint32), jnp.int32(KINDS.index(key_kind(spec.dtype))),
+            jnp.zeros(shape, jnp.uint32), kind_code(spec.dtype),
         )
 
     def add(self, acc, batch, mask):
@@ -193,9 +180,8 @@ def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, keys: np.ndarray, rows: 
     """Builds the result from per-column keys ``(d, len(qs))``: exact ends, NaN columns, shape."""
     low, high = np.asarray(acc.low).reshape(-1), np.asarray(acc.high).reshape(-1)
     keys = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], keys))
-    kind = KINDS[int(acc.kind)]
-    values = from_keys(keys, {FLOAT: np.float32, SIGNED: np.int32, UNSIGNED: np.uint32}[kind])
-    nan = (high == NAN_KEY) if kind == FLOAT else np.zeros_like(high, bool)
+    values = decode(keys, acc.kind)
+    nan = (high == NAN_KEY) & is_float(acc.kind)
     values[nan | (rows == 0)] = np.nan
     if np.ndim(acc.low) == 0:
         values = values[0]

@@ -30,8 +30,8 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import MAX_KEY, check_column_spec, columns, from_keys, np_float_keys
-from sharded_scan.combiners.quantiles import FLOAT, KINDS, NAN_KEY, Quantiles, result_from_keys
+from sharded_scan.combiners.keys import MAX_KEY, NAN_KEY, check_column_spec, columns, from_keys, is_float, np_float_keys
+from sharded_scan.combiners.quantiles import Quantiles, result_from_keys
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
 END = 1 << 32  # a boundary past every key
@@ -154,7 +154,7 @@ def exact_passes(q: Quantiles):
     if rows == 0 or float(acc.sketch.variance) == 0.0:  # nothing compacted: the sketch holds every row
         return result_from_keys(acc, qs, kll.lower_ranks(host, qs), rows, 0.0, passes=1)
     low, high = np.asarray(acc.low).reshape(-1).astype(np.int64), np.asarray(acc.high).reshape(-1).astype(np.int64)
-    floats = KINDS[int(acc.kind)] == FLOAT
+    floats = is_float(acc.kind)
     ranks = np.broadcast_to(np.floor(qs * (rows - 1)).astype(np.int64), (len(low), len(qs)))
     margin = kll.rank_error_bound(float(acc.sketch.variance), rows, BRACKET_CONFIDENCE) * rows + 1
     # Past either end of the sketch's items only the true extremes bracket safely.
