@@ -50,7 +50,7 @@ class DistinctAcc(NamedTuple):
     """HLL registers and, while there are few, the distinct keys themselves."""
 
     registers: jax.Array  # uint8 (d, m)
-    keys: jax.Array       # uint32 (d, E): sorted distinct keys, MAX_KEY past the last
+    keys: jax.Array       # uint32 (d, max(E, 1)): sorted distinct keys, MAX_KEY past the last
     held: jax.Array       # int32 (d,): distinct keys held; E + 1 once there were more than E
 
 
@@ -147,8 +147,9 @@ class DistinctCount(Combiner):
 
     def init(self, spec):
         d = spec.shape[0] if spec.shape else 1
+        slots = max(self.exact_up_to, 1)  # orbax cannot save an empty array: one unused slot when off
         return DistinctAcc(
-            jnp.zeros((d, 1 << self.precision), jnp.uint8), jnp.full((d, self.exact_up_to), MAX_KEY, jnp.uint32),
+            jnp.zeros((d, 1 << self.precision), jnp.uint8), jnp.full((d, slots), MAX_KEY, jnp.uint32),
             jnp.zeros(spec.shape, jnp.int32),
         )
 
