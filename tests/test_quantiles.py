@@ -1,5 +1,7 @@
 """Quantiles: rank errors against numpy on shaped data, bitwise over device counts and resumes, exact mode."""
 
+import dataclasses
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -109,6 +111,8 @@ def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     again, report = ss.run_passes(exact, x, mesh="data:2", checkpoint=options, **kw)
     np.testing.assert_array_equal(again.quantiles, got.quantiles)
     assert again.passes == got.passes and report.rows_this_run < got.passes * len(x)
+    sketch, report = ss.run_passes(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
+    assert sketch.passes == 1 and report.rows_this_run == len(x)
 
 
 def test_nan_propagates_or_is_omitted_and_signed_zeros_and_infinities_rank_like_numpy():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, check_column_spec, columns, mix32
+from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, check_column_spec, columns, fold_if_any, mix32
 from sharded_scan.errors import UsageError
 
 DEFAULT_PRECISION = 14
@@ -154,6 +154,9 @@ class DistinctCount(Combiner):
         )
 
     def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
         keys = columns(batch)
         index, rank = register_updates(keys, mask, self.precision)
         d = keys.shape[0]

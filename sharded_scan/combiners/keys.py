@@ -142,6 +142,15 @@ def check_column_spec(spec, who: str) -> None:
     check_keyable(spec.dtype, who)
 
 
+def fold_if_any(mask: jax.Array, fold, acc):
+    """``fold(acc)`` when the micro-batch has a real row, else ``acc`` untouched.
+
+    The last step of a run is mostly padding micro-batches; sorting them would cost as
+    much as real ones. (Where the mask is all True, XLA drops the branch.)
+    """
+    return jax.lax.cond(jnp.any(mask), fold, lambda acc: acc, acc)
+
+
 def columns(batch: jax.Array) -> jax.Array:
     """A micro-batch ``(mb,)`` or ``(mb, d)`` as keys by column: ``(d, mb)``."""
     keys = to_keys(batch)

@@ -126,6 +126,15 @@ def _splice(items: jax.Array, total: jax.Array, start, old_len, new: jax.Array, 
     return jnp.where(pos < total + shift, out, jnp.uint32(MAX_KEY))
 
 
+def window_sizes(k: int) -> tuple[int, ...]:
+    """The static window sizes one move may sort: the smallest that holds the items moved is used.
+
+    Most moves happen at low levels, whose capacities are a small part of ``k``; the
+    largest size holds any move (:func:`window_size`).
+    """
+    return tuple(sorted({max(16, k // 4), k, window_size(k)}))
+
+
 def _step(s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inserting: jax.Array, k: int) -> Sketch:
     """One move of the sketch, in one sorted window: insert ``run`` into ``level``, or compact ``level - 1``.
 
@@ -135,13 +144,22 @@ def _step(s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inser
     random) joins ``level``; with an odd count the largest stays. Both levels together
     hold at most ``window_size(k)`` items.
     """
-    size = window_size(k)
-    pos = jnp.arange(size, dtype=jnp.int32)
     low_level = jnp.maximum(level - 1, 0)
-    starts = _starts(s.sizes)
-    start = jnp.where(inserting, starts[level], starts[low_level])
     low = jnp.where(inserting, 0, s.sizes[low_level])
     up = s.sizes[level]
+    need = jnp.where(inserting, up + run_len, low + up)
+    sizes = window_sizes(k)
+    branch = sum((need > size).astype(jnp.int32) for size in sizes[:-1])
+    moves = [functools.partial(_move, size=size) for size in sizes]
+    s = jax.lax.switch(branch, moves, s, level, low_level, low, up, run, run_len, inserting)
+    return s._replace(overflow=s.overflow | jnp.where(inserting, up >= k, need > sizes[-1]))
+
+
+def _move(s: Sketch, level, low_level, low, up, run, run_len, inserting, *, size: int) -> Sketch:
+    """:func:`_step` in a window of ``size`` slots (``size`` at least the items it moves)."""
+    pos = jnp.arange(size, dtype=jnp.int32)
+    starts = _starts(s.sizes)
+    start = jnp.where(inserting, starts[level], starts[low_level])
     win = _window(s.items, start, size)
     pairs, odd = low // 2, low % 2
     salt = mix32(s.salt ^ (level.astype(jnp.uint32) + 1) * jnp.uint32(GOLDEN))
@@ -149,8 +167,9 @@ def _step(s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inser
     choice = (mix32(salt ^ column_sum) & 1).astype(jnp.int32)[:, None]  # per column: keep pairs' 1st or 2nd
     promoted = (pos < 2 * pairs) & ((pos & 1) == choice)
     moving = jnp.where(promoted | ((pos >= low) & (pos < low + up)), win, jnp.uint32(MAX_KEY))
-    from_run = _padded(run, k, size - k - run.shape[1])  # the run in slots [k, k + R): past the level
-    from_run = jnp.where((pos - k < run_len) & inserting, from_run, jnp.uint32(MAX_KEY))
+    run = jnp.where((jnp.arange(run.shape[1]) < run_len) & inserting, run, jnp.uint32(MAX_KEY))
+    after_level = jnp.full((run.shape[0], size + run.shape[1]), MAX_KEY, jnp.uint32)
+    from_run = jax.lax.dynamic_update_slice_in_dim(after_level, run, up, axis=1)[:, :size]  # slots [up, up + R)
     merged = jnp.sort(jnp.minimum(moving, from_run), axis=1)
     leftover = jax.lax.dynamic_slice_in_dim(win, jnp.maximum(low - 1, 0), 1, axis=1)
     new = jnp.where(odd == 1, jnp.concatenate([leftover, merged[:, :-1]], axis=1), merged)
@@ -159,8 +178,7 @@ def _step(s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inser
     sizes = s.sizes.at[level].add(grown)
     sizes = jnp.where(inserting, sizes, sizes.at[low_level].set(odd))
     weight = jnp.exp2(low_level.astype(jnp.float32))
-    overflow = s.overflow | jnp.where(inserting, (up >= k) | (run.shape[1] > k), low + up > size)
-    return Sketch(items, sizes, s.variance + jnp.where(inserting, 0.0, weight * weight), salt, overflow)
+    return Sketch(items, sizes, s.variance + jnp.where(inserting, 0.0, weight * weight), salt, s.overflow)
 
 
 def _full(s: Sketch, k: int) -> jax.Array:

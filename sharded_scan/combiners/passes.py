@@ -24,6 +24,11 @@ from sharded_scan.errors import UsageError
 class MultiPass:
     """Mixin for reductions that need several passes over the data."""
 
+    @property
+    def needs_passes(self) -> bool:
+        """Whether this instance reads the data more than once (else it is a plain combiner)."""
+        return True
+
     def passes(self) -> Generator[Any, Any, Any]:
         """Yields each pass's combiner, is sent its result, and returns the final result."""
         raise NotImplementedError
@@ -60,7 +65,7 @@ def run_passes(reduction: Any, data: Any, *, checkpoint: Any = None, **options: 
 
     Args:
       reduction: a :class:`MultiPass` (e.g. ``Quantiles(exact=True)``) or a plain combiner
-        (one pass, like :func:`sharded_scan.run_with_report`).
+        (one pass, exactly like :func:`sharded_scan.run_with_report`, checkpoint included).
       data: as for :func:`sharded_scan.run`; it is read once per pass.
       checkpoint: None, a directory or :class:`sharded_scan.CheckpointOptions`; pass
         ``i`` uses its subdirectory ``pass{i}``.
@@ -72,7 +77,7 @@ def run_passes(reduction: Any, data: Any, *, checkpoint: Any = None, **options: 
     """
     from sharded_scan.engine import RunReport, run_with_report
 
-    if not isinstance(reduction, MultiPass):
+    if not (isinstance(reduction, MultiPass) and reduction.needs_passes):
         return run_with_report(reduction, data, checkpoint=checkpoint, **options)
     check_rereadable(data)
     pass_checkpoint(checkpoint, 1)  # a bad checkpoint option is refused before any compute

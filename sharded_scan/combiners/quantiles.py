@@ -27,7 +27,16 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import MAX_KEY, NAN_KEY, check_column_spec, columns, decode, is_float, kind_code
+from sharded_scan.combiners.keys import (
+    MAX_KEY,
+    NAN_KEY,
+    check_column_spec,
+    columns,
+    decode,
+    fold_if_any,
+    is_float,
+    kind_code,
+)
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.errors import UsageError
 
@@ -143,14 +152,15 @@ class Quantiles(Combiner, MultiPass):
         )
 
     def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
         keys = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)
         count = jnp.sum(mask, dtype=jnp.int32)
-        sketch = jax.lax.cond(
-            count > 0, lambda s: kll.insert_sorted_rows(s, keys, count, self.k), lambda s: s, acc.sketch
-        )
-        largest = jnp.take(keys, jnp.maximum(count - 1, 0), axis=1)
+        sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
+        largest = jnp.take(keys, count - 1, axis=1)
         low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
-        high = jnp.where(count > 0, jnp.maximum(acc.high, largest.reshape(acc.high.shape)), acc.high)
+        high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
         return QuantilesAcc(sketch, wide.add_int32(acc.count, count), low, high, acc.kind)
 
     def merge(self, a, b):
@@ -161,6 +171,10 @@ class Quantiles(Combiner, MultiPass):
 
     def finalize(self, acc):
         return sketch_quantiles(acc, np.asarray(self.qs))
+
+    @property
+    def needs_passes(self) -> bool:
+        return bool(self.exact)
 
     def passes(self):
         from sharded_scan.combiners.quantiles_exact import exact_passes

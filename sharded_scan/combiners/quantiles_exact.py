@@ -30,7 +30,16 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import MAX_KEY, NAN_KEY, check_column_spec, columns, from_keys, is_float, np_float_keys
+from sharded_scan.combiners.keys import (
+    MAX_KEY,
+    NAN_KEY,
+    check_column_spec,
+    columns,
+    fold_if_any,
+    from_keys,
+    is_float,
+    np_float_keys,
+)
 from sharded_scan.combiners.quantiles import Quantiles, result_from_keys
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
@@ -83,6 +92,9 @@ class RefinePass(Combiner):
         )
 
     def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
         keys = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)  # (d, mb)
         real = jnp.sum(mask, dtype=jnp.int32)
         bounds = jnp.asarray(np.minimum(self.bounds, MAX_KEY).astype(np.uint32))

@@ -32,7 +32,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import MAX_KEY, check_column_spec, columns, decode, kind_code
+from sharded_scan.combiners.keys import MAX_KEY, check_column_spec, columns, decode, fold_if_any, kind_code
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
 from sharded_scan.errors import UsageError
@@ -153,6 +153,9 @@ class TopK(Combiner):
         )
 
     def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
         s = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)  # (d, mb)
         d, mb = s.shape
         real = jnp.sum(mask, dtype=jnp.int32)
