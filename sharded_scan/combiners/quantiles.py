@@ -102,13 +102,15 @@ class Quantiles(Combiner, MultiPass):
       num_buckets: instead of ``qs``: the ``num_buckets - 1`` boundaries that cut each
         column into ``num_buckets`` buckets of equal row counts (tf.Transform's
         ``quantiles``; ``num_buckets=1`` gives none).
-      k: the sketch size, the accuracy knob: about ``3k`` items per column, and a
-        normalized rank error of about ``1/k``; at the default 8192 the largest rank
-        error over 2001 quantiles of 10^7 rows was 2-4e-4 (``python bench/sketches.py``).
-      exact: return the exact order statistics (numpy's ``method="lower"``), in 2 to 5
-        passes over the data; run it with :func:`sharded_scan.run_passes`.
-      bits: with ``exact``, each pass after the first narrows every bracket by ``2^bits``
-        (bins per quantile and column; memory grows as ``2^bits``).
+      k: the sketch size, the accuracy knob: room for about ``4k`` keys per column
+        (128 KiB at the default 8192), and a normalized rank error of a few ``1/k``: the
+        result's ``rank_error`` bounds it; at the default the largest rank error over
+        2001 quantiles of 10^7 rows was 1e-7 to 4.1e-4 (``python bench/sketches.py``).
+      exact: return the exact order statistics (numpy's ``method="lower"``), in 2 or 3
+        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``); run it with
+        :func:`sharded_scan.run_passes`.
+      bits: with ``exact``, each pass after the first cuts every bracket into ``2^bits``
+        bins (memory ``d * len(qs) * 2^bits`` counts).
 
     NaN and infinities: with ``nan_policy="propagate"`` a column holding NaN gives NaN
     (like ``np.quantile``) and infinities rank as the largest and smallest values; with
