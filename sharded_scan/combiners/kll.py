@@ -127,28 +127,33 @@ def _splice(items: jax.Array, total: jax.Array, start, old_len, new: jax.Array, 
 
 
 def window_sizes(k: int) -> tuple[int, ...]:
-    """The static window sizes one move may sort: the smallest that holds the items moved is used.
+    """The static window sizes one move may sort: the smaller one when it holds the items moved.
 
-    Most moves happen at low levels, whose capacities are a small part of ``k``; the
-    largest size holds any move (:func:`window_size`).
+    Most moves happen at low levels, whose capacities are a small part of ``k``, and fit in
+    ``k/4`` slots; the larger holds any move (:func:`window_size`). (A third size, ``k``,
+    ran no faster and compiled once more in every step.)
     """
-    return tuple(sorted({max(16, k // 4), k, window_size(k)}))
+    return tuple(sorted({max(16, k // 4), window_size(k)}))
 
 
-def _step(s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inserting: jax.Array, k: int) -> Sketch:
+def _step(
+    s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inserting: jax.Array, k: int,
+    sizes: tuple[int, ...] | None = None,
+) -> Sketch:
     """One move of the sketch, in one sorted window: insert ``run`` into ``level``, or compact ``level - 1``.
 
     Inserting: ``level`` holds fewer than ``k`` items; they and the run (``(d, R)`` sorted,
     ``R <= k``, its first ``run_len`` valid) are merged. Compacting: the items of
     ``level - 1`` are paired, and the first or second of each pair (per column, at
     random) joins ``level``; with an odd count the largest stays. Both levels together
-    hold at most ``window_size(k)`` items.
+    hold at most ``window_size(k)`` items. ``sizes``: the windows to choose from
+    (default :func:`window_sizes`; each one is compiled).
     """
     low_level = jnp.maximum(level - 1, 0)
     low = jnp.where(inserting, 0, s.sizes[low_level])
     up = s.sizes[level]
     need = jnp.where(inserting, up + run_len, low + up)
-    sizes = window_sizes(k)
+    sizes = sizes or window_sizes(k)
     branch = sum((need > size).astype(jnp.int32) for size in sizes[:-1])
     moves = [functools.partial(_move, size=size) for size in sizes]
     s = jax.lax.switch(branch, moves, s, level, low_level, low, up, run, run_len, inserting)
@@ -235,7 +240,8 @@ def merge(a: Sketch, b: Sketch, k: int) -> Sketch:
         at = jnp.minimum(next_level(h), LEVELS - 1)
         run = _window(b.items, b_starts[at], k)
         inserting = ~jnp.any(_full(s, k))  # compact first: a level takes a run only when settled
-        s = _step(s, jnp.where(inserting, at, _lowest_full(s, k)), run, b.sizes[at], inserting, k)
+        # One window size: a merge runs once per shard, and each size compiles again per merge.
+        s = _step(s, jnp.where(inserting, at, _lowest_full(s, k)), run, b.sizes[at], inserting, k, (window_size(k),))
         return s, jnp.where(inserting, at + 1, h)
 
     start = a._replace(salt=mix32(a.salt ^ (b.salt * jnp.uint32(GOLDEN))), variance=a.variance + b.variance)
