@@ -1,6 +1,6 @@
 """How accurate the analyzers are on data shaped like users' data, against exact numpy answers.
 
-    python bench/sketches.py            # quantiles on 10^7 rows, 10^3..10^8 distinct values, Zipf 10^7 (~10 min)
+    python bench/sketches.py            # quantiles on 10^7 rows, 10^3..10^8 distinct values, Zipf 10^7 (~5 min)
     python bench/sketches.py --quick    # 10^6 rows, up to 10^6 distinct (~1 min)
     python bench/sketches.py --k 4096   # the quantile sketch at another size (its accuracy knob)
 
