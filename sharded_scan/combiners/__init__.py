@@ -1,9 +1,12 @@
 """The Combiner protocol and the built-in reductions."""
 
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner
+from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
+from sharded_scan.combiners.passes import MultiPass, run_passes
+from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
 from sharded_scan.combiners.statistics import (
     PCA,
@@ -14,6 +17,7 @@ from sharded_scan.combiners.statistics import (
     PCAResult,
 )
 from sharded_scan.combiners.sums import Gram, Sum, SumResult
+from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
 
 __all__ = [
     "PCA",
@@ -21,6 +25,8 @@ __all__ = [
     "Combiner",
     "Covariance",
     "CovarianceResult",
+    "DistinctCount",
+    "DistinctCountResult",
     "Gradient",
     "GradientResult",
     "Gram",
@@ -30,8 +36,15 @@ __all__ = [
     "LinearRegressionResult",
     "Moments",
     "MomentsResult",
+    "MultiPass",
     "PCAResult",
+    "Quantiles",
+    "QuantilesResult",
     "Sum",
     "SumResult",
+    "TopK",
+    "TopKResult",
     "from_fn",
+    "hash_strings",
+    "run_passes",
 ]
