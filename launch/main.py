@@ -172,6 +172,7 @@ def summary(report: RunReport, source: Any, config: Any, started_as: str) -> dic
         "resumed_from_cursor": report.resumed_from_cursor,
         "checkpoints_written": report.checkpoints_written,
         "merge_bytes": report.merge_bytes,
+        "passes": report.passes,
         "config": json.loads(json.dumps(config.to_dict(), default=repr)),
     }
 

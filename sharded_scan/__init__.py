@@ -17,10 +17,9 @@ from sharded_scan.combiners import (
     TopK,
     from_fn,
     hash_strings,
-    run_passes,
 )
 from sharded_scan.distributed import Preempted
-from sharded_scan.engine import Progress, RunReport, run, run_with_report
+from sharded_scan.engine import Progress, RunReport, run, run_passes, run_with_report
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import make_mesh
 from sharded_scan.options import RunOptions

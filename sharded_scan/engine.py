@@ -10,7 +10,9 @@ SIGTERM, merges once and finalizes on the host.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -18,9 +20,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from sharded_scan.checkpoint import Checkpointer, Restored, as_checkpointer
+from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.distributed import Preempted, PreemptionWatch
+from sharded_scan.errors import UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program
@@ -55,6 +59,7 @@ class RunReport(NamedTuple):
     devices: int
     processes: int
     mesh: dict[str, int]
+    passes: int = 1            # passes over the data (more than one for a MultiPass reduction)
 
 
 def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any) -> Any:
@@ -86,8 +91,10 @@ def run_with_report(
     combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
 ) -> tuple[Any, RunReport]:
     """Like :func:`run`, also returning a :class:`RunReport` of what the run did."""
-    started = time.perf_counter()
     options = RunOptions.make(options, **overrides)
+    if isinstance(combiner, MultiPass) and combiner.needs_passes:
+        return run_passes(combiner, data, options)
+    started = time.perf_counter()
     source = as_source(data)
     program = build_program(combiner, source, options)
     ckpt = as_checkpointer(options.checkpoint)
@@ -119,6 +126,76 @@ def run_with_report(
         mesh=dict(program.mesh.shape),
     )
     return result, report
+
+
+def run_passes(
+    reduction: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
+) -> tuple[Any, RunReport]:
+    """Runs a reduction that reads the data several times (e.g. ``Quantiles(exact=True)``), or any combiner once.
+
+    Each pass is an ordinary run with the same options; pass ``i`` checkpoints in the
+    subdirectory ``pass{i}`` of the checkpoint directory, so a killed job run again
+    returns the finished passes' results from their final checkpoints at once and
+    resumes the pass it was in. :func:`run` and :func:`run_with_report` call this for a
+    :class:`~sharded_scan.combiners.passes.MultiPass`.
+
+    Returns:
+      ``(result, report)``: the report sums the passes' rows, steps, seconds and
+      checkpoints (``rows_this_run`` counts every row read over all passes) and gives
+      their number in ``passes``.
+    """
+    options = RunOptions.make(options, **overrides)
+    if not (isinstance(reduction, MultiPass) and reduction.needs_passes):
+        return run_with_report(reduction, data, options)  # one pass
+    check_rereadable(data)
+    pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
+    started = time.perf_counter()
+    plan = reduction.passes()
+    reports: list[RunReport] = []
+    try:
+        combiner = next(plan)
+        while True:
+            checkpoint = pass_checkpoint(options.checkpoint, len(reports) + 1)
+            result, report = run_with_report(combiner, data, dataclasses.replace(options, checkpoint=checkpoint))
+            reports.append(report)
+            combiner = plan.send(result)
+    except StopIteration as done:
+        answer = done.value
+    last, first = reports[-1], reports[0]
+    return answer, last._replace(
+        rows_this_run=sum(r.rows_this_run for r in reports),
+        seconds=time.perf_counter() - started,
+        steps=sum(r.steps for r in reports),
+        resumed_from_cursor=first.resumed_from_cursor,
+        resumed_from_step=first.resumed_from_step,
+        checkpoints_written=sum(r.checkpoints_written for r in reports),
+        merge_bytes=max(r.merge_bytes for r in reports),
+        passes=len(reports),
+    )
+
+
+def pass_checkpoint(checkpoint: Any, index: int) -> Any:
+    """The checkpoint option of pass ``index`` (from 1): its own subdirectory ``pass{index}``."""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return os.path.join(os.fspath(checkpoint), f"pass{index}")
+    if isinstance(checkpoint, CheckpointOptions):
+        return dataclasses.replace(checkpoint, directory=os.path.join(os.fspath(checkpoint.directory), f"pass{index}"))
+    raise UsageError(
+        "a reduction of several passes checkpoints each pass in its own subdirectory: pass checkpoint= "
+        f"a directory or CheckpointOptions, not a {type(checkpoint).__name__}."
+    )
+
+
+def check_rereadable(data: Any) -> None:
+    """Refuses data that can be read only once (an IteratorSource over a one-shot iterator)."""
+    batches = getattr(data, "_batches", None)
+    if batches is not None and iter(batches) is batches:
+        raise UsageError(
+            "this reduction reads the data more than once, and the IteratorSource wraps a one-shot iterator; "
+            "pass an array, a file source, or an iterable that starts over on each iter()."
+        )
 
 
 def _start(program: Program, ckpt: Checkpointer | None) -> Restored:

@@ -105,6 +105,11 @@ class Layout:
     def rows_per_step(self) -> int:
         return self.data_size * self.rows_per_device
 
+    @property
+    def step_shape(self) -> Layout:
+        """This layout with only what a compiled step depends on (not the row count or the process)."""
+        return dataclasses.replace(self, num_rows=0, local_blocks=(0, 0))
+
     def num_steps(self, cursor: int = 0) -> int:
         """Steps left from row ``cursor`` to the end."""
         return math.ceil(max(self.num_rows - cursor, 0) / self.rows_per_step)

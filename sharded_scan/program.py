@@ -286,7 +286,7 @@ class Program:
 
     def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
         """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
-        compiled = compile_step(self.combiner, self.mesh, self.layout, self.options.precision)
+        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
     def merge(self, partials: PyTree) -> PyTree:
@@ -298,7 +298,7 @@ class Program:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
-        compiled = compile_step(self.combiner, self.mesh, self.layout, self.options.precision)
+        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
         return compiled.lower(self.like, batch, np.int32(0), self.operands)
 
     def lower_merge(self) -> jax.stages.Lowered:

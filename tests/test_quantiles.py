@@ -108,9 +108,10 @@ def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     with pytest.raises(CrashError):  # killed in the second pass (12 steps a pass)
         ss.run_passes(exact, x, mesh="data:2", checkpoint=options, progress=crash_at_call(17), **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pass1", "pass2"]
-    again, report = ss.run_passes(exact, x, mesh="data:2", checkpoint=options, **kw)
+    again, report = ss.run_with_report(exact, x, mesh="data:2", checkpoint=options, **kw)  # the same via run
     np.testing.assert_array_equal(again.quantiles, got.quantiles)
-    assert again.passes == got.passes and report.rows_this_run < got.passes * len(x)
+    assert again.passes == got.passes == report.passes and report.rows_this_run < got.passes * len(x)
+    np.testing.assert_array_equal(ss.run(exact, x, mesh="data:2", **kw).quantiles, got.quantiles)
     sketch, report = ss.run_passes(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
     assert sketch.passes == 1 and report.rows_this_run == len(x)
 
@@ -182,7 +183,6 @@ def test_merge_has_the_empty_sketch_as_identity():
         (lambda: ss.Quantiles(qs=[0.5], exact=True, bits=1), ["bits"]),
         (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.array([["a"]] * 4)), ["numeric"]),
         (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.zeros((4, 2, 2), np.float32)), ["(d,)"]),
-        (lambda: ss.run(ss.Quantiles(qs=[0.5], exact=True), np.zeros((4, 2), np.float32)), ["run_passes"]),
         (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.zeros(4), nan_policy="skip"), ["nan_policy"]),
     ],
 )

@@ -5,7 +5,7 @@ from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
-from sharded_scan.combiners.passes import MultiPass, run_passes
+from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
 from sharded_scan.combiners.statistics import (
@@ -46,5 +46,4 @@ __all__ = [
     "TopKResult",
     "from_fn",
     "hash_strings",
-    "run_passes",
 ]

@@ -11,8 +11,8 @@ nothing has been compacted (about ``k`` rows per shard or fewer) the answer is e
 ``Quantiles(exact=True)`` returns exactly that for any row count: the sketch brackets
 every answer by keys, then each further pass counts the rows below and in ``2^bits``
 bins of every bracket and narrows it to the bin holding the wanted rank, until the
-bin is one value (:mod:`~sharded_scan.combiners.quantiles_exact`; run it with
-:func:`sharded_scan.run_passes`).
+bin is one value (:mod:`~sharded_scan.combiners.quantiles_exact`; :func:`sharded_scan.run`
+runs the passes).
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Quantiles(Combiner, MultiPass):
         result's ``rank_error`` bounds it; at the default the largest rank error over
         2001 quantiles of 10^7 rows was 1e-7 to 4.1e-4 (``python bench/sketches.py``).
       exact: return the exact order statistics (numpy's ``method="lower"``), in 2 or 3
-        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``); run it with
-        :func:`sharded_scan.run_passes`.
+        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``), which
+        :func:`sharded_scan.run` runs one after another.
       bits: with ``exact``, each pass after the first cuts every bracket into ``2^bits``
         bins (memory ``d * len(qs) * 2^bits`` counts).
 
@@ -139,11 +139,6 @@ class Quantiles(Combiner, MultiPass):
 
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
-        if self.exact:
-            raise UsageError(
-                "Quantiles(exact=True) reads the data several times: run it with sharded_scan.run_passes(...) "
-                "instead of run(...)."
-            )
 
     def init(self, spec):
         shape = spec.shape

@@ -158,7 +158,7 @@ def narrowed(bounds: np.ndarray, counts: BinCounts, rank: int, low: int, high: i
 
 
 def exact_passes(q: Quantiles):
-    """The passes of ``Quantiles(exact=True)`` (a generator for :func:`sharded_scan.run_passes`)."""
+    """The passes of ``Quantiles(exact=True)`` (a generator :func:`sharded_scan.run` drives)."""
     qs = np.asarray(q.qs, np.float64)
     acc = yield SketchPass(qs=q.qs, k=q.k)
     rows = int(wide.to_int(acc.count))
