@@ -10,6 +10,7 @@ SIGTERM, merges once and finalizes on the host.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from typing import Any, NamedTuple
@@ -20,7 +21,8 @@ from jax.experimental import multihost_utils
 
 from sharded_scan.checkpoint import Checkpointer, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.distributed import Preempted, PreemptionWatch
+from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
+from sharded_scan.errors import StorageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program
@@ -75,9 +77,12 @@ def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **over
       process.
 
     Raises:
-      UsageError: bad data, mesh or options, or a checkpoint of another job, before
-        any compute.
-      Preempted: SIGTERM arrived; a checkpoint was saved and rerunning resumes from it.
+      UsageError: bad data, mesh or options, another job holding the checkpoint
+        directory, a checkpoint of another job or of changed data, before any compute.
+      Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved and rerunning
+        resumes from it.
+      StorageError: a checkpoint could not be written or set aside (no space,
+        read-only, no permission); the one before is intact.
     """
     return run_with_report(combiner, data, options, **overrides)[0]
 
@@ -89,21 +94,30 @@ def run_with_report(
     started = time.perf_counter()
     options = RunOptions.make(options, **overrides)
     source = as_source(data)
-    program = build_program(combiner, source, options)
-    ckpt = as_checkpointer(options.checkpoint)
-    with Watchdog(options.step_timeout) as dog:
+    return run_program(build_program(combiner, source, options), source, started)
+
+
+def run_program(program: Program, source: Source, started: float | None = None) -> tuple[Any, RunReport]:
+    """Runs a built ``program`` over ``source`` (what :func:`run_with_report` does once it is built).
+
+    Raises:
+      UsageError, StorageError, Preempted: as :func:`run`.
+    """
+    started = time.perf_counter() if started is None else started
+    ckpt = as_checkpointer(program.options.checkpoint)
+    with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         try:
             start = _start(program, ckpt)
-            partials, steps = fold_all(program, source, start, ckpt, dog, started)
-        except Exception as e:
+            partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
+        except BaseException as e:
             if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
                 ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+            elif ckpt is not None:
+                _close_quietly(ckpt, e)  # the first error is the one to report
             raise
-        finally:
-            if ckpt is not None:
-                ckpt.close()  # waits for the saves in flight, also when the loop failed
-        merged = program.merge(partials)
-        result = program.finalize(to_host(merged))
+        if ckpt is not None:
+            ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+    result = program.finalize(to_host(program.merge(partials)))
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -119,6 +133,14 @@ def run_with_report(
         mesh=dict(program.mesh.shape),
     )
     return result, report
+
+
+def _close_quietly(ckpt: Checkpointer, error: BaseException) -> None:
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001 - ``error`` is already on its way out
+        if e is not error:
+            _log.warning("while stopping: %s", e)
 
 
 def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
@@ -151,15 +173,21 @@ class _Health:
 
 
 def fold_all(
-    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float
+    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float,
+    watch: PreemptionWatch | None = None,
 ) -> tuple[PyTree, int]:
-    """Folds every step from ``start.cursor`` on; saves between steps; stops on preemption.
+    """Folds every step from ``start.cursor`` on; saves between steps; stops on SIGTERM/SIGINT.
+
+    After every step but the last, all processes agree (one small collective when
+    there are several) on whether any of them caught a signal, is late for a
+    time-based save or saw a save fail, so they all act at the same step.
 
     Returns:
       ``(partials, steps)``: the partials after the last row, and the steps this run ran.
 
     Raises:
       Preempted: after saving a checkpoint at the step boundary all processes agreed on.
+      StorageError: a save failed (the checkpoint before it is intact).
     """
     layout, report = program.layout, program.options.progress
     partials, steps = start.partials, 0
@@ -171,7 +199,7 @@ def fold_all(
         ckpt.save(done, start.steps + steps, partials, source.state_at(done))
 
     batches = device_batches(source, layout, program.mesh, start.cursor, program.options.prefetch, start.source_state)
-    with PreemptionWatch(enabled=ckpt is not None) as preemption, contextlib.closing(batches):
+    with contextlib.closing(batches):
         for i, item in enumerate(batches):
             partials = program.step(partials, item.batch, item.num_valid)
             health.after_step(partials, item.cursor, item.num_valid)
@@ -182,10 +210,16 @@ def fold_all(
                 report(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))
             if ckpt is None or done >= layout.num_rows:
                 continue
-            if preemption.should_stop(i):
+            signalled = watch is not None and watch.signal_name is not None
+            stop, late, failed = any_process(signalled, ckpt.policy.late(), ckpt.poll())
+            if failed:
+                ckpt.raise_failure()
+                raise StorageError(errno.EIO, f"another process of the job could not save the checkpoint in "
+                                   f"{ckpt.directory} (its log says why); rerun the same command when it is fixed")
+            if stop:
                 save(done)
-                raise Preempted(done, layout.num_rows, ckpt.directory)
-            if ckpt.due(start.steps + steps):
+                raise Preempted(done, layout.num_rows, ckpt.directory, (watch and watch.signal_name) or "SIGTERM")
+            if ckpt.policy.due(start.steps + steps, late):
                 save(done)
     health.check()
     if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
