@@ -279,7 +279,7 @@ def run_job(
     if ck.enabled:
         checkpoint = Checkpointer(CheckpointOptions(
             os.path.join(workdir, "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
-            keep=ck.keep, force_unlock=force_unlock,
+            keep=ck.keep, per_job=ck.per_job, ignore_changed_data=ck.ignore_changed_data, force_unlock=force_unlock,
         ), force_hint=FORCE_HINT)
     options = run_options(
         config, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds), step_timeout=step_timeout

@@ -12,9 +12,10 @@ cursor (the next row of the stream to fold), holding three items:
 - ``source``: every process's ``source.state_at(cursor)``, so a sequential source (an
   iterator with ``get_state``/``set_state``) resumes exactly where the checkpoint was.
 
-The fingerprint names the job: the combiner and its parameters, the data (kind, row
-count, row spec), the requested micro-batch and the accumulator's leaf dtypes and
-shapes. It leaves out the mesh, so a checkpoint resumes on another mesh.
+The fingerprint names the job: the combiner and its parameters (and the code of a user's
+functions), the data (kind, row count, row spec), the requested micro-batch, the
+accumulator's leaf dtypes and shapes, and the size and modification time of every file
+read. It leaves out the mesh, so a checkpoint resumes on another mesh.
 Checkpoints are written only between steps, so every row is folded exactly once. A
 restore checks every digest before it uses a checkpoint: one that fails (a flipped
 byte, a truncated file, a killed save) is set aside into ``damaged/`` and the one
@@ -30,8 +31,10 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -69,6 +72,11 @@ class CheckpointOptions:
       every_seconds: save when this many seconds passed since the last save; None for
         no time-based saves.
       keep: how many of the latest checkpoints to keep.
+      per_job: at most about this many step-based saves over the whole job: saves are at
+        least ``total_steps / per_job`` steps apart, whatever ``every_steps`` says
+        (None: no such limit).
+      ignore_changed_data: resume even though a file the job reads changed (size or
+        modification time) since the checkpoint was written.
       force_unlock: take the directory even when the lease says another process holds
         it (only when you know that process is gone).
     """
@@ -77,18 +85,20 @@ class CheckpointOptions:
     every_steps: int | None = None
     every_seconds: float | None = 600.0
     keep: int = 2
+    per_job: int | None = None
+    ignore_changed_data: bool = False
     force_unlock: bool = False
 
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise UsageError(f"checkpoint directory must be a path, got {self.directory!r}.")
-        for name in ("every_steps", "every_seconds", "keep"):
+        for name in ("every_steps", "every_seconds", "keep", "per_job"):
             value = getattr(self, name)
             if value is None and name != "keep":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
                 raise UsageError(f"checkpoint {name} must be a positive number or None, got {value!r}.")
-        for name in ("force_unlock",):
+        for name in ("ignore_changed_data", "force_unlock"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
 
@@ -114,6 +124,10 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> st
     return None
 
 
+# Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
+NEWER_SECTIONS = ("code", "files")
+
+
 def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
     # Leaves by position: restores do not depend on how orbax stores NamedTuples.
     return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
@@ -128,9 +142,14 @@ class SavePolicy:
     saves at the same step.
     """
 
-    def __init__(self, every_steps: int | None, every_seconds: float | None):
-        self.every_steps, self.every_seconds = every_steps, every_seconds
+    def __init__(self, every_steps: int | None, every_seconds: float | None, per_job: int | None = None):
+        self.every_steps, self.every_seconds, self.per_job = every_steps, every_seconds, per_job
         self._last_step, self._last_time = 0, time.monotonic()
+
+    def plan(self, total_steps: int) -> None:
+        """Spaces step-based saves at least ``total_steps / per_job`` apart (the job's size)."""
+        if self.per_job is not None and self.every_steps is not None:
+            self.every_steps = max(self.every_steps, math.ceil(total_steps / self.per_job))
 
     def late(self) -> bool:
         """Whether ``every_seconds`` passed since the last save, on this process's clock."""
@@ -217,7 +236,7 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(options.directory))
         self.force_hint = force_hint
         self.set_aside: list[str] = []
-        self.policy = SavePolicy(options.every_steps, options.every_seconds)
+        self.policy = SavePolicy(options.every_steps, options.every_seconds, options.per_job)
         self.written = 0
         self._manager: ocp.CheckpointManager | None = None
         self._lease: Lease | None = None
@@ -278,8 +297,8 @@ class Checkpointer:
           shape: this run's layout of the partials (shard count, non-``data`` axes).
 
         Raises:
-          UsageError: another job holds the directory, or the latest checkpoint
-            belongs to another job (never skipped).
+          UsageError: another job holds the directory, the latest checkpoint belongs to
+            another job, or its data changed (never skipped).
           StorageError: a damaged checkpoint cannot be set aside.
         """
         self._job = (fingerprint, shape)
@@ -426,12 +445,31 @@ class Checkpointer:
         return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
     def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-        diff = fingerprint_difference(meta.get("fingerprint", {}), fingerprint)
+        """Refuses a checkpoint of another job, or of data that changed since (unless told to ignore it)."""
+        saved = dict(meta.get("fingerprint", {}))
+        current = {k: v for k, v in fingerprint.items() if k in saved or k not in NEWER_SECTIONS}
+        diff = fingerprint_difference({k: v for k, v in saved.items() if k != "files"},
+                                      {k: v for k, v in current.items() if k != "files"})
         if diff is not None:
+            if diff.startswith("code."):
+                diff = (f"the code of {diff.split(' is ')[0][5:]} changed since (an edit, or another Python than "
+                        f"{sys.version.split()[0]})")
             raise UsageError(
                 f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
                 f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
             )
+        changed = fingerprint_difference({"files": saved.get("files", {})}, {"files": current.get("files", {})})
+        if changed is None:
+            return
+        if self.options.ignore_changed_data:
+            _log.warning("resuming from the checkpoint at row %s although the data changed since (%s): "
+                         "ignore_changed_data is set.", meta.get("cursor"), changed)
+            return
+        raise UsageError(
+            f"the data changed since the checkpoint at row {meta.get('cursor')} in {self.directory} was written: "
+            f"{changed[6:]}; resume anyway with --config.checkpoint.ignore_changed_data=true "
+            "(CheckpointOptions(ignore_changed_data=True)), or start afresh in a new workdir / checkpoint directory."
+        )
 
     def _restore_in_place(self, cursor: int, like: PyTree) -> PyTree:
         """The partials restored into ``like``'s shardings, after checking the stored dtypes and shapes

@@ -193,6 +193,8 @@ def fold_all(
     partials, steps = start.partials, 0
     total = layout.num_steps(start.cursor)
     health = _Health(program.combiner)
+    if ckpt is not None:
+        ckpt.policy.plan(layout.num_steps())
 
     def save(done: int) -> None:
         health.check()  # never save rows a "raise" policy refuses

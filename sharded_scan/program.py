@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.codehash import code_digests
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import apply_policies
 from sharded_scan.errors import UsageError
@@ -221,7 +222,9 @@ def describe_leaves(tree: PyTree) -> list[str]:
 
 
 def job_fingerprint(job: Combiner, source: Source, microbatch: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator.
+    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator,
+    the user code in the combiner (:func:`~sharded_scan.codehash.code_digests`) and the size
+    and modification time of every file read (``files``: a change there may be overridden).
 
     Mesh-independent (the job, not its resolution for a mesh), so a checkpoint resumes
     on another mesh.
@@ -231,6 +234,8 @@ def job_fingerprint(job: Combiner, source: Source, microbatch: int) -> dict[str,
         "data": source.describe(),
         "microbatch": int(microbatch),
         "accumulator": describe_leaves(jax.eval_shape(job.init, source.spec)),
+        "code": code_digests(job),
+        "files": source.stamps(),
     }
     return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
 

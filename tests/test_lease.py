@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import socket
+import time
 
 import numpy as np
 
@@ -51,7 +52,10 @@ def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path):
             f"--workdir={tmp_path}")
     log = tmp_path.parent / f"{tmp_path.name}.log"
     with cli.started(cli.main_cmd(*args), log) as first:
-        cli.wait_for_checkpoint(tmp_path, first)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / LEASE_FILE).exists():  # the first job holds the workdir
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
         second = cli.run(cli.main_cmd(*args))
         line = cli.one_error_line(second)
         for word in ("is in use by pid", str(first.pid), "(same job)", "wait for it or pass --force_unlock"):

@@ -54,6 +54,9 @@ class TreeSource(Source):
     def describe(self) -> dict[str, Any]:
         return {"source": "TreeSource", "sources": self._treedef.unflatten([s.describe() for s in self._sources])}
 
+    def stamps(self) -> dict[str, str]:
+        return {path: stamp for s in self._sources for path, stamp in s.stamps().items()}
+
 
 def as_source(data: Any) -> Source:
     """Wraps ``data`` as a Source.
