@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from sharded_scan.checkpoint import Checkpointer, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.wrappers import NonFiniteError
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
 from sharded_scan.errors import StorageError
 from sharded_scan.options import RunOptions
@@ -117,7 +118,9 @@ def run_program(program: Program, source: Source, started: float | None = None) 
             raise
         if ckpt is not None:
             ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
-    result = program.finalize(to_host(program.merge(partials)))
+    merged = to_host(program.merge(partials))
+    check_overflow(program, merged)
+    result = program.finalize(merged)
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -227,6 +230,38 @@ def fold_all(
     if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
         save(layout.num_rows)
     return partials, steps
+
+
+def check_overflow(program: Program, merged: PyTree) -> None:
+    """Reports accumulator values that are NaN or infinite where the identity is finite.
+
+    Under ``nan_policy="raise"`` every row was finite (or the run stopped), so such a
+    value is an overflow (float32 holds at most 3.4e38): it raises. Otherwise it warns.
+
+    Raises:
+      NonFiniteError: under ``nan_policy="raise"``.
+    """
+    bad = [np.asarray(x) for x in jax.tree.leaves(merged)]
+    bad = [int(np.sum(~np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else 0 for x in bad]
+    if not any(bad):
+        return
+    identity = jax.tree.leaves(jax.device_get(program.combiner.init(program.spec)))
+    count = sum(
+        int(np.sum(~np.isfinite(np.asarray(x)) & np.isfinite(np.asarray(i))))
+        for x, i, b in zip(jax.tree.leaves(merged), identity, bad, strict=True) if b
+    )
+    if not count:
+        return
+    policy = program.options.nan_policy
+    if policy == "raise":
+        raise NonFiniteError(
+            f"the accumulator overflowed: {count} of its values are inf or NaN although every row is finite "
+            "(float32 holds at most 3.4e38); scale the data down, or reduce float64 data with jax_enable_x64 "
+            "(--config.x64=True)."
+        )
+    cause = "rows holding NaN/Inf (nan_policy='propagate') or an overflow" if policy == "propagate" else "an overflow"
+    _log.warning("the result may be wrong: %d accumulator values are inf or NaN, from %s; nan_policy='raise' "
+                 "tells which.", count, cause)
 
 
 def to_host(tree: PyTree) -> PyTree:

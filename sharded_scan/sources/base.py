@@ -106,6 +106,24 @@ class Source(abc.ABC):
             raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows}).")
 
 
+def check_unmasked(x: Any, who: str) -> Any:
+    """``x``, unless it is a numpy masked array with masked entries (one-line UsageError).
+
+    ``np.asarray`` would drop the mask and reduce the values under it: a silently wrong
+    answer. Refused rather than guessed at (skipping rows with a masked entry is not what
+    ``numpy.ma`` computes per column).
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        masked = int(np.ma.count_masked(x))
+        if masked:
+            raise UsageError(
+                f"{who} is a numpy masked array with {masked} masked entries, and its values under the mask would be "
+                "reduced as they are; pass x.filled(np.nan) with nan_policy='omit' to skip rows holding a masked "
+                "entry, or x.filled(value) to count them as value."
+            )
+    return x
+
+
 def num_rows_of(tree: PyTree) -> int:
     """The leading (row) dimension of a pytree of arrays."""
     return int(jax.tree.leaves(tree)[0].shape[0])

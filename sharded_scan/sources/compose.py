@@ -8,7 +8,7 @@ import jax
 
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source
-from sharded_scan.sources.memory import ArraySource
+from sharded_scan.sources.memory import ArraySource, not_rows
 
 
 class TreeSource(Source):
@@ -67,6 +67,8 @@ def as_source(data: Any) -> Source:
     """
     if isinstance(data, Source):
         return data
+    if not_rows(data, [data]) is not None:
+        return ArraySource(data)  # which says what the data is and what to pass instead
     leaves = jax.tree.leaves(data, is_leaf=lambda s: isinstance(s, Source))
     if not any(isinstance(s, Source) for s in leaves):
         return ArraySource(data)
