@@ -23,7 +23,7 @@ from sharded_scan.checkpoint import Checkpointer, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import NonFiniteError
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
-from sharded_scan.errors import StorageError
+from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program
@@ -120,7 +120,7 @@ def run_program(program: Program, source: Source, started: float | None = None) 
             ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
     merged = to_host(program.merge(partials))
     check_overflow(program, merged)
-    result = program.finalize(merged)
+    result = finalize(program, merged)
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -230,6 +230,25 @@ def fold_all(
     if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
         save(layout.num_rows)
     return partials, steps
+
+
+def finalize(program: Program, merged: PyTree) -> Any:
+    """``program.finalize(merged)``; a linear solve that fails on the data is one line, not a traceback.
+
+    Raises:
+      UsageError: the combiner's solve failed (a singular matrix: too few rows, constant or
+        NaN columns); the merged state is saved, so nothing is lost.
+    """
+    try:
+        return program.finalize(merged)
+    except np.linalg.LinAlgError as e:
+        inner = program.job
+        while hasattr(inner, "inner"):  # the policies' wrappers
+            inner = inner.inner
+        raise UsageError(
+            f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
+            "rows, constant or duplicate columns, or NaN rows (nan_policy='omit' skips them); check the data."
+        ) from None
 
 
 def check_overflow(program: Program, merged: PyTree) -> None:

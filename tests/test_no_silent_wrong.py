@@ -46,3 +46,10 @@ def test_an_accumulator_overflowing_on_finite_rows_raises_or_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="sharded_scan.engine"):
         got = ss.run(ss.Gram(), x, **KW)
     assert np.isinf(got).all() and "accumulator values are inf or NaN" in caplog.text
+
+
+def test_a_solve_that_fails_on_the_data_is_one_line():
+    x = np.random.default_rng(0).normal(size=(100, 3)).astype(np.float32)
+    x[5] = np.nan  # reaches the solve under the default nan_policy="propagate"
+    with pytest.raises(ss.UsageError, match="LinearRegression could not finish on this data .*nan_policy='omit'"):
+        ss.run(ss.LinearRegression(), (x, x.sum(1)), **KW)
