@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -324,6 +325,10 @@ def main(argv: list[str]) -> None:
             "process %d of %d (%s), %d devices: %s", jax.process_index(), jax.process_count(), started_as,
             jax.device_count(), jax.devices()[0].platform,
         )
+        if jax.process_count() > 1:
+            # JAX ends a process whose coordinator died with a one-line fatal log and abort();
+            # absl's faulthandler would add every Python thread's stack to it.
+            signal.signal(signal.SIGABRT, signal.SIG_DFL)
         _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None, _FORCE_UNLOCK.value)
     except UsageError as e:
         fail(str(e))

@@ -116,13 +116,23 @@ def initialize(
             )
         if num_processes == 1:
             return "single"
-        jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+        _start_runtime(coordinator_address, num_processes, process_id, **kwargs)
         return "explicit"
     cluster = detected_cluster()
     if cluster is None:
         return "single"
-    jax.distributed.initialize(**kwargs)
+    _start_runtime(**kwargs)
     return f"auto:{cluster}"
+
+
+def _start_runtime(*args: Any, **kwargs: Any) -> None:
+    """``jax.distributed.initialize`` without JAX's preemption service.
+
+    The engine catches SIGTERM itself (:class:`PreemptionWatch`) and agrees on the step
+    after every step; the service's own SIGTERM handler and sync point are not needed.
+    """
+    jax.config.update("jax_enable_preemption_service", False)
+    jax.distributed.initialize(*args, **kwargs)
 
 
 def check_address(address: str) -> None:

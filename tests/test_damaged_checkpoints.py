@@ -7,6 +7,9 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import sharded_scan as ss
 from sharded_scan import checkpoint
 from sharded_scan.checkpoint import DAMAGED, damaged_steps
 from sharded_scan.errors import StorageError
+from tests import cli
 
 KW = {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # 128 rows per step
 X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
@@ -159,3 +163,35 @@ def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path,
                   "deleted", "give this user write permission and rerun the same command"):
         assert words in message, message
     assert sorted(p for p in os.listdir(directory) if p.isdigit()) == ["256", "384", "512"]
+
+
+KILLED_AFTER_THE_MOVE = """
+import os, signal, sys, types
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import sharded_scan as ss
+from sharded_scan import checkpoint
+from tests.test_damaged_checkpoints import KW, X
+
+def replace(src, dst):  # the set-aside's move, then SIGKILL
+    os.replace(src, dst)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.os = types.ModuleType("os")
+checkpoint.os.__dict__.update(os.__dict__, replace=replace)
+ss.run(ss.Gram(), X, checkpoint=sys.argv[1], **KW)
+"""
+
+
+def test_a_sigkill_during_the_set_aside_loses_nothing(tmp_path, crashed):
+    original, want = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    flipped_array_byte(directory / "512")
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_MOVE, str(directory)], cwd=cli.ROOT, env=cli.env(),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [p.split("-")[0] for p in os.listdir(directory / DAMAGED)] == ["512"]  # moved, then killed
+    got, report = ss.run_with_report(ss.Gram(), X, checkpoint=str(directory), **KW)
+    assert report.resumed_from_cursor == 384
+    np.testing.assert_array_equal(got, want)
