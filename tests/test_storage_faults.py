@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from launch.main import write_outputs
+from configs import gram
+from launch.main import run_job, write_outputs
 from sharded_scan import checkpoint
 from sharded_scan.errors import StorageError
 from tests import cli
@@ -132,7 +133,11 @@ def test_cli_disk_full_exits_5_in_one_line_and_a_finished_job_reads_back_from_a_
         assert full.returncode == 5 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
         assert "no space left on device" in errors[0] and "rerun the same command" in errors[0]
         remount(disk, "size=16m")
-        assert cli.run(cli.main_cmd(*args, f"--workdir={disk / 'w'}")).returncode == 0
+        config = gram.get_config("quick")  # the same job, run to its end in this process
+        config.data.num_rows, config.data.features, config.checkpoint.every_steps = 6000, 200, 8
+        want, record = run_job(config, str(disk / "w"))
+        assert record["resumed_from_cursor"] is not None
         remount(disk, "ro")
-        again = cli.run(cli.main_cmd(*args, f"--workdir={disk / 'w'}"))
-        assert again.returncode == 0 and "already done" in again.stderr, again.stderr[-3000:]
+        got, again = run_job(config, str(disk / "w"))  # reads only: "already done"
+        assert again.get("already_done") and again["job"] == record["job"]
+        np.testing.assert_array_equal(got["result"], want)
