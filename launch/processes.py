@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -45,6 +47,12 @@ def resume_hint(main_args: list[str]) -> str:
     return "no checkpoint was written yet, so rerunning the same command starts the job again"
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when launch.local dies (Linux), so no worker is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _pump(i: int, stream, lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
         with lock:
@@ -62,9 +70,10 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
     port = port or free_port()
     lock = threading.Lock()
     # Each in its own session: a Ctrl-C in the terminal reaches only this process, which passes
-    # it on once (a second one, passed on again, aborts them at once).
+    # it on once (a second one, passed on again, aborts them at once). They die with this one.
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=_die_with_parent)
         for cmd in commands(main_args, num_processes, devices, port)
     ]
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, lock), daemon=True) for i, p in enumerate(procs)]
