@@ -36,9 +36,11 @@ def base_config(
             "every_steps": config_dict.placeholder(int),
             "every_seconds": 600.0,
             "keep": 2,
+            "per_job": config_dict.placeholder(int),  # at most about this many step-based saves over the job
+            "ignore_changed_data": False,  # resume although a data file changed since the checkpoint
         }
     )
-    if quick:
-        c.checkpoint.every_steps = 2
+    if quick:  # a save every 2 steps, but only a handful over the job, whatever its size
+        c.checkpoint.every_steps, c.checkpoint.per_job = 2, 4
     c.log_every_seconds = 10.0
     return c

@@ -26,11 +26,34 @@ SOURCES: dict[str, Callable[[Any], sources.Source]] = {
         data.num_rows, data.features, dtype=data.dtype, seed=data.seed, kind=data.distribution,
         chunk_rows=data.chunk_rows, targets=data.targets, noise=data.noise,
     ),
-    "npy": lambda data: sources.NpySource(_file(data)),
-    "npy_shards": lambda data: sources.NpyShardsSource(_file(data)),
-    "zarr": lambda data: sources.ZarrSource(_file(data), driver=data.zarr_driver or None),
+    "npy": lambda data: sources.NpySource(_file(data), zero_copy=data.zero_copy),
+    "npy_shards": lambda data: sources.NpyShardsSource(_file(data), zero_copy=data.zero_copy),
+    "zarr": lambda data: sources.ZarrSource(_file(data), driver=data.zarr_driver or None,
+                                            fill_missing=data.zarr_fill_missing),
     "python": lambda data: _from_factory(data),
 }
+# Fields of the ``data`` section that only some kinds read: set for another kind, they
+# would be ignored silently (a job on synthetic rows that meant to read a file).
+ONLY_FOR = {
+    "path": ("npy", "npy_shards", "zarr"),
+    "zero_copy": ("npy", "npy_shards"),
+    "zarr_driver": ("zarr",),
+    "zarr_fill_missing": ("zarr",),
+    "factory": ("python",),
+    "factory_kwargs": ("python",),
+}
+
+
+def check_fields(data: Any) -> None:
+    """Raises a one-line UsageError when a field is set that ``data.kind`` does not read."""
+    for field, kinds in ONLY_FOR.items():
+        value = data.get(field)
+        if value and data.kind not in kinds:
+            raise UsageError(
+                f"config.data.{field}={value!r} is set but config.data.kind is {data.kind!r}, which does not read it; "
+                f"pass --config.data.kind={kinds[0]} (kinds that read it: {', '.join(kinds)}), or drop "
+                f"--config.data.{field}."
+            )
 
 
 def _from_factory(data: Any) -> sources.Source:
@@ -63,7 +86,9 @@ def data_config(num_rows: int, features: int, *, targets: bool = False, kind: st
         {
             "kind": kind,  # one of SOURCES
             "path": "",  # npy: a .npy file; npy_shards: a directory or glob; zarr: a zarr array
+            "zero_copy": False,  # npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)
             "zarr_driver": "",  # zarr: "zarr" or "zarr3"; empty to detect
+            "zarr_fill_missing": False,  # zarr: read chunks that are not stored as the fill value
             "factory": "",  # python: "module:function" returning a Source (e.g. an IteratorSource) or arrays
             "factory_kwargs": {},  # python: keyword arguments of the factory
             # synthetic only:
@@ -83,11 +108,13 @@ def make_source(data: Any) -> sources.Source:
     """The Source that ``data`` (a config's ``data`` section) describes.
 
     Raises:
-      UsageError: an unknown kind, a missing path, or what the source itself rejects.
+      UsageError: an unknown kind, a missing path, a field this kind does not read, or
+        what the source itself rejects.
     """
     factory = SOURCES.get(data.kind)
     if factory is None:
         raise UsageError(f"config.data.kind must be one of {', '.join(SOURCES)}; got {data.kind!r}.")
+    check_fields(data)
     return factory(data)
 
 

@@ -20,7 +20,7 @@ from sharded_scan.combiners import (
 )
 from sharded_scan.distributed import Preempted
 from sharded_scan.engine import Progress, RunReport, run, run_passes, run_with_report
-from sharded_scan.errors import UsageError
+from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.mesh import make_mesh
 from sharded_scan.options import RunOptions
 
@@ -41,6 +41,7 @@ __all__ = [
     "Quantiles",
     "RunOptions",
     "RunReport",
+    "StorageError",
     "Sum",
     "TopK",
     "UsageError",

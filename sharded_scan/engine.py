@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -23,8 +24,9 @@ from jax.experimental import multihost_utils
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.distributed import Preempted, PreemptionWatch
-from sharded_scan.errors import UsageError
+from sharded_scan.combiners.wrappers import NonFiniteError
+from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
+from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program
@@ -80,9 +82,12 @@ def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **over
       process.
 
     Raises:
-      UsageError: bad data, mesh or options, or a checkpoint of another job, before
-        any compute.
-      Preempted: SIGTERM arrived; a checkpoint was saved and rerunning resumes from it.
+      UsageError: bad data, mesh or options, another job holding the checkpoint
+        directory, a checkpoint of another job or of changed data, before any compute.
+      Preempted: SIGTERM or SIGINT arrived; a checkpoint was saved and rerunning
+        resumes from it.
+      StorageError: a checkpoint could not be written or set aside (no space,
+        read-only, no permission); the one before is intact.
     """
     return run_with_report(combiner, data, options, **overrides)[0]
 
@@ -96,21 +101,32 @@ def run_with_report(
         return run_passes(combiner, data, options)
     started = time.perf_counter()
     source = as_source(data)
-    program = build_program(combiner, source, options)
-    ckpt = as_checkpointer(options.checkpoint)
-    with Watchdog(options.step_timeout) as dog:
+    return run_program(build_program(combiner, source, options), source, started)
+
+
+def run_program(program: Program, source: Source, started: float | None = None) -> tuple[Any, RunReport]:
+    """Runs a built ``program`` over ``source`` (what :func:`run_with_report` does once it is built).
+
+    Raises:
+      UsageError, StorageError, Preempted: as :func:`run`.
+    """
+    started = time.perf_counter() if started is None else started
+    ckpt = as_checkpointer(program.options.checkpoint)
+    with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         try:
             start = _start(program, ckpt)
-            partials, steps = fold_all(program, source, start, ckpt, dog, started)
-        except Exception as e:
+            partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
+        except BaseException as e:
             if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
                 ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+            elif ckpt is not None:
+                _close_quietly(ckpt, e)  # the first error is the one to report
             raise
-        finally:
-            if ckpt is not None:
-                ckpt.close()  # waits for the saves in flight, also when the loop failed
-        merged = program.merge(partials)
-        result = program.finalize(to_host(merged))
+        if ckpt is not None:
+            ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+    merged = to_host(program.merge(partials))
+    check_overflow(program, merged)
+    result = finalize(program, merged)
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -198,6 +214,14 @@ def check_rereadable(data: Any) -> None:
         )
 
 
+def _close_quietly(ckpt: Checkpointer, error: BaseException) -> None:
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001 - ``error`` is already on its way out
+        if e is not error:
+            _log.warning("while stopping: %s", e)
+
+
 def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
     """The latest checkpoint of the job, or identity partials at row 0 (``meta`` empty)."""
     if ckpt is not None:
@@ -228,27 +252,35 @@ class _Health:
 
 
 def fold_all(
-    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float
+    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float,
+    watch: PreemptionWatch | None = None,
 ) -> tuple[PyTree, int]:
-    """Folds every step from ``start.cursor`` on; saves between steps; stops on preemption.
+    """Folds every step from ``start.cursor`` on; saves between steps; stops on SIGTERM/SIGINT.
+
+    After every step but the last, all processes agree (one small collective when
+    there are several) on whether any of them caught a signal, is late for a
+    time-based save or saw a save fail, so they all act at the same step.
 
     Returns:
       ``(partials, steps)``: the partials after the last row, and the steps this run ran.
 
     Raises:
       Preempted: after saving a checkpoint at the step boundary all processes agreed on.
+      StorageError: a save failed (the checkpoint before it is intact).
     """
     layout, report = program.layout, program.options.progress
     partials, steps = start.partials, 0
     total = layout.num_steps(start.cursor)
     health = _Health(program.combiner)
+    if ckpt is not None:
+        ckpt.policy.plan(layout.num_steps())
 
     def save(done: int) -> None:
         health.check()  # never save rows a "raise" policy refuses
         ckpt.save(done, start.steps + steps, partials, source.state_at(done))
 
     batches = device_batches(source, layout, program.mesh, start.cursor, program.options.prefetch, start.source_state)
-    with PreemptionWatch(enabled=ckpt is not None) as preemption, contextlib.closing(batches):
+    with contextlib.closing(batches):
         for i, item in enumerate(batches):
             partials = program.step(partials, item.batch, item.num_valid)
             health.after_step(partials, item.cursor, item.num_valid)
@@ -259,15 +291,72 @@ def fold_all(
                 report(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))
             if ckpt is None or done >= layout.num_rows:
                 continue
-            if preemption.should_stop(i):
+            signalled = watch is not None and watch.signal_name is not None
+            stop, late, failed = any_process(signalled, ckpt.policy.late(), ckpt.poll())
+            if failed:
+                ckpt.raise_failure()
+                raise StorageError(errno.EIO, f"another process of the job could not save the checkpoint in "
+                                   f"{ckpt.directory} (its log says why); rerun the same command when it is fixed")
+            if stop:
                 save(done)
-                raise Preempted(done, layout.num_rows, ckpt.directory)
-            if ckpt.due(start.steps + steps):
+                raise Preempted(done, layout.num_rows, ckpt.directory, (watch and watch.signal_name) or "SIGTERM")
+            if ckpt.policy.due(start.steps + steps, late):
                 save(done)
     health.check()
     if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
         save(layout.num_rows)
     return partials, steps
+
+
+def finalize(program: Program, merged: PyTree) -> Any:
+    """``program.finalize(merged)``; a linear solve that fails on the data is one line, not a traceback.
+
+    Raises:
+      UsageError: the combiner's solve failed (a singular matrix: too few rows, constant or
+        NaN columns); the merged state is saved, so nothing is lost.
+    """
+    try:
+        return program.finalize(merged)
+    except np.linalg.LinAlgError as e:
+        inner = program.job
+        while hasattr(inner, "inner"):  # the policies' wrappers
+            inner = inner.inner
+        raise UsageError(
+            f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
+            "rows, constant or duplicate columns, or NaN rows (nan_policy='omit' skips them); check the data."
+        ) from None
+
+
+def check_overflow(program: Program, merged: PyTree) -> None:
+    """Reports accumulator values that are NaN or infinite where the identity is finite.
+
+    Under ``nan_policy="raise"`` every row was finite (or the run stopped), so such a
+    value is an overflow (float32 holds at most 3.4e38): it raises. Otherwise it warns.
+
+    Raises:
+      NonFiniteError: under ``nan_policy="raise"``.
+    """
+    bad = [np.asarray(x) for x in jax.tree.leaves(merged)]
+    bad = [int(np.sum(~np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else 0 for x in bad]
+    if not any(bad):
+        return
+    identity = jax.tree.leaves(jax.device_get(program.combiner.init(program.spec)))
+    count = sum(
+        int(np.sum(~np.isfinite(np.asarray(x)) & np.isfinite(np.asarray(i))))
+        for x, i, b in zip(jax.tree.leaves(merged), identity, bad, strict=True) if b
+    )
+    if not count:
+        return
+    policy = program.options.nan_policy
+    if policy == "raise":
+        raise NonFiniteError(
+            f"the accumulator overflowed: {count} of its values are inf or NaN although every row is finite "
+            "(float32 holds at most 3.4e38); scale the data down, or reduce float64 data with jax_enable_x64 "
+            "(--config.x64=True)."
+        )
+    cause = "rows holding NaN/Inf (nan_policy='propagate') or an overflow" if policy == "propagate" else "an overflow"
+    _log.warning("the result may be wrong: %d accumulator values are inf or NaN, from %s; nan_policy='raise' "
+                 "tells which.", count, cause)
 
 
 def to_host(tree: PyTree) -> PyTree:

@@ -8,7 +8,7 @@ from sharded_scan import combiners
 CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
-    "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes",
+    "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count"),

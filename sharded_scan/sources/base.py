@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import math
+import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,12 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def file_stamp(stat: os.stat_result) -> str:
+    """A file's size and modification time (to the nanosecond), as the fingerprint holds them."""
+    seconds, nanos = divmod(stat.st_mtime_ns, 10**9)
+    return f"{stat.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(seconds))}.{nanos:09d}"
 
 
 def row_spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -84,9 +92,36 @@ class Source(abc.ABC):
             "spec": jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", self.spec),
         }
 
+    def stamps(self) -> dict[str, str]:
+        """``{path: file_stamp}`` of every file the source reads (empty for data in memory).
+
+        Part of the job's fingerprint: a rerun whose data changed since its checkpoint is
+        refused in one line instead of resumed onto other rows, and a finished job is
+        not "already done" any more.
+        """
+        return {}
+
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.num_rows:
             raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows}).")
+
+
+def check_unmasked(x: Any, who: str) -> Any:
+    """``x``, unless it is a numpy masked array with masked entries (one-line UsageError).
+
+    ``np.asarray`` would drop the mask and reduce the values under it: a silently wrong
+    answer. Refused rather than guessed at (skipping rows with a masked entry is not what
+    ``numpy.ma`` computes per column).
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        masked = int(np.ma.count_masked(x))
+        if masked:
+            raise UsageError(
+                f"{who} is a numpy masked array with {masked} masked entries, and its values under the mask would be "
+                "reduced as they are; pass x.filled(np.nan) with nan_policy='omit' to skip rows holding a masked "
+                "entry, or x.filled(value) to count them as value."
+            )
+    return x
 
 
 def num_rows_of(tree: PyTree) -> int:

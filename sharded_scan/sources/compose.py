@@ -8,7 +8,7 @@ import jax
 
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source
-from sharded_scan.sources.memory import ArraySource
+from sharded_scan.sources.memory import ArraySource, not_rows
 
 
 class TreeSource(Source):
@@ -54,6 +54,9 @@ class TreeSource(Source):
     def describe(self) -> dict[str, Any]:
         return {"source": "TreeSource", "sources": self._treedef.unflatten([s.describe() for s in self._sources])}
 
+    def stamps(self) -> dict[str, str]:
+        return {path: stamp for s in self._sources for path, stamp in s.stamps().items()}
+
 
 def as_source(data: Any) -> Source:
     """Wraps ``data`` as a Source.
@@ -69,6 +72,8 @@ def as_source(data: Any) -> Source:
         from sharded_scan.sources.tabular import dataframe_source
 
         return dataframe_source(data)
+    if not_rows(data, [data]) is not None:
+        return ArraySource(data)  # which says what the data is and what to pass instead
     leaves = jax.tree.leaves(data, is_leaf=lambda s: isinstance(s, Source))
     if not any(isinstance(s, Source) for s in leaves):
         return ArraySource(data)

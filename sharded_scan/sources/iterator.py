@@ -13,13 +13,14 @@ import numpy as np
 
 from sharded_scan.combiners.base import check_numeric
 from sharded_scan.errors import UsageError
-from sharded_scan.sources.base import PyTree, Source, num_rows_of, row_spec
+from sharded_scan.sources.base import PyTree, Source, check_unmasked, num_rows_of, row_spec
 
 
 class IteratorSource(Source):
     """A Python iterable of numpy batches (arrays, or pytrees such as ``(X, y)``), read forward.
 
-    Batches may have any number of rows; together they must hold ``num_rows`` rows. The
+    Batches may have any number of rows; together they must hold exactly ``num_rows``
+    rows (fewer or more is one :class:`UsageError` line naming both numbers). The
     source is sequential (see the module docstring): with several processes each one
     iterates the whole stream and keeps only its own rows, so prefer a random-access
     source for multi-host jobs. It is resumable only when the
@@ -89,6 +90,7 @@ class IteratorSource(Source):
         self._pending: PyTree = None       # a batch drawn to learn the spec, not yet used
         self._boundaries: collections.deque = collections.deque(maxlen=self.HISTORY)
         self._state_before = state
+        self._end_checked = False
 
     def _next_batch(self) -> PyTree:
         if self.resumable:
@@ -96,7 +98,7 @@ class IteratorSource(Source):
         batch = next(self._iter, None)
         if batch is None:
             return None
-        batch = jax.tree.map(np.asarray, batch)
+        batch = jax.tree.map(lambda x: np.asarray(check_unmasked(x, "IteratorSource's batch")), batch)
         rows = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
         if len(rows) != 1 or None in rows:
             raise UsageError("IteratorSource got a batch whose leaves lack one common leading row dimension.")
@@ -131,8 +133,35 @@ class IteratorSource(Source):
                     pieces.append(jax.tree.map(lambda x, a=skip, b=take: x[a:b], self._buffer))
                 self._buffer = jax.tree.map(lambda x, t=take: x[t:], self._buffer)
                 self._position += take
+            if stop == self._num_rows and not self._end_checked:
+                self._end_checked = True
+                self._check_no_more_rows()
         empty = jax.tree.map(lambda s: np.zeros((0,) + s.shape, s.dtype), self._spec)
         return jax.tree.map(lambda *xs: np.concatenate(xs), empty, *pieces)
+
+    def _check_no_more_rows(self) -> None:
+        """Raises when the iterable holds rows past ``num_rows`` (they would be dropped silently).
+
+        Counts them (up to ``num_rows`` more) so that the message names the real total.
+        """
+        extra = sum(num_rows_of(b) for b in (self._buffer, self._pending) if b is not None)
+        while extra <= max(self._num_rows, 1 << 16):
+            batch = self._next_batch()
+            if batch is None:
+                break
+            extra += num_rows_of(batch)
+        else:
+            raise UsageError(
+                f"IteratorSource's iterable yields more than {self._num_rows + extra} rows, not num_rows="
+                f"{self._num_rows} (it may be endless); pass the right num_rows, or itertools.islice the iterable's "
+                "batches to the rows you mean."
+            )
+        if extra:
+            raise UsageError(
+                f"IteratorSource's iterable yields {self._num_rows + extra} rows, not num_rows={self._num_rows}: "
+                f"the last {extra} would be dropped; pass num_rows={self._num_rows + extra}, or itertools.islice the "
+                "iterable's batches to the rows you mean."
+            )
 
     def state_at(self, cursor: int) -> dict[str, Any]:
         """The iterable's state before the batch holding row ``cursor``, and rows to skip in it.

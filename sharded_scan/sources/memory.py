@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,17 +14,43 @@ import numpy as np
 
 from sharded_scan.combiners.base import check_numeric
 from sharded_scan.errors import UsageError
-from sharded_scan.sources.base import PyTree, Source, row_spec
+from sharded_scan.sources.base import PyTree, Source, check_unmasked, row_spec
+
+
+def not_rows(data: Any, leaves: list[Any]) -> str | None:
+    """What is wrong with ``data`` when a leaf is not an array of rows (a phrase with the fix), or None."""
+    for leaf in leaves:
+        if isinstance(leaf, (str, os.PathLike)):
+            return (f"data is the path {os.fspath(leaf)!r}, not rows; read a file with "
+                    "sharded_scan.sources.NpySource(path) (NpyShardsSource for shards, ZarrSource for zarr)")
+        if isinstance(leaf, (collections.abc.Iterator, collections.abc.Generator)):
+            return (f"data is a {type(leaf).__name__}, not rows; wrap it as sharded_scan.sources.IteratorSource(it, "
+                    "num_rows) (it yields batches of rows)")
+        if type(leaf).__module__.split(".")[0] == "pandas":
+            dtypes = sorted({str(t) for t in np.atleast_1d(getattr(leaf, "dtypes", getattr(leaf, "dtype", "?")))})
+            if np.asarray(leaf).dtype == object:
+                return (f"data is a pandas {type(leaf).__name__} with dtypes {', '.join(dtypes)}, which numpy reads as "
+                        "dtype object; pass df.astype('float64') (missing values become NaN) or "
+                        "df.select_dtypes('number').to_numpy()")
+    if isinstance(data, (list, tuple)) and leaves and all(isinstance(x, (bool, int, float)) for x in leaves):
+        return f"data is a Python {type(data).__name__} of {len(leaves)} numbers; pass np.asarray(data) for rows"
+    return None
 
 
 class ArraySource(Source):
     """Rows held in memory: a numpy array or a pytree of arrays with equal row counts."""
 
     def __init__(self, data: PyTree):
+        problem = not_rows(data, [data])  # before flattening: JAX warns on a generator
+        if problem is not None:
+            raise UsageError(f"{problem}.")
         leaves, self._treedef = jax.tree.flatten(data)
         if not leaves:
             raise UsageError("the data has no arrays; pass a numpy array or a pytree such as (X, y).")
-        self._leaves = [np.asarray(x) for x in leaves]
+        problem = not_rows(data, leaves)
+        if problem is not None:
+            raise UsageError(f"{problem}.")
+        self._leaves = [np.asarray(check_unmasked(x, "the data")) for x in leaves]
         for x in self._leaves:
             if x.ndim == 0:
                 raise UsageError("the data holds a scalar; every leaf needs a leading row dimension.")
