@@ -32,11 +32,10 @@ import numpy as np  # noqa: E402
 import sharded_scan as ss  # noqa: E402
 from bench import certified  # noqa: E402
 from bench.tuning import interleaved_best  # noqa: E402
-from sharded_scan import engine  # noqa: E402
 from sharded_scan.combiners.solvers import SOLVERS  # noqa: E402
 from sharded_scan.combiners.wrappers import Compensated  # noqa: E402
-from sharded_scan.layout import make_layout  # noqa: E402
 from sharded_scan.prefetch import device_batches  # noqa: E402
+from sharded_scan.program import build_program  # noqa: E402
 from sharded_scan.sources import ArraySource  # noqa: E402
 
 
@@ -63,16 +62,14 @@ def drift(steps: int) -> dict:
 
 def step_seconds(combiner, x: np.ndarray, repeats: int) -> float:
     """Best seconds for folding ``x`` with compiled steps (compile and merge excluded)."""
-    mesh = ss.make_mesh()
-    spec = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    layout = make_layout(len(x), mesh, *engine.resolve_chunking(spec))
-    step = engine.build_step(combiner, mesh, layout)
-    batches = list(device_batches(ArraySource(x), layout, mesh))
+    source = ArraySource(x)
+    prog = build_program(combiner, source, ss.RunOptions(compensated=False))
+    batches = list(device_batches(source, prog.layout, prog.mesh))
 
     def fold():
-        partials = engine.init_partials(combiner, spec, mesh)
+        partials = prog.init()
         for item in batches:
-            partials = step(partials, item.batch, np.int32(item.num_valid))
+            partials = prog.step(partials, item.batch, item.num_valid)
         jax.block_until_ready(partials)
 
     return best_time(fold, repeats)

@@ -21,14 +21,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
 
 import sharded_scan as ss  # noqa: E402
 from bench.run import RESULTS  # noqa: E402
 from bench.workloads import make_workloads  # noqa: E402
-from sharded_scan import engine  # noqa: E402
-from sharded_scan.combiners.wrappers import apply_policies  # noqa: E402
-from sharded_scan.layout import make_layout  # noqa: E402
+from sharded_scan.program import build_program  # noqa: E402
 from sharded_scan.sources import as_source  # noqa: E402
 
 COMBINERS = {"gram": ss.Gram, "moments": ss.Moments, "linreg": ss.LinearRegression}
@@ -40,13 +37,9 @@ def main(names: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for w in make_workloads(64, set(names)):
         data = w.x if w.y is None else (w.x, w.y)
-        source, mesh = as_source(data), ss.make_mesh(None)
-        combiner = apply_policies(COMBINERS[w.kind]())
-        layout = make_layout(w.n, mesh, *engine.resolve_chunking(source.spec))
-        partials = engine.init_partials(combiner, source.spec, mesh)
-        rows = layout.rows_per_step
-        batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), source.spec)
-        text = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile().as_text()
+        prog = build_program(COMBINERS[w.kind](), as_source(data), ss.RunOptions())
+        layout = prog.layout
+        text = prog.lower_step().compile().as_text()
         (out / f"{w.name}.hlo.txt").write_text(text)
         ops = INSTRUCTION.findall(text)
         lines = [f"{w.name}: microbatch={layout.microbatch} steps_per_call={layout.steps_per_call}"]

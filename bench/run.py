@@ -3,7 +3,9 @@
     python bench/run.py            # 256 MiB per workload, best of 5, the tuning sweep (~10 min)
     python bench/run.py --quick    # 24 MiB, best of 2, a small sweep (~1 min)
 
-Prints one table (rate, and sharded_scan's ratio to the best peer) and writes
+Prints one table (rate, and sharded_scan's ratio to the best peer), then the analyzers'
+(quantiles, distinct counts, top-k: rows/s and error of every caller, ``bench/analyzers.py``)
+and writes
 ``bench/results/bench[_quick].json`` and ``.png``. Every caller of a workload is timed
 in the same process, interleaved (one run of each in turn, ``--repeats`` rounds, the
 best kept), so machine noise hits them alike; compare ratios, not absolute rates.
@@ -35,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from bench import tuning  # noqa: E402
+from bench import analyzers, tuning  # noqa: E402
 from bench.workloads import Workload, comparable, make_workloads, reference  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -99,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small data, few repeats, small sweep (~1 min)")
     parser.add_argument("--megabytes", type=int, help="input size per workload (default 256, quick 24)")
+    parser.add_argument("--analyzer-rows", type=int, help="rows per analyzer (4 columns; 2^22, quick 2^18)")
     parser.add_argument("--repeats", type=int, help="timed rounds per workload (default 5, quick 2)")
     parser.add_argument("--only", help="comma-separated workload names")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
@@ -110,12 +113,17 @@ def main() -> None:
     started = time.perf_counter()
 
     rows = []
-    workloads = make_workloads(megabytes, set(args.only.split(",")) if args.only else None)
+    only = set(args.only.split(",")) if args.only else None
+    workloads = make_workloads(megabytes, only)
     for w in workloads:
         rows.append(measure(w, repeats))
         print(f"  {w.name}: {rows[-1]['ratio']:.2f}x {rows[-1]['best_peer']}", flush=True)
         if w.cleanup:
             w.cleanup()
+    analyzer_rows = []
+    for a in analyzers.make_analyzers(args.analyzer_rows or (1 << 18 if args.quick else 1 << 22), only):
+        analyzer_rows.append(analyzers.measure(a, min(repeats, 3)))
+        print(f"  {a.name}: {analyzer_rows[-1]['ratio']:.2f}x {analyzer_rows[-1]['best_peer']}", flush=True)
     report = {
         "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "devices": jax.device_count(), "platform": platform.platform()},
@@ -124,22 +132,35 @@ def main() -> None:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "megabytes": megabytes, "repeats": repeats,
         "results": rows,
+        "analyzers": analyzer_rows,
     }
     if not args.no_sweep:
         report["sweep"] = tuning.sweep(quick=args.quick, repeats=repeats)
         report["host_overhead"] = tuning.host_overhead(quick=args.quick)
     report["communication"] = tuning.communication()
+    report["gradient_iterations"] = tuning.gradient_iterations(quick=args.quick, repeats=repeats)
+    report["logical_shards_cost"] = tuning.logical_shards_cost(quick=args.quick, repeats=repeats)
     report["seconds"] = time.perf_counter() - started
 
     print()
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if analyzer_rows:
+        print("\n" + analyzers.table(analyzer_rows))
     if "sweep" in report:
         print("\n" + tuning.describe(report["sweep"], report["host_overhead"]))
+    grad = report["gradient_iterations"]
+    print(f"\nGradient, {grad['rows']} rows: {grad['seconds']['new params']:.3f} s an iteration with new params, "
+          f"{grad['seconds']['same combiner']:.3f} s rerunning the same combiner ({grad['ratio']:.2f}x)")
+    for c in report["logical_shards_cost"]:
+        print(f"{c['combiner']} d={c['d']}: logical_shards=8 takes {c['ratio']:.2f}x the time of the default run "
+              f"({c['seconds']['logical_shards=8']:.3f} s vs {c['seconds']['default']:.3f} s, {c['rows']} rows)")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_quick" if args.quick else "bench"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=float))
-    plot(rows, args.out / f"{stem}.png", f"{report['command']}  ({megabytes} MiB, best of {repeats})")
-    print(f"\nwrote {args.out / stem}.json and .png in {report['seconds']:.0f} s")
+    if rows:
+        plot(rows, args.out / f"{stem}.png", f"{report['command']}  ({megabytes} MiB, best of {repeats})")
+    print(f"\nwrote {args.out / stem}.json{' and .png' if rows else ''} in {report['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

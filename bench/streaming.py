@@ -33,10 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan import Gram, engine
-from sharded_scan.layout import Layout, make_layout
-from sharded_scan.mesh import make_mesh
+from sharded_scan import Gram, RunOptions
 from sharded_scan.prefetch import device_batches, place, read_local
+from sharded_scan.program import build_program
 from sharded_scan.sources import NpySource, Source
 
 FEATURES = 256
@@ -86,10 +85,9 @@ class Bench:
     """The engine's step for one source and layout, compiled once and reused by every timing."""
 
     def __init__(self, source: Source):
-        self.source, self.mesh = source, make_mesh(None)
-        self.layout: Layout = make_layout(source.num_rows, self.mesh, MICROBATCH, STEPS_PER_CALL)
-        self.combiner = Gram()
-        self.step = engine.build_step(self.combiner, self.mesh, self.layout)
+        options = RunOptions(microbatch=MICROBATCH, steps_per_call=STEPS_PER_CALL, compensated=False)
+        self.program = build_program(Gram(), source, options)
+        self.source, self.mesh, self.layout = source, self.program.mesh, self.program.layout
         self._row_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(source.spec))
         self._placed: list | None = None
         self.fold(self._pool(1), 1)  # compile
@@ -100,14 +98,14 @@ class Bench:
 
     def fold(self, batches, steps: int | None = None) -> None:
         """The engine's loop: one step in flight, blocking on the partials after each."""
-        partials = engine.init_partials(self.combiner, self.source.spec, self.mesh)
+        partials = self.program.init()
         if steps is not None:  # cycle pre-placed batches
             pool = batches
             batches = (pool[i % len(pool)] for i in range(steps))
             rows = self.layout.rows_per_step
         for item in batches:
             batch, num_valid = (item, rows) if steps is not None else (item.batch, item.num_valid)
-            partials = self.step(partials, batch, np.int32(num_valid))
+            partials = self.program.step(partials, batch, num_valid)
             jax.block_until_ready(partials)
 
     def source_only(self) -> float:

@@ -18,11 +18,10 @@ import numpy as np
 
 import sharded_scan as ss
 from bench.workloads import aligned_rows, rows_for
-from sharded_scan import engine
 from sharded_scan.combiners.sums import default_block
-from sharded_scan.combiners.wrappers import apply_policies
-from sharded_scan.layout import make_layout
+from sharded_scan.layout import resolve_chunking
 from sharded_scan.prefetch import device_batches
+from sharded_scan.program import build_program, program_for_spec
 from sharded_scan.sources import Source
 
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
@@ -61,7 +60,7 @@ def sweep(quick: bool, repeats: int) -> dict:
     for d in widths:
         x = aligned_rows(rows_for(out["megabytes"], d, 8 * 4096), d, seed=7)
         block = default_block(d)
-        mb0, spc0 = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
+        mb0, spc0 = resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
         microbatches = (mb0 // 4, mb0) if quick else (mb0 // 4, mb0, mb0 * 4)
         steps = (spc0,) if quick else sorted({2, 8, 32, spc0})
         points = _gram_rates(x, [(mb, s, block) for mb in microbatches for s in steps], repeats)
@@ -74,7 +73,7 @@ def sweep(quick: bool, repeats: int) -> dict:
         out["best"][str(d)] = max(points, key=lambda p: p["gflops"])
     out["defaults"] = {}
     for d in widths:
-        microbatch, steps = engine.resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
+        microbatch, steps = resolve_chunking(jax.ShapeDtypeStruct((d,), np.float32))
         out["defaults"][str(d)] = dict(microbatch=microbatch, steps_per_call=steps, block=default_block(d))
     return out
 
@@ -110,30 +109,27 @@ def host_overhead(quick: bool) -> list[dict]:
     steps = 3 if quick else 8
     for d in (256,) if quick else (32, 256, 1024):
         spec = jax.ShapeDtypeStruct((d,), np.float32)
-        mb, spc = engine.resolve_chunking(spec)
-        mesh = ss.make_mesh(None)
-        rows = aligned_rows(mesh.shape["data"] * mb * spc, d, seed=8)
+        mb, spc = resolve_chunking(spec)
+        rows = aligned_rows(ss.make_mesh(None).shape["data"] * mb * spc, d, seed=8)
         source = RepeatSource(rows, steps)
-        combiner = apply_policies(ss.Gram())
-        layout = make_layout(source.num_rows, mesh, mb, spc)
-        step = engine.build_step(combiner, mesh, layout)
-        placed = next(device_batches(source, layout, mesh, 0, 0))
+        prog = build_program(ss.Gram(), source, ss.RunOptions(microbatch=mb, steps_per_call=spc))
+        placed = next(device_batches(source, prog.layout, prog.mesh, 0, 0))
 
-        def compiled(step=step, placed=placed, combiner=combiner, mesh=mesh, spec=spec):
-            partials = engine.init_partials(combiner, spec, mesh)
+        def compiled(prog=prog, placed=placed):
+            partials = prog.init()
             jax.block_until_ready(partials)
             start = time.perf_counter()
             for _ in range(steps):
-                partials = step(partials, placed.batch, np.int32(placed.num_valid))
+                partials = prog.step(partials, placed.batch, placed.num_valid)
             jax.block_until_ready(partials)
             return time.perf_counter() - start
 
-        def host(step=step, source=source, layout=layout, combiner=combiner, mesh=mesh, spec=spec):
-            partials = engine.init_partials(combiner, spec, mesh)
+        def host(prog=prog, source=source):
+            partials = prog.init()
             jax.block_until_ready(partials)
             start = time.perf_counter()
-            for item in device_batches(source, layout, mesh, 0, 2):
-                partials = step(partials, item.batch, np.int32(item.num_valid))
+            for item in device_batches(source, prog.layout, prog.mesh, 0, 2):
+                partials = prog.step(partials, item.batch, item.num_valid)
             jax.block_until_ready(partials)
             return time.perf_counter() - start
 
@@ -146,6 +142,52 @@ def host_overhead(quick: bool) -> list[dict]:
             "step_seconds": step_s, "loop_seconds_per_step": loop_s, "host_seconds_per_step": host_s,
             "host_share": host_s / step_s,
         })
+    return out
+
+
+def _squared_error(params, batch):
+    features, target = batch
+    return (features @ params - target) ** 2
+
+
+def gradient_iterations(quick: bool, repeats: int) -> dict:
+    """Seconds per full-batch gradient iteration (200,000 x 16 rows on 4 devices; quick: 50,000):
+    a new ``params`` value each iteration against rerunning the same combiner.
+
+    ``params`` are operands of the compiled programs, so a new value compiles nothing.
+    """
+    n = 50_000 if quick else 200_000
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(n, 16)).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    same = ss.Gradient(_squared_error, np.zeros(16, np.float32))
+    steps = iter(range(1 << 30))
+
+    def new_params():
+        ss.run(ss.Gradient(_squared_error, np.full(16, next(steps), np.float32)), (x, y), mesh="data:4")
+
+    calls = {"new params": new_params, "same combiner": lambda: ss.run(same, (x, y), mesh="data:4")}
+    for call in calls.values():
+        call()  # compile
+    seconds = interleaved_best(calls, repeats)
+    return {"rows": n, "seconds": seconds, "ratio": seconds["new params"] / seconds["same combiner"]}
+
+
+def logical_shards_cost(quick: bool, repeats: int) -> list[dict]:
+    """Seconds of a run with ``logical_shards=8`` (micro-batches of at most 256 rows, the same
+    on every device and process split) against the default run, on the same data."""
+    out = []
+    megabytes = 16 if quick else 64
+    for name, make, d in (("Gram", ss.Gram, 32), ("Gram", ss.Gram, 256), ("Covariance", ss.Covariance, 256)):
+        x = aligned_rows(rows_for(megabytes, d, 8 * 4096), d, seed=9)
+        calls = {
+            "default": lambda make=make, x=x: ss.run(make(), x),
+            "logical_shards=8": lambda make=make, x=x: ss.run(make(), x, logical_shards=8),
+        }
+        for call in calls.values():
+            call()  # compile
+        seconds = interleaved_best(calls, repeats)
+        out.append({"combiner": name, "d": d, "rows": len(x), "seconds": seconds,
+                    "ratio": seconds["logical_shards=8"] / seconds["default"]})
     return out
 
 
@@ -170,14 +212,10 @@ def communication() -> list[dict]:
     ]
     out = []
     for name, combiner, spec, mesh_spec in cases:
-        mesh = ss.make_mesh(mesh_spec)
-        combiner = apply_policies(combiner)
-        layout = make_layout(1 << 20, mesh, *engine.resolve_chunking(spec))
-        partials = engine.init_partials(combiner, spec, mesh)
-        rows = layout.rows_per_step
-        batch = jax.tree.map(lambda s, rows=rows: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), spec)
-        step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile().as_text()
-        merge = engine.build_merge(combiner, mesh).lower(partials).compile().as_text()
+        prog = program_for_spec(combiner, spec, 1 << 20, ss.RunOptions(mesh=mesh_spec))
+        partials = prog.init()
+        step = prog.lower_step().compile().as_text()
+        merge = prog.lower_merge().compile().as_text()
         out.append({
             "case": name, "mesh": mesh_spec,
             "step_collectives": COLLECTIVE.findall(step), "merge_collectives": COLLECTIVE.findall(merge),

@@ -8,6 +8,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from launch.data import data_config
+from sharded_scan.options import config_fields
 
 VARIANTS = ("full", "quick")
 
@@ -24,22 +25,22 @@ def base_config(
     c = ml_collections.ConfigDict()
     c.combiner = ml_collections.ConfigDict({"name": combiner, "kwargs": dict(kwargs or {})})
     c.data = data_config(1000 if quick else num_rows, features, targets=targets)
-    c.mesh = "data:-1"
-    c.microbatch = 16 if quick else 1024
-    c.steps_per_call = 2 if quick else 8
-    c.prefetch = 2
-    c.logical_shards = config_dict.placeholder(int)  # None: one accumulator per device
-    c.nan_policy = "propagate"
-    c.compensated = True
+    for name, (default, kind) in config_fields().items():  # the run options, with the engine's defaults
+        c[name] = config_dict.placeholder(kind) if default is None else default
+    if quick:
+        c.microbatch, c.steps_per_call = 16, 2
+    c.x64 = False  # jax_enable_x64: float64 and int64 data reduced in 64 bits
     c.checkpoint = ml_collections.ConfigDict(
         {
             "enabled": True,
             "every_steps": config_dict.placeholder(int),
             "every_seconds": 600.0,
             "keep": 2,
+            "per_job": config_dict.placeholder(int),  # at most about this many step-based saves over the job
+            "ignore_changed_data": False,  # resume although a data file changed since the checkpoint
         }
     )
-    if quick:
-        c.checkpoint.every_steps = 2
+    if quick:  # a save every 2 steps, but only a handful over the job, whatever its size
+        c.checkpoint.every_steps, c.checkpoint.per_job = 2, 4
     c.log_every_seconds = 10.0
     return c

@@ -5,10 +5,13 @@ r"""Runs one sharded_scan job from a config: ``python -m launch.main``.
 
 Writes ``WORKDIR/result.npz`` (the result's named arrays) and ``WORKDIR/summary.json``,
 checkpoints under ``WORKDIR/checkpoints``; running the same command again resumes from
-the latest checkpoint. Multi-host: pass ``--coordinator_address``, ``--num_processes``
-and ``--process_id`` on every process, or none of them inside a TPU pod / SLURM / Open
-MPI job (detected). Exit status: 0 done or preempted (saved; rerun to resume), 2 a
-usage error (one line on stderr, nothing computed or written).
+the latest checkpoint (or, when the job finished, says "already done", also from a
+read-only workdir). One job at a time holds the workdir (``WORKDIR/lock.json``).
+Multi-host: pass ``--coordinator_address``, ``--num_processes`` and ``--process_id`` on
+every process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
+Exit status: 0 done, or preempted / interrupted (saved; rerun to resume), 2 a usage
+error (one line on stderr, nothing computed or written), 3 stalled, 4 a peer was lost,
+5 a storage fault (one line; the last checkpoint is intact).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -26,12 +30,16 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from launch.data import make_combiner, make_source
+from launch.data import make_combiner, make_source, run_options
 from sharded_scan import distributed
-from sharded_scan.checkpoint import CheckpointOptions, check_writable
-from sharded_scan.engine import Progress, RunReport, run_with_report
-from sharded_scan.errors import UsageError
-from sharded_scan.watchdog import EXIT_PEER_LOST, RESUME_HINT, abort, is_peer_lost
+from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
+from sharded_scan.digest import json_digest
+from sharded_scan.engine import Progress, RunReport, run_program
+from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.lease import Lease
+from sharded_scan.program import build_program
+from sharded_scan.storage import check_writable, storage_error, storage_reason
+from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abort, is_peer_lost
 
 jax.config.config_with_absl()
 
@@ -56,8 +64,15 @@ _STEP_TIMEOUT = flags.DEFINE_float(
     "step_timeout", 900.0,
     "Seconds without a finished step after which a process stops with one line (a stuck peer); 0 for off.",
 )
+_FORCE_UNLOCK = flags.DEFINE_bool(
+    "force_unlock", False,
+    "Take the workdir even though its lock file names a running job (only when you know that job is gone).",
+)
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C before the run could save (128 + SIGINT)
+FORCE_HINT = "pass --force_unlock"
+OUTPUTS = ("result.npz", "summary.json")
 
 
 def fail(message: str) -> None:
@@ -172,56 +187,124 @@ def summary(report: RunReport, source: Any, config: Any, started_as: str) -> dic
         "resumed_from_cursor": report.resumed_from_cursor,
         "checkpoints_written": report.checkpoints_written,
         "merge_bytes": report.merge_bytes,
+        "passes": report.passes,
         "config": json.loads(json.dumps(config.to_dict(), default=repr)),
     }
 
 
-def write_outputs(workdir: str, result: Any, record: dict[str, Any]) -> None:
-    """Writes result.npz and summary.json atomically (temp file, then rename)."""
-    tmp = os.path.join(workdir, "result.tmp.npz")
-    np.savez(tmp, **named_arrays(result))
-    os.replace(tmp, os.path.join(workdir, "result.npz"))
-    tmp = os.path.join(workdir, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2, default=repr)
-    os.replace(tmp, os.path.join(workdir, "summary.json"))
+def write_outputs(workdir: str, result: Any, record: dict[str, Any], intact: str) -> None:
+    """Writes result.npz and summary.json atomically (temp file, then rename).
+
+    Raises:
+      StorageError: the workdir refused a write; ``intact`` says what is still there.
+    """
+    arrays = named_arrays(result)
+    written = []
+    try:
+        for name, write in (("result.npz", lambda f: np.savez(f, **arrays)),
+                            ("summary.json", lambda f: f.write(json.dumps(record, indent=2, default=repr).encode()))):
+            tmp = os.path.join(workdir, f"{name}.tmp")
+            written.append(tmp)
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, os.path.join(workdir, name))
+    except OSError as e:
+        code = storage_reason(e)
+        if code is None:
+            raise
+        needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
+        raise storage_error(f"write {os.path.join(workdir, OUTPUTS[0])}", code, intact, needed) from None
+    finally:
+        for tmp in written:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def finished(workdir: str, job: str) -> dict[str, Any] | None:
+    """The summary of this job when the workdir holds its result, else None (reads only)."""
+    try:
+        with open(os.path.join(workdir, OUTPUTS[1])) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("job") != job:
+        return None
+    return record if os.path.isfile(os.path.join(workdir, OUTPUTS[0])) else None
+
+
+def load_result(workdir: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(workdir, OUTPUTS[0])) as f:
+        return {k: f[k] for k in f.files}
+
+
+def workdir_lease(workdir: str, job: str, force: bool) -> Lease | None:
+    """The workdir's lease, taken by process 0 for the job; every process gets its answer.
+
+    Raises:
+      UsageError: another job holds the workdir.
+    """
+    lease, problem = None, None
+    if jax.process_index() == 0:
+        lease = Lease(workdir, job, force, FORCE_HINT)
+        try:
+            lease.acquire()
+        except UsageError as e:
+            lease, problem = None, str(e)
+    problem = distributed.gather_json(problem)[0]
+    if problem is not None:
+        raise UsageError(problem)
+    return lease
 
 
 def run_job(
-    config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None
+    config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None,
+    force_unlock: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """Runs the job ``config`` describes with checkpoints in ``workdir``; writes the outputs.
+
+    A job whose result is already in ``workdir`` is not run again: its result and
+    summary are returned (this reads only, so it works on a read-only workdir too).
 
     Returns:
       ``(result, summary)``.
 
     Raises:
-      UsageError: a bad config, data, or a checkpoint of another job.
-      sharded_scan.Preempted: SIGTERM arrived and a checkpoint was saved.
+      UsageError: a bad config, data, another job holding the workdir, or a
+        checkpoint of another job or of changed data.
+      StorageError: a checkpoint or the result could not be written.
+      sharded_scan.Preempted: SIGTERM or SIGINT arrived and a checkpoint was saved.
     """
-    check_writable(workdir)
     combiner = make_combiner(config.combiner)
     source = make_source(config.data)
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create the workdir {workdir}: {e.strerror}; pick another path.") from None
     ck = config.checkpoint
     checkpoint = None
     if ck.enabled:
-        checkpoint = CheckpointOptions(
+        checkpoint = Checkpointer(CheckpointOptions(
             os.path.join(workdir, "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
-            keep=ck.keep,
-        )
-    result, report = run_with_report(
-        combiner, source, mesh=config.mesh, microbatch=config.microbatch, steps_per_call=config.steps_per_call,
-        prefetch=config.prefetch, logical_shards=config.logical_shards, nan_policy=config.nan_policy,
-        compensated=config.compensated, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds),
-        step_timeout=step_timeout,
+            keep=ck.keep, per_job=ck.per_job, ignore_changed_data=ck.ignore_changed_data, force_unlock=force_unlock,
+        ), force_hint=FORCE_HINT)
+    options = run_options(
+        config, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds), step_timeout=step_timeout
     )
-    record = summary(report, source, config, started_as)
-    if jax.process_index() == 0:
-        write_outputs(workdir, result, record)
+    program = build_program(combiner, source, options)
+    job = json_digest(program.fingerprint)
+    done = distributed.gather_json(finished(workdir, job))[0]
+    if done is not None:
+        logging.info("already done: %s holds this job's result (%s rows); nothing to do (a new --workdir runs it "
+                     "again).", os.path.join(workdir, OUTPUTS[0]), done.get("rows"))
+        return load_result(workdir), {**done, "already_done": True}
+    check_writable(workdir)
+    lease = workdir_lease(workdir, job, force_unlock)
+    try:
+        result, report = run_program(program, source)
+        record = {**summary(report, source, config, started_as), "job": job}
+        if jax.process_index() == 0:
+            intact = (f"the finished job's checkpoint in {os.path.join(workdir, 'checkpoints')} is intact"
+                      if ck.enabled else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
+            write_outputs(workdir, result, record, intact)
+    finally:
+        if lease is not None:
+            lease.release()
     return result, record
 
 
@@ -232,8 +315,9 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
     workdir = os.path.abspath(_WORKDIR.value)
+    if config.get("x64", False):
+        jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     try:
-        check_writable(workdir)
         started_as = distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),
@@ -242,18 +326,26 @@ def main(argv: list[str]) -> None:
             "process %d of %d (%s), %d devices: %s", jax.process_index(), jax.process_count(), started_as,
             jax.device_count(), jax.devices()[0].platform,
         )
-        _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None)
+        if jax.process_count() > 1:
+            # JAX ends a process whose coordinator died with a one-line fatal log and abort();
+            # absl's faulthandler would add every Python thread's stack to it.
+            signal.signal(signal.SIGABRT, signal.SIG_DFL)
+        _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None, _FORCE_UNLOCK.value)
     except UsageError as e:
         fail(str(e))
+    except StorageError as e:  # one line; skip interpreter shutdown, where orbax's threads would add tracebacks
+        abort(str(e) if jax.process_count() == 1 else f"process {jax.process_index()}: {e}", EXIT_STORAGE)
     except distributed.Preempted as e:
         print(str(e), flush=True)
         sys.exit(0)
+    except KeyboardInterrupt:
+        abort(f"interrupted before the run could save; {RESUME_HINT}.", EXIT_INTERRUPTED)
     except Exception as e:
         if jax.process_count() > 1 and is_peer_lost(e):  # one line, and no shutdown barrier to abort in
             abort(f"process {jax.process_index()} of {jax.process_count()} lost a peer ({one_line(e)[:160]}); "
                   f"{RESUME_HINT}.", EXIT_PEER_LOST)
         raise
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not record.get("already_done"):
         logging.info(
             "done: %d rows in %.2f s (%.3g rows/s) on %d devices; wrote %s",
             record["rows"], record["seconds"], record["rows_per_second"], record["devices"],
@@ -262,13 +354,29 @@ def main(argv: list[str]) -> None:
 
 
 class _QuietLibraries(logging.Filter):
-    """Drops orbax's INFO chatter (every save logs a dozen lines); keeps its warnings."""
+    """Drops orbax's INFO chatter (every save logs a dozen lines); keeps its warnings and
+    errors, without their tracebacks (a failed save ends in one ``error:`` line of ours)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+        if "/orbax/" not in record.pathname:
+            return True
+        record.exc_info, record.exc_text = None, None
+        return record.levelno >= logging.WARNING
+
+
+def _quiet_unraisable(hook: Any) -> Any:
+    """Drops what tensorstore prints when a write fails mid-save: callbacks into orbax's closed
+    event loops (``RuntimeError: Event loop is closed``); the save's failure is reported once."""
+
+    def unraisable(info: Any) -> None:
+        if not (isinstance(info.exc_value, RuntimeError) and "Event loop is closed" in str(info.exc_value)):
+            hook(info)
+
+    return unraisable
 
 
 def cli() -> None:
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
     absl_logging.set_verbosity(absl_logging.INFO)
     absl_logging.get_absl_handler().addFilter(_QuietLibraries())
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -9,6 +13,7 @@ import sys
 import threading
 import time
 
+from sharded_scan.checkpoint import COMMIT_MARKER
 from sharded_scan.watchdog import EXIT_PEER_LOST
 
 
@@ -31,6 +36,23 @@ def commands(main_args: list[str], num_processes: int, devices: int, port: int) 
     ]
 
 
+def resume_hint(main_args: list[str]) -> str:
+    """What rerunning will do: resume from the last complete checkpoint, or start again."""
+    workdir = next((a.split("=", 1)[1] for a in main_args if a.startswith("--workdir=")), None)
+    directory = os.path.join(workdir, "checkpoints") if workdir else ""
+    cursors = [int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+               if re.fullmatch(r"\d+", n) and os.path.isfile(os.path.join(directory, n, COMMIT_MARKER))]
+    if cursors:
+        return f"rerun the same command to resume from the checkpoint at row {max(cursors)}"
+    return "no checkpoint was written yet, so rerunning the same command starts the job again"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when launch.local dies (Linux), so no worker is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _pump(i: int, stream, lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
         with lock:
@@ -47,8 +69,11 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
     """
     port = port or free_port()
     lock = threading.Lock()
+    # Each in its own session: a Ctrl-C in the terminal reaches only this process, which passes
+    # it on once (a second one, passed on again, aborts them at once). They die with this one.
     procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=_die_with_parent)
         for cmd in commands(main_args, num_processes, devices, port)
     ]
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, lock), daemon=True) for i, p in enumerate(procs)]
@@ -73,7 +98,7 @@ def launch(main_args: list[str], num_processes: int, devices: int, port: int = 0
                 status = _status(failed[0].returncode)
                 with lock:
                     print(f"[local] process {procs.index(failed[0])} {_how(failed[0].returncode)}; stopping the "
-                          "others; rerun the same command to resume from the last checkpoint", flush=True)
+                          f"others; {resume_hint(main_args)}", flush=True)
                 break
             if not running or (terminated_at and time.monotonic() - terminated_at[0] > kill_after):
                 break

@@ -6,18 +6,23 @@ from sharded_scan.combiners import (
     AdditiveCombiner,
     Combiner,
     Covariance,
+    DistinctCount,
     Gradient,
     Gram,
     Histogram,
     LinearRegression,
     Moments,
+    Quantiles,
     Sum,
+    TopK,
     from_fn,
+    hash_strings,
 )
 from sharded_scan.distributed import Preempted
-from sharded_scan.engine import Progress, RunReport, run, run_with_report
-from sharded_scan.errors import UsageError
+from sharded_scan.engine import Progress, RunReport, run, run_passes, run_with_report
+from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.mesh import make_mesh
+from sharded_scan.options import RunOptions
 
 __all__ = [
     "PCA",
@@ -25,6 +30,7 @@ __all__ = [
     "CheckpointOptions",
     "Combiner",
     "Covariance",
+    "DistinctCount",
     "Gradient",
     "Gram",
     "Histogram",
@@ -32,11 +38,17 @@ __all__ = [
     "Moments",
     "Preempted",
     "Progress",
+    "Quantiles",
+    "RunOptions",
     "RunReport",
+    "StorageError",
     "Sum",
+    "TopK",
     "UsageError",
     "from_fn",
+    "hash_strings",
     "make_mesh",
     "run",
+    "run_passes",
     "run_with_report",
 ]

@@ -1,43 +1,63 @@
-"""Checkpoints of a running reduction: per-shard partials, the cursor and a fingerprint.
+"""Checkpoints of a running reduction: per-shard partials, the cursor, the job and the reader's state.
 
 A checkpoint is one orbax step directory under ``options.directory`` named by the
-cursor (the next row of the stream to fold), holding two items:
+cursor (the next row of the stream to fold), holding three items:
 
 - ``partials``: the accumulator pytree with its leading shard axis, saved sharded
   (every process writes its own shards);
-- ``meta``: JSON with ``cursor``, ``steps`` (steps done over all runs), ``shards``,
-  ``devices``, ``processes`` and the ``fingerprint``.
+- ``meta``: JSON (:func:`checkpoint_meta`, the one schema) with ``cursor``, ``steps``
+  (steps done over all runs), ``shards`` and ``axes`` (how the partials are laid out),
+  ``devices``, ``processes``, the ``fingerprint``, a digest of every partial and of the
+  source states, and a digest of the meta itself;
+- ``source``: every process's ``source.state_at(cursor)``, so a sequential source (an
+  iterator with ``get_state``/``set_state``) resumes exactly where the checkpoint was.
 
-The fingerprint names the job: the combiner and its parameters, the data (kind, row
-count, row spec), the requested micro-batch and the accumulator's leaf dtypes and
-shapes. It leaves out the device count, so a checkpoint resumes on another mesh.
-Checkpoints are written only between steps, so every row is folded exactly once.
+The fingerprint names the job: the combiner and its parameters (and the code of a user's
+functions), the data (kind, row count, row spec), the requested micro-batch, the
+accumulator's leaf dtypes and shapes, and the size and modification time of every file
+read. It leaves out the mesh, so a checkpoint resumes on another mesh.
+Checkpoints are written only between steps, so every row is folded exactly once. A
+restore checks every digest before it uses a checkpoint: one that fails (a flipped
+byte, a truncated file, a killed save) is set aside into ``damaged/`` and the one
+before is used. One job at a time holds the directory (:class:`~sharded_scan.lease.Lease`).
+:class:`Checkpointer` owns the protocol: :meth:`~Checkpointer.restore_latest`,
+:meth:`~Checkpointer.poll`, :attr:`~Checkpointer.policy` (a :class:`SavePolicy`),
+:meth:`~Checkpointer.save` and :meth:`~Checkpointer.close`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import math
 import os
 import re
+import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sharded_scan.digest import array_digests, json_digest
+from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
+from sharded_scan.lease import Lease
+from sharded_scan.storage import check_room, check_writable, storage_error, storage_reason
 
 PyTree = Any
 _log = logging.getLogger(__name__)
 
-PARTIALS, META = "partials", "meta"
+PARTIALS, META, SOURCE = "partials", "meta", "source"
 DAMAGED = "damaged"  # damaged checkpoints are moved here, never loaded
 # What orbax (0.12) writes into a step directory before it counts as complete.
 COMMIT_MARKER, STEP_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA"
+FORMAT = 2  # meta with digests
+METADATA_BYTES = 128 << 10  # room a save needs besides its arrays (orbax's metadata, our JSON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,62 +66,57 @@ class CheckpointOptions:
 
     Attributes:
       directory: the checkpoint directory (shared by every process). Running the same
-        job again with it resumes from its latest checkpoint.
+        job again with it resumes from its latest checkpoint. One job at a time may use
+        it (a lease in ``directory/lock.json``).
       every_steps: save after this many steps; None for no step-based saves.
       every_seconds: save when this many seconds passed since the last save; None for
         no time-based saves.
       keep: how many of the latest checkpoints to keep.
+      per_job: at most about this many step-based saves over the whole job: saves are at
+        least ``total_steps / per_job`` steps apart, whatever ``every_steps`` says
+        (None: no such limit).
+      ignore_changed_data: resume even though a file the job reads changed (size or
+        modification time) since the checkpoint was written.
+      force_unlock: take the directory even when the lease says another process holds
+        it (only when you know that process is gone).
     """
 
     directory: str
     every_steps: int | None = None
     every_seconds: float | None = 600.0
     keep: int = 2
+    per_job: int | None = None
+    ignore_changed_data: bool = False
+    force_unlock: bool = False
 
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise UsageError(f"checkpoint directory must be a path, got {self.directory!r}.")
-        for name in ("every_steps", "every_seconds", "keep"):
+        for name in ("every_steps", "every_seconds", "keep", "per_job"):
             value = getattr(self, name)
             if value is None and name != "keep":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
                 raise UsageError(f"checkpoint {name} must be a positive number or None, got {value!r}.")
-
-
-def accumulator_spec(combiner: Any, spec: PyTree) -> list[str]:
-    """The accumulator's leaves as ``"path: dtype[shape]"`` for ONE shard."""
-    shapes = jax.eval_shape(combiner.init, spec)
-    return [
-        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
-    ]
-
-
-def fingerprint(combiner: Any, source: Any, microbatch: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator."""
-    raw = {
-        "combiner": combiner.fingerprint(),
-        "data": source.describe(),
-        "microbatch": int(microbatch),
-        "accumulator": accumulator_spec(combiner, source.spec),
-    }
-    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
+        for name in ("ignore_changed_data", "force_unlock"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
+    if isinstance(tree, (dict, list)):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
         out: dict[str, Any] = {}
-        for key, value in tree.items():
+        for key, value in items:
             out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out if out or not prefix else {prefix: {}}
+        return out if out or not prefix else {prefix: tree}
     return {prefix: tree}
 
 
 def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """The first field where two fingerprints differ, as a phrase; None when equal."""
     old, new = _flat(saved), _flat(current)
-    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator
+    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator, ...
     keys = list(dict.fromkeys([*new, *old]))
     for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
         if old.get(key, "<absent>") != new.get(key, "<absent>"):
@@ -109,30 +124,125 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> st
     return None
 
 
+# Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
+NEWER_SECTIONS = ("code", "files")
+
+
 def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
     # Leaves by position: restores do not depend on how orbax stores NamedTuples.
     return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
 
 
+class SavePolicy:
+    """When to save: after ``every_steps`` steps and/or ``every_seconds`` since the last save.
+
+    Like CLU's ``PeriodicAction`` and orbax's save-decision policies. :meth:`late` is
+    each process's own clock; the engine agrees on it with the other processes (any
+    process late: all save) and passes the answer to :meth:`due`, so every process
+    saves at the same step.
+    """
+
+    def __init__(self, every_steps: int | None, every_seconds: float | None, per_job: int | None = None):
+        self.every_steps, self.every_seconds, self.per_job = every_steps, every_seconds, per_job
+        self._last_step, self._last_time = 0, time.monotonic()
+
+    def plan(self, total_steps: int) -> None:
+        """Spaces step-based saves at least ``total_steps / per_job`` apart (the job's size)."""
+        if self.per_job is not None and self.every_steps is not None:
+            self.every_steps = max(self.every_steps, math.ceil(total_steps / self.per_job))
+
+    def late(self) -> bool:
+        """Whether ``every_seconds`` passed since the last save, on this process's clock."""
+        return self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds
+
+    def due(self, steps: int, late: bool) -> bool:
+        """Whether a save is due after ``steps`` steps (over all runs); ``late`` as agreed."""
+        return late or (self.every_steps is not None and steps - self._last_step >= self.every_steps)
+
+    def saved(self, steps: int) -> None:
+        """Restarts both clocks after a save at ``steps``."""
+        self._last_step, self._last_time = steps, time.monotonic()
+
+
+class Restored(NamedTuple):
+    """What :meth:`Checkpointer.restore_latest` found."""
+
+    partials: PyTree
+    cursor: int           # the next row to fold
+    steps: int            # steps done over all earlier runs
+    source_state: dict    # this process's ``source.state_at(cursor)`` at the save
+    meta: dict            # the checkpoint's metadata (``checkpoint_meta``)
+
+
+def checkpoint_meta(
+    cursor: int, steps: int, fingerprint: dict[str, Any], shape: dict[str, Any],
+    partials_digests: list[str] | None = None, source_digest: str | None = None,
+) -> dict[str, Any]:
+    """The ``meta`` item of a checkpoint: the one schema, written by :meth:`Checkpointer.save`.
+
+    ``shape`` is how the partials are laid out (``{"shards": S, "axes": {...}}``: shard
+    count and the mesh's non-``data`` axes); devices and processes are informational.
+    ``digest`` covers every other field (:func:`meta_problem` checks it).
+    """
+    meta = {
+        "format": FORMAT,
+        "cursor": int(cursor),
+        "steps": int(steps),
+        "fingerprint": fingerprint,
+        "shards": int(shape["shards"]),
+        "axes": dict(shape["axes"]),
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "partials_digests": list(partials_digests or []),
+        "source_digest": source_digest,
+    }
+    return {**meta, "digest": json_digest(meta)}
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why a checkpoint's ``meta`` cannot be trusted (a phrase), or None."""
+    if not isinstance(meta, dict) or not {"cursor", "steps", "shards", "fingerprint"} <= set(meta):
+        return "meta lacks cursor, steps, shards or fingerprint"
+    if "digest" in meta and json_digest({k: v for k, v in meta.items() if k != "digest"}) != meta["digest"]:
+        return "its meta does not match its digest"
+    return None
+
+
+def same_shape(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
+    """Whether a checkpoint's partials are laid out as ``shape`` (restorable in place)."""
+    return int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
+
+
+class Damaged(Exception):  # noqa: N818 - a finding, handled where it is raised
+    """A checkpoint's bytes are not what was saved; the message is the problem."""
+
+
 class Checkpointer:
     """Saves and restores the running state of one job in ``options.directory``.
 
-    Every process of a multi-process job builds one and calls every method in the same
-    order (orbax synchronises them). Saves are asynchronous: :meth:`save` returns once
-    the partials are copied off the devices; :meth:`wait` blocks until they are on disk.
+    A checkpoint holds the partials (sharded: each process writes its own shards), the
+    ``meta`` JSON (:func:`checkpoint_meta`) and every process's source state. Every
+    process of a job builds one and calls its methods in the same order (orbax
+    synchronises them): :meth:`restore_latest` once (it takes the directory's lease,
+    sets damaged checkpoints aside and opens orbax), then :meth:`poll`, :meth:`save`
+    between steps, then :meth:`close`. Saves are asynchronous: :meth:`save` returns once
+    the partials are copied off the devices; a save that fails in the background is
+    found by :meth:`poll` or :meth:`close`. Storage faults raise a one-line
+    :class:`~sharded_scan.errors.StorageError`.
     """
 
-    def __init__(self, options: CheckpointOptions):
+    def __init__(self, options: CheckpointOptions, force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
         self.options = options
         self.directory = os.path.abspath(os.fspath(options.directory))
-        check_writable(self.directory)
+        self.force_hint = force_hint
         self.set_aside: list[str] = []
-        for name, problem in damaged_steps(self.directory):
-            self._set_aside(name, problem)
-        _barrier("sharded_scan_checkpoint_scan")
-        self._manager = self._open()
+        self.policy = SavePolicy(options.every_steps, options.every_seconds, options.per_job)
         self.written = 0
-        self._last_step, self._last_time = 0, time.monotonic()
+        self._manager: ocp.CheckpointManager | None = None
+        self._lease: Lease | None = None
+        self._job: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._pending: tuple[int, int] | None = None  # (cursor, bytes) of the save in flight
+        self._failure: BaseException | None = None
 
     def _open(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
@@ -140,131 +250,297 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=int(self.options.keep), create=True, cleanup_tmp_directories=True
             ),
-            item_handlers={PARTIALS: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
+            item_handlers={
+                PARTIALS: ocp.PyTreeCheckpointHandler(),
+                META: ocp.JsonCheckpointHandler(),
+                SOURCE: ocp.JsonCheckpointHandler(),
+            },
         )
 
-    def latest(self) -> int | None:
-        """The cursor of the latest complete checkpoint, or None."""
-        return self._manager.latest_step()
+    def _take_lease(self, fingerprint: dict[str, Any]) -> None:
+        """Process 0 takes the directory for the job; every process gets its answer."""
+        problem = None
+        if jax.process_index() == 0:
+            self._lease = Lease(self.directory, json_digest(fingerprint), self.options.force_unlock, self.force_hint)
+            try:
+                self._lease.acquire()
+            except UsageError as e:
+                problem = str(e)
+            except OSError as e:
+                code = storage_reason(e)
+                if code is None:
+                    raise
+                problem = str(storage_error(f"take the lease on {self.directory}", code, "nothing was changed"))
+        problem = gather_json(problem)[0]
+        if problem is not None:
+            raise UsageError(problem)
 
-    def candidates(self) -> Iterator[int]:
-        """Cursors to resume from, newest first; each one :meth:`try_restore` set aside drops out."""
-        while (cursor := self.latest()) is not None:
-            yield cursor
+    def restore_latest(
+        self,
+        like: PyTree,
+        fingerprint: dict[str, Any],
+        relayout: Callable[[list[np.ndarray], dict[str, Any]], PyTree],
+        shape: dict[str, Any],
+    ) -> Restored | None:
+        """The newest usable checkpoint of this job, or None; also names the job for :meth:`save`.
 
-    def try_restore(self, cursor: int, restore: Callable[[], PyTree]) -> PyTree | None:
-        """``restore()``, or None after setting the checkpoint at ``cursor`` aside as damaged.
+        Takes the directory's lease first (one job at a time). A checkpoint whose
+        digests do not match its bytes, or that cannot be read, is set aside with a
+        warning (all processes agree) and the one before is tried. One laid out as
+        ``shape`` is restored in place into ``like``'s shardings (bitwise the state it
+        saved); any other is read as host arrays and handed to ``relayout(leaves, meta)``.
 
-        A UsageError (a checkpoint of another job) passes through: that is never skipped.
+        Args:
+          like: the partials' ``jax.ShapeDtypeStruct`` leaves, with shardings.
+          fingerprint: what names this job; a checkpoint with another one is refused.
+          relayout: folds and places partials written with another shape.
+          shape: this run's layout of the partials (shard count, non-``data`` axes).
 
-        Every process gets the same answer: when one of them failed to read its part,
-        all of them set it aside and go on to the previous checkpoint.
+        Raises:
+          UsageError: another job holds the directory, the latest checkpoint belongs to
+            another job, or its data changed (never skipped).
+          StorageError: a damaged checkpoint cannot be set aside.
         """
-        try:
-            restored, problem = restore(), None
-        except UsageError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
-            restored, problem = None, " ".join(str(e).split())[:200] or type(e).__name__
-        if not _all_processes(problem is None):
+        self._job = (fingerprint, shape)
+        check_writable(self.directory)
+        self._take_lease(fingerprint)
+        for name, problem in damaged_steps(self.directory):
+            self._set_aside(name, problem)
+        barrier("sharded_scan_checkpoint_scan")
+        self._manager = self._open()
+        while (cursor := self._manager.latest_step()) is not None:
+            restored, problem = None, None
+            try:
+                restored, verified = self._read(cursor, like, fingerprint, relayout, shape)
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure means a damaged checkpoint
+                problem = " ".join(str(e).split())[:200] or type(e).__name__
+            if all_processes(problem is None):
+                problem = None if verified else self._digest_problem(restored.partials, restored.meta)
+                if problem is None:
+                    _log.info(
+                        "resuming from the checkpoint at row %d (step %d, written by %d shards on %d devices) in %s",
+                        restored.cursor, restored.steps, restored.meta["shards"], restored.meta.get("devices", 0),
+                        self.directory,
+                    )
+                    return restored
             self._manager.close()
             self._set_aside(str(cursor), problem or "another process could not read it")
-            _barrier(f"sharded_scan_checkpoint_set_aside_{cursor}")
+            barrier(f"sharded_scan_checkpoint_set_aside_{cursor}")
             self._manager = self._open()
-            return None
-        return restored
+        return None
+
+    def _read(self, cursor, like, fingerprint, relayout, shape) -> tuple[Restored, bool]:
+        """The checkpoint at ``cursor`` and whether its partials' digests were checked already."""
+        meta = self._read_meta(cursor)
+        problem = meta_problem(meta)
+        if problem is not None:
+            raise Damaged(problem)
+        self._check_job(meta, fingerprint)
+        if same_shape(meta, shape):
+            partials, verified = self._restore_in_place(cursor, like), False
+        else:
+            leaves = self._restore_host(cursor)
+            problem = _leaf_problem(array_digests(leaves), meta)
+            if problem is not None:
+                raise Damaged(problem)
+            partials, verified = relayout(leaves, meta), True
+        state = self._source_state(cursor, meta)
+        return Restored(partials, int(meta["cursor"]), int(meta["steps"]), state, meta), verified
+
+    @staticmethod
+    def _digest_problem(partials: PyTree, meta: dict[str, Any]) -> str | None:
+        return _leaf_problem(array_digests(partials), meta)  # one reduction over every process's shards
+
+    def save(self, cursor: int, steps: int, partials: PyTree, source_state: dict[str, Any] | None = None) -> None:
+        """Starts an async save of ``partials`` as the checkpoint at ``cursor`` (after ``steps`` steps).
+
+        ``source_state`` is this process's ``source.state_at(cursor)``; every process's is
+        kept. Call :meth:`restore_latest` first: it names the job.
+
+        Raises:
+          StorageError: the directory has no room, is read-only or refuses the write
+            (checked first, on every process), or an earlier save failed.
+        """
+        if self._job is None or self._manager is None:
+            raise RuntimeError("Checkpointer.save before restore_latest: the job is not named yet.")
+        self.raise_failure()
+        fingerprint, shape = self._job
+        states = gather_json(source_state or {})
+        digests = array_digests(partials)
+        meta = checkpoint_meta(cursor, steps, fingerprint, shape, digests, json_digest(states))
+        needed = self._room_needed(partials)
+        code = next((c for c in gather_json(check_room(self.directory, needed)) if c is not None), None)
+        if code is not None:
+            raise storage_error(f"save the checkpoint at row {cursor} in {self.directory}", code,
+                                self._intact(cursor), needed)
+        args = ocp.args.Composite(**{
+            PARTIALS: ocp.args.PyTreeSave(_to_flat_dict(partials)),
+            META: ocp.args.JsonSave(meta),
+            SOURCE: ocp.args.JsonSave({"processes": states}),
+        })
+        try:
+            self._manager.save(int(cursor), args=args, force=True)
+        except Exception as e:
+            code = storage_reason(e)
+            if code is None:
+                raise
+            raise storage_error(f"save the checkpoint at row {cursor} in {self.directory}", code,
+                                self._intact(cursor), needed) from None
+        self._pending = (int(cursor), needed)
+        self.written += 1
+        self.policy.saved(steps)
+
+    def _room_needed(self, partials: PyTree) -> int:
+        """Bytes the next save needs: a quarter more than the last checkpoint took on disk
+        (orbax compresses), or, before there is one, the partials' raw bytes."""
+        done = [n for n in _step_names(self.directory) if os.path.isfile(
+            os.path.join(self.directory, str(n), COMMIT_MARKER))]
+        if done:
+            return int(1.25 * _disk_bytes(os.path.join(self.directory, str(done[-1])))) + METADATA_BYTES
+        return sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(partials)) + METADATA_BYTES
+
+    def poll(self) -> bool:
+        """Whether a save has failed (looks at the save in flight without waiting for it)."""
+        if self._failure is None and self._pending is not None and self._save_finished():
+            self._wait()
+        return self._failure is not None
+
+    def raise_failure(self) -> None:
+        """Raises the failure :meth:`poll` found (a StorageError for a storage fault)."""
+        if self._failure is None and self._pending is not None:
+            self._wait()
+        if self._failure is not None:
+            raise self._failure
+
+    def _save_finished(self) -> bool:
+        thread = getattr(self._manager, "_finalize_thread", None)  # orbax 0.12; else saves are checked at the next
+        current = thread.get() if thread is not None and hasattr(thread, "get") else None
+        return thread is not None and (current is None or not current.is_alive())
+
+    def _wait(self) -> None:
+        """Waits for the save in flight; records how it failed, if it did."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - recorded, raised by raise_failure
+            cursor, needed = self._pending
+            code = storage_reason(e)
+            self._failure = e if code is None else storage_error(
+                f"save the checkpoint at row {cursor} in {self.directory}", code, self._intact(cursor), needed
+            )
+            if code is not None:
+                self._failure.__cause__ = None
+        self._pending = None
+
+    def _intact(self, failed: int) -> str:
+        """What a failed save at ``failed`` leaves: the checkpoint before it, or none."""
+        done = [n for n in _step_names(self.directory) if n != failed and os.path.isfile(
+            os.path.join(self.directory, str(n), COMMIT_MARKER))]
+        if not done:
+            return "no checkpoint was written before it, so a rerun starts from row 0"
+        return f"the previous checkpoint at row {max(done)} is intact"
+
+    def _read_meta(self, cursor: int) -> dict[str, Any]:
+        return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+    def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+        """Refuses a checkpoint of another job, or of data that changed since (unless told to ignore it)."""
+        saved = dict(meta.get("fingerprint", {}))
+        current = {k: v for k, v in fingerprint.items() if k in saved or k not in NEWER_SECTIONS}
+        diff = fingerprint_difference({k: v for k, v in saved.items() if k != "files"},
+                                      {k: v for k, v in current.items() if k != "files"})
+        if diff is not None:
+            if diff.startswith("code."):
+                diff = (f"the code of {diff.split(' is ')[0][5:]} changed since (an edit, or another Python than "
+                        f"{sys.version.split()[0]})")
+            raise UsageError(
+                f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
+                f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
+            )
+        changed = fingerprint_difference({"files": saved.get("files", {})}, {"files": current.get("files", {})})
+        if changed is None:
+            return
+        if self.options.ignore_changed_data:
+            _log.warning("resuming from the checkpoint at row %s although the data changed since (%s): "
+                         "ignore_changed_data is set.", meta.get("cursor"), changed)
+            return
+        raise UsageError(
+            f"the data changed since the checkpoint at row {meta.get('cursor')} in {self.directory} was written: "
+            f"{changed[6:]}; resume anyway with --config.checkpoint.ignore_changed_data=true "
+            "(CheckpointOptions(ignore_changed_data=True)), or start afresh in a new workdir / checkpoint directory."
+        )
+
+    def _restore_in_place(self, cursor: int, like: PyTree) -> PyTree:
+        """The partials restored into ``like``'s shardings, after checking the stored dtypes and shapes
+        (orbax would cast a dtype silently; the fingerprint matched, so a mismatch is damage)."""
+        stored = self._manager.item_metadata(cursor)[PARTIALS]
+        stored = dict(getattr(stored, "tree", stored) or {})
+        want = _to_flat_dict(like)
+        for key, leaf in want.items():
+            got = stored.get(key)
+            if got is None or tuple(got.shape) != tuple(leaf.shape) or np.dtype(got.dtype) != leaf.dtype:
+                found = "missing" if got is None else f"{np.dtype(got.dtype).name}{list(got.shape)}"
+                raise Damaged(f"its partials' metadata says leaf {key} is {found}, not "
+                              f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}")
+        restore_args = {k: ocp.ArrayRestoreArgs(sharding=leaf.sharding) for k, leaf in want.items()}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(cursor, args=args)[PARTIALS]
+        return jax.tree.structure(like).unflatten([flat[k] for k in want])
+
+    def _restore_host(self, cursor: int) -> list[np.ndarray]:
+        """Every saved leaf, whole, as host numpy on every process, in leaf order."""
+        stored = self._manager.item_metadata(cursor)[PARTIALS]
+        keys = sorted(dict(getattr(stored, "tree", stored) or {}), key=int)
+        restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(cursor, args=args)[PARTIALS]
+        return [np.asarray(flat[k]) for k in keys]
+
+    def _source_state(self, cursor: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """This process's source state saved at ``cursor`` (``{}`` for checkpoints without one)."""
+        if not os.path.isdir(os.path.join(self.directory, str(cursor), SOURCE)):
+            if meta.get("source_digest") is not None:
+                raise Damaged("its source item is missing")
+            return {}
+        saved = self._manager.restore(cursor, args=ocp.args.Composite(**{SOURCE: ocp.args.JsonRestore()}))[SOURCE]
+        states = list((saved or {}).get("processes", []))
+        if meta.get("source_digest") is not None and json_digest(states) != meta["source_digest"]:
+            raise Damaged("its source state does not match its digest")
+        if not states or not any(states):
+            return {}
+        if len(states) == jax.process_count():
+            return states[jax.process_index()]
+        if all(s == states[0] for s in states):
+            return states[0]
+        raise UsageError(
+            f"the checkpoint at {self.directory} (cursor {cursor}) holds the reader state of {len(states)} "
+            f"processes, which differ; resume it with {len(states)} processes."
+        )
 
     def _set_aside(self, name: str, problem: str) -> None:
-        """Moves step directory ``name`` into ``damaged/`` (process 0) with a warning."""
+        """Moves step directory ``name`` into ``damaged/`` (process 0) with a warning.
+
+        Raises:
+          StorageError: the move failed (read-only, no permission); nothing was changed.
+        """
         target = os.path.join(self.directory, DAMAGED, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
         _log.warning(
             "skipping the damaged checkpoint %s in %s (%s); moved it to %s and using the one before it.",
             name, self.directory, problem, target,
         )
         self.set_aside.append(name)
+        code = None
         if jax.process_index() == 0:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.replace(os.path.join(self.directory, name), target)
-
-    def read_meta(self, cursor: int) -> dict[str, Any]:
-        """The ``meta`` item of the checkpoint at ``cursor``."""
-        return self._manager.restore(cursor, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-
-    def verify(self, meta: dict[str, Any], current: dict[str, Any], like: PyTree) -> None:
-        """Raises UsageError unless the checkpoint was written by the same job.
-
-        Compares the fingerprints, then the saved arrays' dtypes and shapes with ``like``
-        (orbax would cast a dtype silently).
-        """
-        where = f"the checkpoint at {self.directory} (cursor {meta.get('cursor')})"
-        diff = fingerprint_difference(meta.get("fingerprint", {}), current)
-        if diff is None:
-            stored = self._manager.item_metadata(meta["cursor"])[PARTIALS]
-            stored = dict(getattr(stored, "tree", stored) or {})
-            want = _to_flat_dict(like)
-            for key, leaf in want.items():
-                got = stored.get(key)
-                got_shape = None if got is None else tuple(got.shape)[1:]
-                if got is None or got_shape != tuple(leaf.shape)[1:] or np.dtype(got.dtype) != leaf.dtype:
-                    found = "missing" if got is None else f"{np.dtype(got.dtype).name}{list(got_shape)}"
-                    diff = f"accumulator leaf {key} is {found} there but {leaf.dtype.name}{list(leaf.shape[1:])} here"
-                    break
-        if diff is not None:
-            raise UsageError(
-                f"{where} belongs to a different job: {diff}; rerun with the original settings, "
-                "or use a new workdir / checkpoint directory."
-            )
-
-    def restore_partials(self, cursor: int, like: PyTree, sharding: Any = None) -> PyTree:
-        """Restores the partials saved at ``cursor``, shaped like ``like``.
-
-        Args:
-          cursor: the checkpoint's cursor.
-          like: a pytree with the structure and leaf dtypes of the accumulators.
-          sharding: restore sharded jax.Arrays with this sharding (the saved leading axis
-            must equal the current one); None restores full host numpy arrays on every
-            process (to fold them when the shard count changed).
-        """
-        if sharding is None:
-            restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in _to_flat_dict(like)}
-        else:
-            restore_args = {k: ocp.ArrayRestoreArgs(sharding=sharding) for k in _to_flat_dict(like)}
-        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
-        flat = self._manager.restore(cursor, args=args)[PARTIALS]
-        treedef = jax.tree.structure(like)
-        return treedef.unflatten([flat[str(i)] for i in range(treedef.num_leaves)])
-
-    def due(self, steps: int) -> bool:
-        """Whether a save is due after ``steps`` steps (all processes get the same answer).
-
-        The time rule is decided by process 0 and broadcast, so every process saves at the
-        same step.
-        """
-        every_steps, every_seconds = self.options.every_steps, self.options.every_seconds
-        if every_steps is not None and steps - self._last_step >= every_steps:
-            return True
-        if every_seconds is None:
-            return False
-        late = time.monotonic() - self._last_time >= every_seconds
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            late = bool(multihost_utils.broadcast_one_to_all(np.int32(late)))
-        return late
-
-    def save(self, cursor: int, steps: int, partials: PyTree, meta: dict[str, Any]) -> None:
-        """Starts an async save of ``partials`` with ``meta`` as the checkpoint at ``cursor``."""
-        meta = {**meta, "cursor": int(cursor), "steps": int(steps)}
-        args = ocp.args.Composite(
-            **{PARTIALS: ocp.args.PyTreeSave(_to_flat_dict(partials)), META: ocp.args.JsonSave(meta)}
-        )
-        self._manager.save(int(cursor), args=args, force=True)
-        self.written += 1
-        self._last_step, self._last_time = steps, time.monotonic()
-
-    def wait(self) -> None:
-        """Blocks until every started save is on disk."""
-        self._manager.wait_until_finished()
+            try:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.replace(os.path.join(self.directory, name), target)
+            except OSError as e:
+                code = storage_reason(e) or e.errno or errno.EIO
+        code = gather_json(code)[0]
+        if code is not None:
+            raise storage_error(f"set aside the damaged checkpoint {name} in {self.directory} ({problem})", code,
+                                "nothing was moved or deleted")
 
     def abandon(self) -> None:
         """Drops the manager without waiting for saves in flight (a peer is gone; they cannot finish).
@@ -272,12 +548,47 @@ class Checkpointer:
         Their temporary directories are removed when the job starts again.
         """
         self._manager = None
+        self._release()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's resources (idempotent)."""
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
+        """Waits for pending saves, releases orbax's resources and the lease (idempotent).
+
+        Raises:
+          StorageError: the last save failed on a storage fault (the one before is intact).
+        """
+        try:
+            if self._manager is not None:
+                if self._failure is None and self._pending is not None:
+                    self._wait()
+                manager, self._manager = self._manager, None
+                try:
+                    manager.close()
+                except Exception:  # noqa: BLE001 - a failed save was recorded by _wait; close once more
+                    manager.close()
+            if self._failure is not None:
+                raise self._failure
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+def _leaf_problem(digests: list[str], meta: dict[str, Any]) -> str | None:
+    """Whether the partials' digests match the ones saved in ``meta`` (absent in an older format)."""
+    saved = meta.get("partials_digests")
+    if not saved:
+        return None
+    bad = [i for i, (a, b) in enumerate(zip(digests, saved, strict=False)) if a != b]
+    if bad or len(digests) != len(saved):
+        return f"its partials do not match their digests (leaf {bad[0] if bad else len(saved)})"
+    return None
+
+
+def _disk_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
 
 
 def _read_json(path: str) -> Any:
@@ -285,13 +596,19 @@ def _read_json(path: str) -> Any:
         return json.load(f)
 
 
+def _step_names(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if re.fullmatch(r"\d+", n))
+
+
 def step_damage(step_dir: str) -> str | None:
     """Why ``step_dir`` is not a complete checkpoint of ours (a phrase), or None.
 
     Checks what can be checked without reading the arrays: orbax's commit marker and
-    step metadata, our ``meta`` item (JSON with a cursor and a fingerprint) and the
-    partials' tree metadata. A truncated array shows up only when it is read
-    (:meth:`Checkpointer.try_restore`).
+    step metadata, our ``meta`` item (JSON with a cursor and a fingerprint, matching its
+    digest) and the partials' tree metadata. A flipped byte in the arrays shows up when
+    they are read and their digests checked (:meth:`Checkpointer.restore_latest`).
     """
     needed = [COMMIT_MARKER, STEP_METADATA, os.path.join(META, "metadata"), os.path.join(PARTIALS, "_METADATA")]
     for name in needed:
@@ -303,8 +620,9 @@ def step_damage(step_dir: str) -> str | None:
         _read_json(os.path.join(step_dir, PARTIALS, "_METADATA"))
     except (OSError, ValueError) as e:
         return f"unreadable metadata: {' '.join(str(e).split())[:120]}"
-    if not isinstance(meta, dict) or not {"cursor", "steps", "shards", "fingerprint"} <= set(meta):
-        return "meta lacks cursor, steps, shards or fingerprint"
+    problem = meta_problem(meta)
+    if problem is not None:
+        return problem
     if str(meta["cursor"]) != os.path.basename(step_dir):
         return f"meta says cursor {meta['cursor']}"
     return None
@@ -312,38 +630,8 @@ def step_damage(step_dir: str) -> str | None:
 
 def damaged_steps(directory: str) -> list[tuple[str, str]]:
     """``(name, problem)`` for each step directory under ``directory`` that is damaged."""
-    if not os.path.isdir(directory):
-        return []
-    names = sorted((n for n in os.listdir(directory) if re.fullmatch(r"\d+", n)), key=int)
-    found = [(n, step_damage(os.path.join(directory, n))) for n in names]
+    found = [(str(n), step_damage(os.path.join(directory, str(n)))) for n in _step_names(directory)]
     return [(n, problem) for n, problem in found if problem is not None]
-
-
-def _all_processes(ok: bool) -> bool:
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def check_writable(directory: str) -> None:
-    """Raises UsageError unless ``directory`` exists or can be created, and is writable."""
-    path = directory
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"{directory} is not a writable directory ({path} is not writable); pick another path.")
 
 
 def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
@@ -357,4 +645,5 @@ def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
             "checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; "
             f"got {type(checkpoint).__name__}."
         )
+    check_writable(os.path.abspath(os.fspath(checkpoint.directory)))
     return Checkpointer(checkpoint)

@@ -4,18 +4,23 @@
 address, process count and id), or lets ``jax.distributed.initialize()`` detect a
 cluster (Cloud TPU pod, SLURM, Open MPI, Kubernetes), or stays single-process.
 
-:class:`PreemptionWatch` turns SIGTERM into a clean stop at a step boundary that every
-process agrees on; the engine then saves a checkpoint and raises :class:`Preempted`.
+:class:`PreemptionWatch` turns SIGTERM and Ctrl-C into a clean stop at a step boundary
+that every process agrees on (:func:`any_process`); the engine then saves a checkpoint
+and raises :class:`Preempted`. :func:`all_processes`, :func:`gather_json` and
+:func:`barrier` are the other small agreements the checkpointer needs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from sharded_scan.errors import UsageError
 
@@ -27,12 +32,13 @@ DEFAULT_SHUTDOWN_TIMEOUT = 300
 
 
 class Preempted(Exception):  # noqa: N818 - an outcome, not a failure
-    """The run stopped early on SIGTERM after saving a checkpoint at ``cursor``."""
+    """The run stopped early on SIGTERM or SIGINT after saving a checkpoint at ``cursor``."""
 
-    def __init__(self, cursor: int, num_rows: int, directory: str):
-        self.cursor, self.num_rows, self.directory = cursor, num_rows, directory
+    def __init__(self, cursor: int, num_rows: int, directory: str, signal_name: str = "SIGTERM"):
+        self.cursor, self.num_rows, self.directory, self.signal_name = cursor, num_rows, directory, signal_name
+        how = "preempted" if signal_name == "SIGTERM" else f"interrupted ({signal_name})"
         super().__init__(
-            f"preempted: saved a checkpoint at row {cursor} of {num_rows} in {directory}; "
+            f"{how}: saved a checkpoint at row {cursor} of {num_rows} in {directory}; "
             "rerun the same command to resume."
         )
 
@@ -47,8 +53,8 @@ class Timeouts(NamedTuple):
 
 def detected_cluster() -> str | None:
     """The cluster ``jax.distributed.initialize()`` would detect, or None."""
-    try:
-        from jax._src.clusters import ClusterEnv  # the list jax itself walks
+    try:  # no public API lists the clusters; this is the list jax.distributed.initialize() walks
+        from jax._src.clusters import ClusterEnv
     except ImportError:  # pragma: no cover - jax moved it
         return None
     for env in ClusterEnv._cluster_types:
@@ -110,13 +116,23 @@ def initialize(
             )
         if num_processes == 1:
             return "single"
-        jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+        _start_runtime(coordinator_address, num_processes, process_id, **kwargs)
         return "explicit"
     cluster = detected_cluster()
     if cluster is None:
         return "single"
-    jax.distributed.initialize(**kwargs)
+    _start_runtime(**kwargs)
     return f"auto:{cluster}"
+
+
+def _start_runtime(*args: Any, **kwargs: Any) -> None:
+    """``jax.distributed.initialize`` without JAX's preemption service.
+
+    The engine catches SIGTERM itself (:class:`PreemptionWatch`) and agrees on the step
+    after every step; the service's own SIGTERM handler and sync point are not needed.
+    """
+    jax.config.update("jax_enable_preemption_service", False)
+    jax.distributed.initialize(*args, **kwargs)
 
 
 def check_address(address: str) -> None:
@@ -128,66 +144,77 @@ def check_address(address: str) -> None:
         )
 
 
-def _multi_controller() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.client is not None
-
-
-def _preemption_service() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.preemption_sync_manager is not None
-
-
 class PreemptionWatch:
-    """Says at which step boundary to stop after a SIGTERM, the same on every process.
+    """Catches SIGTERM and SIGINT while a job runs, so that it can save and stop between steps.
 
-    With several processes it uses JAX's preemption service
-    (``multihost_utils.reached_preemption_sync_point``), which catches SIGTERM itself and
-    agrees on a step with the other processes; :meth:`should_stop` must then be called
-    after every step on every process. With one process a Python SIGTERM handler sets a
-    flag (only while the watch is entered, and only from the main thread). A watch
-    that is not ``enabled`` changes nothing and never stops.
+    While entered (from the main thread) a SIGTERM or the first SIGINT only sets
+    :attr:`signal_name`; the engine then agrees with every process
+    (:func:`any_process`, once per step) and all of them save at the same step
+    boundary and stop. A second SIGINT ends the process at once (the default action:
+    nothing more is saved; the last checkpoint is intact). This replaces JAX's
+    preemption service for the run, whose sync point can fall on a step a process has
+    already passed under load (no save, the job runs on); afterwards SIGTERM and SIGINT
+    have their previous Python handlers (the default for a SIGTERM JAX had caught). A
+    watch that is not ``enabled`` changes nothing.
     """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._flag = threading.Event()
-        self._previous: Any = None
-        self._installed = False
-        self._multi = False
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionWatch:
-        self._multi = self.enabled and _multi_controller()
-        if self._multi and not _preemption_service():
-            _log.warning("jax_enable_preemption_service is off: SIGTERM will stop this job without a checkpoint.")
-            self.enabled = self._multi = False
-        if self.enabled and not self._multi and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
-    def _on_sigterm(self, signum, frame) -> None:
-        del signum, frame
-        _log.warning("SIGTERM: finishing the current step, then saving a checkpoint.")
-        self._flag.set()
+    def _on_signal(self, signum, frame) -> None:
+        del frame
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts at once
+            _log.warning("SIGINT: saving a checkpoint after the current step, then stopping; "
+                         "press Ctrl-C again to abort at once without saving.")
+        elif self.signal_name is None:
+            _log.warning("SIGTERM: saving a checkpoint after the current step, then stopping.")
+        self.signal_name = self.signal_name or name
 
-    def request(self) -> None:
-        """Asks for a stop at the next step boundary (single process; as SIGTERM would)."""
-        self._flag.set()
 
-    def should_stop(self, step: int) -> bool:
-        """Whether to save and stop after step ``step`` (0-based within this run)."""
-        if not self.enabled:
-            return False
-        if self._multi:
-            from jax.experimental import multihost_utils
+def any_process(*flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed over every process (one small collective when there are several).
 
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self._flag.is_set()
+    Every process must call it at the same point with the same number of flags.
+    """
+    if jax.process_count() == 1:
+        return tuple(bool(f) for f in flags)
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
+    return tuple(bool(v) for v in gathered.reshape(-1, len(flags)).any(axis=0))
+
+
+def all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (every process must call it)."""
+    return not any_process(not ok)[0]
+
+
+def gather_json(value: Any) -> list[Any]:
+    """``value`` (JSON) of every process, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(data)] = data
+    everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(everyone[i, : lengths[i]]).decode()) for i in range(len(lengths))]
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reached ``name`` (nothing with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

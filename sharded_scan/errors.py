@@ -1,4 +1,4 @@
-"""Errors a user can cause, reported as one clear line."""
+"""Errors a user or the machine can cause, reported as one clear line."""
 
 
 class UsageError(ValueError):
@@ -7,3 +7,16 @@ class UsageError(ValueError):
     The message is one line that names the problem and what to do about it. The
     launcher prints it without a traceback; library users can catch it.
     """
+
+
+class StorageError(OSError):
+    """The storage refused a write the job needs (no space, read-only, no permission, quota).
+
+    The message is one line naming what could not be written, why, what is still intact
+    and what to do; nothing already saved is lost. The launcher exits with status 5.
+    ``errno`` is the storage's error number (``errno.ENOSPC``, ``errno.EROFS``, ...).
+    """
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(message)
+        self.errno = code

@@ -23,6 +23,54 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
+from sharded_scan.options import check_positive_int
+
+# From the sweep in bench/results/bench.json (Gram on 8 simulated CPU devices): the best
+# micro-batch holds about the same bytes whatever the row width (4096 rows at d=256, 1024
+# at d=1024), except that narrow rows want at most 16384 rows a micro-batch (2 MiB at
+# d=32: 1.6x faster than 32768); so the default is a byte budget with a row cap.
+DEFAULT_MICROBATCH_BYTES = 4 << 20
+MICROBATCH_RANGE = (256, 1 << 14)
+# A compiled step has a fixed cost (dispatch, waiting for the slowest device), so small
+# micro-batches get more of them per step: at least STEP_BYTES_PER_SHARD of rows per
+# logical shard (8 steps of 4 MiB; 16 of 2 MiB at d=32, 1.4x faster there than 8).
+MIN_STEPS_PER_CALL = 8
+STEP_BYTES_PER_SHARD = 32 << 20
+# XLA:CPU splits the contraction of a dot over more rows than this between its intra-op
+# threads, and how it splits depends on the process's device count: a (512, d) x (512, d)
+# product differs bitwise between processes of 1 and 8 devices, a 256-row one never
+# (tests/test_reproducible.py). So with logical_shards fixed a shard folds micro-batches
+# of at most this many rows, and its sums are a function of its rows alone.
+REPRODUCIBLE_MICROBATCH = 256
+
+
+def row_bytes(spec: Any) -> int:
+    """Bytes of one row of ``spec`` (all leaves)."""
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(spec))
+
+
+def default_microbatch(spec: Any) -> int:
+    """The power-of-two row count nearest ``DEFAULT_MICROBATCH_BYTES`` of rows of ``spec``,
+    within ``MICROBATCH_RANGE``."""
+    rows = 2 ** round(np.log2(max(DEFAULT_MICROBATCH_BYTES / max(row_bytes(spec), 1), 1)))
+    return int(np.clip(rows, *MICROBATCH_RANGE))
+
+
+def default_steps_per_call(spec: Any, microbatch: int) -> int:
+    """Micro-batches per compiled step: ``MIN_STEPS_PER_CALL``, or the power of two that
+    makes a step hold ``STEP_BYTES_PER_SHARD`` of rows per logical shard if that is more."""
+    micro_bytes = max(int(microbatch) * row_bytes(spec), 1)
+    return int(max(MIN_STEPS_PER_CALL, 2 ** int(np.ceil(np.log2(max(STEP_BYTES_PER_SHARD / micro_bytes, 1))))))
+
+
+def resolve_chunking(spec: Any, microbatch: int | None = None, steps_per_call: int | None = None) -> tuple[int, int]:
+    """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``."""
+    if microbatch is None:
+        microbatch = default_microbatch(spec)
+    check_positive_int("microbatch", microbatch)
+    if steps_per_call is None:
+        steps_per_call = default_steps_per_call(spec, microbatch)
+    return microbatch, steps_per_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +105,11 @@ class Layout:
     def rows_per_step(self) -> int:
         return self.data_size * self.rows_per_device
 
+    @property
+    def step_shape(self) -> Layout:
+        """This layout with only what a compiled step depends on (not the row count or the process)."""
+        return dataclasses.replace(self, num_rows=0, local_blocks=(0, 0))
+
     def num_steps(self, cursor: int = 0) -> int:
         """Steps left from row ``cursor`` to the end."""
         return math.ceil(max(self.num_rows - cursor, 0) / self.rows_per_step)
@@ -68,12 +121,6 @@ class Layout:
         """
         first, last = self.local_blocks
         return cursor + first * self.rows_per_device, cursor + last * self.rows_per_device
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    """Raises a one-line UsageError unless ``value`` is a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise UsageError(f"{name} must be a positive integer, got {value!r}.")
 
 
 def make_layout(
@@ -110,6 +157,10 @@ def make_layout(
     # so a fixed logical_shards gives the same layout on every mesh.
     microbatch = int(min(microbatch, max(1, math.ceil(num_rows / shards))))
     steps_per_call = int(min(steps_per_call, max(1, math.ceil(num_rows / (shards * microbatch)))))
+    if logical_shards is not None and microbatch > REPRODUCIBLE_MICROBATCH:
+        # The same rows a step, folded in micro-batches whose dots XLA never splits by thread.
+        steps_per_call *= math.ceil(microbatch / REPRODUCIBLE_MICROBATCH)
+        microbatch = REPRODUCIBLE_MICROBATCH
     return Layout(
         num_rows, data_size, microbatch, steps_per_call, local_data_blocks(mesh), int(logical_shards or 0)
     )
@@ -133,7 +184,3 @@ def data_sharding(mesh: Mesh) -> NamedSharding:
     """Rows split over the ``data`` axis, replicated over any other axis."""
     return NamedSharding(mesh, P(DATA_AXIS))
 
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    """Every device holds the whole value."""
-    return NamedSharding(mesh, P())

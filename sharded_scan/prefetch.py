@@ -30,7 +30,7 @@ from sharded_scan.sources import Source, aligned_empty
 
 PyTree = Any
 
-__all__ = ["DeviceBatch", "ReadError", "device_batches", "place", "read_local"]
+__all__ = ["DeviceBatch", "ReadError", "check_placeable", "device_batches", "place", "read_local"]
 
 _POLL_S = 0.05       # how often blocked queue calls look at the stop flag
 _JOIN_S = 10.0       # the longest a close waits for a reader stuck in source.read
@@ -68,6 +68,29 @@ def _padded(x: np.ndarray, short: int) -> np.ndarray:
     out[: len(x)] = x
     out[len(x) :] = 0
     return out
+
+
+WIDE_DTYPES = tuple(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))
+
+
+def check_placeable(spec: PyTree) -> None:
+    """Raises a one-line UsageError when placing rows of ``spec`` would narrow a value.
+
+    Without ``jax_enable_x64`` JAX turns float64 into float32 and int64 into int32 on
+    the way to the devices, silently; such data needs x64 or an explicit cast.
+    """
+    if jax.config.jax_enable_x64:
+        return
+    for leaf in jax.tree.leaves(spec):
+        dtype = np.dtype(leaf.dtype)
+        if dtype in WIDE_DTYPES:
+            narrow = {"f": "float32", "i": "int32", "u": "uint32", "c": "complex64"}[dtype.kind]
+            raise UsageError(
+                f"the data is {dtype.name}, which JAX would narrow to {narrow} on its way to the devices "
+                "(jax_enable_x64 is off); enable 64-bit with jax.config.update('jax_enable_x64', True) at start-up "
+                f"(--config.x64=True on the command line), or pass the data as {narrow} (x.astype(np.{narrow}), "
+                f"or a source's dtype='{narrow}') to accept the rounding."
+            )
 
 
 def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:

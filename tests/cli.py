@@ -6,6 +6,7 @@ Every process started here ends in the test that started it (``finally`` kills i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -107,3 +108,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in out, out
     assert len(errors) == 1, out
     return errors[0]
+
+
+def summary(workdir: Path) -> dict:
+    return json.loads((workdir / "summary.json").read_text())

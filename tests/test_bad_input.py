@@ -8,6 +8,7 @@ the table of input -> message.
 import hashlib
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -57,6 +58,8 @@ CLI_CASES = [
     ("text dtype in a file", ["--config.data.kind=npy", "--config.data.path={files}/text.npy"], ["numeric"]),
     ("shards with different feature counts", ["--config.data.kind=npy_shards", "--config.data.path={files}/shards"],
      ["part-1.npy"]),
+    ("a file path for synthetic data", ["--config.data.path={files}/text.npy"],
+     ["config.data.path", "'synthetic'", "--config.data.kind=npy"]),
     ("mesh that does not fit", ["--config.mesh=data:16"], ["data:16", "4 are present"]),
     ("fingerprint mismatch on resume", ["--config.data.features=9"], ["different job", "float32[9]"]),
     ("bad coordinator address", ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
@@ -102,6 +105,19 @@ def api_cases(ckdir, blocker=""):
          ["different job", "data"]),
         ("checkpoint directory under a file", lambda: ss.run(ss.Gram(), X, checkpoint=f"{blocker}/ck"),
          ["not writable"]),
+        ("a path instead of rows", lambda: ss.run(ss.Gram(), "X.npy", checkpoint=ckdir),
+         ["path 'X.npy'", "NpySource(path)"]),
+        ("a generator instead of rows", lambda: ss.run(ss.Gram(), (r for r in X), checkpoint=ckdir),
+         ["generator", "IteratorSource(it, num_rows)"]),
+        ("a list of lists", lambda: ss.run(ss.Gram(), X.tolist(), checkpoint=ckdir), ["Python list", "np.asarray"]),
+        ("a masked array", lambda: ss.run(ss.Gram(), np.ma.masked_less(X, 0), checkpoint=ckdir),
+         ["masked array", "masked entries", "x.filled(np.nan)", "nan_policy='omit'"]),
+        ("a from_fn body that is a running max",
+         lambda: ss.run(ss.from_fn(lambda c, b: jnp.maximum(c, b.max(0)), jnp.zeros(3)), X, checkpoint=ckdir),
+         ["from_fn", "not additive", "Combiner"]),
+        ("an accumulator that cannot fit", lambda: ss.run(ss.Histogram(bins=10**9, range=(0, 1)), X, checkpoint=ckdir),
+         ["GiB", "accumulator", "more than the", "fewer bins or columns"]),
+        ("rows of no values", lambda: ss.run(ss.Gram(), X[:, :0], checkpoint=ckdir), ["no values", "float32[0]"]),
         ("coordinator address without a port", lambda: distributed.initialize("localhost", 2, 0),
          ["host:port", "'localhost'"]),
         ("process id out of range", lambda: distributed.initialize("localhost:1234", 2, 2), ["process_id"]),

@@ -104,6 +104,29 @@ def test_sigterm_saves_and_raises_preempted_then_resumes_bitwise(tmp_path):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
 
 
+def test_ctrl_c_saves_and_stops_like_sigterm_and_a_second_one_would_abort(tmp_path):
+    x = rows(1200, d=6)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=None, every_seconds=None)
+    second = []
+
+    def ctrl_c_at_3(p):
+        if p.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            second.append(signal.getsignal(signal.SIGINT))
+
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(ss.Preempted) as stop:
+        ss.run(ss.Moments(), x, mesh="data:8", checkpoint=options, progress=ctrl_c_at_3, **KW)
+    assert second == [signal.SIG_DFL]  # a second Ctrl-C ends the process at once
+    assert signal.getsignal(signal.SIGINT) is previous
+    assert str(stop.value).startswith("interrupted (SIGINT): saved a checkpoint at row 384")
+    got, report = ss.run_with_report(ss.Moments(), x, mesh="data:8", checkpoint=options, **KW)
+    assert report.resumed_from_cursor == 384
+    want = ss.run(ss.Moments(), x, mesh="data:8", **KW)
+    for field in want._fields:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+
+
 HIST = ss.Histogram(bins=4, range=(-1.0, 1.0))
 
 
@@ -121,7 +144,7 @@ def crashed_histogram(tmp_path_factory):
     "change, words",
     [
         ({"combiner": ss.Histogram(bins=5, range=(-1.0, 1.0))}, ["combiner.bins", "4", "5"]),
-        ({"data": rows(1009, d=5).astype(np.float64)}, ["data.spec", "float32", "float64"]),
+        ({"data": rows(1009, d=5).astype(np.float16)}, ["data.spec", "float32", "float16"]),
         ({"data": rows(1010, d=5)}, ["data.num_rows", "1009", "1010"]),
         ({"microbatch": 16}, ["microbatch", "8", "16"]),
         ({"compensated": False}, ["combiner.compensated"]),

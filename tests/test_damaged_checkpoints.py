@@ -1,15 +1,24 @@
 """A damaged latest checkpoint is skipped with a warning, set aside and never loaded."""
 
+import errno
 import glob
+import json
 import logging
 import os
+import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan import checkpoint
 from sharded_scan.checkpoint import DAMAGED, damaged_steps
+from sharded_scan.errors import StorageError
+from tests import cli
 
 KW = {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # 128 rows per step
 X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
@@ -105,3 +114,84 @@ def test_a_checkpoint_of_another_job_is_refused_not_skipped(tmp_path, crashed):
     with pytest.raises(ss.UsageError, match="different job"):
         ss.run(ss.Gram(), X[:1000], checkpoint=ss.CheckpointOptions(str(directory)), **KW)
     assert sorted(os.listdir(directory)) == ["256", "384", "512"]
+
+
+def flipped_array_byte(step):
+    """One byte of the array data XOR 0x40 inside the compressed payload: readable, and wrong."""
+    files = [f for f in glob.glob(str(step / "partials" / "**" / "d" / "*"), recursive=True) if os.path.isfile(f)]
+    big = pathlib.Path(max(files, key=os.path.getsize))
+    data = bytearray(big.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    big.write_bytes(bytes(data))
+
+
+def edited_meta(step):
+    """Valid JSON that says something else (steps 4 -> 5)."""
+    path = step / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["steps"] += 1
+    path.write_text(json.dumps(meta))
+
+
+def edited_source_state(step):
+    path = step / "source" / "metadata"
+    saved = json.loads(path.read_text())
+    saved["processes"] = [{"skip": 1}]
+    path.write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize("damage", [flipped_array_byte, edited_meta, edited_source_state], ids=lambda f: f.__name__)
+def test_bytes_that_do_not_match_their_digest_are_set_aside(tmp_path, crashed, damage, caplog):
+    test_damaged_latest_is_skipped_and_the_previous_one_used(tmp_path, crashed, damage, caplog)
+
+
+def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path, crashed, monkeypatch):
+    original, _ = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    no_commit_marker(directory / "512")
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", src)
+
+    monkeypatch.setattr(checkpoint.os, "replace", refuse)
+    with pytest.raises(StorageError) as err:
+        ss.run(ss.Gram(), X, checkpoint=str(directory), **KW)
+    message = str(err.value)
+    assert "\n" not in message and err.value.errno == errno.EACCES
+    for words in ("could not set aside the damaged checkpoint 512", "permission denied", "nothing was moved or "
+                  "deleted", "give this user write permission and rerun the same command"):
+        assert words in message, message
+    assert sorted(p for p in os.listdir(directory) if p.isdigit()) == ["256", "384", "512"]
+
+
+KILLED_AFTER_THE_MOVE = """
+import os, signal, sys, types
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import sharded_scan as ss
+from sharded_scan import checkpoint
+from tests.test_damaged_checkpoints import KW, X
+
+def replace(src, dst):  # the set-aside's move, then SIGKILL
+    os.replace(src, dst)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.os = types.ModuleType("os")
+checkpoint.os.__dict__.update(os.__dict__, replace=replace)
+ss.run(ss.Gram(), X, checkpoint=sys.argv[1], **KW)
+"""
+
+
+def test_a_sigkill_during_the_set_aside_loses_nothing(tmp_path, crashed):
+    original, want = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(original, directory)
+    flipped_array_byte(directory / "512")
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_MOVE, str(directory)], cwd=cli.ROOT, env=cli.env(),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [p.split("-")[0] for p in os.listdir(directory / DAMAGED)] == ["512"]  # moved, then killed
+    got, report = ss.run_with_report(ss.Gram(), X, checkpoint=str(directory), **KW)
+    assert report.resumed_from_cursor == 384
+    np.testing.assert_array_equal(got, want)

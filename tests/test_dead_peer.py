@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import signal
 import time
 
@@ -62,6 +63,25 @@ def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path)
     config.data.num_rows = ROWS
     want = ss.run(ss.Gram(), make_source(config.data), mesh="data:2", microbatch=16, steps_per_call=2)
     np.testing.assert_array_equal(cli.result(workdir)["result"], want)  # every row once
+
+
+def test_sigterm_to_one_process_saves_on_both_at_the_same_row(tmp_path):
+    cli.needs_synthetic_source()
+    workdir = tmp_path / "w"
+    with two_processes(tmp_path, workdir, "--config.checkpoint.every_steps=100000") as procs:
+        deadline = time.monotonic() + 60
+        while not (workdir / "lock.json").exists():  # process 0 holds the workdir: the run has started
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)
+        procs[1].send_signal(signal.SIGTERM)  # one process only, as a preemption of one host
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    rows = []
+    for i in range(2):
+        found = re.findall(r"preempted: saved a checkpoint at row (\d+)", (tmp_path / f"log{i}").read_text())
+        assert found, (tmp_path / f"log{i}").read_text()[-3000:]
+        rows.append(int(found[-1]))
+    assert rows[0] == rows[1] and cli.checkpoints(workdir) == [rows[0]]
 
 
 def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import engine
-from sharded_scan.layout import make_layout
+from sharded_scan import program
 from tests.helpers import collectives, f64, rel_err
 
 MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
@@ -97,13 +96,9 @@ def test_padding_never_counts():
 
 
 def compiled_step_and_merge(combiner, spec, mesh="data:8"):
-    mesh = ss.make_mesh(mesh)
-    layout = make_layout(10_000, mesh, 16, 4)
-    partials = engine.init_partials(combiner, spec, mesh)
-    batch = jax.ShapeDtypeStruct((layout.rows_per_step,) + spec.shape, spec.dtype)
-    step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile()
-    merge = engine.build_merge(combiner, mesh).lower(partials).compile()
-    return step.as_text(), merge.as_text()
+    options = ss.RunOptions(mesh=mesh, microbatch=16, steps_per_call=4, compensated=False)
+    prog = program.program_for_spec(combiner, spec, 10_000, options)
+    return prog.lower_step().compile().as_text(), prog.lower_merge().compile().as_text()
 
 
 @pytest.mark.parametrize("combiner", [ss.Gram(), ss.Sum(), MaxAbs()])
@@ -119,13 +114,13 @@ def test_step_has_no_collective_and_merge_is_one(combiner):
 
 def test_run_merges_exactly_once(monkeypatch):
     calls = []
-    real = engine.build_merge
+    real = program.compile_merge
 
-    def counting(combiner, mesh, **kwargs):
-        merge = real(combiner, mesh, **kwargs)
-        return lambda partials: calls.append(1) or merge(partials)
+    def counting(*args, **kwargs):
+        merge = real(*args, **kwargs)
+        return lambda *operands: calls.append(1) or merge(*operands)
 
-    monkeypatch.setattr(engine, "build_merge", counting)
+    monkeypatch.setattr(program, "compile_merge", counting)
     ss.run(ss.Gram(), rows(5000), microbatch=8, steps_per_call=2)
     assert len(calls) == 1
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import engine
+from sharded_scan import layout, program
 from sharded_scan.combiners.sums import Triangle, default_block, triangle_full
-from sharded_scan.combiners.wrappers import apply_policies
+from sharded_scan.program import program_for_spec
 from tests.helpers import f64, rel_err
 
 
@@ -37,10 +37,9 @@ def test_block_rows_cover_the_upper_triangle_once():
 @pytest.mark.parametrize("d", [512, 1024])
 def test_partials_and_merge_bytes_are_about_half(d):
     spec = jax.ShapeDtypeStruct((d,), np.float32)
-    mesh = ss.make_mesh("data:8")
     sizes = {}
     for name, g in (("triangle", ss.Gram()), ("dense", ss.Gram(block=d))):
-        partials = engine.init_partials(apply_policies(g, compensated=False), spec, mesh)
+        partials = program_for_spec(g, spec, 8, ss.RunOptions(mesh="data:8", compensated=False)).init()
         sizes[name] = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(partials))
     assert sizes["dense"] == d * d * 4
     block = default_block(d)
@@ -49,30 +48,33 @@ def test_partials_and_merge_bytes_are_about_half(d):
 
 
 def test_default_microbatch_is_a_byte_budget_with_a_row_cap():
-    mb = [engine.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32)) for d in (32, 256, 1024)]
-    assert mb[1:] == [engine.DEFAULT_MICROBATCH_BYTES // (4 * d) for d in (256, 1024)]
-    assert mb[0] == engine.MICROBATCH_RANGE[1] < engine.DEFAULT_MICROBATCH_BYTES // (4 * 32)
-    tiny = engine.default_microbatch(jax.ShapeDtypeStruct((), np.int8))
-    assert tiny == engine.MICROBATCH_RANGE[1]
+    mb = [layout.default_microbatch(jax.ShapeDtypeStruct((d,), np.float32)) for d in (32, 256, 1024)]
+    assert mb[1:] == [layout.DEFAULT_MICROBATCH_BYTES // (4 * d) for d in (256, 1024)]
+    assert mb[0] == layout.MICROBATCH_RANGE[1] < layout.DEFAULT_MICROBATCH_BYTES // (4 * 32)
+    tiny = layout.default_microbatch(jax.ShapeDtypeStruct((), np.int8))
+    assert tiny == layout.MICROBATCH_RANGE[1]
 
 
 def test_default_steps_give_each_shard_a_byte_floor_per_step():
     for d in (32, 256, 1024):
         spec = jax.ShapeDtypeStruct((d,), np.float32)
-        mb, spc = engine.resolve_chunking(spec)
-        assert spc >= engine.MIN_STEPS_PER_CALL
-        assert mb * spc * 4 * d >= engine.STEP_BYTES_PER_SHARD
-        assert spc == engine.MIN_STEPS_PER_CALL or mb * (spc // 2) * 4 * d < engine.STEP_BYTES_PER_SHARD
-    assert engine.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32), 64, 3) == (64, 3)
-    assert engine.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32))[1] == 16
+        mb, spc = layout.resolve_chunking(spec)
+        assert spc >= layout.MIN_STEPS_PER_CALL
+        assert mb * spc * 4 * d >= layout.STEP_BYTES_PER_SHARD
+        assert spc == layout.MIN_STEPS_PER_CALL or mb * (spc // 2) * 4 * d < layout.STEP_BYTES_PER_SHARD
+    assert layout.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32), 64, 3) == (64, 3)
+    assert layout.resolve_chunking(jax.ShapeDtypeStruct((32,), np.float32))[1] == 16
 
 
 def test_repeated_runs_reuse_the_compiled_step():
     x = rows(500, 12)
-    engine.build_step.cache_clear()
+    program.compile_step.cache_clear()
     for _ in range(3):
         ss.run(ss.Gram(), x, microbatch=8)
-    assert engine.build_step.cache_info().misses == 1
+    assert program.compile_step.cache_info().misses == 1
+    for n in (470, 321):  # another row count, the same step shape
+        ss.run(ss.Gram(), x[:n], microbatch=8, steps_per_call=2)
+    assert program.compile_step.cache_info().misses == 2
 
 
 def test_bad_block_is_one_clear_line():

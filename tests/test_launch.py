@@ -13,7 +13,9 @@ from sharded_scan import distributed
 from tests import cli
 from tests.helpers import assert_usage_error
 
-CONFIGS = ["gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example"]
+CONFIGS = [
+    "gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example", "quantiles", "distinct", "topk",
+]
 
 
 def quick(name):

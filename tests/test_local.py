@@ -8,7 +8,7 @@ import numpy as np
 import sharded_scan as ss
 from configs import moments
 from launch.data import make_source
-from launch.processes import commands, free_port
+from launch.processes import commands, free_port, resume_hint
 from tests import cli
 
 
@@ -34,7 +34,8 @@ def test_two_processes_of_two_devices_equal_one_of_four(tmp_path):
 
 def test_one_process_dying_stops_the_others_and_fails(tmp_path):
     cli.needs_synthetic_source()
-    args = ("--config=configs/gram.py:quick", "--config.data.num_rows=2000000", f"--workdir={tmp_path}")
+    args = ("--config=configs/gram.py:quick", "--config.data.num_rows=2000000", "--config.checkpoint.per_job=100000",
+            f"--workdir={tmp_path}")
     with cli.started(cli.local_cmd(2, 1, *args), tmp_path / "log") as proc:
         cli.wait_for_checkpoint(tmp_path, proc, at_least=1)
         workers = children(proc.pid)
@@ -44,6 +45,16 @@ def test_one_process_dying_stops_the_others_and_fails(tmp_path):
         for pid in workers:  # launch.local waited for (reaped) both
             assert not os.path.exists(f"/proc/{pid}")
     assert "stopping the others" in (tmp_path / "log").read_text()
+
+
+def test_the_resume_hint_promises_a_resume_only_when_a_checkpoint_exists(tmp_path):
+    args = ["--config=configs/gram.py:quick", f"--workdir={tmp_path}"]
+    assert "no checkpoint was written yet" in resume_hint(args)
+    (tmp_path / "checkpoints" / "4096").mkdir(parents=True)  # a save that never completed
+    assert "no checkpoint was written yet" in resume_hint(args)
+    (tmp_path / "checkpoints" / "2048").mkdir()
+    (tmp_path / "checkpoints" / "2048" / "commit_success.txt").write_text("")
+    assert resume_hint(args) == "rerun the same command to resume from the checkpoint at row 2048"
 
 
 def test_commands_and_port():

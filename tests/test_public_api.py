@@ -8,6 +8,7 @@ from sharded_scan import combiners
 CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
+    "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count"),
@@ -17,6 +18,9 @@ RESULT_FIELDS = {
     "LinearRegressionResult": ("coef", "intercept", "rank", "cond"),
     "HistogramResult": ("counts", "edges"),
     "GradientResult": ("count", "loss", "grad"),
+    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes"),
+    "DistinctCountResult": ("count", "exact", "relative_error"),
+    "TopKResult": ("values", "counts", "errors", "bound", "certain"),
 }
 
 
@@ -40,6 +44,7 @@ def test_builtins_are_combiners_and_the_additive_ones_say_so():
         "PCA": ss.PCA(1), "LinearRegression": ss.LinearRegression(), "Histogram": ss.Histogram(2, (0, 1)),
         "Gradient": ss.Gradient(lambda p, x: x @ p, np.ones(2, np.float32)),
         "from_fn": ss.from_fn(lambda c, b: c + b.sum(0), np.zeros(2, np.float32)),
+        "Quantiles": ss.Quantiles(qs=[0.5]), "DistinctCount": ss.DistinctCount(), "TopK": ss.TopK(),
     }
     additive = {"Sum", "Gram", "Histogram", "Gradient", "from_fn"}
     for name, combiner in built.items():

@@ -67,3 +67,26 @@ def test_fingerprint_mismatch_refused_in_one_line_and_checkpoints_kept(tmp_path)
     )))
     assert "different job" in line and "data.seed" in line, line
     assert cli.checkpoints(workdir) == before
+
+
+ITERATOR_ARGS = (
+    "--config=configs/moments.py:quick", "--config.data.kind=python",
+    "--config.data.factory=tests.jobs:slow_iterator_source", "--config.microbatch=64",
+    "--config.checkpoint.every_steps=5",
+)
+
+
+def test_a_killed_iterator_source_job_resumes_bitwise_from_its_saved_reader_state(tmp_path):
+    whole = tmp_path / "whole"
+    proc = cli.run(cli.main_cmd(*ITERATOR_ARGS, f"--workdir={whole}"))
+    assert proc.returncode == 0, proc.stderr
+    killed = tmp_path / "killed"
+    with cli.started(cli.main_cmd(*ITERATOR_ARGS, f"--workdir={killed}"), tmp_path / "log") as proc:
+        found = cli.wait_for_checkpoint(killed, proc, at_least=2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert found[-1] < 40_000
+    again = cli.run(cli.main_cmd(*ITERATOR_ARGS, f"--workdir={killed}"))
+    assert again.returncode == 0, again.stderr
+    assert cli.summary(killed)["resumed_from_cursor"] > 0
+    cli.assert_same(cli.result(killed), cli.result(whole))

@@ -1,5 +1,7 @@
 """Sources: every kind against the in-memory rows, ragged ranges, validation, resuming."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -16,6 +18,7 @@ from sharded_scan.sources import (
     ZarrSource,
     as_source,
 )
+from sharded_scan.sources import files as npy_files
 from tests.helpers import f64, rel_err
 
 N = 101  # prime: ragged against every step size below
@@ -101,10 +104,10 @@ def test_run_over_each_source_matches_float64(kind, mesh, tmp_path):
 def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
     x = rows(1000, 4)  # 16-byte rows
     np.save(tmp_path / "x.npy", x)
-    src = NpySource(tmp_path / "x.npy")
+    src = NpySource(tmp_path / "x.npy", zero_copy=True)
     header = (tmp_path / "x.npy").stat().st_size - x.nbytes
     copied, mapped = [], []
-    real_memmap, real_mmap = np.memmap, sources.mmap.mmap
+    real_memmap, real_mmap = np.memmap, npy_files.mmap.mmap
 
     def spy_memmap(path, dtype, mode, offset, shape):
         copied.append((offset, shape))
@@ -114,17 +117,59 @@ def test_npy_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
         mapped.append((kw["offset"], length))
         return real_mmap(fileno, length, **kw)
 
-    monkeypatch.setattr(sources.np, "memmap", spy_memmap)
-    monkeypatch.setattr(sources.mmap, "mmap", spy_mmap)
+    monkeypatch.setattr(npy_files.np, "memmap", spy_memmap)
+    monkeypatch.setattr(npy_files.mmap, "mmap", spy_mmap)
     # Row 300 starts on a 64-byte boundary: a zero-copy view of a map of just those rows.
     np.testing.assert_array_equal(src.read(300, 307), x[300:307])
     begin, end = header + 300 * 16, header + 307 * 16
     [(offset, length)] = mapped
-    assert offset <= begin < offset + sources.mmap.ALLOCATIONGRANULARITY and offset + length == end
+    assert offset <= begin < offset + npy_files.mmap.ALLOCATIONGRANULARITY and offset + length == end
     # Row 301 does not: those rows are copied out of a map of exactly them into an aligned array.
     np.testing.assert_array_equal(src.read(301, 307), x[301:307])
     assert copied == [(header + 301 * 16, (6, 4))]
     assert not isinstance(src.read(0, 2), real_memmap)
+
+
+def test_npy_reads_copy_only_the_rows_asked_for_with_one_pread(tmp_path, monkeypatch):
+    x = rows(1000, 4)
+    np.save(tmp_path / "x.npy", x)
+    src = NpySource(tmp_path / "x.npy")
+    header = (tmp_path / "x.npy").stat().st_size - x.nbytes
+    reads, real = [], npy_files.os.preadv
+
+    def spy(fd, buffers, offset):
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(npy_files.os, "preadv", spy)
+    for start, stop in [(300, 307), (301, 307)]:
+        np.testing.assert_array_equal(src.read(start, stop), x[start:stop])
+    assert reads == [(header + 300 * 16, 7 * 16), (header + 301 * 16, 6 * 16)]
+
+
+@pytest.mark.parametrize("change", ["shrunk", "rewritten"])
+def test_a_file_changed_while_the_job_reads_it_is_one_line_not_a_bus_error(tmp_path, change):
+    x = rows(4000, 8)
+    np.save(tmp_path / "x.npy", x)
+    src = NpySource(tmp_path / "x.npy")
+    if change == "shrunk":
+        os.truncate(tmp_path / "x.npy", (tmp_path / "x.npy").stat().st_size // 2)
+    else:
+        np.save(tmp_path / "x.npy", x + 1)
+        os.utime(tmp_path / "x.npy", ns=(0, 10**9))
+    with pytest.raises(ss.UsageError) as err:
+        ss.run(ss.Gram(), src, microbatch=64, steps_per_call=2)
+    message = str(err.value)
+    assert "\n" not in message and "changed while the job read it" in message and "x.npy" in message, message
+
+
+def test_npy_shards_in_natural_order(tmp_path):
+    x = rows(30, 2)
+    for i in (10, 2, 1):  # part-1, part-2, part-10: lexicographic order would put part-10 second
+        np.save(tmp_path / f"part-{i}.npy", x[{1: slice(0, 10), 2: slice(10, 20), 10: slice(20, 30)}[i]])
+    src = NpyShardsSource(tmp_path)
+    assert [os.path.basename(p) for p in src.paths] == ["part-1.npy", "part-2.npy", "part-10.npy"]
+    np.testing.assert_array_equal(src.read(0, 30), x)
 
 
 @pytest.mark.parametrize("kind", ["npy", "shards"])
@@ -257,3 +302,19 @@ def test_iterator_reads_forward_only_and_may_skip():
     np.testing.assert_array_equal(src.read(40, 41), x[40:41])
     with pytest.raises(ValueError, match="forward only"):
         src.read(10, 12)
+
+
+@pytest.mark.parametrize("driver, chunk", [("zarr", "1.0"), ("zarr3", "c/1/0")])
+def test_a_missing_zarr_chunk_is_an_error_unless_the_fill_value_is_asked_for(tmp_path, driver, chunk):
+    x = rows(40, 2) + 5
+    path = tmp_path / "x.zarr"
+    store = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": str(path)}}, create=True,
+                    dtype=ts.float32, shape=[40, 2], chunk_layout=ts.ChunkLayout(chunk_shape=[10, 2])).result()
+    store.write(x).result()
+    os.remove(path / chunk)  # rows 10..19
+    with pytest.raises(ss.UsageError) as err:
+        ss.run(ss.Sum(), ZarrSource(path), microbatch=4, steps_per_call=2)
+    message = str(err.value)
+    assert "\n" not in message and "lacks a chunk" in message and "fill_missing=True" in message, message
+    got = ss.run(ss.Sum(), ZarrSource(path, fill_missing=True), microbatch=4, steps_per_call=2)
+    np.testing.assert_allclose(got.sum, x[:10].sum(0) + x[20:].sum(0), rtol=1e-6)  # the fill value is 0

@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import engine
-from sharded_scan.combiners.wrappers import apply_policies
-from sharded_scan.layout import make_layout
+from sharded_scan.program import program_for_spec
 from tests.helpers import collectives, f64, rel_err
 
 
@@ -27,26 +25,22 @@ def test_wide_gram_matches_float64(d, n):
 @pytest.mark.parametrize("mesh_spec, model", [("data:4,model:2", 2), ("data:2,model:4", 4)])
 def test_each_device_holds_its_column_block(mesh_spec, model):
     d = 64
-    mesh = ss.make_mesh(mesh_spec)
-    combiner = apply_policies(ss.Gram(), compensated=False)
     spec = jax.ShapeDtypeStruct((d,), np.float32)
-    partials = engine.init_partials(combiner, spec, mesh)
+    prog = program_for_spec(ss.Gram(), spec, 4, ss.RunOptions(mesh=mesh_spec, compensated=False))
+    partials = prog.init()
     shapes = {s.data.shape for s in partials.addressable_shards}
     assert shapes == {(1, d, d // model)}  # (d, d/M): d²/M of the matrix on each device
-    merged = engine.build_merge(combiner, mesh)(partials)
+    merged = prog.merge(partials)
     assert {s.data.shape for s in merged.addressable_shards} == {(d, d // model)}
 
 
 def test_wide_step_has_no_collective_and_merge_never_gathers():
     d = 32
-    mesh = ss.make_mesh("data:4,model:2")
-    combiner = apply_policies(ss.Gram())
     spec = jax.ShapeDtypeStruct((d,), np.float32)
-    layout = make_layout(10_000, mesh, 16, 4)
-    partials = engine.init_partials(combiner, spec, mesh)
-    batch = jax.ShapeDtypeStruct((layout.rows_per_step, d), np.float32)
-    step = engine.build_step(combiner, mesh, layout).lower(partials, batch, np.int32(0)).compile().as_text()
-    merge = engine.build_merge(combiner, mesh).lower(partials).compile().as_text()
+    options = ss.RunOptions(mesh="data:4,model:2", microbatch=16, steps_per_call=4)
+    prog = program_for_spec(ss.Gram(), spec, 10_000, options)
+    step = prog.lower_step().compile().as_text()
+    merge = prog.lower_merge().compile().as_text()
     assert collectives(step) == []
     assert collectives(merge) and set(collectives(merge)) == {"all-reduce"}
 

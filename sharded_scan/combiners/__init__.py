@@ -1,13 +1,17 @@
 """The Combiner protocol and the built-in reductions."""
 
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner
+from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
+from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.pca import PCA, PCAResult
+from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
 from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
 from sharded_scan.combiners.sums import Gram, Sum, SumResult
+from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
 
 __all__ = [
     "PCA",
@@ -15,6 +19,8 @@ __all__ = [
     "Combiner",
     "Covariance",
     "CovarianceResult",
+    "DistinctCount",
+    "DistinctCountResult",
     "Gradient",
     "GradientResult",
     "Gram",
@@ -24,8 +30,14 @@ __all__ = [
     "LinearRegressionResult",
     "Moments",
     "MomentsResult",
+    "MultiPass",
     "PCAResult",
+    "Quantiles",
+    "QuantilesResult",
     "Sum",
     "SumResult",
+    "TopK",
+    "TopKResult",
     "from_fn",
+    "hash_strings",
 ]

@@ -80,6 +80,49 @@ class Combiner(abc.ABC):
         del mesh
         return None
 
+    def operands(self, spec: PyTree) -> PyTree:
+        """Runtime values the programs take as arguments instead of compiling them in.
+
+        A combiner whose parameters are data (a gradient's ``params``, a histogram's
+        edges) returns them here as host arrays, and defines ``__eq__`` / ``__hash__``
+        on everything else: a new value then reuses the compiled programs. Inside the
+        programs the engine calls :meth:`bind` with them. The default: None (none).
+        """
+        del spec
+        return None
+
+    def bind(self, operands: PyTree) -> Combiner:
+        """This combiner computing with ``operands`` (traced values shaped like :meth:`operands`)."""
+        del operands
+        return self
+
+    def convert(self, acc: PyTree, source: Combiner) -> PyTree:
+        """``acc`` of ``source`` (this job resolved for another mesh) as this combiner's accumulator.
+
+        Called on resume when the checkpoint was written on a mesh whose non-``data``
+        axes resolved the job differently (:meth:`for_mesh`). The default handles
+        combiners that do not depend on the mesh.
+        """
+        if source == self:
+            return acc
+        raise UsageError(
+            f"{type(self).__name__} cannot take an accumulator written for a mesh with other axes; "
+            "resume on a mesh with the axes of the run that wrote the checkpoint."
+        )
+
+    def health(self, partials: PyTree) -> jax.Array | None:
+        """A small device value computed after every step, read one step later (None: none).
+
+        ``partials`` carry a leading shard axis. The engine hands the host copy to
+        :meth:`check_health`, which may stop the run.
+        """
+        del partials
+        return None
+
+    def check_health(self, value: Any, first_row: int, num_rows: int) -> None:
+        """Raises when :meth:`health`'s ``value`` (host) for rows ``[first_row, first_row + num_rows)`` is bad."""
+        del value, first_row, num_rows
+
     def check_spec(self, spec: PyTree) -> None:
         """Raises :class:`UsageError` when the combiner cannot take data of ``spec``.
 

@@ -68,7 +68,24 @@ class Gradient(AdditiveCombiner):
     params: PyTree
 
     def _params(self) -> PyTree:
-        return jax.tree.map(lambda p: jnp.asarray(p, accumulator_dtype(np.asarray(p).dtype)), self.params)
+        return jax.tree.map(lambda p: jnp.asarray(p, accumulator_dtype(jnp.asarray(p).dtype)), self.params)
+
+    def _static(self) -> tuple:
+        """What the compiled programs depend on: the loss and the params' structure, shapes and dtypes."""
+        leaves, treedef = jax.tree.flatten(self.params)
+        return (self.loss_fn, treedef, tuple((np.shape(p), jnp.asarray(p).dtype) for p in leaves))
+
+    def __eq__(self, other):  # params are operands: a new value reuses the compiled programs
+        return type(other) is type(self) and other._static() == self._static()
+
+    def __hash__(self):
+        return hash((type(self), self._static()))
+
+    def operands(self, spec):
+        return jax.tree.map(np.asarray, self._params())
+
+    def bind(self, operands):
+        return dataclasses.replace(self, params=operands)
 
     def check_spec(self, spec):
         super().check_spec(spec)

@@ -51,6 +51,7 @@ class Histogram(AdditiveCombiner):
 
     bins: int
     range: Any
+    bound: Any = dataclasses.field(default=None, repr=False)  # the operands inside a program (bind)
 
     def __post_init__(self):
         bins = self.bins
@@ -77,15 +78,26 @@ class Histogram(AdditiveCombiner):
                 f"Histogram has {ranges.shape[0]} per-column ranges but the rows have {spec.shape[0]} columns."
             )
 
+    def __eq__(self, other):  # the edges are operands: another range reuses the compiled programs
+        return type(other) is type(self) and (other.bins, np.shape(other.range)) == (self.bins, np.shape(self.range))
+
+    def __hash__(self):
+        return hash((type(self), self.bins, np.shape(self.range)))
+
+    def operands(self, spec):
+        """The float32 edges every value is compared with: inner ``(d, bins - 1)``, ``lo`` and ``hi`` ``(d,)``."""
+        edges = self._edges(spec.shape[0])
+        return _float32_at_least(edges[:, 1:-1]), _float32_at_least(edges[:, 0]), _float32_at_most(edges[:, -1])
+
+    def bind(self, operands):
+        return dataclasses.replace(self, bound=operands)
+
     def init(self, spec):
         return wide.zeros((spec.shape[0], self.bins))
 
     def add(self, acc, batch, mask):
         d = acc.limbs.shape[0]
-        edges = self._edges(d)
-        inner = jnp.asarray(_float32_at_least(edges[:, 1:-1]))    # (d, bins - 1)
-        lo = jnp.asarray(_float32_at_least(edges[:, 0]))
-        hi = jnp.asarray(_float32_at_most(edges[:, -1]))
+        inner, lo, hi = self.bound if self.bound is not None else self.operands(jax.ShapeDtypeStruct((d,), batch.dtype))
         x = batch.astype(jnp.float32)
         index = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"))(inner, x.T).T  # (mb, d)
         keep = masked((x >= lo) & (x <= hi), mask, False)

@@ -190,3 +190,23 @@ class Gram(AdditiveCombiner):
         if isinstance(acc, Triangle):
             return triangle_full(acc)
         return np.asarray(acc)[:, : acc.shape[0]]
+
+    def convert(self, acc, source):
+        """Between the triangle and the column-split matrix (a resume on a mesh with other axes)."""
+        if source == self:
+            return acc
+        if isinstance(acc, Triangle):
+            d = acc.rows[0].shape[1]
+            full = jnp.zeros((d, d), acc.rows[0].dtype)
+            for r in acc.rows:
+                start = d - r.shape[1]
+                full = full.at[start : start + r.shape[0], start:].set(r)
+            full = jnp.triu(full) + jnp.triu(full, 1).T
+        else:
+            full = acc[:, : acc.shape[0]]
+        d = full.shape[0]
+        like = jax.eval_shape(self.init, jax.ShapeDtypeStruct((d,), full.dtype))
+        if isinstance(like, Triangle):
+            starts = [d - r.shape[1] for r in like.rows]
+            return Triangle(tuple(full[s : s + r.shape[0], s:] for s, r in zip(starts, like.rows, strict=True)))
+        return jnp.pad(full, ((0, 0), (0, like.shape[1] - d)))

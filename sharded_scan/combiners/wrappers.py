@@ -19,12 +19,59 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
-
-NAN_POLICIES = ("propagate", "omit", "raise")
+from sharded_scan.options import NAN_POLICIES
 
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class Wrapper(Combiner):
+    """A combiner that changes how ``inner`` accumulates and forwards everything else.
+
+    Its accumulator holds the inner one as ``value``. Subclasses list their own
+    parameters in :meth:`params` (for equality, hashing and the fingerprint) and
+    rebuild themselves around another inner combiner with :meth:`rewrap`.
+    """
+
+    def __init__(self, inner: Combiner):
+        self.inner = inner
+        self.additive = inner.additive
+
+    def params(self) -> dict[str, Any]:
+        """The wrapper's own parameters."""
+        return {}
+
+    def rewrap(self, inner: Combiner) -> Wrapper:
+        """The same wrapper around ``inner``."""
+        return type(self)(inner, **self.params())
+
+    def __eq__(self, other):  # equal wrappers share the engine's compiled programs
+        return type(other) is type(self) and (other.inner, other.params()) == (self.inner, self.params())
+
+    def __hash__(self):
+        return hash((type(self), self.inner, tuple(sorted(self.params().items()))))
+
+    def check_spec(self, spec):
+        self.inner.check_spec(spec)
+
+    def for_mesh(self, mesh):
+        return self.rewrap(self.inner.for_mesh(mesh))
+
+    def operands(self, spec):
+        return self.inner.operands(spec)
+
+    def bind(self, operands):
+        return self.rewrap(self.inner.bind(operands))
+
+    def health(self, partials):
+        return self.inner.health(partials.value)
+
+    def check_health(self, value, first_row, num_rows):
+        self.inner.check_health(value, first_row, num_rows)
+
+    def fingerprint(self):
+        return {**self.inner.fingerprint(), **{k: repr(v) for k, v in self.params().items()}}
 
 
 class CompensatedAcc(NamedTuple):
@@ -34,7 +81,7 @@ class CompensatedAcc(NamedTuple):
     compensation: Any
 
 
-class Compensated(Combiner):
+class Compensated(Wrapper):
     """Kahan-compensated accumulation for an additive combiner.
 
     Each micro-batch's contribution ``inner.add(0, batch, mask)`` is added with a running
@@ -48,26 +95,19 @@ class Compensated(Combiner):
     def __init__(self, inner: Combiner):
         if not inner.additive:
             raise UsageError(f"{type(inner).__name__} is not additive; compensated accumulation needs an additive one.")
-        self.inner = inner
+        super().__init__(inner)
 
-    def check_spec(self, spec):
-        self.inner.check_spec(spec)
-
-    def __eq__(self, other):  # equal wrappers share the engine's compiled step
-        return type(other) is type(self) and other.inner == self.inner
-
-    def __hash__(self):
-        return hash((type(self), self.inner))
-
-    def for_mesh(self, mesh):
-        return Compensated(self.inner.for_mesh(mesh))
+    def fingerprint(self):
+        return {**self.inner.fingerprint(), "compensated": "True"}
 
     def partition(self, mesh):
         parts = self.inner.partition(mesh)
         return None if parts is None else CompensatedAcc(parts, parts)
 
-    def fingerprint(self):
-        return {**self.inner.fingerprint(), "compensated": "True"}
+    def convert(self, acc, source):
+        return CompensatedAcc(
+            self.inner.convert(acc.value, source.inner), self.inner.convert(acc.compensation, source.inner)
+        )
 
     def init(self, spec):
         value = self.inner.init(spec)
@@ -106,95 +146,78 @@ class Compensated(Combiner):
 
 
 class NonFiniteAcc(NamedTuple):
-    """The inner accumulator and how many real rows held NaN or Inf."""
+    """The inner accumulator and how many real rows held NaN or Inf (exact: :class:`wide.Wide`)."""
 
     value: Any
-    bad_rows: jax.Array
+    bad_rows: wide.Wide
 
 
-class NonFinite(Combiner):
-    """Applies ``policy`` (``"omit"`` or ``"raise"``) to rows with a NaN or Inf in any leaf."""
+class NonFinite(Wrapper):
+    """Applies ``policy`` (``"omit"`` or ``"raise"``) to rows with a NaN or Inf in any leaf.
+
+    The count of such rows lives in the accumulator. With ``"raise"`` the engine reads
+    it after every step (:meth:`health`, one step late so the devices never wait) and
+    the run stops at the first step that met one, naming its rows; ``finalize`` checks
+    the total too.
+    """
 
     def __init__(self, inner: Combiner, policy: str):
         if policy not in ("omit", "raise"):
             raise UsageError(f"nan_policy must be one of {NAN_POLICIES}, got {policy!r}.")
-        self.inner = inner
+        super().__init__(inner)
         self.policy = policy
-        self.additive = inner.additive
 
-    def check_spec(self, spec):
-        self.inner.check_spec(spec)
+    def params(self):
+        return {"policy": self.policy}
 
-    def __eq__(self, other):  # equal wrappers share the engine's compiled step
-        return type(other) is type(self) and (other.inner, other.policy) == (self.inner, self.policy)
-
-    def __hash__(self):
-        return hash((type(self), self.inner, self.policy))
-
-    def for_mesh(self, mesh):
-        return NonFinite(self.inner.for_mesh(mesh), self.policy)
+    def fingerprint(self):
+        return {**self.inner.fingerprint(), "nan_policy": self.policy}
 
     def partition(self, mesh):
         parts = self.inner.partition(mesh)
         return None if parts is None else NonFiniteAcc(parts, P())
 
-    def fingerprint(self):
-        return {**self.inner.fingerprint(), "nan_policy": self.policy}
+    def convert(self, acc, source):
+        return NonFiniteAcc(self.inner.convert(acc.value, source.inner), acc.bad_rows)
 
     def init(self, spec):
-        return NonFiniteAcc(self.inner.init(spec), jnp.zeros((), jnp.int32))
+        return NonFiniteAcc(self.inner.init(spec), wide.zeros())
 
     def add(self, acc, batch, mask):
         finite = jnp.ones_like(mask)
         for leaf in jax.tree.leaves(batch):
             if _is_float(leaf):
                 finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
-        bad = jnp.sum(mask & ~finite, dtype=jnp.int32)
         keep = mask & finite if self.policy == "omit" else mask
-        return NonFiniteAcc(self.inner.add(acc.value, batch, keep), acc.bad_rows + bad)
+        return NonFiniteAcc(self.inner.add(acc.value, batch, keep), wide.count_rows(acc.bad_rows, mask & ~finite))
 
     def merge(self, a, b):
-        return NonFiniteAcc(self.inner.merge(a.value, b.value), a.bad_rows + b.bad_rows)
+        return NonFiniteAcc(self.inner.merge(a.value, b.value), wide.add(a.bad_rows, b.bad_rows))
+
+    def health(self, partials):
+        if self.policy != "raise":
+            return self.inner.health(partials.value)
+        return jnp.sum(wide.to_float(partials.bad_rows))
+
+    def check_health(self, value, first_row, num_rows):
+        if self.policy != "raise":
+            return self.inner.check_health(value, first_row, num_rows)
+        if float(value):  # the first step with any: all of them are in it
+            raise NonFiniteError(
+                f"{round(float(value))} rows of rows {first_row}..{first_row + num_rows - 1} (the step starting at "
+                f"row {first_row}) hold NaN or Inf; clean the data, or pass nan_policy='omit' to skip such rows."
+            )
+        return None
 
     def finalize(self, acc):
-        if self.policy == "raise" and int(acc.bad_rows):
-            raise NonFiniteError(f"{int(acc.bad_rows)} rows hold NaN or Inf.")
+        bad = int(wide.to_int(acc.bad_rows))
+        if self.policy == "raise" and bad:
+            raise NonFiniteError(f"{bad} rows hold NaN or Inf.")
         return self.inner.finalize(acc.value)
 
 
 class NonFiniteError(UsageError):
     """Rows with NaN or Inf met ``nan_policy="raise"``."""
-
-
-class NonFiniteWatch:
-    """Stops a run at the first step whose rows hold NaN or Inf (``nan_policy="raise"``).
-
-    After each step it starts a tiny device reduction of the bad-row counts and reads
-    the previous step's one, which is done by then, so the devices never wait on it.
-    """
-
-    def __init__(self, combiner: Combiner):
-        self.active = isinstance(combiner, NonFinite) and combiner.policy == "raise"
-        self._pending = None
-
-    def after_step(self, partials, first_row: int, num_rows: int) -> None:
-        """Records this step's count; raises if the previous step met a bad row."""
-        if not self.active:
-            return
-        self.check()
-        self._pending = (jax.numpy.sum(partials.bad_rows), first_row, num_rows)
-
-    def check(self) -> None:
-        """Raises :class:`NonFiniteError` naming the step if its count is non-zero."""
-        if self._pending is None:
-            return
-        count, first_row, num_rows = self._pending
-        self._pending = None
-        if int(count):
-            raise NonFiniteError(
-                f"rows {first_row}..{first_row + num_rows - 1} (the step starting at row {first_row}) "
-                f"hold NaN or Inf; clean the data, or pass nan_policy='omit' to skip such rows."
-            )
 
 
 def apply_policies(combiner: Combiner, *, nan_policy: str = "propagate", compensated: bool = True) -> Combiner:

@@ -1,0 +1,124 @@
+"""The code that decides a job's answer, as digests for its fingerprint.
+
+A ``from_fn`` body, a ``Gradient`` loss or a user's own Combiner class is code, not a
+parameter: editing it changes the answer while every parameter stays the same. Their
+digests go into the fingerprint, so a checkpoint written by the old code is refused
+instead of silently resumed. A function's digest covers its bytecode, constants and the
+names it uses, its defaults, the values it closes over (arrays by their bytes) and,
+recursively, the functions of the same module it calls; not its line numbers, so moving
+it in its file changes nothing. Code of sharded_scan, JAX and numpy is left out: it is
+the library, not the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import types
+from typing import Any
+
+import numpy as np
+
+LIBRARIES = ("sharded_scan", "jax", "jaxlib", "numpy", "builtins", "functools")
+_DEPTH = 6
+
+
+def _ours(module: str | None) -> bool:
+    return not module or module.split(".")[0] not in LIBRARIES
+
+
+def _value(value: Any, seen: set[int]) -> str:
+    """A stable rendering of a closed-over or default value (never a memory address)."""
+    if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):
+        return repr(value)
+    if isinstance(value, (np.ndarray, np.generic)) or type(value).__module__.startswith("jax"):
+        try:
+            array = np.asarray(value)
+            return f"{array.dtype}{array.shape}:{hashlib.sha256(array.tobytes()).hexdigest()[:16]}"
+        except (TypeError, ValueError):
+            return type(value).__name__
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v, seen) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{_value(v, seen)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if callable(value):
+        return function_digest(value, seen) or getattr(value, "__qualname__", type(value).__name__)
+    return type(value).__qualname__
+
+
+def _code(code: types.CodeType) -> str:
+    consts = []
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            consts.append(_code(c))
+        elif isinstance(c, frozenset):
+            consts.append(repr(sorted(c, key=repr)))
+        else:
+            consts.append(repr(c))
+    return hashlib.sha256(repr((code.co_code, consts, code.co_names, code.co_argcount)).encode()).hexdigest()
+
+
+def function_digest(fn: Any, seen: set[int] | None = None) -> str | None:
+    """The digest of a user function's code (None for library code and non-functions)."""
+    seen = set() if seen is None else seen
+    if isinstance(fn, functools.partial):
+        inner = function_digest(fn.func, seen) or ""
+        return hashlib.sha256(repr((inner, _value(fn.args, seen), _value(fn.keywords, seen))).encode()).hexdigest()
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    if not isinstance(fn, types.FunctionType) or not _ours(fn.__module__) or id(fn) in seen or len(seen) > 64:
+        return None
+    seen.add(id(fn))
+    parts = [_code(fn.__code__), _value(fn.__defaults__, seen), _value(fn.__kwdefaults__, seen)]
+    for cell in fn.__closure__ or ():
+        try:
+            parts.append(_value(cell.cell_contents, seen))
+        except ValueError:  # an empty cell
+            parts.append("<empty>")
+    for name in fn.__code__.co_names:  # functions of the same module it calls
+        called = fn.__globals__.get(name)
+        if isinstance(called, types.FunctionType) and called.__module__ == fn.__module__:
+            parts.append(f"{name}:{function_digest(called, seen)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def class_digest(cls: type) -> str:
+    """The digest of the methods a user's class (and its user bases) define."""
+    parts = []
+    for klass in cls.__mro__:
+        if not _ours(klass.__module__):
+            continue
+        for name, member in sorted(vars(klass).items()):
+            member = getattr(member, "__func__", member)
+            parts.append(f"{klass.__qualname__}.{name}:{function_digest(member) or ''}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def code_digests(combiner: Any) -> dict[str, str]:
+    """``{"<attribute path> <name>": digest}`` for the user code in ``combiner``.
+
+    Walks the combiner's attributes (wrappers, inner combiners, lists and dicts of them)
+    for user functions (``body gram_body``) and user combiner classes (``class MyStats``);
+    empty for a built-in combiner with no user function.
+    """
+    found: dict[str, str] = {}
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if depth > _DEPTH:
+            return
+        if isinstance(obj, (list, tuple, dict)):
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            for key, item in items:
+                visit(item, f"{path}[{key}]", depth + 1)
+        elif isinstance(obj, (types.FunctionType, functools.partial)) or hasattr(obj, "__wrapped__"):
+            digest = function_digest(obj)
+            if digest is not None:
+                found[f"{path} {getattr(inspect.unwrap(obj), '__qualname__', 'partial')}".strip()] = digest
+        elif hasattr(type(obj), "add") and hasattr(type(obj), "init"):  # a combiner, or a wrapper of one
+            if _ours(type(obj).__module__):
+                found[f"{path} class {type(obj).__qualname__}".strip()] = class_digest(type(obj))
+            for name, item in vars(obj).items():
+                visit(item, f"{path}.{name}" if path else name, depth + 1)
+
+    visit(combiner, "", 0)
+    return found

@@ -1,0 +1,194 @@
+"""Distinct counts per column: HyperLogLog registers merged by maximum, exact below a set size.
+
+Every value's 32-bit key (:mod:`~sharded_scan.combiners.keys`) is hashed twice by a
+bijective mixer: the top ``precision`` bits of the first hash pick one of
+``m = 2^precision`` registers, and the leading zeros of the second (plus one, 1..33)
+are what the register keeps the maximum of. Distinct keys give distinct hashes, so
+no two distinct values collide in the 46 bits used. Partials merge by elementwise
+maximum, so the merge and therefore the result do not depend on how rows are split.
+``finalize`` applies Ertl's improved estimator ("New cardinality estimation algorithms
+for HyperLogLog sketches", 2017), which needs no bias tables and holds its standard
+error of about ``1.04 / sqrt(m)`` (0.81% at the default ``m = 16384``) from a handful of
+values to billions (measured in ``bench/sketches.py``).
+
+``exact_up_to=E`` also keeps each column's distinct keys while there are at most ``E`` of
+them (sorted, ``E`` slots per column): such columns get their exact count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, check_column_spec, columns, fold_if_any, mix32
+from sharded_scan.errors import UsageError
+
+DEFAULT_PRECISION = 14
+RANK_BITS = 32  # a register holds 1 + the leading zeros of a 32-bit hash: 1..33 (0: untouched)
+
+
+class DistinctCountResult(NamedTuple):
+    """Per column: the number of distinct values, whether it is exact, and its standard error.
+
+    ``count`` is int64 ``(d,)`` (``()`` for rows of one value); ``exact`` marks columns
+    counted exactly (``exact_up_to``); ``relative_error`` is the estimate's standard
+    error ``1.04 / sqrt(m)`` (0 where exact).
+    """
+
+    count: np.ndarray
+    exact: np.ndarray
+    relative_error: np.ndarray
+
+
+class DistinctAcc(NamedTuple):
+    """HLL registers and, while there are few, the distinct keys themselves."""
+
+    registers: jax.Array  # uint8 (d, m)
+    keys: jax.Array       # uint32 (d, max(E, 1)): sorted distinct keys, MAX_KEY past the last
+    held: jax.Array       # int32 (d,): distinct keys held; E + 1 once there were more than E
+
+
+def register_updates(keys: jax.Array, mask: jax.Array, precision: int) -> tuple[jax.Array, jax.Array]:
+    """Each key's register index and value (0 for masked rows): ``(d, mb)`` each."""
+    first = mix32(keys)
+    second = mix32(first ^ jnp.uint32(GOLDEN))
+    index = (first >> (32 - precision)).astype(jnp.int32)
+    rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
+    return index, jnp.where(mask[None, :], rank, jnp.uint8(0))
+
+
+def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """The sorted distinct values among each row's first ``valid`` keys, and how many.
+
+    ``keys`` ``(d, n)``: valid entries anywhere, the others ``MAX_KEY``. Returns the first
+    ``capacity`` distinct keys per row (``MAX_KEY`` filled) and the distinct count.
+    """
+    s = jnp.sort(keys, axis=1)
+    pos = jnp.arange(s.shape[1], dtype=jnp.int32)
+    fresh = (pos < valid[:, None]) & jnp.concatenate([jnp.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], axis=1)
+    slot = jnp.where(fresh, jnp.cumsum(fresh, axis=1) - 1, capacity)
+    rows = jnp.arange(s.shape[0])[:, None]
+    kept = jnp.full((s.shape[0], capacity + 1), MAX_KEY, jnp.uint32).at[rows, jnp.minimum(slot, capacity)].set(s)
+    return kept[:, :capacity], jnp.sum(fresh, axis=1, dtype=jnp.int32)
+
+
+def sigma(x: float) -> float:
+    """Ertl's sigma: the contribution of untouched registers (fraction ``x``)."""
+    if x == 1.0:
+        return math.inf
+    y, z = 1.0, x
+    while True:
+        x *= x
+        before, z = z, z + x * y
+        y += y
+        if z == before:
+            return z
+
+
+def tau(x: float) -> float:
+    """Ertl's tau: the contribution of saturated registers (``x`` = 1 - their fraction)."""
+    if x in (0.0, 1.0):
+        return 0.0
+    y, z = 1.0, 1.0 - x
+    while True:
+        x = math.sqrt(x)
+        y *= 0.5
+        before, z = z, z - (1.0 - x) ** 2 * y
+        if z == before:
+            return z / 3.0
+
+
+def estimate(registers: np.ndarray) -> float:
+    """Ertl's improved raw estimator of the distinct count from one column's registers."""
+    m = registers.shape[0]
+    hist = np.bincount(registers.astype(np.int64), minlength=RANK_BITS + 2).astype(np.float64)
+    z = m * tau(1.0 - hist[RANK_BITS + 1] / m)
+    for k in range(RANK_BITS, 0, -1):
+        z = 0.5 * (z + hist[k])
+    z += m * sigma(hist[0] / m)
+    return m * m / (2.0 * math.log(2.0)) / z
+
+
+@dataclasses.dataclass(frozen=True)
+class DistinctCount(Combiner):
+    """The number of distinct values in each column, like ``len(np.unique(x[:, j]))``.
+
+    Args:
+      precision: ``m = 2^precision`` one-byte registers per column, standard error
+        ``1.04 / sqrt(m)``: 14 (the default) gives 0.81%, 16 gives 0.41%; 4 to 18.
+      exact_up_to: count columns with at most this many distinct values exactly
+        (keeps that many keys per column; 0, the default, turns it off).
+
+    Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
+    value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
+    ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
+    skipped. 64-bit floats are rounded to float32 first.
+    """
+
+    precision: int = DEFAULT_PRECISION
+    exact_up_to: int = 0
+
+    def __post_init__(self):
+        p = self.precision
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 4 <= p <= 18:
+            raise UsageError(f"DistinctCount precision must be an integer in [4, 18] (2^p registers), got {p!r}.")
+        e = self.exact_up_to
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 0:
+            raise UsageError(f"DistinctCount exact_up_to must be an integer >= 0, got {e!r}.")
+
+    def check_spec(self, spec):
+        check_column_spec(spec, "DistinctCount")
+
+    def init(self, spec):
+        d = spec.shape[0] if spec.shape else 1
+        slots = max(self.exact_up_to, 1)  # orbax cannot save an empty array: one unused slot when off
+        return DistinctAcc(
+            jnp.zeros((d, 1 << self.precision), jnp.uint8), jnp.full((d, slots), MAX_KEY, jnp.uint32),
+            jnp.zeros(spec.shape, jnp.int32),
+        )
+
+    def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
+        keys = columns(batch)
+        index, rank = register_updates(keys, mask, self.precision)
+        d = keys.shape[0]
+        rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
+        registers = acc.registers.at[rows, index].max(rank)
+        if not self.exact_up_to:
+            return acc._replace(registers=registers)
+        batch_keys = jnp.where(mask[None, :], keys, jnp.uint32(MAX_KEY))
+        valid = acc.held.reshape(-1) + jnp.sum(mask, dtype=jnp.int32)
+        return self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held)
+
+    def merge(self, a, b):
+        registers = jnp.maximum(a.registers, b.registers)
+        if not self.exact_up_to:
+            return a._replace(registers=registers)
+        valid = (a.held + b.held).reshape(-1)
+        merged = self._held(registers, jnp.concatenate([a.keys, b.keys], axis=1), valid, a.held)
+        return merged._replace(held=jnp.where((a.held > self.exact_up_to) | (b.held > self.exact_up_to),
+                                              self.exact_up_to + 1, merged.held))
+
+    def _held(self, registers, keys, valid, before):
+        kept, count = unique_prefix(keys, valid, self.exact_up_to)
+        held = jnp.where(before.reshape(-1) > self.exact_up_to, self.exact_up_to + 1,
+                         jnp.minimum(count, self.exact_up_to + 1))
+        return DistinctAcc(registers, kept, held.reshape(before.shape))
+
+    def finalize(self, acc):
+        registers = np.asarray(acc.registers)
+        held = np.asarray(acc.held).reshape(-1)
+        exact = (held <= self.exact_up_to) & (self.exact_up_to > 0)
+        estimates = np.array([estimate(r) for r in registers])
+        count = np.where(exact, held, np.rint(estimates)).astype(np.int64)
+        error = np.where(exact, 0.0, 1.04 / math.sqrt(registers.shape[1]))
+        shape = np.shape(acc.held)
+        return DistinctCountResult(count.reshape(shape), exact.reshape(shape), error.reshape(shape))

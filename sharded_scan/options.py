@@ -1,0 +1,122 @@
+"""The options of a run, written out once: :class:`RunOptions`.
+
+``sharded_scan.run(combiner, data, **options)``, ``run_with_report`` and the launcher
+all build a :class:`RunOptions`; the job configs carry its plain-value fields
+(:func:`config_fields`) with the same defaults, so the list of options and their
+defaults exist only here. ``None`` for ``microbatch`` / ``steps_per_call`` means the
+measured default (:mod:`sharded_scan.layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sharded_scan.errors import UsageError
+from sharded_scan.watchdog import check_timeout
+
+NAN_POLICIES = ("propagate", "omit", "raise")
+# What ``jax.default_matmul_precision`` takes: "highest" is true float32 (or float64)
+# products on every platform; the others allow bf16 passes (TPU) or TF32 (GPU).
+PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16")
+
+_CONFIG = "config"  # field metadata: the field is a plain value a job config carries, of this type
+
+
+def _plain(default: Any, kind: type) -> Any:
+    return dataclasses.field(default=default, metadata={_CONFIG: kind})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How :func:`sharded_scan.run` runs a reduction.
+
+    Attributes:
+      mesh: a ``Mesh`` or a spec such as ``"data:8"``, ``"data:4,model:2"``; None puts
+        every device on ``data``.
+      microbatch: rows per device per scan iteration; None: about 4 MiB of rows
+        (:func:`sharded_scan.layout.default_microbatch`).
+      steps_per_call: micro-batches each logical shard folds per compiled call; None:
+        :func:`sharded_scan.layout.default_steps_per_call`.
+      prefetch: steps read and placed on the devices ahead of use (0: none).
+      logical_shards: a fixed number of independent accumulators (a multiple of the
+        ``data`` axis size), folded and merged in a fixed order, so the result is
+        bitwise identical on every device count dividing it. None: one per device,
+        merged by ``psum`` when additive.
+      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour),
+        ``"omit"`` (skipped like padding) or ``"raise"`` (stop at the first such step).
+      compensated: Kahan-compensated float accumulation for additive combiners.
+      precision: the matmul precision of every step and merge
+        (``jax.default_matmul_precision``): ``"highest"`` (true float32 products, the
+        default) or a faster, less exact one such as ``"tensorfloat32"`` (GPU) or
+        ``"bfloat16"`` / ``"default"`` (TPU's one-pass bf16).
+      checkpoint: None, a directory, :class:`sharded_scan.CheckpointOptions` or a
+        :class:`sharded_scan.checkpoint.Checkpointer`: resume from the latest
+        checkpoint there, save periodically and at the end, and on SIGTERM save and
+        raise :class:`sharded_scan.Preempted`.
+      progress: called with a :class:`sharded_scan.Progress` after every step.
+      step_timeout: seconds; when no step finishes for that long, print one line and
+        end the process with status 3 (a stuck process or peer). None: no watchdog.
+    """
+
+    mesh: Any = _plain(None, str)
+    microbatch: int | None = _plain(None, int)
+    steps_per_call: int | None = _plain(None, int)
+    prefetch: int = _plain(2, int)
+    logical_shards: int | None = _plain(None, int)
+    nan_policy: str = _plain("propagate", str)
+    compensated: bool = _plain(True, bool)
+    precision: str = _plain("highest", str)
+    checkpoint: Any = None
+    progress: Callable[[Any], None] | None = None
+    step_timeout: float | None = None
+
+    def __post_init__(self):
+        for name in ("microbatch", "steps_per_call", "logical_shards"):
+            value = getattr(self, name)
+            if value is not None:
+                check_positive_int(name, value)
+        prefetch = self.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise UsageError(f"prefetch must be a non-negative integer, got {prefetch!r}.")
+        if self.nan_policy not in NAN_POLICIES:
+            raise UsageError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}; got {self.nan_policy!r}.")
+        if not isinstance(self.compensated, (bool, np.bool_)):
+            raise UsageError(f"compensated must be True or False, got {self.compensated!r}.")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}.")
+        if self.progress is not None and not callable(self.progress):
+            raise UsageError(f"progress must be a callable or None, got {type(self.progress).__name__}.")
+        check_timeout(self.step_timeout)
+
+    @classmethod
+    def make(cls, options: RunOptions | None = None, **overrides: Any) -> RunOptions:
+        """``options`` (default: all defaults) with ``overrides`` replaced.
+
+        Raises:
+          UsageError: an override names no option (with the closest name), or a value is bad.
+        """
+        if options is not None and not isinstance(options, RunOptions):
+            raise UsageError(f"options must be a RunOptions, got {type(options).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in overrides:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise UsageError(f"{key!r} is not a run option; {hint}the options are: {', '.join(names)}.")
+        return dataclasses.replace(options or cls(), **overrides)
+
+
+def config_fields() -> dict[str, tuple[Any, type]]:
+    """``{name: (default, type)}`` of the options a job config carries as plain values."""
+    return {f.name: (f.default, f.metadata[_CONFIG]) for f in dataclasses.fields(RunOptions) if _CONFIG in f.metadata}
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """Raises a one-line UsageError unless ``value`` is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}.")

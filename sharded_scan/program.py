@@ -1,0 +1,505 @@
+"""A job resolved once: the combiner as every program runs it, its layout, fingerprint and programs.
+
+:func:`build_program` checks and resolves everything a run needs before any compute:
+the run's policies wrap the combiner, the mesh resolves it (:meth:`Combiner.for_mesh`),
+the layout cuts the rows into steps, the fingerprint names the job, and the compiled
+programs are built (memoized, so a rerun of the same job compiles nothing):
+
+- ``init() -> partials``: one identity accumulator per logical shard, with a leading
+  shard axis sharded over ``data`` (and over the axes ``combiner.partition`` names);
+- ``step(partials, batch, num_valid) -> partials``: each logical shard folds its block
+  of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
+  collective; the partials are donated;
+- ``merge(partials) -> acc``: one collective: a ``psum`` for additive combiners, else one
+  all-gather and a fixed-order tree fold with ``combiner.merge``;
+- ``relayout(leaves, meta) -> partials``: a checkpoint written with another shard count
+  or another resolution of the job, folded and converted onto this one.
+
+Every program traces under ``jax.default_matmul_precision(options.precision)`` and takes
+the combiner's operands (:meth:`Combiner.operands`) as an argument, so new parameter
+values reuse the compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.codehash import code_digests
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.wrappers import apply_policies
+from sharded_scan.errors import UsageError
+from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
+from sharded_scan.mesh import DATA_AXIS, make_mesh
+from sharded_scan.options import RunOptions
+from sharded_scan.prefetch import check_placeable
+from sharded_scan.sources import ArraySource, Source
+
+PyTree = Any
+_log = logging.getLogger(__name__)
+
+
+def cached(build: Callable) -> Callable:
+    """Memoizes a program builder on its (hashable) arguments, so repeated runs of the
+    same job reuse the compiled program instead of tracing and compiling it again."""
+    memo = functools.lru_cache(maxsize=32)(build)
+
+    @functools.wraps(build)
+    def lookup(*args, **kwargs):
+        try:
+            hash((args, tuple(kwargs.items())))
+        except TypeError:  # an unhashable user combiner: build afresh
+            return build(*args, **kwargs)
+        return memo(*args, **kwargs)
+
+    lookup.cache_clear, lookup.cache_info = memo.cache_clear, memo.cache_info
+    return lookup
+
+
+def accumulator_specs(combiner: Combiner, mesh: Mesh | AbstractMesh, *lead: str | None) -> PyTree:
+    """The PartitionSpecs of the accumulator leaves, with ``lead`` axes in front.
+
+    A pytree prefix of the accumulator: ``P(*lead)`` for a replicated combiner, else
+    ``combiner.partition(mesh)`` with ``lead`` prepended to every entry.
+    """
+    parts = combiner.partition(mesh)
+    if parts is None:
+        return P(*lead)
+    return jax.tree.map(lambda p: P(*lead, *p), parts, is_leaf=lambda x: isinstance(x, P))
+
+
+def named(mesh: Mesh, specs: PyTree) -> PyTree:
+    """``NamedSharding``s on ``mesh`` for a pytree (prefix) of PartitionSpecs."""
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def tree_fold(merge: Callable, items: list) -> Any:
+    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order)."""
+    while len(items) > 1:
+        paired = [merge(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        items = paired + ([items[-1]] if len(items) % 2 else [])
+    return items[0]
+
+
+def stacked(combiner: Combiner, spec: PyTree, count: int) -> PyTree:
+    """``count`` identity accumulators along a new leading shard axis (traceable)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (count,) + x.shape), combiner.init(spec))
+
+
+def shards_of(partials: PyTree) -> list[PyTree]:
+    """The per-shard accumulators of stacked ``partials``."""
+    count = jax.tree.leaves(partials)[0].shape[0]
+    return [jax.tree.map(lambda x, i=i: x[i], partials) for i in range(count)]
+
+
+@cached
+def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) -> Callable:
+    """The jitted maker of ``num_shards`` identity accumulators, laid out on ``mesh``."""
+    return jax.jit(
+        lambda: stacked(combiner, spec, num_shards),
+        out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)),
+    )
+
+
+@cached
+def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str) -> Callable:
+    """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
+
+    ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
+    first ``num_valid`` are real. Each logical shard folds its block of rows as
+    ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
+    block is all real rows takes a branch with a constant all-True mask, which XLA
+    folds away.
+    """
+    mb, spc = layout.microbatch, layout.steps_per_call
+    per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
+
+    def fold_shard(bound, acc, rows, valid):
+        micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
+        offsets = jnp.arange(spc, dtype=jnp.int32) * mb
+
+        def ragged(acc, item):
+            offset, batch = item
+            mask = offset + jnp.arange(mb, dtype=jnp.int32) < valid
+            return bound.add(acc, batch, mask), None
+
+        def full(acc, item):
+            return bound.add(acc, item[1], jnp.ones((mb,), bool)), None
+
+        return jax.lax.cond(
+            valid == rows_per_shard,
+            lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
+            lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
+            acc,
+        )
+
+    def local_step(partials, batch, num_valid, operands):
+        bound = combiner.bind(operands)
+        first_row = jax.lax.axis_index(DATA_AXIS) * layout.rows_per_device
+        valid = jnp.clip(num_valid - first_row - jnp.arange(per_device) * rows_per_shard, 0, rows_per_shard)
+        with jax.default_matmul_precision(precision):
+            if per_device == 1:
+                acc = fold_shard(bound, jax.tree.map(lambda x: x[0], partials), batch, valid[0])
+                return jax.tree.map(lambda x: x[None], acc)
+            shards = jax.tree.map(lambda x: x.reshape((per_device, rows_per_shard) + x.shape[1:]), batch)
+            # One shard after another, each with the same scan as a lone shard would run.
+            return jax.lax.map(lambda args: fold_shard(bound, *args), (partials, shards, valid))
+
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    step = jax.shard_map(
+        local_step, mesh=mesh, in_specs=(partial_specs, P(DATA_AXIS), P(), P()), out_specs=partial_specs
+    )
+    return jax.jit(step, donate_argnums=0)
+
+
+@cached
+def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str) -> Callable:
+    """``merge(partials, operands) -> acc``: one collective over ``data``.
+
+    Additive combiners are merged by one ``psum`` unless ``ordered``; otherwise the
+    partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree,
+    which makes the result independent of the device count. The result is on every
+    device, or split over the axes ``combiner.partition`` names (a wide accumulator is
+    summed over ``data`` only, never gathered whole on one device).
+    """
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    merged_specs = accumulator_specs(combiner, mesh)
+    if combiner.additive and not ordered:
+
+        def local_psum(partials, operands):
+            del operands
+            return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
+
+        return jax.jit(
+            jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs, P()), out_specs=merged_specs)
+        )
+
+    def gather_and_fold(partials, operands):
+        everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
+        with jax.default_matmul_precision(precision):
+            return tree_fold(combiner.bind(operands).merge, shards_of(everywhere))
+
+    return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
+
+
+def place(host: PyTree, shardings: PyTree) -> PyTree:
+    """Global jax.Arrays from host arrays every process holds whole (any process count)."""
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx, x=x: np.asarray(x)[idx]), host, shardings
+    )
+
+
+def leaf_shardings(combiner: Combiner, mesh: Mesh, like: PyTree) -> PyTree:
+    """One ``NamedSharding`` per leaf of the stacked partials ``like``."""
+    prefix = named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS))
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, like, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+
+
+def mesh_axes(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axes other than ``data``: what :meth:`Combiner.for_mesh` resolves by."""
+    return {name: int(size) for name, size in dict(mesh.shape).items() if name != DATA_AXIS}
+
+
+def describe_leaves(tree: PyTree) -> list[str]:
+    """Each leaf as ``"path: dtype[shape]"``."""
+    return [
+        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def job_fingerprint(job: Combiner, source: Source, microbatch: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator,
+    the user code in the combiner (:func:`~sharded_scan.codehash.code_digests`) and the size
+    and modification time of every file read (``files``: a change there may be overridden).
+
+    Mesh-independent (the job, not its resolution for a mesh), so a checkpoint resumes
+    on another mesh.
+    """
+    raw = {
+        "combiner": job.fingerprint(),
+        "data": source.describe(),
+        "microbatch": int(microbatch),
+        "accumulator": describe_leaves(jax.eval_shape(job.init, source.spec)),
+        "code": code_digests(job),
+        "files": source.stamps(),
+    }
+    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """Everything a run of one job on one mesh needs; see the module docstring.
+
+    Attributes:
+      combiner: the combiner with the run's policies, resolved for ``mesh``: what every
+        program runs and ``finalize`` finishes.
+      job: the same before the mesh resolved it: what the fingerprint names.
+      spec: one row of the data (pytree of ``jax.ShapeDtypeStruct``).
+      mesh: the devices.
+      layout: how rows map to steps, shards, devices and processes.
+      options: the run's options.
+      fingerprint: what names the job in a checkpoint.
+    """
+
+    combiner: Combiner
+    job: Combiner
+    spec: PyTree
+    mesh: Mesh
+    layout: Layout
+    options: RunOptions
+    fingerprint: dict[str, Any]
+
+    @functools.cached_property
+    def host_operands(self) -> PyTree:
+        return jax.tree.map(np.asarray, self.combiner.operands(self.spec))
+
+    @functools.cached_property
+    def operands(self) -> PyTree:
+        """The combiner's operands, replicated on every device."""
+        replicated = NamedSharding(self.mesh, P())
+        return place(self.host_operands, jax.tree.map(lambda _: replicated, self.host_operands))
+
+    @functools.cached_property
+    def like(self) -> PyTree:
+        """The partials' shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
+        shapes = jax.eval_shape(lambda: stacked(self.combiner, self.spec, self.layout.num_shards))
+        shardings = leaf_shardings(self.combiner, self.mesh, shapes)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+    @property
+    def shape_meta(self) -> dict[str, Any]:
+        """How the partials are laid out, for a checkpoint: shard count and non-``data`` axes."""
+        return {"shards": self.layout.num_shards, "axes": mesh_axes(self.mesh)}
+
+    def init(self) -> PyTree:
+        """Identity partials, one accumulator per logical shard."""
+        return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards)()
+
+    def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
+        """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
+        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
+        return compiled(partials, batch, np.int32(num_valid), self.operands)
+
+    def merge(self, partials: PyTree) -> PyTree:
+        """The one collective merge of every shard's partial."""
+        ordered = self.options.logical_shards is not None
+        return compile_merge(self.combiner, self.mesh, ordered, self.options.precision)(partials, self.operands)
+
+    def lower_step(self) -> jax.stages.Lowered:
+        """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
+        rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
+        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
+        return compiled.lower(self.like, batch, np.int32(0), self.operands)
+
+    def lower_merge(self) -> jax.stages.Lowered:
+        """The merge lowered for this program's partials."""
+        ordered = self.options.logical_shards is not None
+        return compile_merge(self.combiner, self.mesh, ordered, self.options.precision).lower(self.like, self.operands)
+
+    def finalize(self, merged: PyTree) -> Any:
+        """The result from the merged accumulator (host numpy)."""
+        return self.combiner.finalize(merged)
+
+    def relayout(self, leaves: list[np.ndarray], meta: dict[str, Any]) -> PyTree:
+        """Partials from a checkpoint's host ``leaves`` written with another shape (``meta``).
+
+        With the same shard count each shard's accumulator is converted to this mesh's
+        resolution of the job on its own (bitwise the state it saved, for a lossless
+        conversion). Otherwise the saved shards are merged in a fixed tree by the
+        combiner as it was resolved for the mesh that wrote them, converted, and laid out
+        as ``[merged, identity, ...]`` over this run's shards.
+
+        Raises:
+          UsageError: the leaves are not what this job writes on such a mesh.
+        """
+        axes = {str(k): int(v) for k, v in meta["axes"].items()}
+        saved = self.job.for_mesh(AbstractMesh((1, *axes.values()), (DATA_AXIS, *axes)))
+        expect = jax.eval_shape(lambda: stacked(saved, self.spec, int(meta["shards"])))
+        want = jax.tree.leaves(expect)
+        problem = None if len(leaves) == len(want) else f"{len(leaves)} accumulator leaves there but {len(want)} here"
+        for i, (got, leaf) in enumerate(zip(leaves, want, strict=False)):
+            if problem is None and (got.shape != leaf.shape or got.dtype != leaf.dtype):
+                problem = f"accumulator leaf {i} is {got.dtype.name}{list(got.shape)} there but " \
+                          f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} here"
+        if problem is not None:
+            raise UsageError(f"the checkpoint belongs to a different job: {problem}; "
+                             "rerun with the original settings, or use a new checkpoint directory.")
+        saved_partials = jax.tree.structure(expect).unflatten(leaves)
+        target, spec, shards = self.combiner, self.spec, self.layout.num_shards
+
+        def fold(saved_partials, operands):
+            here, there = target.bind(operands), saved.bind(operands)
+            with jax.default_matmul_precision(self.options.precision):
+                if int(meta["shards"]) == shards:  # shard by shard: a logical shard's state stays its own
+                    return jax.vmap(lambda acc: here.convert(acc, there))(saved_partials)
+                converted = here.convert(tree_fold(there.merge, shards_of(saved_partials)), there)
+                return jax.tree.map(
+                    lambda m, z: jnp.concatenate([m[None], jnp.broadcast_to(z[None], (shards - 1,) + z.shape)]),
+                    converted, here.init(spec),
+                )
+
+        host = jax.tree.map(np.asarray, jax.jit(fold)(saved_partials, self.host_operands))
+        return place(host, jax.tree.map(lambda s: s.sharding, self.like))
+
+
+DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+@functools.cache
+def warn_if_not_reproducible(platform: str, xla_flags: str) -> None:
+    """Logs once when ``logical_shards`` cannot promise bitwise results on ``platform``.
+
+    XLA's GPU reductions and scatters may use atomics, whose order varies from run to
+    run, unless XLA runs in its deterministic mode. CPU and TPU need nothing.
+    """
+    if platform in ("gpu", "cuda", "rocm") and DETERMINISTIC_GPU_FLAG not in xla_flags:
+        _log.warning(
+            "logical_shards makes results bitwise reproducible on GPUs only with XLA_FLAGS=%s set before JAX "
+            "starts (XLA's GPU reductions may otherwise use atomics); without it they agree to float rounding.",
+            DETERMINISTIC_GPU_FLAG,
+        )
+
+
+def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Program:
+    """Checks and resolves the job ``combiner`` over ``source`` with ``options``; no compute yet.
+
+    Raises:
+      UsageError: a bad combiner, data, mesh or option.
+    """
+    if not isinstance(combiner, Combiner):
+        raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
+    job = apply_policies(combiner, nan_policy=options.nan_policy, compensated=options.compensated)
+    if source.num_rows == 0:
+        raise UsageError("the data has zero rows; there is nothing to reduce.")
+    empty = [f"{np.dtype(s.dtype).name}{list(s.shape)}" for s in jax.tree.leaves(source.spec) if 0 in s.shape]
+    if empty:
+        raise UsageError(f"the data's rows hold no values (rows of {', '.join(empty)}); there is nothing to reduce "
+                         "per row: check the data's columns.")
+    job.check_spec(source.spec)
+    check_placeable(source.spec)
+    mesh = make_mesh(options.mesh)
+    microbatch, steps_per_call = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
+    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, options.logical_shards)
+    if options.logical_shards is not None:
+        warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))
+    program = Program(
+        combiner=job.for_mesh(mesh),
+        job=job,
+        spec=source.spec,
+        mesh=mesh,
+        layout=layout,
+        options=options,
+        fingerprint=job_fingerprint(job, source, microbatch),
+    )
+    check_fits(program)
+    return program
+
+
+GIB = 1 << 30
+
+
+def _largest_temporary(program: Program) -> int:
+    """Bytes of the largest value one ``add`` of a micro-batch makes (0 when it cannot be traced alone)."""
+    mb = program.layout.microbatch
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mb, *s.shape), s.dtype), program.spec)
+    try:
+        operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                program.host_operands)
+        acc = jax.eval_shape(program.combiner.init, program.spec)
+        jaxpr = jax.make_jaxpr(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m))(
+            operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
+    except Exception:  # noqa: BLE001 - e.g. an add that needs the mesh's axes: no estimate
+        return 0
+    sizes = [0]
+    for eqn in jaxpr.jaxpr.eqns:
+        sizes += [int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in eqn.outvars
+                  if hasattr(v.aval, "shape")]
+    return max(sizes)
+
+
+def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int]:
+    """Bytes one device of ``program`` holds at its peak, by part; worked out before compiling.
+
+    ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
+    ``rows``: the step's rows in flight (``prefetch`` steps ahead, one folding, one read);
+    ``merge``: the partials the merge gathers (all shards, unless one ``psum`` sums them in
+    place); ``temporary`` (with ``temporaries``; it needs the combiner's operands): the
+    largest value one micro-batch's ``add`` makes.
+    """
+    layout = program.layout
+    leaves = jax.tree.leaves(program.like)
+    accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
+    per_shard = accumulator // max(layout.shards_per_device, 1)
+    gathered = not program.combiner.additive or program.options.logical_shards is not None
+    rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
+    return {
+        "accumulator": accumulator,
+        "rows": layout.rows_per_device * rows * (program.options.prefetch + 2),
+        "merge": per_shard * (layout.num_shards if gathered else 1),
+        "temporary": _largest_temporary(program) if temporaries else 0,
+    }
+
+
+def _available(device: Any) -> tuple[int | None, str]:
+    """Memory one device may use, and what it is: an accelerator's limit, or the host's free memory."""
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        limit = None
+    if limit:
+        return int(limit), f"{device.platform.upper()} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "available host memory"
+    except (OSError, KeyError, ValueError):
+        return None, ""
+
+
+def check_fits(program: Program) -> None:
+    """Raises a one-line UsageError when the job cannot fit in memory (before anything compiles).
+
+    On an accelerator each device's peak is compared with its limit; CPU devices share the
+    host's available memory, with the merged accumulator's host copies on top. The parts
+    known from shapes alone are checked first, so a hopeless accumulator is refused before
+    the combiner's operands are made.
+    """
+    device = program.mesh.devices.flat[0]
+    limit, what = _available(device)
+    if limit is None:
+        return
+    for temporaries in (False, True):
+        parts = memory_estimate(program, temporaries)
+        peak = max(parts["accumulator"] + parts["rows"] + parts["temporary"], parts["accumulator"] + parts["merge"])
+        local = len(program.mesh.local_devices) if device.platform == "cpu" else 1
+        need = peak * local + (2 * parts["merge"] if device.platform == "cpu" else 0)
+        if need > limit:
+            shown = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts.items() if value)
+            devices = f"{local} devices x " if local > 1 else ""
+            raise UsageError(
+                f"this job needs about {need / GIB:.1f} GiB ({devices}{peak / GIB:.2f} GiB at the peak: {shown}), more "
+                f"than the {limit / GIB:.1f} GiB of {what}; make the accumulator smaller (fewer bins or columns), "
+                "split it over a 'model' mesh axis where the combiner can (Gram), or lower logical_shards, "
+                "microbatch, steps_per_call or prefetch."
+            )
+
+
+def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: RunOptions | None = None) -> Program:
+    """The program for ``num_rows`` rows of ``spec``, without data (for benchmarks and HLO checks)."""
+    zeros = jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), (num_rows, *s.shape)), spec)
+    return build_program(combiner, ArraySource(zeros), options or RunOptions())

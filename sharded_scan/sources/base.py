@@ -1,0 +1,129 @@
+"""The Source protocol: a dataset's rows, readable by range, and how a read is laid out."""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sharded_scan.errors import UsageError
+
+PyTree = Any
+
+ALIGN = 64  # bytes; the CPU runtime places arrays aligned like this without a copy
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``ALIGN``-byte boundary.
+
+    Sources return reads in such arrays: on CPU devices placing them is zero-copy, so
+    placement does not compete with the devices' compute for memory bandwidth.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def file_stamp(stat: os.stat_result) -> str:
+    """A file's size and modification time (to the nanosecond), as the fingerprint holds them."""
+    seconds, nanos = divmod(stat.st_mtime_ns, 10**9)
+    return f"{stat.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(seconds))}.{nanos:09d}"
+
+
+def row_spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape[1:]), np.dtype(dtype))
+
+
+class Source(abc.ABC):
+    """Rows of a dataset, readable by range."""
+
+    @property
+    @abc.abstractmethod
+    def num_rows(self) -> int:
+        """The number of rows."""
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> PyTree:
+        """A pytree of ``jax.ShapeDtypeStruct``: shape and dtype of one row per leaf."""
+
+    @abc.abstractmethod
+    def read(self, start: int, stop: int) -> PyTree:
+        """Returns rows ``[start, stop)`` as a pytree of numpy arrays."""
+
+    @property
+    def resumable(self) -> bool:
+        """Whether reading can restart at any cursor (with the state of ``state_at``)."""
+        return True
+
+    @property
+    def sequential(self) -> bool:
+        """Whether reads must go forward only (``start`` never below the last ``stop``)."""
+        return False
+
+    def state_at(self, cursor: int) -> dict[str, Any]:
+        """What a checkpoint stores, besides ``cursor``, to resume reading at ``cursor``."""
+        del cursor
+        return {}
+
+    def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
+        """Prepares the source for reads from row ``cursor`` on.
+
+        Raises:
+          UsageError: ``cursor`` is outside ``[0, num_rows]`` or the source cannot resume there.
+        """
+        del state
+        if not 0 <= cursor <= self.num_rows:
+            raise UsageError(f"cannot resume at row {cursor}: the data has {self.num_rows} rows.")
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies the data for a checkpoint fingerprint: kind, rows, row spec."""
+        return {
+            "source": type(self).__name__,
+            "num_rows": self.num_rows,
+            "spec": jax.tree.map(lambda s: f"{np.dtype(s.dtype).name}{list(s.shape)}", self.spec),
+        }
+
+    def stamps(self) -> dict[str, str]:
+        """``{path: file_stamp}`` of every file the source reads (empty for data in memory).
+
+        Part of the job's fingerprint: a rerun whose data changed since its checkpoint is
+        refused in one line instead of resumed onto other rows, and a finished job is
+        not "already done" any more.
+        """
+        return {}
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.num_rows:
+            raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows}).")
+
+
+def check_unmasked(x: Any, who: str) -> Any:
+    """``x``, unless it is a numpy masked array with masked entries (one-line UsageError).
+
+    ``np.asarray`` would drop the mask and reduce the values under it: a silently wrong
+    answer. Refused rather than guessed at (skipping rows with a masked entry is not what
+    ``numpy.ma`` computes per column).
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        masked = int(np.ma.count_masked(x))
+        if masked:
+            raise UsageError(
+                f"{who} is a numpy masked array with {masked} masked entries, and its values under the mask would be "
+                "reduced as they are; pass x.filled(np.nan) with nan_policy='omit' to skip rows holding a masked "
+                "entry, or x.filled(value) to count them as value."
+            )
+    return x
+
+
+def num_rows_of(tree: PyTree) -> int:
+    """The leading (row) dimension of a pytree of arrays."""
+    return int(jax.tree.leaves(tree)[0].shape[0])

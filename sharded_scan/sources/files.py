@@ -1,0 +1,279 @@
+"""Sources on disk: ``.npy`` files, directories of ``.npy`` shards, and zarr arrays."""
+
+from __future__ import annotations
+
+import glob
+import math
+import mmap
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sharded_scan.combiners.base import check_numeric
+from sharded_scan.errors import UsageError
+from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, row_spec
+
+
+def natural_key(path: str) -> list:
+    """Sorts ``part-2`` before ``part-10``: digit runs compare as numbers."""
+    return [int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", path)]
+
+
+class _NpyFile:
+    """One ``.npy`` file: its header, and row ranges read into private memory (or mapped).
+
+    Every read first checks that the file still has the size and modification time it
+    had when the source was built, and reads with ``pread``: a file changed or cut
+    short while the job runs is one :class:`UsageError` line. With ``zero_copy`` the
+    rows are handed on as a view of a memory map instead (no copy; the devices read the
+    page cache), and a file truncated while a view is in use ends the process with a
+    bus error.
+    """
+
+    def __init__(self, path: str, zero_copy: bool = False):
+        self.zero_copy = bool(zero_copy)
+        if not os.path.isfile(path):
+            raise UsageError(f"no such .npy file: {path!r}; check the path.")
+        try:
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                fmt = np.lib.format
+                header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                shape, fortran, dtype = header(f)
+                self.offset = f.tell()
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read {path!r} as a .npy file ({e}); check the file.") from None
+        if dtype.hasobject:
+            raise UsageError(f"{path!r} holds Python objects; save a numeric array instead.")
+        check_numeric(dtype, f"the .npy file {path!r}")
+        if len(shape) == 0:
+            raise UsageError(f"{path!r} holds a scalar; a .npy source needs a leading row dimension.")
+        if fortran and len(shape) > 1:
+            raise UsageError(f"{path!r} is stored in Fortran order; save it with np.save(np.ascontiguousarray(x)).")
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        if os.path.getsize(path) < self.offset + row_bytes * shape[0]:
+            raise UsageError(f"{path!r} is shorter than its header says ({shape}); the file is truncated.")
+        self.path, self.shape, self.dtype, self.row_bytes = path, tuple(shape), dtype, row_bytes
+        self.stat = os.stat(path)
+
+    @property
+    def stamp(self) -> str:
+        return file_stamp(self.stat)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if stop <= start or self.row_bytes == 0:
+            return np.zeros((max(stop - start, 0),) + self.shape[1:], self.dtype)
+        begin, shape = self.offset + start * self.row_bytes, (stop - start,) + self.shape[1:]
+        with open(self.path, "rb") as f:
+            self._check_unchanged(os.fstat(f.fileno()), start, stop)
+            if self.zero_copy:
+                return _mapped_rows(f, begin, shape, self.dtype)
+            rows = aligned_empty(shape, self.dtype)
+            got = os.preadv(f.fileno(), [memoryview(rows).cast("B")], begin)
+        if got != rows.nbytes:
+            self._check_unchanged(os.stat(self.path), start, stop)
+            raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
+                             f"{begin + rows.nbytes}; check the file.")
+        return rows
+
+    def _check_unchanged(self, now: os.stat_result, start: int, stop: int) -> None:
+        if (now.st_size, now.st_mtime_ns, now.st_ino) != (self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ino):
+            raise UsageError(
+                f"{self.path!r} changed while the job read it (at rows {start}..{stop - 1}): it was "
+                f"{file_stamp(self.stat)}, it is {file_stamp(now)}; put the original back and rerun the same "
+                "command to resume, or run the new data in a new workdir."
+            )
+
+
+def _mapped_rows(f: Any, begin: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Rows of an open file as a read-only view of a memory map of just them, faulted in now.
+
+    No copy: on CPU devices placing the view is zero-copy too, so the devices read the
+    page cache directly. The map lives as long as the view (and what is placed from it);
+    ``MAP_POPULATE`` makes the reader thread, not the compute, pay the page faults.
+    Rows that do not start on an ``ALIGN`` boundary are copied out of a map of just them
+    into aligned memory (resident memory stays one chunk).
+    """
+    if begin % ALIGN:
+        mapped = np.memmap(f, dtype, "r", begin, shape)
+        rows = aligned_empty(mapped.shape, dtype)
+        rows[...] = mapped
+        del mapped
+        return rows
+    nbytes = math.prod(shape) * dtype.itemsize
+    page_start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapped = mmap.mmap(f.fileno(), begin - page_start + nbytes, flags=flags, prot=mmap.PROT_READ, offset=page_start)
+    return np.frombuffer(mapped, dtype, math.prod(shape), begin - page_start).reshape(shape)
+
+
+class NpySource(Source):
+    """One ``.npy`` file, read by row range; never loaded whole.
+
+    Args:
+      path: the file.
+      zero_copy: hand rows on as views of a memory map instead of reading them into
+        private memory: no copy (faster on CPU devices), but a file truncated while the
+        job runs then ends it with a bus error instead of one line.
+    """
+
+    def __init__(self, path: str | os.PathLike, zero_copy: bool = False):
+        self._file = _NpyFile(os.fspath(path), zero_copy)
+
+    @property
+    def path(self) -> str:
+        return self._file.path
+
+    @property
+    def num_rows(self) -> int:
+        return self._file.shape[0]
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._file.shape, self._file.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        return self._file.read(start, stop)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": os.path.abspath(self.path)}
+
+    def stamps(self) -> dict[str, str]:
+        return {os.path.abspath(self.path): self._file.stamp}
+
+
+class NpyShardsSource(Source):
+    """Several ``.npy`` shards read as one row-concatenated array.
+
+    Args:
+      shards: a directory (its ``*.npy`` files), a glob pattern, or a list of paths.
+        Directory and glob matches are taken in natural order: ``part-2`` before
+        ``part-10`` (digit runs compare as numbers); a list keeps its order.
+      zero_copy: as :class:`NpySource`.
+    """
+
+    def __init__(self, shards: str | os.PathLike | Sequence[str | os.PathLike], zero_copy: bool = False):
+        if isinstance(shards, (str, os.PathLike)):
+            where = os.fspath(shards)
+            pattern = os.path.join(where, "*.npy") if os.path.isdir(where) else where
+            paths = sorted(glob.glob(pattern), key=natural_key)
+        else:
+            where, paths = "the list", [os.fspath(p) for p in shards]
+        if not paths:
+            raise UsageError(f"no .npy shards found in {where!r}; give a directory, a glob or a list of .npy files.")
+        self._files = [_NpyFile(p, zero_copy) for p in paths]
+        first = self._files[0]
+        for f in self._files[1:]:
+            if f.shape[1:] != first.shape[1:] or f.dtype != first.dtype:
+                raise UsageError(
+                    f"shard {f.path!r} has rows {f.dtype}{list(f.shape[1:])} but {first.path!r} has "
+                    f"{first.dtype}{list(first.shape[1:])}; every shard needs the same features and dtype."
+                )
+        self._starts = np.cumsum([0] + [f.shape[0] for f in self._files])
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self._files]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._files[0].shape, self._files[0].dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        first = self._files[0]
+        out = aligned_empty((stop - start,) + first.shape[1:], first.dtype)
+        for i, f in enumerate(self._files):
+            lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+            if lo < hi:
+                out[lo - start : hi - start] = f.read(lo - self._starts[i], hi - self._starts[i])
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "paths": [os.path.abspath(p) for p in self.paths]}
+
+    def stamps(self) -> dict[str, str]:
+        return {os.path.abspath(f.path): f.stamp for f in self._files}
+
+
+class ZarrSource(Source):
+    """A zarr array (v2 or v3) read through tensorstore.
+
+    Args:
+      path: a local directory, or a URL tensorstore's kvstore understands (``file://``,
+        ``gs://``, ``s3://``, ...).
+      driver: ``"zarr"`` (v2), ``"zarr3"``, or ``None`` to detect it.
+      fill_missing: read a chunk that is not stored as the array's fill value. Off by
+        default: a missing chunk is then one :class:`UsageError` line naming it, never
+        silently zeros (zarr writers skip chunks that hold only the fill value unless told
+        to write empty chunks; pass True for such arrays).
+    """
+
+    def __init__(self, path: str | os.PathLike, driver: str | None = None, fill_missing: bool = False):
+        import tensorstore as ts
+
+        path = os.fspath(path)
+        local = "://" not in path
+        if local and not os.path.isdir(path):
+            raise UsageError(f"no such zarr directory: {path!r}; check the path.")
+        kvstore = {"driver": "file", "path": os.path.abspath(path)} if local else path
+        if driver is None and local:
+            driver = "zarr3" if os.path.exists(os.path.join(path, "zarr.json")) else "zarr"
+        errors = []
+        for candidate in [driver] if driver else ["zarr3", "zarr"]:
+            try:
+                spec = {"driver": candidate, "kvstore": kvstore, "fill_missing_data_reads": bool(fill_missing)}
+                self._store = ts.open(spec, open=True, read=True).result()
+                break
+            except ValueError as e:
+                errors.append(str(e).splitlines()[0])
+        else:
+            raise UsageError(f"cannot open {path!r} as a zarr array ({'; '.join(errors)}).")
+        self._path, self._driver, self._fill_missing = path, driver, bool(fill_missing)
+        self._dtype = np.dtype(self._store.dtype.numpy_dtype)
+        check_numeric(self._dtype, f"the zarr array {path!r}")
+        if self._store.rank == 0:
+            raise UsageError(f"{path!r} holds a scalar; a zarr source needs a leading row dimension.")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._store.shape[0])
+
+    @property
+    def spec(self) -> PyTree:
+        return row_spec(self._store.shape, self._dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        self._check_range(start, stop)
+        try:
+            return np.asarray(self._store[start:stop].read().result())
+        except ValueError as e:
+            if "NOT_FOUND" not in str(e) or "missing" not in str(e):
+                raise
+            chunk = str(e).split("NOT_FOUND:", 1)[1].strip()
+            raise UsageError(
+                f"the zarr array {self._path!r} lacks a chunk that rows {start}..{stop - 1} need ({chunk}); "
+                "restore it, or pass ZarrSource(path, fill_missing=True) (--config.data.zarr_fill_missing=true) to "
+                f"read missing chunks as the fill value {self._store.fill_value}."
+            ) from None
+
+    def describe(self) -> dict[str, Any]:
+        where = self._path if "://" in self._path else os.path.abspath(self._path)
+        return {**super().describe(), "path": where, "fill_missing": self._fill_missing}
+
+    def stamps(self) -> dict[str, str]:
+        """The array's metadata file and its directory (cheap: a chunk rewritten in place,
+        deep in a nested zarr3 layout, does not show)."""
+        if "://" in self._path:
+            return {}
+        root = os.path.abspath(self._path)
+        found = [os.path.join(root, n) for n in (".zarray", "zarr.json", "c") if os.path.exists(os.path.join(root, n))]
+        return {p: file_stamp(os.stat(p)) for p in [root, *found]}

@@ -1,0 +1,287 @@
+"""Columnar data users keep: Parquet and Arrow/Feather datasets, CSV files, pandas DataFrames.
+
+Columns are chosen by name and laid out as the combiner wants its rows: one name gives
+``(rows,)``, a list of names ``(rows, len(list))``, and a pytree of those a pytree of
+arrays, e.g. ``columns=(["year", "income", "age"], "price")`` for ``(X, y)``. Every value
+keeps its precision: the row dtype is the columns' common numpy type (float64 for
+doubles, which needs ``jax_enable_x64``) unless ``dtype=`` says otherwise. Nulls become
+NaN (so ``nan_policy`` applies) in float dtypes and are an error in integer ones;
+string and categorical columns are refused with the names of the numeric ones.
+
+pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sharded_scan.errors import UsageError
+from sharded_scan.sources.base import PyTree, Source, aligned_empty, row_spec
+from sharded_scan.sources.memory import ArraySource
+
+Columns = Any  # a name, a list of names, or a pytree of those
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.csv
+        import pyarrow.dataset  # noqa: F401 - loads the submodule
+    except ImportError:
+        raise UsageError("reading Parquet, Arrow or CSV needs pyarrow: pip install 'sharded_scan[tabular]'.") from None
+    return pyarrow
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, str) or (isinstance(x, list) and all(isinstance(n, str) for n in x))
+
+
+def _leaves(columns: Columns) -> tuple[list, Any]:
+    """The column selections (a name or a list of names) of ``columns`` and their tree."""
+    return jax.tree.flatten(columns, is_leaf=_is_names)
+
+
+def _numeric(arrow_type: Any) -> bool:
+    pa = _pyarrow()
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
+
+
+def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str) -> tuple[Columns, np.dtype]:
+    """Checks ``columns`` against an Arrow ``schema``; returns the selection and the row dtype.
+
+    ``columns=None`` selects every numeric column as one ``(rows, d)`` array.
+    """
+    numeric = [f.name for f in schema if _numeric(f.type)]
+    if columns is None:
+        if not numeric:
+            raise UsageError(f"{where} has no numeric column (its columns: {', '.join(schema.names)}).")
+        columns = numeric
+    selections, _ = _leaves(columns)
+    if not selections or not all(_is_names(s) for s in selections):
+        raise UsageError(f"columns must be a column name, a list of names, or a pytree of those; got {columns!r}.")
+    for selection in selections:
+        for name in [selection] if isinstance(selection, str) else selection:
+            if name not in schema.names:
+                raise UsageError(f"{where} has no column {name!r}; its columns are: {', '.join(schema.names)}.")
+            if name not in numeric:
+                raise UsageError(
+                    f"column {name!r} of {where} is {schema.field(name).type}, not a number; leave it out of "
+                    f"columns= (the numeric ones: {', '.join(numeric)}) or encode it as integers first."
+                )
+    if dtype is None:
+        types = [schema.field(n).type.to_pandas_dtype() for s in selections for n in ([s] if isinstance(s, str) else s)]
+        dtype = np.result_type(*types)
+    dtype = np.dtype(dtype)
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        raise UsageError(f"dtype must be a numeric numpy dtype, got {dtype}.")
+    return columns, dtype
+
+
+def table_rows(table: Any, columns: Columns, dtype: np.dtype, first_row: int, where: str) -> PyTree:
+    """The selected columns of an Arrow ``table`` as numpy arrays of ``dtype`` (nulls as NaN)."""
+    selections, tree = _leaves(columns)
+
+    def column(name: str) -> np.ndarray:
+        values = table.column(name)
+        if values.null_count and not np.issubdtype(dtype, np.floating):
+            raise UsageError(
+                f"column {name!r} of {where} has nulls near row {first_row}, which {dtype} cannot hold; "
+                "pass dtype='float32' (or float64) to read them as NaN."
+            )
+        return np.asarray(values.to_numpy(zero_copy_only=False), dtype)
+
+    def leaf(selection):
+        if isinstance(selection, str):
+            return column(selection)
+        out = aligned_empty((table.num_rows, len(selection)), dtype)
+        for j, name in enumerate(selection):
+            out[:, j] = column(name)
+        return out
+
+    return tree.unflatten([leaf(s) for s in selections])
+
+
+def _spec(columns: Columns, dtype: np.dtype) -> PyTree:
+    selections, tree = _leaves(columns)
+    return tree.unflatten([row_spec((0,) if isinstance(s, str) else (0, len(s)), dtype) for s in selections])
+
+
+def _paths(path: str | os.PathLike | Sequence) -> list[str] | str:
+    """A list of files for a glob or a list; a directory or URL as it is."""
+    if isinstance(path, (list, tuple)):
+        return [os.fspath(p) for p in path]
+    path = os.fspath(path)
+    if "://" not in path and any(c in path for c in "*?["):
+        found = sorted(glob.glob(path))
+        if not found:
+            raise UsageError(f"no files match {path!r}; check the pattern.")
+        return found
+    return path
+
+
+class ParquetSource(Source):
+    """A Parquet (or Arrow IPC / Feather) dataset, read by row range through ``pyarrow.dataset``.
+
+    Random access: the dataset's row groups (whole files for Arrow IPC) are indexed by
+    their first row when the source is built (metadata only), and a read decodes just the
+    row groups it overlaps, so each process reads only its own rows.
+
+    Args:
+      path: a file, a directory, a glob, a list of files, or a URL pyarrow's filesystems
+        know (``gs://``, ``s3://``). Files are read in sorted order.
+      columns: see the module docstring; None for every numeric column.
+      dtype: the row dtype; None for the columns' common type.
+      format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
+    """
+
+    def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
+                 format: str = "parquet"):  # noqa: A002 - pyarrow's word
+        pa = _pyarrow()
+        self._where = str(path)
+        try:
+            self._dataset = pa.dataset.dataset(_paths(path), format=format)
+            fragments = sorted(self._dataset.get_fragments(), key=lambda f: f.path)
+            units = []
+            for fragment in fragments:
+                groups = getattr(fragment, "row_groups", None)
+                if groups:
+                    units += [(fragment.subset(row_group_ids=[g.id]), g.num_rows) for g in groups]
+                else:
+                    units.append((fragment, fragment.count_rows()))
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
+        self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where))
+        self._units = [u for u, n in units if n]
+        self._starts = np.cumsum([0] + [n for _, n in units if n])
+        self._cached: tuple[int, Any] | None = None
+        self._format = format
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def spec(self) -> PyTree:
+        return _spec(self._columns, self._dtype)
+
+    def _unit(self, i: int) -> Any:
+        if self._cached is None or self._cached[0] != i:  # the reader asks for consecutive ranges
+            names = sorted({n for s in _leaves(self._columns)[0] for n in ([s] if isinstance(s, str) else s)})
+            self._cached = (i, self._units[i].to_table(columns=names))
+        return self._cached[1]
+
+    def read(self, start: int, stop: int) -> PyTree:
+        self._check_range(start, stop)
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pieces = []
+        i = max(first, 0)
+        while i < len(self._units) and self._starts[i] < stop:
+            lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+            table = self._unit(i).slice(lo - self._starts[i], hi - lo)
+            pieces.append(table_rows(table, self._columns, self._dtype, int(lo), repr(self._where)))
+            i += 1
+        return _concat(pieces, self.spec)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": self._where, "columns": repr(self._columns), "format": self._format}
+
+
+def _concat(pieces: list[PyTree], spec: PyTree) -> PyTree:
+    if len(pieces) == 1:
+        return pieces[0]
+    empty = jax.tree.map(lambda s: np.zeros((0, *s.shape), s.dtype), spec)
+    return jax.tree.map(lambda *xs: np.concatenate(xs), empty, *pieces)
+
+
+class CsvSource(Source):
+    """A CSV file read forward with pyarrow's streaming reader.
+
+    The rows are counted once when the source is built (one streaming pass). Reads go
+    forward; resuming at row ``cursor`` reopens the file and skips ``cursor`` rows, so the
+    cursor alone says where to resume.
+
+    Args:
+      path: the CSV file (with a header row).
+      columns: see the module docstring; None for every numeric column.
+      dtype: the row dtype; None for the columns' common type.
+      block_bytes: bytes pyarrow decodes at a time.
+    """
+
+    def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
+                 block_bytes: int = 1 << 24):
+        pa = _pyarrow()
+        self._path, self._block_bytes = os.fspath(path), int(block_bytes)
+        if not os.path.isfile(self._path):
+            raise UsageError(f"no such CSV file: {self._path!r}; check the path.")
+        try:
+            reader = self._open()
+            self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path))
+            self._num_rows = sum(batch.num_rows for batch in reader)
+        except pa.ArrowException as e:
+            raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
+        self._reader, self._position, self._buffer = None, 0, None
+
+    def _open(self) -> Any:
+        pa = _pyarrow()
+        return pa.csv.open_csv(self._path, read_options=pa.csv.ReadOptions(block_size=self._block_bytes))
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def spec(self) -> PyTree:
+        return _spec(self._columns, self._dtype)
+
+    @property
+    def sequential(self) -> bool:
+        return True
+
+    def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
+        super().seek(cursor, state)
+        self._reader, self._position, self._buffer = self._open(), 0, None
+        self.read(cursor, cursor)
+
+    def read(self, start: int, stop: int) -> PyTree:
+        self._check_range(start, stop)
+        if start < self._position:
+            raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
+        if self._reader is None:
+            self._reader = self._open()
+        pieces = []
+        while self._position < stop:
+            if self._buffer is None or self._buffer.num_rows == 0:
+                self._buffer = self._reader.read_next_batch()
+            skip = max(start - self._position, 0)
+            take = min(self._buffer.num_rows, stop - self._position)
+            if skip < take:
+                piece = self._buffer.slice(skip, take - skip)
+                pieces.append(table_rows(piece, self._columns, self._dtype, self._position + skip, repr(self._path)))
+            self._buffer = self._buffer.slice(take)
+            self._position += take
+        return _concat(pieces, self.spec) if pieces else jax.tree.map(
+            lambda s: np.zeros((0, *s.shape), s.dtype), self.spec
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._columns)}
+
+
+def dataframe_source(frame: Any, columns: Columns = None, dtype: Any = None) -> ArraySource:
+    """A pandas (or polars) DataFrame's columns as an in-memory source (see the module docstring).
+
+    Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes.
+    """
+    pa = _pyarrow()
+    try:
+        table = pa.Table.from_pandas(frame, preserve_index=False) if hasattr(frame, "iloc") else frame.to_arrow()
+    except (AttributeError, TypeError, pa.ArrowException) as e:
+        raise UsageError(f"cannot read the {type(frame).__name__} as columns: {str(e).splitlines()[0]}") from None
+    columns, dtype = resolve_columns(table.schema, columns, dtype, f"the {type(frame).__name__}")
+    return ArraySource(table_rows(table, columns, dtype, 0, f"the {type(frame).__name__}"))

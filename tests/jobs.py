@@ -1,0 +1,54 @@
+"""Data a job config can name with ``--config.data.kind=python --config.data.factory=tests.jobs:NAME``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from sharded_scan.sources import IteratorSource
+
+BATCH_ROWS = (97, 131, 256)  # ragged against every step size
+
+
+class ResumableBatches:
+    """Deterministic ragged batches of ``(rows, features)`` with ``get_state``/``set_state``,
+    like a grain iterator: ``iter()`` continues from the current state."""
+
+    def __init__(self, num_rows: int, features: int, seed: int = 0, delay: float = 0.0):
+        self.num_rows, self.features, self.seed, self.delay = num_rows, features, seed, delay
+        self._batch, self._row = 0, 0
+
+    def get_state(self) -> dict:
+        return {"batch": self._batch, "row": self._row}
+
+    def set_state(self, state: dict) -> None:
+        self._batch, self._row = int(state["batch"]), int(state["row"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self._row >= self.num_rows:
+            raise StopIteration
+        n = min(BATCH_ROWS[self._batch % len(BATCH_ROWS)], self.num_rows - self._row)
+        rows = np.random.default_rng([self.seed, self._batch]).normal(3.0, 2.0, size=(n, self.features))
+        self._batch, self._row = self._batch + 1, self._row + n
+        if self.delay:
+            time.sleep(self.delay)
+        return rows.astype(np.float32)
+
+    def all_rows(self) -> np.ndarray:
+        """Every row, from a fresh copy (the reference)."""
+        fresh = ResumableBatches(self.num_rows, self.features, self.seed)
+        return np.concatenate(list(fresh))
+
+
+def iterator_source(num_rows: int = 5000, features: int = 3, delay: float = 0.0) -> IteratorSource:
+    """An IteratorSource over fresh :class:`ResumableBatches`."""
+    return IteratorSource(ResumableBatches(num_rows, features, delay=delay), num_rows)
+
+
+def slow_iterator_source() -> IteratorSource:
+    """40,000 rows of 4 features at about 2 ms a batch: long enough to be killed mid-run."""
+    return iterator_source(40_000, 4, delay=0.002)

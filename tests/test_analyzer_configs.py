@@ -1,0 +1,52 @@
+"""configs/quantiles.py, distinct.py, topk.py (their quick runs are in test_launch.py): answers, bad kwargs."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from launch.data import make_combiner, make_source
+from launch.main import named_arrays, run_job
+from tests import cli
+from tests.helpers import assert_usage_error
+
+
+def quick(name):
+    return importlib.import_module(f"configs.{name}").get_config("quick")
+
+
+def test_quick_quantiles_config_gives_numpy_answers():
+    cli.needs_synthetic_source()
+    config = quick("quantiles")
+    source = make_source(config.data)
+    got = ss.run(make_combiner(config.combiner), source, mesh="data:4", microbatch=config.microbatch)
+    x = source.read(0, source.num_rows)  # 1000 rows: nothing compacted, so numpy's answers exactly
+    np.testing.assert_array_equal(got.quantiles, np.quantile(x, got.qs, axis=0, method="lower").T)
+    assert sorted(named_arrays(got)) == ["count", "passes", "qs", "quantiles", "rank_error"]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, words",
+    [
+        ("quantiles", {"qs": (0.5, 1.5)}, ["qs", "[0, 1]"]),
+        ("quantiles", {"qs": (0.5,), "k": 2}, ["k", ">= 16"]),
+        ("distinct", {"precision": 30}, ["precision", "[4, 18]"]),
+        ("topk", {"k": 5000, "capacity": 4096}, ["capacity", "at least k"]),
+        ("topk", {"k": 10, "capcity": 4096}, ["TopK", "capcity"]),
+    ],
+)
+def test_bad_kwargs_are_one_line_before_any_write(tmp_path, name, kwargs, words):
+    config = quick(name)
+    config.combiner.kwargs = kwargs
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), words)
+    assert not (tmp_path / "w").exists()
+
+
+def test_cli_prints_one_line_for_quantiles_outside_0_1(tmp_path):
+    workdir = tmp_path / "w"
+    line = cli.one_error_line(cli.run(cli.main_cmd(
+        "--config=configs/quantiles.py:quick", f"--workdir={workdir}", "--config.combiner.kwargs.qs=(0.5,2.0)",
+    )))
+    assert "qs" in line and "[0, 1]" in line, line
+    assert not workdir.exists()

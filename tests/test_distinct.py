@@ -1,0 +1,99 @@
+"""DistinctCount: exact below exact_up_to, within the HLL standard error above, against numpy/pandas."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.combiners.distinct import estimate
+from tests.helpers import assert_usage_error
+from tests.test_checkpoint import CrashError, crash_at
+
+KW = {"microbatch": 64, "steps_per_call": 2}
+SMALL = ss.DistinctCount(precision=10, exact_up_to=300)
+
+
+def columns(n=3001, seed=0):
+    """int32 ids, float32 values with repeats, and a column of few distinct values with NaN and signed zeros."""
+    r = np.random.default_rng(seed)
+    ids = r.integers(0, 2000, n).astype(np.float32)
+    values = np.round(r.normal(size=n), 2).astype(np.float32)
+    few = r.choice(np.array([np.nan, -0.0, 0.0, 1.5, -7.25], np.float32), n)
+    return np.stack([ids, values, few], 1)
+
+
+def nunique(x):
+    return np.array([pd.Series(x[:, j]).nunique(dropna=False) for j in range(x.shape[1])])
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_exact_below_the_set_size_estimate_above(mesh):
+    x = columns()
+    got = ss.run(SMALL, x, mesh=mesh, **KW)
+    want = nunique(x)
+    np.testing.assert_array_equal(got.exact, want <= 300)
+    assert got.count[2] == want[2] == 4  # NaN is one value, and -0.0 is 0.0 (np.unique's view)
+    assert len(np.unique(x[:, 2])) == 4
+    sigma = 1.04 / np.sqrt(1 << 10)
+    np.testing.assert_allclose(got.relative_error, np.where(want <= 300, 0, sigma))
+    assert np.all(np.abs(got.count - want) <= 3 * sigma * want), (got.count, want)
+
+
+def test_every_device_count_gives_the_same_registers_and_resume_is_bitwise(tmp_path):
+    x = columns()
+    runs = [ss.run(SMALL, x, mesh=mesh, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    for got in runs[1:]:
+        for a, b in zip(got, runs[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    with pytest.raises(CrashError):
+        ss.run(SMALL, x, mesh="data:8", checkpoint=options, progress=crash_at(3), **KW)
+    again = ss.run(SMALL, x, mesh="data:8", checkpoint=options, **KW)
+    for a, b in zip(again, runs[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("distinct", [20, 700, 20_000])
+def test_estimate_is_within_the_standard_error_on_ints_and_floats(distinct):
+    r = np.random.default_rng(distinct)
+    ints = r.permutation(np.arange(distinct, dtype=np.int32) * 7919)
+    floats = r.normal(size=distinct).astype(np.float32)
+    x = np.concatenate([np.stack([ints, floats.view(np.int32)], 1)] * 2)  # every value twice
+    got = ss.run(ss.DistinctCount(), x, mesh="data:2")
+    sigma = 1.04 / np.sqrt(1 << 14)
+    assert not got.exact.any() and got.relative_error[0] == sigma
+    assert np.all(np.abs(got.count - distinct) <= 2.5 * sigma * distinct + 1), got.count  # +1: a rare collision
+
+
+def test_nan_rows_are_dropped_with_omit_and_one_column_gives_scalars():
+    x = columns(500)
+    kept = ss.run(SMALL, x, nan_policy="omit", mesh="data:2", **KW)
+    np.testing.assert_array_equal(kept.count[2], 3)
+    vector = ss.run(SMALL, x[:, 2], mesh="data:2", **KW)
+    assert vector.count.shape == () and vector.count == 4 and vector.exact
+
+
+def test_estimator_matches_known_register_states():
+    m = 1 << 12
+    assert estimate(np.zeros(m, np.uint8)) == 0
+    rng = np.random.default_rng(0)
+    for n in (10, 1000, 100_000, 10_000_000):  # registers of n random 46-bit hashes, drawn directly
+        index = rng.integers(0, m, n)
+        rank = np.minimum(rng.geometric(0.5, n), 33).astype(np.uint8)
+        registers = np.zeros(m, np.uint8)
+        np.maximum.at(registers, index, rank)
+        assert abs(estimate(registers) / n - 1) < 3 * 1.04 / np.sqrt(m), n
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: ss.DistinctCount(precision=3), ["precision", "[4, 18]"]),
+        (lambda: ss.DistinctCount(precision=14.0), ["precision"]),
+        (lambda: ss.DistinctCount(exact_up_to=-1), ["exact_up_to", ">= 0"]),
+        (lambda: ss.run(ss.DistinctCount(), np.array([["a"]] * 4)), ["numeric"]),
+        (lambda: ss.run(ss.DistinctCount(), (np.zeros(4), np.zeros(4))), ["one array"]),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(make, words):
+    assert_usage_error(make, words)

@@ -1,0 +1,199 @@
+"""The job resolved once: options written once, operands that reuse compiled programs, resumes
+across mesh resolutions and of sequential sources, and the matmul precision of every step."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from configs import gram as gram_config
+from sharded_scan.options import config_fields
+from sharded_scan.program import program_for_spec
+from tests import jobs
+from tests.helpers import assert_usage_error, f64, rel_err
+
+
+class Stop(Exception):  # noqa: N818 - not an error: a stand-in for a kill
+    """Stands for a crash between two steps."""
+
+
+def stop_after(steps):
+    def progress(p):
+        if p.step >= steps:
+            raise Stop
+
+    return progress
+
+
+def crash_after(steps, combiner, data, **options):
+    with pytest.raises(Stop):
+        ss.run(combiner, data, progress=stop_after(steps), **options)
+
+
+def rows(n, d, seed=0):
+    return (np.random.default_rng(seed).normal(size=(n, d)) + 3).astype(np.float32)
+
+
+def test_configs_carry_every_plain_option_with_the_engines_default():
+    config = gram_config.get_config()
+    for name, (default, _) in config_fields().items():
+        assert config[name] == default, name
+    quick = gram_config.get_config("quick")
+    assert (quick.microbatch, quick.steps_per_call) == (16, 2)
+    plain = set(config_fields())
+    assert plain == {f.name for f in dataclasses.fields(ss.RunOptions)} - {"checkpoint", "progress", "step_timeout"}
+
+
+def test_an_options_object_and_overrides_give_the_same_run():
+    x = rows(1001, 3)
+    by_object = ss.run(ss.Sum(), x, ss.RunOptions(microbatch=4, mesh="data:2"))
+    by_keywords = ss.run(ss.Sum(), x, microbatch=4, mesh="data:2")
+    mixed = ss.run(ss.Sum(), x, ss.RunOptions(microbatch=4), mesh="data:2")
+    for got in (by_keywords, mixed):
+        np.testing.assert_array_equal(got.sum, by_object.sum)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"microbtch": 4}, ["'microbtch'", "'microbatch'"]),
+        ({"precision": "fast"}, ["precision", "highest"]),
+        ({"progress": 3}, ["progress"]),
+        ({"step_timeout": -1}, ["step_timeout"]),
+    ],
+)
+def test_a_bad_option_is_one_line(options, words):
+    assert_usage_error(lambda: ss.run(ss.Sum(), rows(10, 2), **options), words)
+
+
+@pytest.mark.parametrize(
+    "d, chain",
+    [(30, ["data:4,model:2", "data:2,model:4", "data:8"]), (40, ["data:8", "data:4,model:2", "data:1"])],
+)
+def test_gram_resumes_across_model_axes_bitwise(tmp_path, d, chain):
+    x = rows(6000, d)
+    options = dict(microbatch=32, steps_per_call=2, logical_shards=8)  # 512 rows a step
+    want = ss.run(ss.Gram(), x, mesh=chain[-1], **options)
+    checkpoint = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    for mesh in chain[:-1]:  # each run saves 2 steps, then crashes
+        crash_after(3, ss.Gram(), x, mesh=mesh, checkpoint=checkpoint, **options)
+    got, report = ss.run_with_report(ss.Gram(), x, mesh=chain[-1], checkpoint=checkpoint, **options)
+    assert report.resumed_from_cursor == 4 * 512
+    np.testing.assert_array_equal(got, want)
+    assert not (tmp_path / "damaged").exists()
+
+
+def test_gram_resumes_from_a_model_mesh_onto_more_shards(tmp_path):
+    x = rows(6000, 30)
+    checkpoint = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    crash_after(3, ss.Gram(), x, mesh="data:4,model:2", microbatch=32, steps_per_call=2, checkpoint=checkpoint)
+    got, report = ss.run_with_report(
+        ss.Gram(), x, mesh="data:8", microbatch=32, steps_per_call=2, checkpoint=checkpoint
+    )
+    assert report.resumed_from_cursor > 0
+    assert rel_err(got, f64(x).T @ f64(x)) < 1e-6
+
+
+@pytest.fixture
+def compiles():
+    """The names of XLA compilations from here on."""
+    seen = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_new_gradient_params_reuse_the_compiled_programs(compiles):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(3000, 4)).astype(np.float32), rng.normal(size=(3000,)).astype(np.float32)
+
+    def loss(params, batch):
+        features, target = batch
+        return (features @ params["w"] + params["b"] - target) ** 2
+
+    def gradient(params):
+        return ss.run(ss.Gradient(loss, params), (x, y), microbatch=64)
+
+    gradient({"w": np.zeros(4, np.float32), "b": np.float32(0)})
+    first = len(compiles)
+    for step in range(1, 4):
+        w, b = rng.normal(size=4).astype(np.float32), np.float32(step)
+        got = gradient({"w": w, "b": b})
+        residual = f64(x) @ w + b - f64(y)
+        assert rel_err(got.grad["w"], 2 * f64(x).T @ residual / len(x)) < 1e-5
+        assert rel_err(got.loss, np.mean(residual**2)) < 1e-5
+    assert len(compiles) == first, "a new params value compiled again"
+
+
+def test_another_histogram_range_reuses_the_compiled_programs(compiles):
+    x = rows(2000, 3)
+    ss.run(ss.Histogram(8, (-1.0, 7.0)), x, microbatch=64)
+    first = len(compiles)
+    for lo, hi in [(0.0, 5.0), (2.5, 3.5)]:
+        got = ss.run(ss.Histogram(8, (lo, hi)), x, microbatch=64)
+        for j in range(3):
+            np.testing.assert_array_equal(got.counts[j], np.histogram(x[:, j], 8, (lo, hi))[0])
+    assert len(compiles) == first
+
+
+def test_an_iterator_source_resumes_exactly_once_after_a_crash(tmp_path):
+    options = dict(microbatch=64, steps_per_call=1, mesh="data:4")  # 256 rows a step
+    want = ss.run(ss.Covariance(), jobs.iterator_source(), **options)
+    checkpoint = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    crash_after(3, ss.Covariance(), jobs.iterator_source(), checkpoint=checkpoint, **options)
+    got, report = ss.run_with_report(ss.Covariance(), jobs.iterator_source(), checkpoint=checkpoint, **options)
+    assert report.resumed_from_cursor == 2 * 256 and report.rows_this_run == 5000 - 512
+    for field, a, b in zip(want._fields, got, want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=field)
+    everything = jobs.ResumableBatches(5000, 3).all_rows()
+    assert rel_err(got.cov, np.cov(f64(everything), rowvar=False)) < 1e-5
+
+
+def test_the_issues_iterator_example_resumes(tmp_path):
+    checkpoint = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    options = dict(microbatch=256, steps_per_call=1, checkpoint=checkpoint)
+    crash_after(3, ss.Sum(), jobs.iterator_source(), **options)
+    got = ss.run(ss.Sum(), jobs.iterator_source(), **options)
+    assert int(got.count) == 5000
+    assert rel_err(got.sum, f64(jobs.ResumableBatches(5000, 3).all_rows()).sum(0)) < 1e-6
+
+
+def loss_with_a_matmul(params, batch):
+    return (batch @ params) ** 2
+
+
+def row(*shape):
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+DOT_BUILTINS = {
+    "Gram dense": (lambda: ss.Gram(), row(8)),
+    "Gram blocked": (lambda: ss.Gram(block=4), row(10)),
+    "Covariance": (lambda: ss.Covariance(), row(6)),
+    "PCA": (lambda: ss.PCA(2), row(6)),
+    "LinearRegression": (lambda: ss.LinearRegression(), (row(5), row())),
+    "Gradient": (lambda: ss.Gradient(loss_with_a_matmul, np.ones(6, np.float32)), row(6)),
+    "from_fn": (lambda: ss.from_fn(lambda c, b: c + b.T @ b, jnp.zeros((6, 6))), row(6)),
+}
+PRECISION = re.compile(r"dot_general.*?precision = \[(\w+), (\w+)\]")
+
+
+@pytest.mark.parametrize("name", sorted(DOT_BUILTINS))
+@pytest.mark.parametrize("precision, expected", [("highest", "HIGHEST"), ("default", "DEFAULT")])
+def test_every_matmul_of_a_step_runs_at_the_run_precision(name, precision, expected):
+    make, spec = DOT_BUILTINS[name]
+    options = ss.RunOptions(mesh="data:2", microbatch=8, steps_per_call=2, precision=precision)
+    prog = program_for_spec(make(), spec, 100, options)
+    for text in (prog.lower_step().as_text(), prog.lower_merge().as_text()):
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert all(PRECISION.search(line).groups() == (expected, expected) for line in dots), dots
+    assert any("dot_general" in line for line in prog.lower_step().as_text().splitlines())

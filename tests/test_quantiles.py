@@ -1,0 +1,190 @@
+"""Quantiles: rank errors against numpy on shaped data, bitwise over device counts and resumes, exact mode."""
+
+import dataclasses
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.combiners import kll
+from tests.helpers import assert_usage_error
+from tests.test_checkpoint import CrashError, crash_at
+
+QS = np.linspace(0, 1, 101)
+K = 64
+KW = {"microbatch": 16, "steps_per_call": 2}
+SKETCH = ss.Quantiles(qs=QS, k=K)
+NAMES = ("normal", "lognormal", "poisson", "sorted", "reversed", "blocks")
+
+
+def shaped(n=4000, seed=0):
+    """One column per shape users' data comes in: N(0,1), lognormal(2), Poisson(3) ties, sorted,
+    reverse-sorted, and runs of 50 equal values."""
+    r = np.random.default_rng(seed)
+    normal = r.standard_normal(n)
+    blocks = np.repeat(r.standard_normal(-(-n // 50)), 50)[:n]
+    columns = [normal, r.lognormal(0, 2, n), r.poisson(3, n), np.sort(normal), np.sort(normal)[::-1], blocks]
+    return np.stack(columns, 1).astype(np.float32)
+
+
+def rank_errors(x, got, qs):
+    """Per column, the largest distance from ``q (n - 1)`` to the ranks ``got`` holds in ``x``, over ``n``."""
+    out = []
+    for j in range(x.shape[1]):
+        xs = np.sort(np.asarray(x[:, j], np.float64))
+        below, upto = np.searchsorted(xs, got[j], "left"), np.searchsorted(xs, got[j], "right")
+        target = qs * (len(xs) - 1)
+        out.append(np.maximum(0, np.maximum(below - target, target - (upto - 1))).max() / len(xs))
+    return np.array(out)
+
+
+def lower(x, qs):
+    return np.quantile(np.asarray(x, np.float64), qs, axis=0, method="lower").T
+
+
+def crash_at_call(calls):
+    """Raises at the ``calls``-th step over all passes of a run."""
+    seen = []
+
+    def progress(p):
+        seen.append(p.step)
+        if len(seen) == calls:
+            raise CrashError
+
+    return progress
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_sketch_rank_errors_on_shaped_data_are_within_its_bound(mesh):
+    x = shaped()
+    got = ss.run(SKETCH, x, mesh=mesh, **KW)
+    errors = rank_errors(x, got.quantiles, QS)
+    assert 0 < got.rank_error < 0.1 and got.passes == 1 and got.count == len(x)
+    assert np.all(errors <= got.rank_error), dict(zip(NAMES, errors, strict=True))
+    assert np.all(errors <= 3 / K), dict(zip(NAMES, errors, strict=True))
+    np.testing.assert_array_equal(got.quantiles[:, 0], x.min(0))  # the ends are exact
+    np.testing.assert_array_equal(got.quantiles[:, -1], x.max(0))
+
+
+def test_logical_shards_give_bitwise_the_same_sketch_on_1_2_and_8_devices():
+    x = shaped(3001)
+    runs = [ss.run(SKETCH, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    for got in runs[1:]:
+        np.testing.assert_array_equal(got.quantiles, runs[0].quantiles)
+        assert got.rank_error == runs[0].rank_error
+    assert np.all(rank_errors(x, runs[0].quantiles, QS) <= runs[0].rank_error)
+
+
+def test_kill_and_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    x = shaped()
+    want = ss.run(SKETCH, x, mesh="data:8", **KW)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    with pytest.raises(CrashError):
+        ss.run(SKETCH, x, mesh="data:8", checkpoint=options, progress=crash_at(5), **KW)
+    got, report = ss.run_with_report(SKETCH, x, mesh="data:8", checkpoint=options, **KW)
+    assert report.resumed_from_step == 4
+    np.testing.assert_array_equal(got.quantiles, want.quantiles)
+    assert got.rank_error == want.rank_error
+
+
+@pytest.mark.parametrize("mesh, n", [("data:1", 60), ("data:8", 5)])
+def test_nothing_compacted_is_numpy_lower_exactly(mesh, n):
+    x = shaped(n)
+    got = ss.run(SKETCH, x, mesh=mesh, **KW)
+    np.testing.assert_array_equal(got.quantiles, lower(x, QS))
+    assert got.rank_error == 0
+
+
+def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
+    x, qs = shaped(3001), np.array([0, 0.001, 0.01, 0.25, 0.5, 0.9, 0.999, 1])
+    exact, kw = ss.Quantiles(qs=qs, k=K, exact=True), {"microbatch": 64, "steps_per_call": 2}
+    got, report = ss.run_passes(exact, x, mesh="data:2", **kw)
+    np.testing.assert_array_equal(got.quantiles, lower(x, qs))
+    assert 2 <= got.passes <= 4 and got.rank_error == 0
+    assert report.rows_this_run == got.passes * len(x)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    with pytest.raises(CrashError):  # killed in the second pass (12 steps a pass)
+        ss.run_passes(exact, x, mesh="data:2", checkpoint=options, progress=crash_at_call(17), **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pass1", "pass2"]
+    again, report = ss.run_with_report(exact, x, mesh="data:2", checkpoint=options, **kw)  # the same via run
+    np.testing.assert_array_equal(again.quantiles, got.quantiles)
+    assert again.passes == got.passes == report.passes and report.rows_this_run < got.passes * len(x)
+    np.testing.assert_array_equal(ss.run(exact, x, mesh="data:2", **kw).quantiles, got.quantiles)
+    sketch, report = ss.run_passes(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
+    assert sketch.passes == 1 and report.rows_this_run == len(x)
+
+
+def test_nan_propagates_or_is_omitted_and_signed_zeros_and_infinities_rank_like_numpy():
+    x = shaped(60).copy()  # nothing is compacted: numpy's answers exactly
+    x[7, 0] = np.nan
+    x[:20, 1] = -0.0
+    x[20:40, 1] = 0.0
+    x[3, 2], x[4, 2] = np.inf, -np.inf
+    got = ss.run(SKETCH, x, mesh="data:1", **KW)
+    assert np.isnan(got.quantiles[0]).all()
+    np.testing.assert_array_equal(got.quantiles[1:], lower(x[:, 1:], QS)[:, :])
+    kept = ss.run(SKETCH, x, mesh="data:1", nan_policy="omit", **KW)
+    finite = np.isfinite(x).all(1)
+    np.testing.assert_array_equal(kept.quantiles, lower(x[finite], QS))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.arange(-700, 700, dtype=np.int32)[::-1] * 3_000_001,
+        np.arange(1400, dtype=np.uint32) * 3_000_001,
+        np.random.default_rng(3).normal(size=1400).astype(ml_dtypes.bfloat16),
+        np.random.default_rng(4).integers(0, 5, 1400).astype(np.int8),
+    ],
+    ids=["int32", "uint32", "bfloat16", "int8"],
+)
+def test_integer_and_narrow_float_columns(values):
+    got = ss.run(ss.Quantiles(qs=QS), values, mesh="data:1", microbatch=64)
+    assert got.quantiles.shape == (len(QS),)  # a vector of rows gives one column, unnested
+    np.testing.assert_array_equal(got.quantiles, lower(values.astype(np.float64)[:, None], QS)[0])
+
+
+def test_num_buckets_are_tf_transform_boundaries():
+    x = shaped()
+    got = ss.run(ss.Quantiles(num_buckets=4, k=K), x, mesh="data:1", **KW)  # shares SKETCH's compiled step
+    np.testing.assert_array_equal(got.qs, [0.25, 0.5, 0.75])
+    assert np.all(rank_errors(x, got.quantiles, got.qs) <= got.rank_error)
+    assert ss.Quantiles(num_buckets=4).qs == (0.25, 0.5, 0.75) and ss.Quantiles(num_buckets=1).qs == ()
+    assert ss.Quantiles(num_buckets=4).fingerprint() == ss.Quantiles(qs=[0.25, 0.5, 0.75]).fingerprint()
+    assert ss.Quantiles(qs=[0.5]).fingerprint() != ss.Quantiles(qs=[0.25]).fingerprint()
+
+
+def test_merge_has_the_empty_sketch_as_identity():
+    combiner, spec = ss.Quantiles(qs=QS, k=K), jax.ShapeDtypeStruct((2,), np.float32)
+    x = shaped(300)[:, :2]
+    empty = combiner.init(spec)
+    acc = jax.jit(combiner.add)(empty, x, np.arange(300) < 290)
+    assert int(np.asarray(acc.sketch.variance)) > 0  # something was compacted
+    merge = jax.jit(combiner.merge)
+    for merged in (merge(empty, acc), merge(acc, empty)):
+        jax.tree.map(np.testing.assert_array_equal, merged, acc)
+    host = kll.to_host(jax.tree.map(np.asarray, acc.sketch))
+    assert abs(host.cumulative[0, -1] - 290) < 8  # rows sampled every 8th, from a random offset
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: ss.Quantiles(qs=[0.5, 1.5]), ["qs", "[0, 1]"]),
+        (lambda: ss.Quantiles(qs=[np.nan]), ["qs", "[0, 1]"]),
+        (lambda: ss.Quantiles(qs="median"), ["qs"]),
+        (lambda: ss.Quantiles(num_buckets=0), ["num_buckets", ">= 1"]),
+        (lambda: ss.Quantiles(num_buckets=2.5), ["num_buckets"]),
+        (lambda: ss.Quantiles(), ["exactly one of qs"]),
+        (lambda: ss.Quantiles(qs=[0.5], num_buckets=4), ["exactly one of qs"]),
+        (lambda: ss.Quantiles(qs=[0.5], k=4), ["k", ">= 16"]),
+        (lambda: ss.Quantiles(qs=[0.5], exact=True, bits=1), ["bits"]),
+        (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.array([["a"]] * 4)), ["numeric"]),
+        (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.zeros((4, 2, 2), np.float32)), ["(d,)"]),
+        (lambda: ss.run(ss.Quantiles(qs=[0.5]), np.zeros(4), nan_policy="skip"), ["nan_policy"]),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(make, words):
+    assert_usage_error(make, words)

@@ -1,0 +1,117 @@
+"""Parquet, Arrow, CSV and DataFrame sources against pandas/numpy in float64."""
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.sources import CsvSource, ParquetSource, dataframe_source
+from tests.helpers import assert_usage_error, rel_err
+
+pd = pytest.importorskip("pandas")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+N = 1013  # ragged against every step and row group
+
+
+@pytest.fixture(scope="module")
+def frame():
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({
+        "year": rng.integers(1990, 2021, N),
+        "income": rng.lognormal(10.8, 0.5, N),
+        "age": rng.normal(40, 10, N),
+        "name": [f"p{i}" for i in range(N)],
+        "member": rng.random(N) < 0.3,
+    })
+    df["price"] = 250 * df.year + 0.8 * df.income - 30 * df.age + rng.normal(0, 50, N)
+    return df
+
+
+@pytest.fixture(scope="module")
+def files(frame, tmp_path_factory):
+    where = tmp_path_factory.mktemp("tabular")
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    pq.write_table(table, where / "one.parquet", row_group_size=97)
+    (where / "parts").mkdir()
+    for i, start in enumerate(range(0, N, 400)):  # a directory of files, 3 row groups and 1 file each
+        pq.write_table(table.slice(start, 400), where / "parts" / f"part-{i}.parquet", row_group_size=150)
+    import pyarrow.feather as feather
+
+    feather.write_feather(table, where / "all.arrow")
+    frame.to_csv(where / "all.csv", index=False)
+    return where
+
+
+X, Y = ["year", "income", "age"], "price"
+
+
+@pytest.mark.parametrize("kind", ["parquet", "directory", "glob", "feather", "csv"])
+def test_every_kind_reads_the_rows_pandas_has_for_any_range(frame, files, kind):
+    make = {
+        "parquet": lambda **kw: ParquetSource(files / "one.parquet", **kw),
+        "directory": lambda **kw: ParquetSource(files / "parts", **kw),
+        "glob": lambda **kw: ParquetSource(str(files / "parts" / "part-*.parquet"), **kw),
+        "feather": lambda **kw: ParquetSource(files / "all.arrow", format="feather", **kw),
+        "csv": lambda **kw: CsvSource(files / "all.csv", **kw),
+    }[kind]
+    source = make(columns=(X, Y))
+    assert source.num_rows == N
+    assert [s.dtype for s in source.spec] == [np.float64, np.float64]
+    want_x, want_y = frame[X].to_numpy(np.float64), frame[Y].to_numpy(np.float64)
+    for start, stop in [(0, 5), (5, 96), (96, 400), (400, 401), (401, N)]:
+        x, y = source.read(start, stop)
+        np.testing.assert_array_equal(x, want_x[start:stop])
+        np.testing.assert_array_equal(y, want_y[start:stop])
+    fresh = make(columns="member", dtype="int32")
+    np.testing.assert_array_equal(fresh.read(0, N), frame["member"].to_numpy(np.int32))
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_a_covariance_of_parquet_columns_matches_pandas(frame, files, mesh):
+    source = ParquetSource(files / "parts", columns=[*X, Y], dtype="float32")
+    got = ss.run(ss.Covariance(), source, mesh=mesh, microbatch=16, steps_per_call=2)
+    want = frame[[*X, Y]].astype("float32").astype("float64").cov().to_numpy()
+    assert rel_err(got.cov, want) < 1e-5
+
+
+def test_a_dataframe_is_data_and_nullable_columns_become_nan(frame):
+    got = ss.run(ss.Moments(), frame[X].astype("float32"), microbatch=16)
+    assert rel_err(got.mean, frame[X].to_numpy(np.float64).mean(0)) < 1e-6
+    nullable = pd.DataFrame({"a": pd.array([1, None, 3, 4], dtype="Int64"), "b": [1.0, 2.0, None, 4.0]})
+    rows = dataframe_source(nullable, dtype="float32").read(0, 4)
+    np.testing.assert_array_equal(np.isnan(rows), [[False, False], [True, False], [False, True], [False, False]])
+    omitted = ss.run(ss.Sum(), dataframe_source(nullable, dtype="float32"), nan_policy="omit")
+    assert int(omitted.count) == 2 and list(omitted.sum) == [5.0, 5.0]
+    assert_usage_error(lambda: dataframe_source(nullable, dtype="int32").read(0, 4), ["'a'", "nulls", "float32"])
+
+
+def test_a_csv_job_resumes_exactly_once_after_a_crash(frame, files, tmp_path):
+    class Stop(Exception):  # noqa: N818 - a stand-in for a kill
+        pass
+
+    def stop_after_two(p):
+        if p.step >= 2:
+            raise Stop
+
+    options = dict(mesh="data:2", microbatch=64, steps_per_call=1, checkpoint=ss.CheckpointOptions(str(tmp_path), 1))
+    want = ss.run(ss.Covariance(), CsvSource(files / "all.csv", columns=X, dtype="float32"), mesh="data:2",
+                  microbatch=64, steps_per_call=1)
+    with pytest.raises(Stop):
+        ss.run(ss.Covariance(), CsvSource(files / "all.csv", columns=X, dtype="float32"), progress=stop_after_two,
+               **options)
+    got, report = ss.run_with_report(ss.Covariance(), CsvSource(files / "all.csv", columns=X, dtype="float32"),
+                                     **options)
+    assert report.resumed_from_cursor == 128
+    np.testing.assert_array_equal(got.cov, want.cov)
+
+
+def test_bad_columns_are_one_line(files):
+    one = files / "one.parquet"
+    assert_usage_error(lambda: ParquetSource(one, columns=["name"]), ["'name'", "not a number", "year"])
+    assert_usage_error(lambda: ParquetSource(one, columns=["weight"]), ["no column 'weight'", "price"])
+    assert_usage_error(lambda: ParquetSource(one, columns=[1, 2]), ["columns must be"])
+    assert_usage_error(lambda: ParquetSource(files / "nope.parquet"), ["cannot read", "nope.parquet"])
+    assert_usage_error(lambda: ParquetSource(str(files / "none-*.parquet")), ["no files match"])
+    assert_usage_error(lambda: CsvSource(files / "nope.csv"), ["no such CSV file"])
+    assert_usage_error(lambda: ss.run(ss.Sum(), ParquetSource(one, columns=X)), ["float64", "dtype='float32'"])

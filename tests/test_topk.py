@@ -1,0 +1,106 @@
+"""TopK: the most frequent values with counts, against numpy/pandas, on every device count and across resumes."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import sharded_scan as ss
+from tests.helpers import assert_usage_error
+from tests.test_checkpoint import CrashError, crash_at
+
+KW = {"microbatch": 64, "steps_per_call": 2}
+SMALL = ss.TopK(k=10, capacity=256)  # far fewer slots than values: evictions happen
+
+
+def zipf(n, universe=5000, seed=0):
+    """Zipf(1.1) ranks over ``universe`` values, relabelled at random (int32)."""
+    r = np.random.default_rng(seed)
+    cdf = np.cumsum(1.0 / np.arange(1, universe + 1) ** 1.1)
+    ranks = np.searchsorted(cdf / cdf[-1], r.random(n))
+    return r.permutation(universe).astype(np.int32)[ranks]
+
+
+def exact_top(column, k):
+    """The k most frequent values and their counts, ties broken by the smaller value."""
+    values, counts = np.unique(column, return_counts=True)
+    order = np.lexsort((values, -counts))[:k]
+    return values[order].astype(np.float64), counts[order]
+
+
+def check_bounds(column, got):
+    """Every listed count is within its error of the truth, and nothing left out beats ``bound``."""
+    truth = pd.Series(column).value_counts(dropna=False)
+    listed = ~np.isnan(got.values)
+    true = truth.reindex(got.values[listed]).to_numpy()
+    assert np.all(got.counts[listed] <= true) and np.all(true <= got.counts[listed] + got.errors[listed])
+    assert truth.drop(got.values[listed]).max() <= got.bound
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_zipf_top_values_are_exact_in_random_sorted_and_reversed_order_and_counts_within_errors(mesh):
+    x = zipf(6000)
+    data = np.stack([x, np.sort(x), np.sort(x)[::-1]], 1)
+    got = ss.run(SMALL, data, mesh=mesh, **KW)
+    assert np.all(got.bound > 0)  # values were dropped: the summary is full
+    for j in range(3):
+        values, counts = exact_top(data[:, j], 10)
+        np.testing.assert_array_equal(got.values[j], values)
+        check_bounds(data[:, j], type(got)(*(f[j] for f in got)))
+    # In random order the frequent values are monitored from their first row: exact counts, no error.
+    np.testing.assert_array_equal(got.counts[0], exact_top(x, 10)[1])
+    assert got.certain[0] and np.all(got.errors[0] == 0)
+
+
+def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_zeros():
+    r = np.random.default_rng(1)
+    values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0], np.float32)
+    column = r.choice(values, 999, p=[0.1, 0.2, 0.2, 0.3, 0.15, 0.05])
+    got = ss.run(ss.TopK(k=8), column, mesh="data:8", **KW)
+    counts = pd.Series(column).value_counts(dropna=False)
+    assert got.values.shape == (8,) and got.certain and got.bound == 0
+    assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
+    for value, count in zip(got.values[:5], got.counts[:5], strict=True):
+        assert count == (counts[np.nan] if np.isnan(value) else counts[value])
+    kept = ss.run(ss.TopK(k=8), column, mesh="data:8", nan_policy="omit", **KW)
+    assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
+
+
+def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_8_devices_and_resume_bitwise(tmp_path):
+    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3)], 1)
+    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    for got in runs[1:]:
+        for a, b in zip(got, runs[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    with pytest.raises(CrashError):
+        ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, progress=crash_at(2), **KW)
+    again = ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, **KW)
+    for a, b in zip(again, runs[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for j in range(2):
+        check_bounds(x[:, j], type(again)(*(f[j] for f in again)))
+
+
+def test_strings_are_counted_by_their_hash_ids():
+    counts = {"the": 120, "of": 80, "and": 40, "sharded": 20, "scan": 10, "rare": 1}
+    words = np.random.default_rng(0).permutation([w for w, c in counts.items() for _ in range(c)])
+    ids = ss.hash_strings(words)
+    assert ids.dtype == np.int32 and np.array_equal(ss.hash_strings([words[0]]), ids[:1])  # stable
+    got = ss.run(ss.TopK(k=3), ids, mesh="data:2", **KW)
+    names = dict(zip(ids.tolist(), words.tolist(), strict=True))
+    assert [names[int(v)] for v in got.values] == ["the", "of", "and"]
+    np.testing.assert_array_equal(got.counts, [120, 80, 40])
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: ss.TopK(k=0), ["k", "positive"]),
+        (lambda: ss.TopK(k=2.5), ["k"]),
+        (lambda: ss.TopK(k=100, capacity=10), ["capacity", "at least k"]),
+        (lambda: ss.run(ss.TopK(), np.array([["a"]] * 4)), ["numeric"]),
+        (lambda: ss.run(ss.TopK(), np.zeros((4, 2, 2), np.float32)), ["(d,)"]),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(make, words):
+    assert_usage_error(make, words)
