@@ -102,7 +102,8 @@ def reference_point(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Arr
     mean, and exactly the value of a column whose rows are all equal, so a constant
     column's deviations are exactly 0 at any magnitude. With no real row, ``shift``.
     """
-    first = jnp.where(nb > 0, x[jnp.argmax(mask)], shift)
+    # The barrier keeps XLA from constant-folding the argmax of an all-True mask (seconds of compile).
+    first = jnp.where(nb > 0, x[jnp.argmax(jax.lax.optimization_barrier(mask))], shift)
     head, head_mask = x[:HEAD_ROWS], mask[:HEAD_ROWS]
     nh = row_count(head_mask)
     offset = jnp.sum(masked(head - first, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
