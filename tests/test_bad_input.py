@@ -64,6 +64,7 @@ CLI_CASES = [
      ["config.data.path", "'synthetic'", "--config.data.kind=npy"]),
     ("mesh that does not fit", ["--config.mesh=data:16"], ["data:16", "4 are present"]),
     ("fingerprint mismatch on resume", ["--config.data.features=9"], ["different job", "float32[9]"]),
+    ("another config on resume", ["--config.data.seed=1"], ["different job", "data.seed"]),
     ("bad coordinator address", ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
      ["--coordinator_address", "host:port", "nohost"]),
     ("process id out of range", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=5"],
