@@ -55,18 +55,19 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     r = np.random.default_rng(1)
     values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0], np.float32)
     column = r.choice(values, 999, p=[0.1, 0.2, 0.2, 0.3, 0.15, 0.05])
-    got = ss.run(ss.TopK(k=8), column, mesh="data:8", **KW)
+    got = ss.run(ss.TopK(k=8), column, mesh="data:2", **KW)  # two summaries merged: as on 8, a cheaper compile
     counts = pd.Series(column).value_counts(dropna=False)
     assert got.values.shape == (8,) and got.certain and got.bound == 0
     assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
     for value, count in zip(got.values[:5], got.counts[:5], strict=True):
         assert count == (counts[np.nan] if np.isnan(value) else counts[value])
-    kept = ss.run(ss.TopK(k=8), column, mesh="data:8", nan_policy="omit", **KW)
+    kept = ss.run(ss.TopK(k=8), column, mesh="data:2", nan_policy="omit", **KW)
     assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
 
 
 def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_8_devices_and_resume_bitwise(tmp_path):
-    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3)], 1)
+    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3), zipf(3001, seed=4)], 1)  # 3 columns: on 8 devices
+    # the merge of 8 summaries is the one the zipf test on 8 devices compiled
     runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
     for got in runs[1:]:
         for a, b in zip(got, runs[0], strict=True):
@@ -77,7 +78,7 @@ def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_8_devices_and_re
     again = ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, **KW)
     for a, b in zip(again, runs[0], strict=True):
         np.testing.assert_array_equal(a, b)
-    for j in range(2):
+    for j in range(3):
         check_bounds(x[:, j], type(again)(*(f[j] for f in again)))
 
 
