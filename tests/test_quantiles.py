@@ -78,12 +78,12 @@ def test_logical_shards_give_bitwise_the_same_sketch_on_1_2_and_8_devices():
 
 
 def test_kill_and_resume_is_bitwise_the_uninterrupted_run(tmp_path):
-    x = shaped()
-    want = ss.run(SKETCH, x, mesh="data:8", **KW)
+    x, kw = shaped(3001), dict(KW, logical_shards=8)  # the programs the test above compiled on 8 devices
+    want = ss.run(SKETCH, x, mesh="data:8", **kw)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     with pytest.raises(CrashError):
-        ss.run(SKETCH, x, mesh="data:8", checkpoint=options, progress=crash_at(5), **KW)
-    got, report = ss.run_with_report(SKETCH, x, mesh="data:8", checkpoint=options, **KW)
+        ss.run(SKETCH, x, mesh="data:8", checkpoint=options, progress=crash_at(5), **kw)
+    got, report = ss.run_with_report(SKETCH, x, mesh="data:8", checkpoint=options, **kw)
     assert report.resumed_from_step == 4
     np.testing.assert_array_equal(got.quantiles, want.quantiles)
     assert got.rank_error == want.rank_error
