@@ -65,20 +65,21 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
 
 
-def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_8_devices_and_resume_bitwise(tmp_path):
-    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3), zipf(3001, seed=4)], 1)  # 3 columns: on 8 devices
-    # the merge of 8 summaries is the one the zipf test on 8 devices compiled
-    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
+def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_4_devices_and_resume_bitwise(tmp_path):
+    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3)], 1)
+    # 4 shards: 4, 2 and 1 a device, as with 8 (tested for every device count in test_engine), but
+    # each program merges 4 summaries, not 8: their compile is about half.
+    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=4, **KW) for mesh in ("data:1", "data:2", "data:4")]
     for got in runs[1:]:
         for a, b in zip(got, runs[0], strict=True):
             np.testing.assert_array_equal(a, b)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     with pytest.raises(CrashError):
-        ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, progress=crash_at(2), **KW)
-    again = ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, **KW)
+        ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, progress=crash_at(2), **KW)
+    again = ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, **KW)
     for a, b in zip(again, runs[0], strict=True):
         np.testing.assert_array_equal(a, b)
-    for j in range(3):
+    for j in range(2):
         check_bounds(x[:, j], type(again)(*(f[j] for f in again)))
 
 
