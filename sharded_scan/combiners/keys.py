@@ -10,8 +10,9 @@ backend does the same way (no float comparison, no flushing of subnormal values)
 - signed integers (bool, int8..int32): the two's complement bits with the sign bit flipped;
 - unsigned integers (uint8..uint32): the value itself.
 
-Without ``jax_enable_x64`` JAX holds 64-bit inputs as 32-bit values already; with it,
-64-bit integers are refused (:func:`check_keyable`) and float64 is rounded to float32.
+64-bit data needs ``jax_enable_x64`` to reach the devices at all, and under it 64-bit
+integers and float64 are refused in one line (:func:`check_keyable`): rounding them to 32-bit
+keys would merge distinct values silently.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def check_keyable(dtype, who: str) -> None:
     """Raises :class:`UsageError` unless ``dtype`` is a real number type that fits 32 bits."""
     check_numeric(dtype, who)
     dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize > 4 and jax.config.jax_enable_x64:
+    if dtype.itemsize > 4 and jax.config.jax_enable_x64:
+        kind = "64-bit integers" if jnp.issubdtype(dtype, jnp.integer) else "float64 values"
         raise UsageError(
-            f"{who} keys values in 32 bits and got 64-bit integers ({dtype}) under jax_enable_x64; "
-            "cast the data to int32 (or float) first."
+            f"{who} keys values in 32 bits and got {kind} ({dtype}), which would be rounded and "
+            "distinct values merged; cast the data to int32 or float32 first if that precision is enough."
         )
 
 
