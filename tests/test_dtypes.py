@@ -55,5 +55,5 @@ def test_sketches_refuse_64_bit_values_under_x64_instead_of_merging_them(combine
             (1e9 + np.arange(1000.0)[:, None] * 1e-3, ["float64", "32 bits", "float32"]),
             (np.arange(1000, dtype=np.int64)[:, None] + 2**40, ["64-bit integers", "int32"]),
         ):
-            assert_usage_error(lambda: ss.run(combiner, data, checkpoint=str(tmp_path / "c")), words)
+            assert_usage_error(lambda data=data: ss.run(combiner, data, checkpoint=str(tmp_path / "c")), words)
     assert not (tmp_path / "c").exists()
