@@ -5,6 +5,7 @@ Every process started here ends in the test that started it (``finally`` kills i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -51,6 +52,13 @@ def env() -> dict[str, str]:
 def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """Runs ``cmd`` to the end (killed at ``timeout``); stdout and stderr as text."""
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -> list[subprocess.CompletedProcess]:
+    """Runs independent commands ``at_once`` at a time, like :func:`run` each (every one ends
+    here: killed at ``timeout``); their results in order."""
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(lambda cmd: run(cmd, timeout), cmds))
 
 
 @contextlib.contextmanager

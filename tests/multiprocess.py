@@ -18,8 +18,10 @@ heartbeat and shutdown timeouts (so a dead peer ends the others in seconds, not
 minutes), imports ``module:function``, calls it with ``kwargs`` and pickles the return
 value. ``run_processes`` raises ``AssertionError`` with every child's exit code and
 output tail when one fails or the timeout passes, and kills every child in a
-``finally`` whatever happens. For tests that kill or restart processes themselves,
-``spawn`` starts them and ``kill_all`` ends them (call it in a ``finally``).
+``finally`` whatever happens. ``running`` starts them and hands back a ``Group`` whose
+``results`` waits for them, for a test that works while they run (they are killed when
+its ``with`` block ends). For tests that kill or restart processes themselves, ``spawn``
+starts them and ``kill_all`` ends them (call it in a ``finally``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from launch.processes import free_port
@@ -89,6 +92,61 @@ def _tail(outdir: str, i: int, chars: int = 3000) -> str:
         return "(no output)"
 
 
+class Group:
+    """Processes started by :func:`running`; :meth:`results` waits for them."""
+
+    def __init__(self, target: str, procs: list[subprocess.Popen], outdir: str):
+        self.target, self.procs, self.outdir = target, procs, outdir
+
+    def results(self, timeout: float = 120) -> list[Any]:
+        """Waits up to ``timeout`` seconds for every process; their return values by process id.
+
+        Raises:
+          AssertionError: a process failed or the timeout passed; the message holds each
+            process's exit code and output tail.
+        """
+        procs = self.procs
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(0.5)  # let the others print why, then stop
+                break
+            time.sleep(0.05)
+        codes = [p.poll() for p in procs]
+        if any(c != 0 for c in codes):
+            report = "\n".join(f"--- process {i}: exit {c}\n{_tail(self.outdir, i)}" for i, c in enumerate(codes))
+            why = f"timed out after {timeout}s (exit None: still running)" if None in codes else "failed"
+            raise AssertionError(f"{self.target} {why}\n{report}")
+        results = []
+        for i in range(len(procs)):
+            with open(os.path.join(self.outdir, f"result-{i}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+@contextlib.contextmanager
+def running(
+    target: str,
+    num_processes: int,
+    devices_per_process: int,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Group]:
+    """Starts ``module:function(**kwargs)`` in every process; every one is killed on exit.
+
+    For a test that does other work while they run: ``with running(...) as group: ...;
+    group.results(timeout)``. Arguments as for :func:`run_processes`.
+    """
+    with tempfile.TemporaryDirectory(prefix="multiprocess-") as outdir:
+        procs = []
+        try:
+            procs = spawn(target, num_processes, devices_per_process, outdir, kwargs, env=env)
+            yield Group(target, procs, outdir)
+        finally:
+            kill_all(procs)
+
+
 def run_processes(
     target: str,
     num_processes: int,
@@ -115,28 +173,8 @@ def run_processes(
       AssertionError: a process failed or the timeout passed; the message holds each
         process's exit code and output tail.
     """
-    with tempfile.TemporaryDirectory(prefix="multiprocess-") as outdir:
-        procs = []
-        try:
-            procs = spawn(target, num_processes, devices_per_process, outdir, kwargs, env=env)
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(0.5)  # let the others print why, then stop
-                    break
-                time.sleep(0.05)
-            codes = [p.poll() for p in procs]
-            if any(c != 0 for c in codes):
-                report = "\n".join(f"--- process {i}: exit {c}\n{_tail(outdir, i)}" for i, c in enumerate(codes))
-                why = f"timed out after {timeout}s (exit None: still running)" if None in codes else "failed"
-                raise AssertionError(f"{target} {why}\n{report}")
-            results = []
-            for i in range(num_processes):
-                with open(os.path.join(outdir, f"result-{i}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-        finally:
-            kill_all(procs)
+    with running(target, num_processes, devices_per_process, kwargs=kwargs, env=env) as group:
+        return group.results(timeout)
 
 
 def _child() -> None:

@@ -1,12 +1,14 @@
 """User mistakes through the CLI and the API: one clear line, before any compute or write.
 
 Every case runs against a workdir that already holds a finished job's checkpoints and
-outputs, and checks they are byte-for-byte unchanged afterwards. Run with ``-s`` to see
+outputs, and checks they are byte-for-byte unchanged afterwards (the CLI cases all at once,
+each on its own copy of that workdir). Run with ``-s`` to see
 the table of input -> message.
 """
 
 import hashlib
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,7 @@ CLI_CASES = [
      ["config.data.path", "'synthetic'", "--config.data.kind=npy"]),
     ("mesh that does not fit", ["--config.mesh=data:16"], ["data:16", "4 are present"]),
     ("fingerprint mismatch on resume", ["--config.data.features=9"], ["different job", "float32[9]"]),
+    ("another config on resume", ["--config.data.seed=1"], ["different job", "data.seed"]),
     ("bad coordinator address", ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
      ["--coordinator_address", "host:port", "nohost"]),
     ("process id out of range", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=5"],
@@ -69,16 +72,33 @@ CLI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("args, words", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
-def test_cli_mistake_is_one_line_and_touches_nothing(job, args, words):
+@pytest.fixture(scope="module")
+def cli_runs(job):
+    """Every case's command, all started at once, each on its own copy of the finished job:
+    ``{name: (CompletedProcess, args, workdir, its files before)}``."""
     workdir, files, base = job
-    if any("npy" in a for a in args) and not hasattr(sources, "NpyShardsSource"):
+    npy = hasattr(sources, "NpyShardsSource")
+    cases, cmds = {}, []
+    for i, (name, args, _) in enumerate(CLI_CASES):
+        if any("npy" in a for a in args) and not npy:
+            continue
+        copy = base / f"w{i}"
+        shutil.copytree(workdir, copy)
+        args = [a.format(files=files, base=base) for a in args]
+        if not any(a.startswith("--workdir") for a in args):
+            args.append(f"--workdir={copy}")
+        cases[name] = (args, copy, snapshot(copy))
+        cmds.append(cli.main_cmd(GRAM, *args))
+    return {name: (proc, *case) for (name, case), proc in zip(cases.items(), cli.run_all(cmds), strict=True)}
+
+
+@pytest.mark.parametrize("name, words", [(c[0], c[2]) for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_mistake_is_one_line_and_touches_nothing(cli_runs, job, name, words):
+    if name not in cli_runs:
         pytest.skip("sharded_scan.sources.NpySource (branch streaming) is not merged yet")
-    before = snapshot(workdir)
-    args = [a.format(files=files, base=base) for a in args]
-    if not any(a.startswith("--workdir") for a in args):
-        args.append(f"--workdir={workdir}")
-    line = cli.one_error_line(cli.run(cli.main_cmd(GRAM, *args)))  # status 2, one line, no traceback
+    proc, args, workdir, before = cli_runs[name]
+    base = job[2]
+    line = cli.one_error_line(proc)  # status 2, one line, no traceback
     print(f"\n{' '.join(a.replace(str(base), '...') for a in args)} -> {line.replace(str(base), '...')}")
     for word in words:
         assert word in line, line

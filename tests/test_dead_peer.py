@@ -56,12 +56,12 @@ def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path)
     one_line(tmp_path / "log0", ["process 0 of 2", "lost a peer", "rerun the same command"])
     # The same command on both processes resumes from the last checkpoint and finishes.
     with two_processes(tmp_path, workdir, *sparse, logs="rerun") as procs:
+        config = gram.get_config("quick")  # meanwhile, the uninterrupted result here
+        config.data.num_rows = ROWS
+        want = ss.run(ss.Gram(), make_source(config.data), mesh="data:2", microbatch=16, steps_per_call=2)
         assert [p.wait(timeout=cli.TIMEOUT) for p in procs] == [0, 0]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_cursor"] is not None and summary["rows_this_run"] < ROWS
-    config = gram.get_config("quick")
-    config.data.num_rows = ROWS
-    want = ss.run(ss.Gram(), make_source(config.data), mesh="data:2", microbatch=16, steps_per_call=2)
     np.testing.assert_array_equal(cli.result(workdir)["result"], want)  # every row once
 
 

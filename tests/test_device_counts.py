@@ -1,5 +1,6 @@
 """The same job on backends with 1 and 2 simulated devices (each in a fresh subprocess)."""
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def run_with_devices(count: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return {count: run_with_devices(count) for count in (1, 2, 4)}
+    counts = (1, 2, 4)
+    with concurrent.futures.ThreadPoolExecutor(len(counts)) as pool:  # the three backends at once
+        return dict(zip(counts, pool.map(run_with_devices, counts), strict=True))
 
 
 def test_every_backend_size_matches_float64(results):

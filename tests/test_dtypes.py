@@ -43,3 +43,17 @@ def test_the_cli_runs_float64_data_in_float64_under_config_x64(tmp_path):
     x = SyntheticSource(n, data["features"], dtype="float64", seed=data["seed"]).read(0, n)
     assert got["cov"].dtype == np.float64
     assert rel_err(got["cov"], np.cov(f64(x), rowvar=False)) < 1e-12
+
+
+@pytest.mark.parametrize("combiner", [ss.Quantiles(qs=[0.5]), ss.DistinctCount(), ss.TopK(k=3)])
+def test_sketches_refuse_64_bit_values_under_x64_instead_of_merging_them(combiner, tmp_path):
+    # Keyed in 32 bits, 100,000 distinct float64 values near 1e9 were counted as 3 ("exact").
+    import jax
+
+    with jax.enable_x64(True):
+        for data, words in (
+            (1e9 + np.arange(1000.0)[:, None] * 1e-3, ["float64", "32 bits", "float32"]),
+            (np.arange(1000, dtype=np.int64)[:, None] + 2**40, ["64-bit integers", "int32"]),
+        ):
+            assert_usage_error(lambda data=data: ss.run(combiner, data, checkpoint=str(tmp_path / "c")), words)
+    assert not (tmp_path / "c").exists()

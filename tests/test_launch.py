@@ -40,18 +40,42 @@ def test_quick_config_through_launcher_equals_library_run(tmp_path, name):
     assert summary["checkpoints_written"] >= 1 and cli.checkpoints(tmp_path)[-1] == config.data.num_rows
 
 
-def test_cli_run_with_overrides_writes_result_summary_and_progress(tmp_path):
+BAD_ARGS = [
+    (["--config.typo=1"], ["'typo'", "not a field"]),
+    (["--config.microbatch=abc"], ["microbatch", "abc"]),
+    (["--config=configs/nope.py"], ["configs/nope.py"]),
+]
+OVERRIDES = ("--config.microbatch=8", "--config.data.features=6", "--config.log_every_seconds=0")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Every CLI command of this module, started at once: ``{name: (CompletedProcess, workdir)}``."""
+    base = tmp_path_factory.mktemp("cli")
+    blocker = base / "file"
+    blocker.write_text("")
+    cases = {
+        "overrides": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={base / 'ok'}", *OVERRIDES),
+                      base / "ok"),
+        "missing workdir": (cli.main_cmd("--config=configs/gram.py:quick"), None),
+        "unwritable workdir": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={blocker}/w"), blocker),
+    }
+    for i, (args, _) in enumerate(BAD_ARGS):
+        workdir = base / f"bad{i}"
+        cases[f"bad {i}"] = (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={workdir}", *args), workdir)
+    procs = cli.run_all([cmd for cmd, _ in cases.values()])
+    return {name: (proc, workdir) for (name, (_, workdir)), proc in zip(cases.items(), procs, strict=True)}
+
+
+def test_cli_run_with_overrides_writes_result_summary_and_progress(cli_runs):
     cli.needs_synthetic_source()
-    proc = cli.run(cli.main_cmd(
-        "--config=configs/gram.py:quick", f"--workdir={tmp_path}", "--config.microbatch=8",
-        "--config.data.features=6", "--config.log_every_seconds=0",
-    ))
+    proc, workdir = cli_runs["overrides"]
     assert proc.returncode == 0, proc.stderr
     config = quick("gram")
     config.microbatch, config.data.features = 8, 6
     want = ss.run(ss.Gram(), make_source(config.data), mesh="data:4", microbatch=8, steps_per_call=2)
-    np.testing.assert_allclose(cli.result(tmp_path)["result"], want, rtol=1e-6, atol=1e-4)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    np.testing.assert_allclose(cli.result(workdir)["result"], want, rtol=1e-6, atol=1e-4)
+    summary = json.loads((workdir / "summary.json").read_text())
     for key in ("rows", "seconds", "rows_per_second", "bytes_per_second", "devices", "processes", "mesh",
                 "resumed_from_step", "checkpoints_written", "config"):
         assert key in summary, key
@@ -66,18 +90,11 @@ def test_named_arrays():
     assert sorted(named_arrays({"a": np.zeros(1), "b": {"c": np.ones(1)}})) == ["a", "b.c"]
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["--config.typo=1"], ["'typo'", "not a field"]),
-        (["--config.microbatch=abc"], ["microbatch", "abc"]),
-        (["--config=configs/nope.py"], ["configs/nope.py"]),
-    ],
-)
-def test_bad_input_is_one_line_before_any_write(tmp_path, args, words):
-    workdir = tmp_path / "w"
-    line = cli.one_error_line(cli.run(cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={workdir}", *args)))
-    for word in words:
+@pytest.mark.parametrize("case", range(len(BAD_ARGS)), ids=[" ".join(args) for args, _ in BAD_ARGS])
+def test_bad_input_is_one_line_before_any_write(cli_runs, case):
+    proc, workdir = cli_runs[f"bad {case}"]
+    line = cli.one_error_line(proc)
+    for word in BAD_ARGS[case][1]:
         assert word in line, line
     assert not workdir.exists()
 
@@ -99,9 +116,7 @@ def test_bad_config_values_and_partial_coordinator_flags_are_usage_errors(tmp_pa
     assert distributed.initialize() == "single"  # no cluster here
 
 
-def test_missing_or_unwritable_workdir(tmp_path):
-    assert "--workdir" in cli.one_error_line(cli.run(cli.main_cmd("--config=configs/gram.py:quick")))
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    line = cli.one_error_line(cli.run(cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={blocker}/w")))
-    assert str(blocker) in line
+def test_missing_or_unwritable_workdir(cli_runs):
+    assert "--workdir" in cli.one_error_line(cli_runs["missing workdir"][0])
+    proc, blocker = cli_runs["unwritable workdir"]
+    assert str(blocker) in cli.one_error_line(proc)

@@ -40,8 +40,9 @@ def test_two_processes_match_one_process_and_read_only_their_rows(tmp_path):
     x = np.random.default_rng(0).normal(size=(N, D)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     kwargs = {"npy": str(tmp_path / "x.npy"), "prefetch": 2}
-    one = multiprocess.run_processes("tests.test_multihost:worker", 1, 4, kwargs=kwargs, timeout=90)
-    two = multiprocess.run_processes("tests.test_multihost:worker", 2, 2, kwargs=kwargs, timeout=90)
+    with multiprocess.running("tests.test_multihost:worker", 1, 4, kwargs=kwargs) as one, \
+            multiprocess.running("tests.test_multihost:worker", 2, 2, kwargs=kwargs) as two:  # both at once
+        one, two = one.results(timeout=90), two.results(timeout=90)
 
     assert [r["process"] for r in two] == [0, 1] and all(r["devices"] == 4 for r in one + two)
     assert rel_err(one[0]["gram_npy"], f64(x).T @ f64(x)) < 1e-5

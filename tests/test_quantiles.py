@@ -68,9 +68,11 @@ def test_sketch_rank_errors_on_shaped_data_are_within_its_bound(mesh):
     np.testing.assert_array_equal(got.quantiles[:, -1], x.max(0))
 
 
-def test_logical_shards_give_bitwise_the_same_sketch_on_1_2_and_8_devices():
+def test_logical_shards_give_bitwise_the_same_sketch_on_1_2_and_4_devices():
     x = shaped(3001)
-    runs = [ss.run(SKETCH, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    # 4 shards: 4, 2 and 1 a device, as with 8 (tested for every device count in test_engine), but
+    # each program merges 4 sketches, not 8: their compile is about half.
+    runs = [ss.run(SKETCH, x, mesh=mesh, logical_shards=4, **KW) for mesh in ("data:1", "data:2", "data:4")]
     for got in runs[1:]:
         np.testing.assert_array_equal(got.quantiles, runs[0].quantiles)
         assert got.rank_error == runs[0].rank_error
@@ -78,12 +80,12 @@ def test_logical_shards_give_bitwise_the_same_sketch_on_1_2_and_8_devices():
 
 
 def test_kill_and_resume_is_bitwise_the_uninterrupted_run(tmp_path):
-    x = shaped()
-    want = ss.run(SKETCH, x, mesh="data:8", **KW)
+    x, kw = shaped(3001), dict(KW, logical_shards=4)  # the programs the test above compiled on 4 devices
+    want = ss.run(SKETCH, x, mesh="data:4", **kw)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     with pytest.raises(CrashError):
-        ss.run(SKETCH, x, mesh="data:8", checkpoint=options, progress=crash_at(5), **KW)
-    got, report = ss.run_with_report(SKETCH, x, mesh="data:8", checkpoint=options, **KW)
+        ss.run(SKETCH, x, mesh="data:4", checkpoint=options, progress=crash_at(5), **kw)
+    got, report = ss.run_with_report(SKETCH, x, mesh="data:4", checkpoint=options, **kw)
     assert report.resumed_from_step == 4
     np.testing.assert_array_equal(got.quantiles, want.quantiles)
     assert got.rank_error == want.rank_error

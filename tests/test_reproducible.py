@@ -12,6 +12,21 @@ from tests import multiprocess
 SPLITS = [(1, 1), (1, 2), (1, 8), (2, 1), (2, 4), (4, 2), (8, 1)]  # (processes, devices per process)
 N, D = 4 * 8 * 512 + 37, 64  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
 OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1")
+# Without the 256-row cap, Gram, Covariance, PCA, LinearRegression and from_fn differ bitwise
+# between processes of 1, 4 and 8 devices (at d=32 XLA does not split their dots: d=64). Every
+# built-in runs on 1x8 (the test's own 8-device process) and 1x1, and resumes on 1x8 from 1x1's
+# checkpoints. Each other split runs a few, at least one of those five among them, and each
+# built-in runs on a split of several processes: fewer on splits of more processes, since
+# each process compiles each one.
+EVERY = ("Sum", "Gram", "Gram blocked", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram",
+         "Gradient", "from_fn")
+SOME = {
+    (2, 4): ("Gram", "Gram blocked", "Moments", "LinearRegression", "Gradient"),  # resumed on 1x8
+    (1, 2): ("Covariance", "Histogram"),
+    (2, 1): ("PCA", "Sum", "Histogram"),
+    (4, 2): ("Covariance", "from_fn"),  # resumed from 1x8's checkpoints
+    (8, 1): ("LinearRegression",),
+}
 
 
 def squared_error(params, batch):
@@ -59,8 +74,8 @@ def crash_at_step(steps):
     return progress
 
 
-def reduce_every_builtin(crash_into: str | None = None, resume_from: str | None = None):
-    """Every built-in's result leaves by name (runs in each process of a split).
+def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str | None = None):
+    """The result leaves of the built-ins ``names``, by name (runs in each process of a split).
 
     ``crash_into``: also run each one with checkpoints in ``crash_into/NAME`` and crash it
     after 2 steps; ``resume_from``: also finish each from the checkpoints there (another
@@ -69,8 +84,10 @@ def reduce_every_builtin(crash_into: str | None = None, resume_from: str | None 
     import sharded_scan as ss
 
     x, y = data()
+    every = combiners()
     out = {}
-    for name, (combiner, kind) in combiners().items():
+    for name in names:
+        combiner, kind = every[name]
         rows = x if kind == "x" else (x, y)
         out[name] = [np.asarray(leaf) for leaf in jax.tree.leaves(ss.run(combiner, rows, **OPTIONS))]
         if crash_into:
@@ -85,28 +102,63 @@ def reduce_every_builtin(crash_into: str | None = None, resume_from: str | None 
     return out
 
 
+@contextlib.contextmanager
+def split_running(split, **kwargs):
+    """``reduce_builtins(**kwargs)`` on ``split``'s processes; yields a function that waits for
+    them and returns their result, checked to be the same on every process."""
+    with multiprocess.running("tests.test_reproducible:reduce_builtins", *split, kwargs=kwargs) as group:
+
+        def result():
+            per_process = group.results(timeout=240)
+            for got in per_process[1:]:
+                assert got.keys() == per_process[0].keys(), split
+                for name, leaves in got.items():
+                    for a, b in zip(leaves, per_process[0][name], strict=True):
+                        np.testing.assert_array_equal(a, b, err_msg=f"{name} on {split}")
+            return per_process[0]
+
+        yield result
+
+
 def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp_path):
-    crashed = {(1, 2): str(tmp_path / "from-1x2"), (2, 4): str(tmp_path / "from-2x4")}
-    resumes = {(4, 2): crashed[(1, 2)], (1, 8): crashed[(2, 4)]}  # after the split that crashed
-    order = [(1, 1), (1, 2), (2, 1), (2, 4), (1, 8), (4, 2), (8, 1)]
-    assert sorted(order) == sorted(SPLITS)
-    results = {}
-    for split in order:
-        kwargs = {"crash_into": crashed.get(split), "resume_from": resumes.get(split)}
-        per_process = multiprocess.run_processes(
-            "tests.test_reproducible:reduce_every_builtin", *split, kwargs=kwargs, timeout=240
-        )
-        for got in per_process[1:]:  # every process returns the same result
-            for name, leaves in got.items():
-                for a, b in zip(leaves, per_process[0][name], strict=True):
-                    np.testing.assert_array_equal(a, b, err_msg=f"{name} on {split}")
-        results[split] = per_process[0]
-    want = results[(1, 1)]
+    assert sorted([(1, 8), (1, 1), *SOME]) == sorted(SPLITS) and set(EVERY) == set(combiners())
+    assert (jax.process_count(), jax.local_device_count()) == (1, 8)  # conftest: this process is 1x8
+    assert set(EVERY) == {name for (processes, _), names in SOME.items() if processes > 1 for name in names}
+    from_1x1, from_2x4, from_1x8 = (str(tmp_path / f"from-{split}") for split in ("1x1", "2x4", "1x8"))
+    results = {}  # by split, then "NAME" or "NAME resumed"
+    # The test's own process (8 devices) is split 1x8; the other splits' processes run meanwhile.
+    with contextlib.ExitStack() as stack:
+        waits = {
+            (1, 1): stack.enter_context(split_running((1, 1), crash_into=from_1x1)),
+            (2, 4): stack.enter_context(split_running((2, 4), names=SOME[(2, 4)], crash_into=from_2x4)),
+        }
+        results[(1, 8)] = reduce_builtins()
+        reduce_builtins(SOME[(4, 2)], crash_into=from_1x8)
+        waits.update({
+            split: stack.enter_context(split_running(split, names=SOME[split], resume_from=resume))
+            for split, resume in (((1, 2), None), ((2, 1), None), ((4, 2), from_1x8))
+        })
+        results[(1, 1)] = waits.pop((1, 1))()
+        results["1x1 resumed on 1x8"] = reduce_builtins(resume_from=from_1x1)
+        results[(2, 4)] = waits.pop((2, 4))()
+        results["2x4 resumed on 1x8"] = reduce_builtins(SOME[(2, 4)], resume_from=from_2x4)
+        results.update({split: wait() for split, wait in waits.items()})
+    with split_running((8, 1), names=SOME[(8, 1)]) as eight:
+        results[(8, 1)] = eight()
+
+    def names(combiners, resumed=False):
+        return {*combiners, *(f"{name} resumed" for name in combiners if resumed)}
+
+    assert {split: set(got) for split, got in results.items()} == {
+        (1, 8): names(EVERY), (1, 1): names(EVERY), "1x1 resumed on 1x8": names(EVERY, resumed=True),
+        "2x4 resumed on 1x8": names(SOME[(2, 4)], resumed=True), (4, 2): names(SOME[(4, 2)], resumed=True),
+        **{split: names(SOME[split]) for split in ((2, 4), (1, 2), (2, 1), (8, 1))},
+    }
+    want = results[(1, 8)]
     for split, got in results.items():
         for name, leaves in got.items():
             for a, b in zip(leaves, want[name.removesuffix(" resumed")], strict=True):
-                np.testing.assert_array_equal(a, b, err_msg=f"{name} on {split[0]} x {split[1]}")
-    assert {"Gram resumed", "LinearRegression resumed"} <= set(results[(1, 8)]) & set(results[(4, 2)])
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} on {split}")
     x, _ = data()
     gram = np.asarray(want["Gram"][0], np.float64)
     assert np.abs(gram - x.astype(np.float64).T @ x).max() / np.abs(gram).max() < 1e-6

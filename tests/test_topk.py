@@ -55,26 +55,28 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     r = np.random.default_rng(1)
     values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0], np.float32)
     column = r.choice(values, 999, p=[0.1, 0.2, 0.2, 0.3, 0.15, 0.05])
-    got = ss.run(ss.TopK(k=8), column, mesh="data:8", **KW)
+    got = ss.run(ss.TopK(k=8), column, mesh="data:2", **KW)  # two summaries merged: as on 8, a cheaper compile
     counts = pd.Series(column).value_counts(dropna=False)
     assert got.values.shape == (8,) and got.certain and got.bound == 0
     assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
     for value, count in zip(got.values[:5], got.counts[:5], strict=True):
         assert count == (counts[np.nan] if np.isnan(value) else counts[value])
-    kept = ss.run(ss.TopK(k=8), column, mesh="data:8", nan_policy="omit", **KW)
+    kept = ss.run(ss.TopK(k=8), column, mesh="data:2", nan_policy="omit", **KW)
     assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
 
 
-def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_8_devices_and_resume_bitwise(tmp_path):
+def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_4_devices_and_resume_bitwise(tmp_path):
     x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3)], 1)
-    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=8, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    # 4 shards: 4, 2 and 1 a device, as with 8 (tested for every device count in test_engine), but
+    # each program merges 4 summaries, not 8: their compile is about half.
+    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=4, **KW) for mesh in ("data:1", "data:2", "data:4")]
     for got in runs[1:]:
         for a, b in zip(got, runs[0], strict=True):
             np.testing.assert_array_equal(a, b)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     with pytest.raises(CrashError):
-        ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, progress=crash_at(2), **KW)
-    again = ss.run(SMALL, x, mesh="data:8", logical_shards=8, checkpoint=options, **KW)
+        ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, progress=crash_at(2), **KW)
+    again = ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, **KW)
     for a, b in zip(again, runs[0], strict=True):
         np.testing.assert_array_equal(a, b)
     for j in range(2):
