@@ -312,8 +312,8 @@ def finalize(program: Program, merged: PyTree) -> Any:
     """``program.finalize(merged)``; a linear solve that fails on the data is one line, not a traceback.
 
     Raises:
-      UsageError: the combiner's solve failed (a singular matrix: too few rows, constant or
-        NaN columns); the merged state is saved, so nothing is lost.
+      UsageError: the combiner's solve failed (too few rows, NaN or inf values); the merged
+        state is saved, so nothing is lost.
     """
     try:
         return program.finalize(merged)
@@ -323,7 +323,7 @@ def finalize(program: Program, merged: PyTree) -> Any:
             inner = inner.inner
         raise UsageError(
             f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
-            "rows, constant or duplicate columns, or NaN rows (nan_policy='omit' skips them); check the data."
+            "rows, or NaN/inf rows (nan_policy='omit' skips them); check the data."
         ) from None
 
 

@@ -35,6 +35,13 @@ class Factor(NamedTuple):
     noise: float
 
 
+def check_finite(factor: Factor) -> None:
+    """Raises ``np.linalg.LinAlgError`` when NaN or inf reached the factor (a NaN row under
+    ``nan_policy="propagate"``): the engine words it as one line."""
+    if not (np.isfinite(factor.centred).all() and np.isfinite(factor.mean).all()):
+        raise np.linalg.LinAlgError("NaN or inf values reached the solve")
+
+
 def uncentred(factor: Factor) -> np.ndarray:
     """A factor of ``Σ z zᵀ`` (no intercept): the centred one with ``√n · mean`` stacked on."""
     return np.vstack([np.sqrt(factor.count) * factor.mean[None, :], factor.centred])
@@ -70,6 +77,7 @@ def least_squares(factor: Factor, d: int, l2: float = 0.0, fit_intercept: bool =
       Coefficients ``(t, d)``, intercepts ``(t,)``, the rank of the column-scaled
       (centred) ``X`` and its condition number (inf only for an exactly zero singular value).
     """
+    check_finite(factor)
     f = factor.centred if fit_intercept else uncentred(factor)
     f = np.linalg.qr(f, mode="r")  # triangular (a triangular factor comes back as it was, up to signs)
     fx, fy = f[:, :d], f[:, d:]
@@ -115,6 +123,7 @@ def principal_axes(factor: Factor) -> Axes:
     Each component is signed so that its largest-magnitude entry is positive
     (scikit-learn's ``svd_flip`` convention for PCA).
     """
+    check_finite(factor)
     _, s, vt = np.linalg.svd(factor.centred, full_matrices=False)
     d = factor.centred.shape[1]
     if vt.shape[0] < d:  # fewer factor rows than columns: the rest has zero variance
