@@ -40,6 +40,7 @@ from sharded_scan.combiners.base import row_count
 from sharded_scan.combiners.lstsq import Factor
 from sharded_scan.combiners.statistics import reference_point
 from sharded_scan.combiners.tsqr import augmented, moved
+from sharded_scan.layout import REPRODUCIBLE_MICROBATCH
 
 GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor
 DIAGONAL_COND = 64.0   # keep a diagonal basis while the centred correlations' condition number is below this
@@ -182,7 +183,7 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
         v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
         basis = state.basis @ v
         c = b @ basis
-        return _Whitening(basis, v.T @ state.gram @ v, c.T @ c, jnp.full_like(smallest, 0.5),
+        return _Whitening(basis, v.T @ state.gram @ v, _gram(c), jnp.full_like(smallest, 0.5),
                           jnp.zeros_like(state.diagonal))
 
     return jax.lax.cond(stay, keep_diagonal, full)
@@ -207,6 +208,20 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
 
     eye = jnp.eye(w.shape[0], dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
     return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
+
+
+def _gram(c: jax.Array) -> jax.Array:
+    """``cᵀc``, summed over blocks of at most ``REPRODUCIBLE_MICROBATCH`` rows in a fixed order.
+
+    XLA:CPU splits a longer dot's reduction between threads by how many devices the process
+    has; a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold
+    depend on the device count, and ``logical_shards`` promises it does not.
+    """
+    out = None
+    for start in range(0, c.shape[0], REPRODUCIBLE_MICROBATCH):
+        part = c[start : start + REPRODUCIBLE_MICROBATCH]
+        out = part.T @ part if out is None else out + part.T @ part
+    return out
 
 
 def row_sums(b: jax.Array) -> jax.Array:
@@ -237,7 +252,7 @@ def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0)
     """Adds the rows ``b`` (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
     sums = acc.sums + rows_sums
     c = _in_basis(b, acc.basis, acc.diagonal)
-    batch = c.T @ c
+    batch = _gram(c)
     gram = acc.gram - acc.compensation
     scale = _scales(gram)
     scaled = batch / jnp.outer(scale, scale)
