@@ -210,18 +210,24 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
 
 
-def _gram(c: jax.Array) -> jax.Array:
-    """``cᵀc``, summed over blocks of at most ``REPRODUCIBLE_MICROBATCH`` rows in a fixed order.
+def _blocked(reduce, rows: jax.Array) -> jax.Array:
+    """``reduce`` (a sum over rows) of ``rows``, as the sum of its values on blocks of at most
+    ``REPRODUCIBLE_MICROBATCH`` rows in a fixed order.
 
-    XLA:CPU splits a longer dot's reduction between threads by how many devices the process
-    has; a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold
-    depend on the device count, and ``logical_shards`` promises it does not.
+    XLA:CPU splits a longer reduction between threads by how many devices the process has;
+    a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold depend
+    on the device count, and ``logical_shards`` promises it does not.
     """
     out = None
-    for start in range(0, c.shape[0], REPRODUCIBLE_MICROBATCH):
-        part = c[start : start + REPRODUCIBLE_MICROBATCH]
-        out = part.T @ part if out is None else out + part.T @ part
+    for start in range(0, rows.shape[0], REPRODUCIBLE_MICROBATCH):
+        part = reduce(rows[start : start + REPRODUCIBLE_MICROBATCH])
+        out = part if out is None else out + part
     return out
+
+
+def _gram(c: jax.Array) -> jax.Array:
+    """``cᵀc`` summed over row blocks in a fixed order (:func:`_blocked`)."""
+    return _blocked(lambda part: part.T @ part, c)
 
 
 def row_sums(b: jax.Array) -> jax.Array:
@@ -283,7 +289,7 @@ def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0)
 
 def _adult(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array, targets: int) -> WhitenedAcc:
     """A whitened accumulator of ``rows`` (the data's, or an R of them; ``sums`` the data's sums)."""
-    norms = jnp.linalg.norm(rows, axis=0)
+    norms = jnp.sqrt(_blocked(lambda part: jnp.sum(part * part, axis=0), rows))
     start = 1.0 / jnp.where(norms > 0, norms, 1.0)
     zeros = jnp.zeros_like(acc.gram)
     fresh = acc._replace(
