@@ -138,11 +138,48 @@ def _power_estimate(apply, v: jax.Array) -> jax.Array:
     return v @ apply(v)
 
 
+def _power_of_two_below(x: jax.Array) -> jax.Array:
+    """The largest power of two ``<= x`` (``x > 0``).
+
+    The floor only sets when to re-whiten; as a power of two it does not carry the last
+    bits of a power estimate, which XLA rounds differently in programs compiled for other
+    device counts (``logical_shards`` promises the same accumulator on every split).
+    """
+    _, exponent = jnp.frexp(x)
+    return jnp.ldexp(jnp.ones_like(x), exponent - 1)
+
+
 def _root(m: jax.Array) -> jax.Array:
     """Rows ``F`` with ``FᵀF = m`` (symmetric PSD): its Cholesky factor, zero rows where it is singular."""
     scale, u, deflated, _ = _correlation_root(m, deflate=True)
     flat = deflated | (jnp.diagonal(m) <= 0)
     return jnp.where(flat[:, None], 0.0, u) * scale[None, :]
+
+
+class _Rows(NamedTuple):
+    """The rows a fold adds: ``b`` and, before them where ``has_head``, a young shard's R
+    (``head``, ``n x n``). One fold serves both, so the re-whitening is compiled once per add."""
+
+    b: jax.Array
+    head: jax.Array | None = None
+    has_head: jax.Array | None = None
+
+    def map(self, f) -> _Rows:
+        """The same (row-wise) transform of every block."""
+        return self._replace(b=f(self.b), head=None if self.head is None else f(self.head))
+
+    def reduce(self, reduce) -> jax.Array:
+        """``reduce`` (a sum over rows) of all the rows, in a fixed order (:func:`_blocked`)."""
+        return self._with_head(_blocked(reduce, self.b), lambda: _blocked(reduce, self.head))
+
+    def gram(self, to_basis) -> jax.Array:
+        """``cᵀc`` of the rows taken to a basis (``c = to_basis(rows)``)."""
+        return self._with_head(_gram(to_basis(self.b)), lambda: _gram(to_basis(self.head)))
+
+    def _with_head(self, out: jax.Array, head) -> jax.Array:
+        if self.head is None:
+            return out
+        return jax.lax.cond(self.has_head, head, lambda: jnp.zeros_like(out)) + out
 
 
 class _Whitening(NamedTuple):
@@ -153,8 +190,8 @@ class _Whitening(NamedTuple):
     diagonal: jax.Array
 
 
-def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, deflate) -> _Whitening:
-    """One pass: a basis that whitens ``gram + batch``; ``gram`` moved to it, ``b`` redone in it.
+def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, deflate) -> _Whitening:
+    """One pass: a basis that whitens ``gram + batch``; ``gram`` moved to it, ``rows`` redone in it.
 
     The new basis columns are scaled to unit norm in the ``start`` units, so a direction
     without data (noise) is never amplified from pass to pass. Whether a diagonal basis
@@ -174,7 +211,7 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
     stay = state.diagonal & (largest <= DIAGONAL_COND * smallest) & (offset <= DIAGONAL_OFFSET)
 
     def keep_diagonal():  # a column scaling suffices: the sums keep their digits as they are
-        return state._replace(floor=smallest)
+        return state._replace(floor=_power_of_two_below(smallest))
 
     def full():
         v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I where it spans
@@ -182,8 +219,7 @@ def _rewhiten(state: _Whitening, b: jax.Array, start: jax.Array, targets: int, d
         norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
         v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
         basis = state.basis @ v
-        c = b @ basis
-        return _Whitening(basis, v.T @ state.gram @ v, _gram(c), jnp.full_like(smallest, 0.5),
+        return _Whitening(basis, v.T @ state.gram @ v, rows.gram(lambda part: part @ basis), jnp.full_like(smallest, 0.5),
                           jnp.zeros_like(state.diagonal))
 
     return jax.lax.cond(stay, keep_diagonal, full)
@@ -235,30 +271,30 @@ def row_sums(b: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
 
 
-def _recentred(acc: WhitenedAcc, b: jax.Array, sums: jax.Array) -> tuple[WhitenedAcc, jax.Array]:
-    """``acc`` and ``b`` with the shift moved to the running mean (``sums`` include ``b``'s)
+def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[WhitenedAcc, _Rows]:
+    """``acc`` and ``rows`` with the shift moved to the running mean (``sums`` include ``b``'s)
     in the columns whose mean is more than ``RECENTRE`` standard deviations from it.
 
     ``[1 | z - new] = [1 | z - old] T`` with ``T = [[1, (old - new)ᵀ], [0, I]]``; the basis
     becomes ``T⁻¹ W`` (its first row changes), so ``M`` stays as it is.
     """
-    rows = jnp.maximum(sums[0, 0], 1.0)
-    mean = sums[0, 1:] / rows
-    variance = jnp.maximum(sums[1, 1:] / rows - mean * mean, 0.0)
+    count = jnp.maximum(sums[0, 0], 1.0)
+    mean = sums[0, 1:] / count
+    variance = jnp.maximum(sums[1, 1:] / count - mean * mean, 0.0)
     delta = jnp.where(mean * mean > RECENTRE**2 * variance, mean, 0.0)
     basis = acc.basis.at[0].add(delta @ acc.basis[1:])
     total, squares = sums[0, 1:], sums[1, 1:]
     squares = squares - 2 * delta * total + sums[0, 0] * delta * delta
     sums = sums.at[0, 1:].set(total - sums[0, 0] * delta).at[1, 1:].set(squares)
-    b = b.at[:, 1:].add(-b[:, :1] * delta[None, :])
-    return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), b
+    rows = rows.map(lambda b: b.at[:, 1:].add(-b[:, :1] * delta[None, :]))
+    return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), rows
 
 
-def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0) -> WhitenedAcc:
-    """Adds the rows ``b`` (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
+def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Adds the rows (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
+    rows = rows if isinstance(rows, _Rows) else _Rows(rows)
     sums = acc.sums + rows_sums
-    c = _in_basis(b, acc.basis, acc.diagonal)
-    batch = _gram(c)
+    batch = rows.gram(lambda part: _in_basis(part, acc.basis, acc.diagonal))
     gram = acc.gram - acc.compensation
     scale = _scales(gram)
     scaled = batch / jnp.outer(scale, scale)
@@ -266,7 +302,7 @@ def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0)
     big = (largest > GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
 
     def rewhiten(acc):
-        acc, rows = _recentred(acc, b, sums)  # rows @ new basis == b @ old basis: batch and gram stand
+        acc, moved_rows = _recentred(acc, rows, sums)  # moved @ new basis == rows @ old: batch and gram stand
         state = _Whitening(acc.basis, gram, batch, acc.floor, acc.diagonal)
 
         def again(carry):
@@ -275,7 +311,7 @@ def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0)
 
         def one(carry):
             i, s = carry
-            return i + 1, _rewhiten(s, rows, acc.start, targets, deflate=i > 0)
+            return i + 1, _rewhiten(s, moved_rows, acc.start, targets, deflate=i > 0)
 
         state = jax.lax.while_loop(again, one, (0, state))[1]
         return acc._replace(basis=state.basis, gram=state.gram, compensation=jnp.zeros_like(gram),
@@ -287,16 +323,15 @@ def fold(acc: WhitenedAcc, b: jax.Array, rows_sums: jax.Array, targets: int = 0)
     return acc._replace(gram=total, compensation=(total - acc.gram) - y)
 
 
-def _adult(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array, targets: int) -> WhitenedAcc:
-    """A whitened accumulator of ``rows`` (the data's, or an R of them; ``sums`` the data's sums)."""
-    norms = jnp.sqrt(_blocked(lambda part: jnp.sum(part * part, axis=0), rows))
+def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
+    """An empty whitened accumulator with ``acc``'s shift, in the units of ``rows``."""
+    norms = jnp.sqrt(rows.reduce(lambda part: jnp.sum(part * part, axis=0)))
     start = 1.0 / jnp.where(norms > 0, norms, 1.0)
     zeros = jnp.zeros_like(acc.gram)
-    fresh = acc._replace(
+    return acc._replace(
         sums=jnp.zeros_like(acc.sums), start=start, basis=jnp.diag(start), gram=zeros, compensation=zeros,
         floor=jnp.zeros_like(acc.floor), diagonal=jnp.ones_like(acc.diagonal), young=jnp.zeros_like(acc.young),
     )
-    return fold(fresh, rows, sums, targets)
 
 
 def _grown(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array) -> WhitenedAcc:
@@ -319,12 +354,16 @@ def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> Wh
     acc = acc._replace(shift=shift)
     b = augmented(z, shift, mask)
     sums = row_sums(b)
-    branch = jnp.where(acc.young, jnp.where(_young_enough(acc, nb.astype(z.dtype)), 1, 0), 2)
-    folded = jax.lax.switch(branch, [
-        lambda acc: _grown(acc, b, sums),
-        lambda acc: _adult(acc, jnp.concatenate([acc.gram, b]), acc.sums + sums, targets),
-        lambda acc: fold(acc, b, sums, targets),  # no real row: b is all zero and adds nothing
-    ], acc)
+
+    def whiten(acc):  # an adult folds b; a young shard with enough rows becomes one with its R and b
+        grows_up = acc.young
+        rows = _Rows(b, jnp.where(grows_up, acc.gram, 0.0), grows_up)
+        rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
+        acc = jax.tree.map(lambda new, old: jnp.where(grows_up, new, old), _fresh(acc, rows), acc)
+        return fold(acc, rows, rows_sums, targets)
+
+    stays_young = acc.young & ~_young_enough(acc, nb.astype(z.dtype))
+    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, sums), whiten, acc)
     return folded._replace(count=wide.add_int32(acc.count, nb))
 
 
