@@ -11,6 +11,7 @@ from bench import certified
 from tests.helpers import run_x64
 
 MICROBATCHES = (3,)  # the data has 16 (Longley), 21 (Wampler) and 1001 (NumAcc) rows
+MESHES = ("data:2", "data:8")  # float64; float32 on data:3 (bench/accuracy.py runs 1, 3 and 8 for both)
 
 
 def test_float64_regression_and_moments_reach_the_certified_digits():
@@ -19,7 +20,7 @@ def test_float64_regression_and_moments_reach_the_certified_digits():
         import numpy as np
         import sharded_scan as ss
         from bench import certified
-        scores = certified.sharded_scan_scores(np.float64, solvers=["whitened"], microbatches=(3,))
+        scores = certified.sharded_scan_scores(np.float64, MESHES, solvers=["whitened"], microbatches=(3,))
         rng = np.random.default_rng(0)  # independent columns with variances 1 and 1e8: not "singular"
         x = np.stack([rng.normal(0, 1, 500), rng.normal(0, 1e4, 500)], axis=1)
         y = x @ [1.0, 1e-4] + rng.normal(0, 0.1, 500)
@@ -27,7 +28,7 @@ def test_float64_regression_and_moments_reach_the_certified_digits():
         want = np.linalg.lstsq(np.hstack([x, np.ones((500, 1))]), y, rcond=None)[0]
         scores["scaled"] = {"rank": fit.rank, "err": float(np.abs(fit.coef / want[:2] - 1).max())}
         emit(scores)
-    """)
+    """.replace("MESHES", repr(MESHES)))
     for name, score in got["regression"]["whitened"].items():
         assert score >= 9, (name, score)  # numpy lstsq: 10.9 / 9.6 / 10.4
     for name, score in got["moments"].items():
@@ -37,7 +38,7 @@ def test_float64_regression_and_moments_reach_the_certified_digits():
 
 def test_float32_regression_and_moments_keep_what_float32_holds():
     pytest.importorskip("statsmodels")
-    ours = certified.sharded_scan_scores(np.float32, solvers=["whitened"], microbatches=MICROBATCHES)
+    ours = certified.sharded_scan_scores(np.float32, ("data:3",), solvers=["whitened"], microbatches=MICROBATCHES)
     numpy32 = certified.peer_scores(np.float32)["moments"]
     scores = ours["regression"]["whitened"]
     # Longley's data rounded to float32 allows 4.9 digits (numpy computes float32 lstsq in
