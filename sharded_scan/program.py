@@ -140,6 +140,8 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str)
         def full(acc, item):
             return bound.add(acc, item[1], jnp.ones((mb,), bool)), None
 
+        if not combiner.full_step_branch:
+            return jax.lax.scan(ragged, acc, (offsets, micro))[0]
         return jax.lax.cond(
             valid == rows_per_shard,
             lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],

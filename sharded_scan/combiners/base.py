@@ -41,6 +41,10 @@ class Combiner(abc.ABC):
 
     #: True when ``merge`` is leafwise addition (enables the ``psum`` fast path).
     additive: bool = False
+    #: False to compile one scan for every step: by default a step whose rows are all real
+    #: gets a second copy of the scan with a constant mask (XLA folds the masking away),
+    #: which doubles the compile of an ``add`` that is slow to compile and cheap to mask.
+    full_step_branch: bool = True
 
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
