@@ -219,8 +219,9 @@ def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, de
         norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
         v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
         basis = state.basis @ v
-        return _Whitening(basis, v.T @ state.gram @ v, rows.gram(lambda part: part @ basis), jnp.full_like(smallest, 0.5),
-                          jnp.zeros_like(state.diagonal))
+        batch = rows.gram(lambda part: part @ basis)
+        floor = jnp.full_like(smallest, 0.5)
+        return _Whitening(basis, v.T @ state.gram @ v, batch, floor, jnp.zeros_like(state.diagonal))
 
     return jax.lax.cond(stay, keep_diagonal, full)
 
