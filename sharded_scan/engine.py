@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
@@ -29,7 +28,7 @@ from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
-from sharded_scan.program import Program, build_program
+from sharded_scan.program import Program, build_program, to_host
 from sharded_scan.sources import Source, as_source
 from sharded_scan.watchdog import Watchdog, is_peer_lost
 
@@ -312,8 +311,8 @@ def finalize(program: Program, merged: PyTree) -> Any:
     """``program.finalize(merged)``; a linear solve that fails on the data is one line, not a traceback.
 
     Raises:
-      UsageError: the combiner's solve failed (a singular matrix: too few rows, constant or
-        NaN columns); the merged state is saved, so nothing is lost.
+      UsageError: the combiner's solve failed (too few rows, NaN or inf values); the merged
+        state is saved, so nothing is lost.
     """
     try:
         return program.finalize(merged)
@@ -323,7 +322,7 @@ def finalize(program: Program, merged: PyTree) -> Any:
             inner = inner.inner
         raise UsageError(
             f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
-            "rows, constant or duplicate columns, or NaN rows (nan_policy='omit' skips them); check the data."
+            "rows, or NaN/inf rows (nan_policy='omit' skips them); check the data."
         ) from None
 
 
@@ -357,20 +356,3 @@ def check_overflow(program: Program, merged: PyTree) -> None:
     cause = "rows holding NaN/Inf (nan_policy='propagate') or an overflow" if policy == "propagate" else "an overflow"
     _log.warning("the result may be wrong: %d accumulator values are inf or NaN, from %s; nan_policy='raise' "
                  "tells which.", count, cause)
-
-
-def to_host(tree: PyTree) -> PyTree:
-    """Copies a device pytree to host numpy (works on every process).
-
-    A replicated leaf is read from a local copy; a leaf split over devices is gathered
-    (across processes too, when some shards live elsewhere).
-    """
-
-    def fetch(x):
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(fetch, tree)

@@ -11,7 +11,8 @@ programs are built (memoized, so a rerun of the same job compiles nothing):
   of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
   collective; the partials are donated;
 - ``merge(partials) -> acc``: one collective: a ``psum`` for additive combiners, else one
-  all-gather and a fixed-order tree fold with ``combiner.merge``;
+  all-gather and a fixed-order tree fold with ``combiner.merge`` (in each process, by a
+  pairwise merge compiled for one device, when the accumulator is whole on every device);
 - ``relayout(leaves, meta) -> partials``: a checkpoint written with another shard count
   or another resolution of the job, folded and converted onto this one.
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import threadpoolctl
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -138,6 +140,8 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str)
         def full(acc, item):
             return bound.add(acc, item[1], jnp.ones((mb,), bool)), None
 
+        if not combiner.full_step_branch:
+            return jax.lax.scan(ragged, acc, (offsets, micro))[0]
         return jax.lax.cond(
             valid == rows_per_shard,
             lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
@@ -162,6 +166,23 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str)
         local_step, mesh=mesh, in_specs=(partial_specs, P(DATA_AXIS), P(), P()), out_specs=partial_specs
     )
     return jax.jit(step, donate_argnums=0)
+
+
+@cached
+def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
+    """``gather(partials) -> partials`` whole on every device: one all-gather over ``data``."""
+    return jax.jit(lambda partials: partials, out_shardings=named(mesh, accumulator_specs(combiner, mesh, None)))
+
+
+@cached
+def compile_pair_merge(combiner: Combiner, precision: str) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device."""
+
+    def merge(a, b, operands):
+        with jax.default_matmul_precision(precision):
+            return combiner.bind(operands).merge(a, b)
+
+    return jax.jit(merge)
 
 
 @cached
@@ -296,9 +317,33 @@ class Program:
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
     def merge(self, partials: PyTree) -> PyTree:
-        """The one collective merge of every shard's partial."""
+        """The one collective merge of every shard's partial.
+
+        A combiner whose merge is not a sum and whose accumulator is not split over other
+        axes is merged by each process on one of its devices (:meth:`merges_locally`).
+        """
+        if self.merges_locally:
+            gathered = compile_gather(self.combiner, self.mesh)(partials)
+            local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
+            merge = compile_pair_merge(self.combiner, self.options.precision)
+            operands = jax.device_put(self.host_operands, jax.tree.leaves(local)[0].device)
+            return tree_fold(lambda a, b: merge(a, b, operands), shards_of(local))
         ordered = self.options.logical_shards is not None
         return compile_merge(self.combiner, self.mesh, ordered, self.options.precision)(partials, self.operands)
+
+    @property
+    def merges_locally(self) -> bool:
+        """Whether :meth:`merge` all-gathers the partials and each process folds them on one device.
+
+        For a combiner whose merge is not a sum and whose accumulator is whole on each
+        device: its partials are folded in a fixed tree by one program, compiled once for
+        one device, called ``shards - 1`` times. In one SPMD program the fold was traced
+        ``shards - 1`` times (compile time grew with the device count: a LinearRegression
+        merge on 8 devices compiled 7 re-whitening folds), and XLA optimizes a program for
+        8 devices differently from one for 1 (other fusions, other roundings), so it was
+        not bitwise the same on every split of a ``logical_shards`` job.
+        """
+        return not self.combiner.additive and self.combiner.partition(self.mesh) is None
 
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
@@ -308,9 +353,18 @@ class Program:
         return compiled.lower(self.like, batch, np.int32(0), self.operands)
 
     def lower_merge(self) -> jax.stages.Lowered:
-        """The merge lowered for this program's partials."""
+        """The merge lowered for this program's partials (the pairwise merge where
+        :meth:`merges_locally`; its all-gather is :meth:`lower_gather`)."""
+        if self.merges_locally:
+            one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
+            merge = compile_pair_merge(self.combiner, self.options.precision)
+            return merge.lower(one, one, self.host_operands)
         ordered = self.options.logical_shards is not None
         return compile_merge(self.combiner, self.mesh, ordered, self.options.precision).lower(self.like, self.operands)
+
+    def lower_gather(self) -> jax.stages.Lowered:
+        """The all-gather of the partials that a merge by :meth:`merges_locally` starts with."""
+        return compile_gather(self.combiner, self.mesh).lower(self.like)
 
     def finalize(self, merged: PyTree) -> Any:
         """The result from the merged accumulator (host numpy).
@@ -509,3 +563,22 @@ def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: R
     """The program for ``num_rows`` rows of ``spec``, without data (for benchmarks and HLO checks)."""
     zeros = jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), (num_rows, *s.shape)), spec)
     return build_program(combiner, ArraySource(zeros), options or RunOptions())
+
+
+def to_host(tree: PyTree) -> PyTree:
+    """Copies a device pytree to host numpy (works on every process).
+
+    A replicated leaf is read from a local copy; a leaf split over devices is gathered
+    (across processes too, when some shards live elsewhere).
+    """
+
+    def fetch(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)

@@ -4,6 +4,8 @@ import re
 
 import numpy as np
 
+from bench.certified import run_x64  # noqa: F401  (float64 checks run in a subprocess)
+
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
@@ -34,3 +36,4 @@ def assert_usage_error(call, words) -> None:
     assert "\n" not in message
     for word in words:
         assert word in message, (word, message)
+

@@ -98,7 +98,8 @@ def test_padding_never_counts():
 def compiled_step_and_merge(combiner, spec, mesh="data:8"):
     options = ss.RunOptions(mesh=mesh, microbatch=16, steps_per_call=4, compensated=False)
     prog = program.program_for_spec(combiner, spec, 10_000, options)
-    return prog.lower_step().compile().as_text(), prog.lower_merge().compile().as_text()
+    merge = prog.lower_gather() if prog.merges_locally else prog.lower_merge()
+    return prog.lower_step().compile().as_text(), merge.compile().as_text()
 
 
 @pytest.mark.parametrize("combiner", [ss.Gram(), ss.Sum(), MaxAbs()])

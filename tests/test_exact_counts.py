@@ -8,6 +8,7 @@ import numpy as np
 
 import sharded_scan as ss
 from sharded_scan.combiners import wide
+from tests.helpers import run_x64
 
 
 def test_counts_past_two_to_the_31_add_and_merge_exactly():
@@ -65,3 +66,108 @@ def test_compensated_add_keeps_limbs_normalised():
         acc = add(acc, jnp.ones((1000, 2)), jnp.ones((1000,), bool))
     assert int(acc.value.limbs[0]) < 2**16
     assert int(comb.finalize(jax.tree.map(np.asarray, acc))) == 70_000
+
+
+# Accumulators built directly with counts near 2^31: merges must not wrap anywhere.
+NEAR = 2**31 - 5
+
+
+def _count(n):
+    return wide.add_int32(wide.add_int32(wide.zeros(), jnp.int32(n // 2)), jnp.int32(n - n // 2))
+
+
+def test_sum_counts_near_two_to_the_31_merge_exactly():
+    from sharded_scan.combiners.wrappers import Compensated
+
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    for combiner in (ss.Sum(), Compensated(ss.Sum())):
+        acc = combiner.init(spec)
+        value = acc.value if isinstance(combiner, Compensated) else acc
+        big = value._replace(count=_count(NEAR))
+        acc = acc._replace(value=big) if isinstance(combiner, Compensated) else big
+        merged = combiner.merge(combiner.merge(acc, acc), acc)
+        assert int(combiner.finalize(jax.device_get(merged)).count) == 3 * NEAR
+
+
+def test_centred_statistics_merge_counts_near_two_to_the_31():
+    spec = jax.ShapeDtypeStruct((1,), jnp.float32)
+    for combiner in (ss.Covariance(), ss.Moments()):
+        acc = combiner.init(spec)
+        centered = acc if isinstance(combiner, ss.Covariance) else acc.centered
+        a = centered._replace(count=_count(NEAR), mean=centered.mean + 1.0)
+        b = centered._replace(count=_count(NEAR), mean=centered.mean + 3.0)
+        if isinstance(combiner, ss.Moments):
+            a, b = acc._replace(centered=a), acc._replace(centered=b)
+        got = combiner.finalize(jax.device_get(combiner.merge(a, b)))
+        assert int(got.count) == 2 * NEAR
+        np.testing.assert_allclose(got.mean, [2.0], rtol=1e-6)
+        spread = got.cov[0, 0] if isinstance(combiner, ss.Covariance) else got.var[0]
+        want = 2 * NEAR / (2 * NEAR - combiner.ddof)  # (delta² na nb / n) / (n - ddof), delta = 2
+        np.testing.assert_allclose(spread, want, rtol=1e-5)
+
+
+def test_histogram_and_gradient_counts_near_two_to_the_31_merge_exactly():
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    hist = ss.Histogram(3, (0, 1))
+    acc = wide.add_int32(hist.init(spec), jnp.int32(NEAR))
+    assert (hist.finalize(jax.device_get(hist.merge(acc, acc))).counts == 2 * NEAR).all()
+    grad = ss.Gradient(lambda p, x: x @ p, np.ones(2, np.float32))
+    acc = grad.init(spec)._replace(count=_count(NEAR))
+    assert int(grad.finalize(jax.device_get(grad.merge(acc, acc))).count) == 2 * NEAR
+
+
+def test_integer_sums_are_exact_and_integer():
+    x = np.arange(2**24, 2**24 + 1000, dtype=np.int32)  # float32 would round this sum
+    got = ss.run(ss.Sum(), x, mesh="data:3", microbatch=7)
+    assert got.sum.dtype == np.int64 and int(got.sum) == int(x.astype(np.int64).sum())
+    rng = np.random.default_rng(1)
+    big = rng.integers(-(2**31), 2**31, size=(70_001, 2), dtype=np.int64).astype(np.int32)
+    flags = big > 0
+    for options in ({"microbatch": 40_000, "mesh": "data:1"}, {"microbatch": 64, "compensated": False}):
+        got = ss.run(ss.Sum(), (big, flags, big.astype(np.uint32)), **options)  # > 2^15 rows a micro-batch too
+        np.testing.assert_array_equal(got.sum[0], big.astype(np.int64).sum(0))
+        np.testing.assert_array_equal(got.sum[1], flags.sum(0))
+        np.testing.assert_array_equal(got.sum[2], big.astype(np.uint32).astype(np.int64).sum(0))
+        assert int(got.count) == len(big)
+
+
+def test_int64_sums_and_float64_statistics_under_x64():
+    got = run_x64("""
+        import numpy as np, tempfile, sharded_scan as ss
+        x = (np.int64(2**40) + np.arange(3_000_000, dtype=np.int64) % 1000).reshape(-1, 1)
+        s = ss.run(ss.Sum(), x, mesh="data:8", microbatch=50_000)
+        y = np.random.default_rng(0).normal(1e4, 1e-3, size=(5000, 3))
+        cov = ss.run(ss.Covariance(), y, mesh="data:3", microbatch=64)
+        with tempfile.TemporaryDirectory() as d:
+            ss.run(ss.Moments(), y, mesh="data:8", microbatch=64, checkpoint=ss.CheckpointOptions(d, every_steps=1))
+            again = ss.run(ss.Moments(), y, mesh="data:2", microbatch=64, checkpoint=d)  # resumes, other devices
+        refusals = []  # the sketches key values in 32 bits: 64-bit values would merge silently
+        for combiner in (ss.Quantiles(qs=[0.5]), ss.DistinctCount(), ss.TopK(k=3)):
+            for data in (1e9 + np.arange(1000.0)[:, None] * 1e-3, x[:1000]):
+                try:
+                    ss.run(combiner, data)
+                    refusals.append("ran")
+                except ss.UsageError as e:
+                    refusals.append(str(e))
+        emit({"refusals": refusals, "sum": str(int(s.sum[0])), "want": str(int(x.sum())), "count": int(s.count),
+              "cov_err": float(np.abs(cov.cov - np.cov(y, rowvar=False)).max()), "cov_dtype": str(cov.cov.dtype),
+              "var_err": float(np.abs(again.var - y.var(0)).max() / y.var(0).max()), "count2": int(again.count)})
+    """)
+    assert got["sum"] == got["want"] and got["count"] == 3_000_000
+    assert got["cov_err"] < 1e-15 and got["cov_dtype"] == "float64"  # float32 would be ~1e-7 off here
+    assert got["var_err"] < 1e-9 and got["count2"] == 5000
+    assert len(got["refusals"]) == 6
+    for line in got["refusals"]:
+        assert "32 bits" in line and ("float64" in line or "64-bit integers" in line) and "\n" not in line, line
+
+
+def test_regression_and_pca_factors_merge_counts_near_two_to_the_31():
+    from sharded_scan.combiners.solvers import SOLVERS
+
+    z = np.random.default_rng(2).normal(size=(16, 3)).astype(np.float32)
+    mask = np.ones(16, bool)
+    for name, make in SOLVERS.items():
+        solver = make(1)
+        acc = solver.add(solver.init(3, jnp.float32), jnp.asarray(z), mask)
+        acc = acc._replace(count=_count(NEAR))
+        assert solver.factor(jax.device_get(solver.merge(acc, acc))).count == 2 * NEAR, name

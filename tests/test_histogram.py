@@ -56,7 +56,7 @@ def test_merge_adds_counts_with_init_as_identity():
     mask = np.arange(8) < 5
     a = combiner.add(combiner.init(spec), x, mask)
     np.testing.assert_array_equal(combiner.merge(combiner.init(spec), a), a)
-    np.testing.assert_array_equal(combiner.finalize(np.asarray(a)).counts, reference(x[:5], 4, (0, 1)))
+    np.testing.assert_array_equal(combiner.finalize(jax.device_get(a)).counts, reference(x[:5], 4, (0, 1)))
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ RESULT_FIELDS = {
     "SumResult": ("sum", "count"),
     "CovarianceResult": ("count", "mean", "cov"),
     "MomentsResult": ("count", "mean", "var", "min", "max"),
-    "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean"),
-    "LinearRegressionResult": ("coef", "intercept"),
+    "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values"),
+    "LinearRegressionResult": ("coef", "intercept", "rank", "cond"),
     "HistogramResult": ("counts", "edges"),
     "GradientResult": ("count", "loss", "grad"),
     "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes"),
@@ -46,7 +46,7 @@ def test_builtins_are_combiners_and_the_additive_ones_say_so():
         "from_fn": ss.from_fn(lambda c, b: c + b.sum(0), np.zeros(2, np.float32)),
         "Quantiles": ss.Quantiles(qs=[0.5]), "DistinctCount": ss.DistinctCount(), "TopK": ss.TopK(),
     }
-    additive = {"Sum", "Gram", "LinearRegression", "Histogram", "Gradient", "from_fn"}
+    additive = {"Sum", "Gram", "Histogram", "Gradient", "from_fn"}
     for name, combiner in built.items():
         assert isinstance(combiner, ss.Combiner), name
         assert combiner.additive == (name in additive), name

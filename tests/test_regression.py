@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan.combiners.solvers import SOLVERS
 from tests.helpers import assert_usage_error, f64, rel_err
 
 
@@ -23,8 +24,8 @@ def lstsq(x, y, fit_intercept=True):
     return (sol[:-1].T, sol[-1]) if fit_intercept else (sol.T, np.zeros(sol.shape[1:]))
 
 
-@pytest.mark.parametrize("mesh", ["data:1", "data:2", "data:8", "data:4,model:2"])
-@pytest.mark.parametrize("n", [7, 1009])
+# Each mesh once, each size on two (every case compiles a re-whitening fold).
+@pytest.mark.parametrize("mesh, n", [("data:1", 1009), ("data:2", 7), ("data:8", 1009), ("data:4,model:2", 7)])
 def test_least_squares_matches_lstsq(mesh, n):
     x, y = problem(n)
     got = ss.run(ss.LinearRegression(), (x, y), mesh=mesh, microbatch=8, steps_per_call=2)
@@ -34,8 +35,7 @@ def test_least_squares_matches_lstsq(mesh, n):
     assert rel_err(got.intercept, intercept) < 1e-4
 
 
-@pytest.mark.parametrize("l2", [0.0, 3.0])
-@pytest.mark.parametrize("fit_intercept", [True, False])
+@pytest.mark.parametrize("l2, fit_intercept", [(0.0, True), (3.0, False)])
 def test_ridge_matches_scikit_learn_multi_target(l2, fit_intercept):
     linear_model = pytest.importorskip("sklearn.linear_model")
     x, y = problem(1009, t=3, seed=1)
@@ -49,20 +49,23 @@ def test_ridge_matches_scikit_learn_multi_target(l2, fit_intercept):
 def test_independent_of_microbatch_and_bfloat16_inputs():
     x, y = problem(515, seed=2)
     coef, intercept = lstsq(x, y)
-    for microbatch, steps in [(1, 1), (64, 3)]:
-        got = ss.run(ss.LinearRegression(), (x, y), microbatch=microbatch, steps_per_call=steps)
-        assert rel_err(got.coef, coef) < 1e-4
+    got = ss.run(ss.LinearRegression(), (x, y), microbatch=1, steps_per_call=1)
+    assert rel_err(got.coef, coef) < 1e-4
     xb, yb = x.astype(ml_dtypes.bfloat16), y.astype(ml_dtypes.bfloat16)
-    got = ss.run(ss.LinearRegression(), (xb, yb), microbatch=16)
+    got = ss.run(ss.LinearRegression(), (xb, yb), microbatch=64, steps_per_call=3)
     coef, intercept = lstsq(xb, yb)
     assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4
 
 
-def test_singular_system_asks_for_l2():
+def test_singular_system_gets_the_minimum_norm_solution_like_lstsq():
+    # Was refused ("XᵀX is singular; pass l2 > 0"): numpy solves it, so we do too.
     x, y = problem(50)
     x[:, 3] = 2 * x[:, 1]
-    with pytest.raises(ss.UsageError, match="l2 > 0"):
-        ss.run(ss.LinearRegression(), (x, y), microbatch=8)
+    for solver in SOLVERS:
+        got = ss.run(ss.LinearRegression(solver=solver), (x, y), mesh="data:3", microbatch=8)
+        coef, intercept = lstsq(x, y)
+        assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4, solver
+        assert got.rank == 3 and got.cond > 1e5  # rounding: about 1 / eps, not inf
     got = ss.run(ss.LinearRegression(l2=1e-3), (x, y), microbatch=8)
     assert np.isfinite(got.coef).all()
 
@@ -75,7 +78,109 @@ def test_singular_system_asks_for_l2():
         (lambda: ss.run(ss.LinearRegression(), (problem(10)[0][:, 0], problem(10)[1])), ["(n, d)", "()"]),
         (lambda: ss.run(ss.LinearRegression(), (problem(10)[0], np.zeros((10, 2, 2)))), ["(n, t)", "(2, 2)"]),
         (lambda: ss.LinearRegression(l2=-1.0), ["l2 >= 0"]),
+        (lambda: ss.LinearRegression(solver="qr"), ["solver", "'whitened'", "'qr'"]),
+        (lambda: ss.PCA(2, solver="svd"), ["solver", "'svd'"]),
     ],
 )
 def test_bad_input_is_one_clear_line(call, words):
     assert_usage_error(call, words)
+
+
+def everyday_rows(n=200_000, seed=0, lognormal=False):
+    """The issue's float32 rows: year 1990..2020, income ~5e4 (normal or lognormal), age ~40."""
+    rng = np.random.default_rng(seed)
+    year = rng.integers(1990, 2021, n).astype(np.float64)
+    income = rng.lognormal(np.log(5e4), 0.5, n) if lognormal else rng.normal(5e4, 1e4, n)
+    age = rng.normal(40, 10, n)
+    return np.stack([year, income, age], axis=1).astype(np.float32), rng
+
+
+def test_everyday_float32_regression_matches_float64_scikit_learn():
+    # Raw float32 normal equations called XᵀX "singular" here (means far from zero).
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    x, rng = everyday_rows()
+    y = f64(x) @ [250, 0.8, -30] + 1000 + rng.normal(0, 50, len(x))
+    y = y.astype(np.float32)
+    got = ss.run(ss.LinearRegression(), (x, y), mesh="data:4")
+    want = linear_model.LinearRegression().fit(f64(x), f64(y))
+    assert np.abs(got.coef / want.coef_ - 1).max() < 1e-3
+    assert abs(got.intercept / want.intercept_ - 1) < 1e-3
+    assert got.rank == 3 and 1 <= got.cond < 10
+
+
+def test_ridge_on_lognormal_income_matches_scikit_learn_ridge():
+    # Raw float32 sums centred on the host gave [-9.69, 1.97e-4, 0.491] for [3.0001, 2.0e-4, 0.49995].
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    x, rng = everyday_rows(lognormal=True, seed=1)
+    y = (f64(x) @ [3, 2e-4, 0.5] + rng.normal(0, 1, len(x))).astype(np.float32)
+    got = ss.run(ss.LinearRegression(l2=1.0), (x, y), mesh="data:4")
+    want = linear_model.Ridge(alpha=1.0).fit(f64(x), f64(y))
+    assert np.abs(got.coef / want.coef_ - 1).max() < 1e-3
+    assert abs(got.intercept - want.intercept_) < 1e-6 * abs(f64(y).mean())  # ~0.1: within y's float32 ulps
+
+
+def test_rank_is_scale_invariant_and_constant_columns_get_zero_like_scikit_learn():
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    rng = np.random.default_rng(3)
+    x = np.stack([rng.normal(0, 1, 3000), rng.normal(0, 1e4, 3000), np.full(3000, 7.0), np.zeros(3000)], axis=1)
+    x = x.astype(np.float32)
+    y = (x[:, 0] + 1e-4 * x[:, 1] + rng.normal(0, 0.1, 3000)).astype(np.float32)
+    got = ss.run(ss.LinearRegression(), (x, y), mesh="data:4")
+    want = linear_model.LinearRegression().fit(f64(x), f64(y))
+    assert got.rank == 2  # variances 1 and 1e8 are independent, not "singular"; the constant columns are
+    np.testing.assert_allclose(got.coef, want.coef_, rtol=1e-4, atol=1e-9)
+    assert got.coef[2] == 0 and got.coef[3] == 0
+    assert abs(got.intercept / want.intercept_ - 1) < 1e-4
+
+
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_every_solver_matches_lstsq_and_is_in_the_fingerprint(solver):
+    x, y = problem(1009, t=2, seed=4)
+    x[:, 0] += 1e3  # a large mean
+    got = ss.run(ss.LinearRegression(solver=solver), (x, y), mesh="data:3", microbatch=8, steps_per_call=2)
+    coef, intercept = lstsq(x, y)
+    assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4
+    assert ss.LinearRegression(solver=solver).fingerprint()["solver"] == repr(solver)
+
+
+def test_merge_is_associative_with_init_as_identity():
+    import jax
+
+    combiner = ss.LinearRegression()
+    spec = (jax.ShapeDtypeStruct((4,), np.float32), jax.ShapeDtypeStruct((), np.float32))
+    x, y = problem(30, seed=5)
+    x += 1e3
+    mask = np.ones(10, bool)
+    a, b, c = (combiner.add(combiner.init(spec), (x[i : i + 10], y[i : i + 10]), mask) for i in (0, 10, 20))
+    empty = combiner.init(spec)
+    for merged in (combiner.merge(empty, a), combiner.merge(a, empty)):
+        for leaf_got, leaf_want in zip(jax.tree.leaves(merged), jax.tree.leaves(a), strict=True):
+            np.testing.assert_array_equal(leaf_got, leaf_want)
+    left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
+    right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
+    coef, intercept = lstsq(x, y)
+    for got in (left, right):
+        assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4
+
+
+def test_resumes_from_a_checkpoint_on_another_device_count(tmp_path):
+    x, y = problem(1009, seed=6)
+    x[:, 1] += 1e3
+
+    class StopError(Exception):
+        pass
+
+    def stop_after_three(progress):
+        if progress.step == 3:
+            raise StopError
+
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    with pytest.raises(StopError):
+        ss.run(ss.LinearRegression(), (x, y), mesh="data:4", microbatch=16, steps_per_call=2, checkpoint=options,
+               progress=stop_after_three)
+    got, report = ss.run_with_report(
+        ss.LinearRegression(), (x, y), mesh="data:3", microbatch=16, steps_per_call=2, checkpoint=options
+    )
+    assert report.resumed_from_cursor and 0 < report.rows_this_run < 1009  # the saved partials were folded
+    coef, intercept = lstsq(x, y)
+    assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4

@@ -6,16 +6,10 @@ from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
 from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.pca import PCA, PCAResult
 from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
-from sharded_scan.combiners.statistics import (
-    PCA,
-    Covariance,
-    CovarianceResult,
-    Moments,
-    MomentsResult,
-    PCAResult,
-)
+from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
 from sharded_scan.combiners.sums import Gram, Sum, SumResult
 from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
 

@@ -41,6 +41,10 @@ class Combiner(abc.ABC):
 
     #: True when ``merge`` is leafwise addition (enables the ``psum`` fast path).
     additive: bool = False
+    #: False to compile one scan for every step: by default a step whose rows are all real
+    #: gets a second copy of the scan with a constant mask (XLA folds the masking away),
+    #: which doubles the compile of an ``add`` that is slow to compile and cheap to mask.
+    full_step_branch: bool = True
 
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
@@ -165,13 +169,15 @@ def check_numeric(dtype: Any, who: str) -> None:
 
 
 def accumulator_dtype(dtype: Any) -> np.dtype:
-    """The dtype to accumulate rows of ``dtype`` in: float32 at least, float64 kept.
+    """The float dtype to accumulate rows of ``dtype`` in: float32 at least, float64 kept.
 
-    bfloat16 and float16 inputs (and integers) accumulate in float32; under
-    ``jax_enable_x64`` float64 inputs stay float64.
+    bfloat16, float16 and small integers accumulate in float32. Under
+    ``jax_enable_x64`` float64 inputs, and integers of 32 bits or more (which float32
+    would round), accumulate in float64.
     """
     dtype = np.dtype(dtype)
-    if dtype == np.float64 and jax.config.jax_enable_x64:
+    wide_int = np.issubdtype(dtype, np.integer) and dtype.itemsize >= 4
+    if (dtype == np.float64 or wide_int) and jax.config.jax_enable_x64:
         return np.dtype(np.float64)
     return np.dtype(np.float32)
 

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import (
     AdditiveCombiner,
     accumulator_dtype,
     check_numeric,
     first_line,
     masked,
-    row_count,
     rows_spec,
 )
 from sharded_scan.errors import UsageError
@@ -34,7 +34,7 @@ class GradientResult(NamedTuple):
 
 
 class GradientAcc(NamedTuple):
-    count: jax.Array     # int32 ()
+    count: wide.Wide     # rows, exact past 2^31
     loss_sum: jax.Array  # ()
     grad_sum: PyTree
 
@@ -109,7 +109,7 @@ class Gradient(AdditiveCombiner):
     def init(self, spec):
         params = self._params()
         dtype = jnp.result_type(*jax.tree.leaves(params)) if jax.tree.leaves(params) else jnp.float32
-        return GradientAcc(jnp.zeros((), jnp.int32), jnp.zeros((), dtype), jax.tree.map(jnp.zeros_like, params))
+        return GradientAcc(wide.zeros(), jnp.zeros((), dtype), jax.tree.map(jnp.zeros_like, params))
 
     def add(self, acc, batch, mask):
         def total(params):
@@ -118,11 +118,11 @@ class Gradient(AdditiveCombiner):
 
         loss, grad = jax.value_and_grad(total)(_varying_like(self._params(), acc.loss_sum))
         return GradientAcc(
-            acc.count + row_count(mask), acc.loss_sum + loss, jax.tree.map(jnp.add, acc.grad_sum, grad)
+            wide.count_rows(acc.count, mask), acc.loss_sum + loss, jax.tree.map(jnp.add, acc.grad_sum, grad)
         )
 
     def finalize(self, acc):
-        n = int(acc.count)
+        n = int(wide.to_int(acc.count))
         grad = jax.tree.map(lambda g: np.asarray(g, np.float64) / n, acc.grad_sum)
         return GradientResult(np.int64(n), np.float64(acc.loss_sum) / n, grad)
 

@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, masked
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 
 
 class HistogramResult(NamedTuple):
-    """Counts ``(d, bins)`` (int64) and edges: ``(bins + 1,)``, or ``(d, bins + 1)`` per column."""
+    """Counts ``(d, bins)`` (int64, exact past 2^31) and edges: ``(bins + 1,)``, or ``(d, bins + 1)`` per column."""
 
     counts: np.ndarray
     edges: np.ndarray
@@ -92,20 +93,20 @@ class Histogram(AdditiveCombiner):
         return dataclasses.replace(self, bound=operands)
 
     def init(self, spec):
-        return jnp.zeros((spec.shape[0], self.bins), jnp.int32)
+        return wide.zeros((spec.shape[0], self.bins))
 
     def add(self, acc, batch, mask):
-        d = acc.shape[0]
+        d = acc.limbs.shape[0]
         inner, lo, hi = self.bound if self.bound is not None else self.operands(jax.ShapeDtypeStruct((d,), batch.dtype))
         x = batch.astype(jnp.float32)
         index = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"))(inner, x.T).T  # (mb, d)
         keep = masked((x >= lo) & (x <= hi), mask, False)
         flat = (index + jnp.arange(d, dtype=index.dtype) * self.bins).reshape(-1)
         counts = jnp.zeros(d * self.bins, jnp.int32).at[flat].add(keep.reshape(-1).astype(jnp.int32))
-        return acc + counts.reshape(d, self.bins)
+        return wide.add_int32(acc, counts.reshape(d, self.bins))
 
     def finalize(self, acc):
-        counts = np.asarray(acc, np.int64)
+        counts = wide.to_int(acc)
         edges = self._edges(counts.shape[0])
         return HistogramResult(counts, edges if np.ndim(self.range) == 2 else edges[0])
 

@@ -1,59 +1,77 @@
-"""Linear (ridge) regression from normal equations summed on the devices."""
+"""Linear (ridge) regression from a numerically stable factor of the data, solved on the host."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, check_numeric, masked, row_count
-from sharded_scan.combiners.sums import Triangle, default_block, triangle_add, triangle_full, triangle_zeros
+from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
+from sharded_scan.combiners.lstsq import least_squares
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
 from sharded_scan.errors import UsageError
 
 
 class LinearRegressionResult(NamedTuple):
-    """Coefficients (``(d,)``, or ``(t, d)`` for ``t`` targets) and the intercept."""
+    """Coefficients (``(d,)``, or ``(t, d)`` for ``t`` targets), the intercept, and what the solve saw.
+
+    ``rank`` and ``cond`` are the rank and condition number of ``X`` (centred when an
+    intercept is fitted) with its columns scaled to unit norm, as accumulated: an
+    exactly singular ``X`` shows a ``cond`` of about 1/eps of the accumulator dtype (not
+    inf), singular values below the accumulation's rounding do not count to ``rank``,
+    and a rank-deficient ``X`` gets the minimum-norm solution.
+    """
 
     coef: np.ndarray
     intercept: np.ndarray
+    rank: np.ndarray
+    cond: np.ndarray
 
 
-class NormalEquations(NamedTuple):
-    count: jax.Array  # int32 ()
-    sum_x: jax.Array  # (d,)
-    sum_y: jax.Array  # () for y of shape (n,), else (t,)
-    xtx: Triangle     # upper triangle of XᵀX (sums.Triangle)
-    xty: jax.Array    # (d,) or (d, t)
+class RegressionAcc(NamedTuple):
+    """The solver's accumulator of ``[X | y]``, and zeros shaped like one row of ``y``."""
+
+    rows: Any
+    targets: jax.Array  # () for y of shape (n,), else (t,): tells finalize which result shape
+
+
+def stacked(x: jax.Array, y: jax.Array, dtype) -> jax.Array:
+    """The rows ``[x | y]`` in ``dtype`` (``y`` of shape ``(n,)`` or ``(n, t)``)."""
+    return jnp.concatenate([x.astype(dtype), y.reshape(y.shape[0], -1).astype(dtype)], axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearRegression(AdditiveCombiner):
+class LinearRegression(Combiner):
     """Least squares (ridge when ``l2 > 0``) of ``y`` on ``X``; data is the pair ``(X, y)``.
 
-    ``XᵀX``, ``Xᵀy`` and the column sums are summed on the devices (additive: one
-    ``psum``); the system is solved in float64 on the host. With ``fit_intercept`` the
-    sums are centred on the host and the intercept is not penalised, like
-    ``sklearn.linear_model.Ridge(alpha=l2)``. The sums are raw, so centre data whose
-    mean is large against its spread first (or use :class:`Covariance`).
+    Each device accumulates a factor of the rows ``[X | y]`` (by default the R of their
+    QR, see ``solver``); partials merge once, and the problem is solved from the factor
+    in float64 on the host, never from normal equations. With ``fit_intercept`` the
+    intercept is not penalised, like ``sklearn.linear_model.Ridge(alpha=l2)``; with
+    ``l2 == 0`` a rank-deficient ``X`` gets the minimum-norm solution, like
+    ``numpy.linalg.lstsq``, and the result reports the rank and condition number.
 
     Args:
       l2: the ridge penalty ``alpha`` on the coefficients, ``>= 0``.
       fit_intercept: fit an unpenalised intercept.
-
-    Raises:
-      UsageError: from ``finalize`` when ``l2 == 0`` and the (centred) ``XᵀX`` is
-        singular in float32 precision: pass ``l2 > 0`` or drop collinear columns.
+      solver: ``"tsqr"`` (Householder QR of each micro-batch under the running R) or
+        ``"comoments"`` (centred co-moments: faster, but errors grow with the square
+        of the condition number).
     """
+
+    full_step_branch = False  # its add (a re-whitening fold) is slow to compile; a mask costs nothing here
 
     l2: float = 0.0
     fit_intercept: bool = True
+    solver: str = DEFAULT_SOLVER
 
     def __post_init__(self):
         if not np.isfinite(self.l2) or self.l2 < 0:
             raise UsageError(f"LinearRegression needs l2 >= 0, got l2={self.l2!r}.")
+        check_solver("LinearRegression", self.solver)
 
     def check_spec(self, spec):
         if not (isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(s, jax.ShapeDtypeStruct) for s in spec)):
@@ -73,52 +91,27 @@ class LinearRegression(AdditiveCombiner):
 
     def init(self, spec):
         x, y = spec
-        d, t, dtype = x.shape[0], y.shape, accumulator_dtype(x.dtype)
-        zeros = jnp.zeros
-        return NormalEquations(
-            zeros((), jnp.int32), zeros((d,), dtype), zeros(t, dtype), triangle_zeros(d, default_block(d), dtype),
-            zeros((d, *t), dtype),
-        )
+        dtype = accumulator_dtype(np.result_type(x.dtype, y.dtype))
+        rows = self._solver(y.shape).init(x.shape[0] + int(np.prod(y.shape)), dtype)
+        return RegressionAcc(rows, jnp.zeros(y.shape, dtype))
+
+    def _solver(self, y_shape) -> Solver:
+        return SOLVERS[self.solver](int(np.prod(y_shape)))
 
     def add(self, acc, batch, mask):
-        dtype = acc.sum_x.dtype
         x, y = batch
-        x = masked(x.astype(dtype), mask)
-        y = masked(y.astype(dtype), mask)
-        # Xᵀy and the column sums as one (t + 1, rows) @ (rows, d) product: on XLA's CPU
-        # backend this is ~1.5x faster per step than the matrix-vector Xᵀ @ y and a sum.
-        targets = y.reshape(y.shape[0], -1).T
-        lhs = jnp.concatenate([targets, jnp.ones((1, targets.shape[1]), dtype)])
-        products = jnp.matmul(lhs, x, preferred_element_type=dtype)
-        return NormalEquations(
-            acc.count + row_count(mask),
-            acc.sum_x + products[-1],
-            acc.sum_y + jnp.sum(y, axis=0),
-            triangle_add(acc.xtx, x),
-            acc.xty + products[:-1].T.reshape(acc.xty.shape),
-        )
+        rows = self._solver(acc.targets.shape).add(acc.rows, stacked(x, y, acc.targets.dtype), mask)
+        return acc._replace(rows=rows)
+
+    def merge(self, a, b):
+        return a._replace(rows=self._solver(a.targets.shape).merge(a.rows, b.rows))
 
     def finalize(self, acc):
-        n = float(acc.count)
-        xtx = triangle_full(acc.xtx).astype(np.float64)
-        d = xtx.shape[0]
-        xty = np.asarray(acc.xty, np.float64).reshape(d, -1)
-        mean_x = np.asarray(acc.sum_x, np.float64) / n
-        mean_y = np.asarray(acc.sum_y, np.float64).reshape(-1) / n
-        if self.fit_intercept:
-            xtx = xtx - n * np.outer(mean_x, mean_x)
-            xty = xty - n * np.outer(mean_x, mean_y)
-        system = xtx + self.l2 * np.eye(d)
-        if self.l2 == 0:
-            scale = np.abs(np.diag(system)).max(initial=0.0)
-            smallest = np.linalg.eigvalsh(system)[0] if d else 0.0
-            if not scale or smallest <= scale * d * np.finfo(np.float32).eps:
-                raise UsageError(
-                    "LinearRegression: XᵀX is singular (collinear or constant columns, or fewer rows than "
-                    "columns); pass l2 > 0 or drop the redundant columns."
-                )
-        coef = np.linalg.solve(system, xty).T  # (t, d)
-        intercept = mean_y - coef @ mean_x if self.fit_intercept else np.zeros_like(mean_y)
-        if np.ndim(acc.sum_y) == 0:  # y of shape (n,): coef (d,), a scalar intercept
-            return LinearRegressionResult(coef[0], np.float64(intercept[0]))
-        return LinearRegressionResult(coef, intercept)
+        factor = self._solver(np.shape(acc.targets)).factor(acc.rows)
+        t = int(np.prod(np.shape(acc.targets)))
+        solution = least_squares(factor, factor.mean.size - t, self.l2, self.fit_intercept)
+        if np.ndim(acc.targets) == 0:  # y of shape (n,): coef (d,), a scalar intercept
+            return LinearRegressionResult(
+                solution.coef[0], np.float64(solution.intercept[0]), solution.rank, solution.cond
+            )
+        return LinearRegressionResult(solution.coef, solution.intercept, solution.rank, solution.cond)

@@ -1,4 +1,4 @@
-"""Stable second-order statistics: covariance, per-column moments, principal components.
+"""Stable second-order statistics: covariance and per-column moments.
 
 Each device keeps ``(count, shift, mean, M2)``: ``mean`` is measured from ``shift``, a
 value taken from the rows the accumulator saw, so that float32 keeps the digits of the
@@ -19,24 +19,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.sums import check_matrix_spec
-from sharded_scan.errors import UsageError
 
 
 class CenteredAcc(NamedTuple):
     """Rows seen, the reference point, the mean measured from it, and the centred M2."""
 
-    count: jax.Array  # int32 ()
+    count: wide.Wide  # rows, exact past 2^31
     shift: jax.Array  # (d,)
     mean: jax.Array   # (d,) mean - shift
-    m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares
+    m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares, less m2_lost
+    m2_lost: jax.Array  # Kahan compensation of m2 (many small micro-batches would drift by their count x eps)
 
 
 def centered_init(d: int, dtype, full: bool) -> CenteredAcc:
     """The identity: no rows."""
     zeros = jnp.zeros((d,), dtype)
-    return CenteredAcc(jnp.zeros((), jnp.int32), zeros, zeros, jnp.zeros((d, d) if full else (d,), dtype))
+    m2 = jnp.zeros((d, d) if full else (d,), dtype)
+    return CenteredAcc(wide.zeros(), zeros, zeros, m2, m2)
 
 
 def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
@@ -45,17 +47,17 @@ def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
 
 def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
     """Chan's pairwise combination; exact identity when either side has no rows."""
-    n = a.count + b.count
-    a_empty, b_empty = a.count == 0, b.count == 0
+    n = wide.add(a.count, b.count)
+    a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     shift = jnp.where(a_empty, b.shift, a.shift)
     mean_a = a.mean + (a.shift - shift)   # the shifts are close, so their difference is exact
     mean_b = b.mean + (b.shift - shift)
     delta = mean_b - mean_a
-    na, nb = a.count.astype(delta.dtype), b.count.astype(delta.dtype)
-    nf = jnp.maximum(n, 1).astype(delta.dtype)
+    na, nb = wide.to_float(a.count, delta.dtype), wide.to_float(b.count, delta.dtype)
+    nf = jnp.maximum(wide.to_float(n, delta.dtype), 1)
     mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * (nb / nf)))
     m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * (nb / nf))
-    return CenteredAcc(n, shift, mean, m2)
+    return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost)
 
 
 def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -> CenteredAcc:
@@ -72,34 +74,40 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -
     dtype = acc.m2.dtype
     x = x.astype(dtype)
     nb = row_count(mask)
-    shift = jnp.where(acc.count == 0, _rough_mean(acc.shift, x, mask, nb), acc.shift)
+    fresh = wide.is_zero(acc.count)
+    shift = jnp.where(fresh, reference_point(acc.shift, x, mask, nb), acc.shift)
     dev = masked((x - shift) - acc.mean, mask)
-    n = acc.count + nb
+    n = wide.add_int32(acc.count, nb)
+    before = wide.to_float(acc.count, dtype)
     s1 = jnp.sum(dev, axis=0)
     delta = s1 / jnp.maximum(nb, 1).astype(dtype)
     s2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
-    weight = nb.astype(dtype) / jnp.maximum(n, 1).astype(dtype)
-    m2 = acc.m2 + (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (acc.count.astype(dtype) * weight)
+    weight = nb.astype(dtype) / jnp.maximum(before + nb.astype(dtype), 1)
+    y = (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * weight) - acc.m2_lost
+    m2 = acc.m2 + y
+    lost = (m2 - acc.m2) - y
     moved, mean = _two_sum(shift, acc.mean + delta * weight)
     some = nb > 0
-    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2)
+    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2, lost)
 
 
 HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
 
 
-def _rough_mean(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
+def reference_point(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Array) -> jax.Array:
     """A fresh accumulator's reference point, read from a few real rows, never padding.
 
-    The masked mean of the micro-batch's first ``HEAD_ROWS`` rows (a slice, not a pass
-    over the micro-batch); if those are all padding, its first real row; if it has no
-    real row, ``shift``.
+    The micro-batch's first real row plus the masked mean of its first ``HEAD_ROWS``
+    rows' differences from it (a slice, not a pass over the micro-batch): close to the
+    mean, and exactly the value of a column whose rows are all equal, so a constant
+    column's deviations are exactly 0 at any magnitude. With no real row, ``shift``.
     """
+    # The barrier keeps XLA from constant-folding the argmax of an all-True mask (seconds of compile).
+    first = jnp.where(nb > 0, x[jnp.argmax(jax.lax.optimization_barrier(mask))], shift)
     head, head_mask = x[:HEAD_ROWS], mask[:HEAD_ROWS]
     nh = row_count(head_mask)
-    mean = jnp.sum(masked(head, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
-    first = jnp.where(nb > 0, x[jnp.argmax(mask)], shift)
-    return jnp.where(nh > 0, mean, first)
+    offset = jnp.sum(masked(head - first, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
+    return first + offset
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,6 +129,16 @@ def host_mean(acc: CenteredAcc) -> np.ndarray:
 def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
+
+
+def host_m2(acc: CenteredAcc) -> np.ndarray:
+    """The compensated M2 in float64, its variances (the diagonal, or every entry of a
+    vector) at least 0: rounding can leave a sum of squared deviations a few ulps below
+    zero. NaN stays."""
+    m2 = np.asarray(acc.m2, np.float64) - np.asarray(acc.m2_lost, np.float64)
+    diagonal = m2 if m2.ndim == 1 else np.einsum("ii->i", m2)
+    diagonal[diagonal < 0] = 0.0
+    return m2
 
 
 class CovarianceResult(NamedTuple):
@@ -155,8 +173,8 @@ class Covariance(Combiner):
         return centered_merge(a, b, full=True)
 
     def finalize(self, acc):
-        count = int(acc.count)
-        return CovarianceResult(np.int64(count), host_mean(acc), _divide(acc.m2, count - self.ddof))
+        count = wide.to_int(acc.count)
+        return CovarianceResult(count, host_mean(acc), _divide(host_m2(acc), count - self.ddof))
 
 
 class MomentsResult(NamedTuple):
@@ -209,69 +227,11 @@ class Moments(Combiner):
         )
 
     def finalize(self, acc):
-        count = int(acc.centered.count)
+        count = wide.to_int(acc.centered.count)
         return MomentsResult(
-            np.int64(count),
+            count,
             host_mean(acc.centered),
-            _divide(acc.centered.m2, count - self.ddof),
+            _divide(host_m2(acc.centered), count - self.ddof),
             np.asarray(acc.min),
             np.asarray(acc.max),
         )
-
-
-class PCAResult(NamedTuple):
-    """The top ``k`` principal axes (rows), their variances and ratios, and the mean."""
-
-    components: np.ndarray
-    explained_variance: np.ndarray
-    explained_variance_ratio: np.ndarray
-    mean: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class PCA(Combiner):
-    """Principal component analysis from the stable covariance, like ``sklearn.decomposition.PCA``.
-
-    The covariance (divisor ``n - 1``) is accumulated on the devices; its symmetric
-    eigen-decomposition runs in float64 on the host. Components are rows, sorted by
-    decreasing variance, each signed so that its largest-magnitude entry is positive
-    (scikit-learn's ``svd_flip`` convention).
-
-    Args:
-      k: the number of components, ``1 <= k <= d``.
-    """
-
-    k: int
-
-    @property
-    def _cov(self) -> Covariance:
-        return Covariance(ddof=1)
-
-    def check_spec(self, spec):
-        self._cov.check_spec(spec)
-        d = spec.shape[0]
-        k = self.k
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= d:
-            raise UsageError(f"PCA needs 1 <= k <= d = {d} (the number of columns), got k={k!r}.")
-
-    def init(self, spec):
-        return self._cov.init(spec)
-
-    def add(self, acc, batch, mask):
-        return self._cov.add(acc, batch, mask)
-
-    def merge(self, a, b):
-        return self._cov.merge(a, b)
-
-    def finalize(self, acc):
-        cov = self._cov.finalize(acc)
-        values, vectors = np.linalg.eigh(cov.cov)
-        order = np.argsort(values)[::-1][: self.k]
-        components = vectors[:, order].T
-        biggest = np.argmax(np.abs(components), axis=1)
-        components *= np.sign(components[np.arange(self.k), biggest])[:, None]
-        variance = np.maximum(values[order], 0.0)
-        total = float(np.trace(cov.cov))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = variance / total
-        return PCAResult(components, variance, ratio, cov.mean)

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, masked, row_count
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, masked
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -31,22 +32,45 @@ class SumResult(NamedTuple):
     count: np.ndarray
 
 
+def _is_integer(dtype) -> bool:
+    return np.dtype(dtype) == np.bool_ or np.issubdtype(np.dtype(dtype), np.integer)
+
+
+def _exact_sum(acc: wide.Wide, x: jax.Array, mask: jax.Array) -> wide.Wide:
+    return wide.add(acc, wide.sum_rows(x, mask, acc.limbs.shape[-1]))
+
+
+def _float_sum(acc: jax.Array, x: jax.Array, mask: jax.Array) -> jax.Array:
+    return acc + jnp.sum(masked(x, mask).astype(acc.dtype), axis=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sum(AdditiveCombiner):
-    """Sums every leaf over rows (any row shape) and counts the rows."""
+    """Sums every leaf over rows (any row shape) and counts the rows.
+
+    Integer and bool leaves sum exactly (as :class:`~sharded_scan.combiners.wide.Wide`
+    integers: int64 in the result, Python ints past 2^63); float leaves sum in their
+    accumulator dtype (float32, or float64 under ``jax_enable_x64``).
+    """
 
     def init(self, spec):
-        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, accumulator_dtype(s.dtype)), spec)
-        return SumResult(sums, jnp.zeros((), jnp.int32))
+        def zero(s):
+            if _is_integer(s.dtype):
+                return wide.zeros(s.shape, wide.limbs_for(s.dtype))
+            return jnp.zeros(s.shape, accumulator_dtype(s.dtype))
+
+        return SumResult(jax.tree.map(zero, spec), wide.zeros())
 
     def add(self, acc, batch, mask):
-        sums = jax.tree.map(
-            lambda a, x: a + jnp.sum(masked(x, mask).astype(a.dtype), axis=0), acc.sum, batch
-        )
-        return SumResult(sums, acc.count + row_count(mask))
+        def fold(a, x):
+            return _exact_sum(a, x, mask) if wide.is_wide(a) else _float_sum(a, x, mask)
+
+        sums = jax.tree.map(fold, acc.sum, batch, is_leaf=wide.is_wide)
+        return SumResult(sums, wide.count_rows(acc.count, mask))
 
     def finalize(self, acc):
-        return SumResult(acc.sum, np.asarray(acc.count, np.int64))
+        sums = jax.tree.map(lambda a: wide.to_int(a) if wide.is_wide(a) else a, acc.sum, is_leaf=wide.is_wide)
+        return SumResult(sums, wide.to_int(acc.count))
 
 
 def check_matrix_spec(spec, who: str) -> None:

@@ -67,12 +67,72 @@ def count_rows(w: Wide, mask: jax.Array) -> Wide:
     return add_int32(w, jnp.sum(mask, dtype=jnp.int32))
 
 
+def is_zero(w: Wide) -> jax.Array:
+    """Whether each value is zero (limbs normalised or not)."""
+    return jnp.all(normalize(w).limbs == 0, axis=-1)
+
+
 def to_float(w: Wide, dtype=jnp.float32) -> jax.Array:
     """The value in ``dtype`` on the device (rounded once per limb: for weights, not for reports)."""
     out = jnp.zeros(w.limbs.shape[:-1], dtype)
     for k in reversed(range(w.limbs.shape[-1])):
         out = out * (1 << LIMB_BITS) + w.limbs[..., k].astype(dtype)
     return out
+
+
+GROUP_ROWS = 1 << 15  # a column sum of 2^15 pieces of 16 bits fits int32
+
+
+def limbs_for(dtype) -> int:
+    """Limbs for sums of ``dtype`` integers: 64-bit values need two more than ``LIMBS``."""
+    return LIMBS + 2 if np.dtype(dtype).itemsize > 4 else LIMBS
+
+
+def _pieces(x: jax.Array) -> list[jax.Array]:
+    """An integer (or bool) array as int32 pieces of 16 bits, lowest first.
+
+    Every piece but the top one is in ``[0, 2^16)``; the top one of a signed dtype is
+    signed, so ``x == sum(piece_k * 2^(16 k))`` exactly.
+    """
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_ or dtype.itemsize <= 2:
+        return [x.astype(jnp.int32)]
+    count = dtype.itemsize * 8 // LIMB_BITS
+    signed = np.issubdtype(dtype, np.signedinteger)
+    out = []
+    for k in range(count):
+        part = jnp.right_shift(x, jnp.asarray(LIMB_BITS * k, dtype))  # arithmetic when signed
+        if k < count - 1 or not signed:
+            part = jnp.bitwise_and(part, jnp.asarray(_MASK, dtype))
+        out.append(part.astype(jnp.int32))
+    return out
+
+
+def _column_sums(piece: jax.Array) -> jax.Array:
+    """``(groups, *rest)`` int32 sums of ``piece``'s rows in groups of at most ``GROUP_ROWS``."""
+    rows = piece.shape[0]
+    size = max(min(rows, GROUP_ROWS), 1)
+    groups = -(-rows // size)
+    piece = jnp.pad(piece, [(0, groups * size - rows)] + [(0, 0)] * (piece.ndim - 1))
+    return jnp.sum(piece.reshape(groups, size, *piece.shape[1:]), axis=1)
+
+
+def sum_rows(x: jax.Array, mask: jax.Array, limbs: int | None = None) -> Wide:
+    """The exact sum over rows of the integer (or bool) array ``x`` where ``mask`` is True.
+
+    Each 16-bit piece is summed in int32 over groups of at most 2^15 rows, so no
+    partial sum wraps whatever the micro-batch size; the group sums are carried into
+    limbs. ``limbs`` defaults to :func:`limbs_for` ``x``'s dtype.
+    """
+    limbs = limbs or limbs_for(x.dtype)
+    keep = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+    total = jnp.zeros((*x.shape[1:], limbs), jnp.int32)
+    for k, piece in enumerate(_pieces(x)):
+        sums = _column_sums(jnp.where(keep, piece, 0))
+        low = jnp.sum(jnp.bitwise_and(sums, _MASK), axis=0)   # < 2^16 per group
+        high = jnp.sum(jnp.right_shift(sums, LIMB_BITS), axis=0)
+        total = total.at[..., k].add(low).at[..., k + 1].add(high)
+    return normalize(Wide(total))
 
 
 def to_int(w: Wide | np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ class Wrapper(Combiner):
     def __init__(self, inner: Combiner):
         self.inner = inner
         self.additive = inner.additive
+        self.full_step_branch = inner.full_step_branch
 
     def params(self) -> dict[str, Any]:
         """The wrapper's own parameters."""

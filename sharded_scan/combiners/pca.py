@@ -1,0 +1,80 @@
+"""Principal component analysis from a stable factor of the data."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from sharded_scan.combiners.base import Combiner, accumulator_dtype
+from sharded_scan.combiners.lstsq import principal_axes
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
+from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.errors import UsageError
+
+
+class PCAResult(NamedTuple):
+    """The top ``k`` principal axes (rows), their variances and ratios, the mean, and the
+    singular values of the centred data (scikit-learn's ``singular_values_``)."""
+
+    components: np.ndarray
+    explained_variance: np.ndarray
+    explained_variance_ratio: np.ndarray
+    mean: np.ndarray
+    singular_values: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class PCA(Combiner):
+    """Principal component analysis, like ``sklearn.decomposition.PCA(svd_solver="full")``.
+
+    The devices accumulate a factor of the rows (by default the R of their QR, see
+    ``solver``, as ``IncrementalPCA`` and ``dask.array.linalg.svd`` do); the singular
+    values and right singular vectors of the centred data come from it in float64 on
+    the host, never from a covariance matrix, so small components keep their digits.
+    Components are rows, sorted by decreasing variance, each signed so that its
+    largest-magnitude entry is positive (scikit-learn's ``svd_flip`` convention).
+
+    Args:
+      k: the number of components, ``1 <= k <= d``.
+      solver: the accumulator, as for :class:`~sharded_scan.LinearRegression`.
+    """
+
+    full_step_branch = False  # its add (a re-whitening fold) is slow to compile; a mask costs nothing here
+
+    k: int
+    solver: str = DEFAULT_SOLVER
+
+    def __post_init__(self):
+        check_solver("PCA", self.solver)
+
+    def _solver(self) -> Solver:
+        return SOLVERS[self.solver](0)
+
+    def check_spec(self, spec):
+        super().check_spec(spec)
+        check_matrix_spec(spec, "PCA")
+        d = spec.shape[0]
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= d:
+            raise UsageError(f"PCA needs 1 <= k <= d = {d} (the number of columns), got k={k!r}.")
+
+    def init(self, spec):
+        return self._solver().init(spec.shape[0], accumulator_dtype(spec.dtype))
+
+    def add(self, acc, batch, mask):
+        return self._solver().add(acc, batch, mask)
+
+    def merge(self, a, b):
+        return self._solver().merge(a, b)
+
+    def finalize(self, acc):
+        factor = self._solver().factor(acc)
+        axes = principal_axes(factor)
+        squares = axes.singular_values**2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            variance = squares / (factor.count - 1)
+            ratio = squares / squares.sum()
+        k = self.k
+        return PCAResult(axes.components[:k], variance[:k], ratio[:k], factor.mean, axes.singular_values[:k])

@@ -1,0 +1,80 @@
+"""The accumulators LinearRegression and PCA can run on, by name, each ending in a Factor.
+
+- ``"whitened"`` (the default): a streaming QR kept as a Gram matrix in a whitening
+  basis (:mod:`.whitened`): TSQR's accuracy, at the cost of one or two matmuls.
+- ``"tsqr"``: Householder TSQR (:mod:`.tsqr`), the R of ``[1 | z - shift]``.
+- ``"comoments"``: the centred co-moments ``Σ (z - mean)(z - mean)ᵀ`` of
+  :class:`~sharded_scan.combiners.statistics.Covariance` (Chan's merge). Its factor is
+  a square root of the co-moments, so it carries their rounding: errors grow with the
+  square of the condition number instead of with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from sharded_scan.combiners import statistics, tsqr, whitened, wide
+from sharded_scan.combiners.lstsq import Factor
+from sharded_scan.errors import UsageError
+
+
+class Solver(NamedTuple):
+    """``init(p, dtype)``, ``add(acc, z, mask)``, ``merge(a, b)`` on devices; ``factor(host acc)``."""
+
+    init: Callable[[int, Any], Any]
+    add: Callable
+    merge: Callable
+    factor: Callable[[Any], Factor]
+
+
+def _comoments_factor(acc: statistics.CenteredAcc) -> Factor:
+    m2 = statistics.host_m2(acc)
+    scale = np.sqrt(np.maximum(np.diag(m2), 0.0))
+    scale = np.where(scale > 0, scale, 1.0)
+    values, vectors = np.linalg.eigh((m2 + m2.T) / 2 / np.outer(scale, scale))  # correlations: column-scale free
+    root = (np.sqrt(np.maximum(values, 0.0))[:, None] * vectors.T) * scale
+    eps = np.finfo(np.asarray(acc.m2).dtype).eps
+    return Factor(int(wide.to_int(acc.count)), statistics.host_mean(acc), root, noise=np.sqrt(eps * max(len(m2), 10)))
+
+
+@functools.cache
+def _whitened(targets: int) -> Solver:
+    # Jitted (once per `targets`): a direct call compiles one program instead of running
+    # the loops op by op; inside the engine's step it is inlined like any function.
+    return Solver(
+        whitened.init,
+        jax.jit(functools.partial(whitened.add, targets=targets)),
+        jax.jit(functools.partial(whitened.merge, targets=targets)),
+        whitened.factor,
+    )
+
+
+def _tsqr(targets: int) -> Solver:
+    del targets
+    return Solver(tsqr.init, tsqr.add, tsqr.merge, tsqr.factor)
+
+
+def _comoments(targets: int) -> Solver:
+    del targets
+    return Solver(
+        lambda p, dtype: statistics.centered_init(p, dtype, full=True),
+        lambda acc, z, mask: statistics.centered_fold(acc, z, mask, full=True),
+        lambda a, b: statistics.centered_merge(a, b, full=True),
+        _comoments_factor,
+    )
+
+
+# name -> (the number of target columns at the end of z -> Solver)
+SOLVERS: dict[str, Callable[[int], Solver]] = {"whitened": _whitened, "tsqr": _tsqr, "comoments": _comoments}
+DEFAULT_SOLVER = "whitened"
+
+
+def check_solver(who: str, solver: str) -> None:
+    """Raises :class:`UsageError` unless ``solver`` names one of :data:`SOLVERS`."""
+    if solver not in SOLVERS:
+        raise UsageError(f"{who} solver must be one of {', '.join(map(repr, SOLVERS))}; got {solver!r}.")

@@ -1,0 +1,439 @@
+"""A streaming QR in a whitened basis: the stability of TSQR at the cost of matmuls.
+
+Like :mod:`.tsqr`, each shard describes the rows ``b = [1 | z - shift]`` (ones column
+first, ``shift`` a reference point near the mean), but instead of R it keeps a basis
+``W`` (upper triangular) and the Gram matrix of the rows in that basis::
+
+    M = Σ (b W)ᵀ (b W),   so that   Σ bᵀb = W⁻ᵀ M W⁻¹   and   R = chol(M) W⁻¹.
+
+``W`` is chosen so that ``M`` stays close to diagonal: then the float sums of ``M``
+keep their digits whatever the conditioning of the data (raw normal equations lose
+them as the square of the condition number). A micro-batch costs one matmul
+``c = b W`` and one Gram ``cᵀc``; while the data's centred columns are nearly
+uncorrelated ``W`` stays diagonal (plus its first row, the shift) and the first
+matmul is a column scaling: then it costs what centred co-moments cost.
+
+A young shard, one that has seen fewer than ``2 n`` rows, keeps the exact R of its rows
+instead (Householder QR of ``[R; rows]``, as TSQR): a few rows cannot tell a weak
+direction from an empty one. It whitens once those rows and the micro-batch after them
+are enough.
+
+``W`` is re-chosen ("re-whitened") only when a micro-batch is large against what ``M``
+holds: on the first micro-batch, when the data drifts, while a shard has seen few
+rows, and when merging. Re-whitening factors ``M`` (with :mod:`.dense`, no LAPACK),
+moves the shift to the running mean, moves ``M`` to the new basis and redoes the
+micro-batch in it, twice when the basis is not diagonal (CholeskyQR2: the first pass
+shifts the correlations to see weak directions, the second leaves directions without
+data alone). Merging adds the other shard's R factor as rows, as TSQR stacks R's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharded_scan.combiners import dense, wide
+from sharded_scan.combiners.base import row_count
+from sharded_scan.combiners.lstsq import Factor
+from sharded_scan.combiners.statistics import reference_point
+from sharded_scan.combiners.tsqr import augmented, moved
+from sharded_scan.layout import REPRODUCIBLE_MICROBATCH
+
+GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor
+DIAGONAL_COND = 64.0   # keep a diagonal basis while the centred correlations' condition number is below this
+DIAGONAL_OFFSET = 0.9  # and every column's correlation with the ones column (|mean - shift| < 2 sd)
+RECENTRE = 1.0  # move the shift to the running mean when it is this many standard deviations away
+PASSES = 2             # re-whitening passes over the micro-batch when the basis is not diagonal
+POWER_STEPS = 12
+
+
+class WhitenedAcc(NamedTuple):
+    """Rows seen, the reference point, the basis and the Gram of the rows in it."""
+
+    count: wide.Wide
+    shift: jax.Array         # (p,)
+    sums: jax.Array          # (2, n) Σ b and Σ b² (n = p + 1): the running mean is shift + sums[0, 1:] / sums[0, 0]
+    start: jax.Array         # (n,) 1 / column norms of the first micro-batch: the columns' natural units
+    basis: jax.Array         # (n, n) upper triangular W, columns of unit norm in `start` units
+    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`
+    compensation: jax.Array  # (n, n) Kahan compensation of `gram`
+    floor: jax.Array         # () smallest eigenvalue of M's correlations right after the last re-whitening
+    diagonal: jax.Array      # () bool: W is diagonal but for its first row (c = b W is a column scaling)
+    young: jax.Array         # () bool: fewer than 2n rows so far; `gram` holds the R of the rows
+
+
+def init(p: int, dtype) -> WhitenedAcc:
+    n = p + 1
+    zeros = jnp.zeros((n, n), dtype)
+    return WhitenedAcc(
+        wide.zeros(), jnp.zeros((p,), dtype), jnp.zeros((2, n), dtype), jnp.ones((n,), dtype),
+        jnp.eye(n, dtype=dtype), zeros, zeros, jnp.zeros((), dtype), jnp.ones((), bool), jnp.ones((), bool),
+    )
+
+
+def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
+    """``b W``: a column scaling plus the ones column times W's first row when ``diagonal``."""
+
+    def scaled():
+        first = basis[0].at[0].set(0.0)
+        return b * jnp.diagonal(basis) + b[:, :1] * first
+
+    return jax.lax.cond(diagonal, scaled, lambda: b @ basis)
+
+
+def _noise(m: jax.Array) -> jax.Array:
+    """The relative size of rounding in a Gram of ``n`` columns: ``n eps``."""
+    return m.shape[0] * jnp.finfo(m.dtype).eps
+
+
+def _NOISE_ROOT(dtype) -> float:  # noqa: N802
+    """``eps^(3/4)``: between a whitened column's rounding noise (``~√n eps``) and the
+    smallest direction data of this dtype can hold after whitening (``~√(eps / n)``)."""
+    return float(jnp.finfo(dtype).eps) ** 0.75
+
+
+def _scales(m: jax.Array) -> jax.Array:
+    """Square roots of ``m``'s diagonal; the largest one for a column below
+    :func:`_NOISE_ROOT` of it (1 for an all-zero ``m``).
+
+    The basis columns have unit norm in the data's units, so a column that small is
+    rounding noise of the others (a direction without data, e.g. an exactly collinear
+    column): left at the common scale it stays small against them, so it is deflated
+    and its noise is never scaled up to look like data.
+    """
+    scale = jnp.sqrt(jnp.maximum(jnp.diagonal(m), 0.0))
+    top = jnp.max(scale)
+    scale = jnp.where(scale >= _NOISE_ROOT(m.dtype) * top, scale, top)
+    return jnp.where(scale > 0, scale, 1.0)
+
+
+def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(scale, U, deflated, U⁻¹)`` with ``UᵀU`` the correlations ``m / (scale scaleᵀ)``.
+
+    Columns of ``m`` that are all zero get a unit diagonal (left alone). Where
+    ``deflate`` (a bool, may be traced), directions ``m`` does not span in working
+    precision get unit rows (``deflated``); elsewhere the correlations are shifted by
+    ``n eps`` to be definite, which keeps a direction that is merely weak in the
+    current basis (CholeskyQR's first pass).
+    """
+    scale = _scales(m)
+    k = m / jnp.outer(scale, scale)
+    k = jnp.where(jnp.diag(jnp.diagonal(m) <= 0), 1.0, k)
+    noise = _noise(m)
+    eye = jnp.eye(m.shape[0], dtype=m.dtype)
+    return (scale, *dense.cholesky_upper(k + jnp.where(deflate, 0.0, noise) * eye, jnp.where(deflate, noise, -1.0)))
+
+
+def _power_estimate(apply, v: jax.Array) -> jax.Array:
+    """About the largest eigenvalue of the symmetric PSD operator ``apply``, by power steps from ``v``."""
+
+    def step(_, v):
+        w = apply(v)
+        return w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(w.dtype).tiny)
+
+    v = jax.lax.fori_loop(0, POWER_STEPS, step, v / jnp.linalg.norm(v))
+    return v @ apply(v)
+
+
+def _power_of_two_below(x: jax.Array) -> jax.Array:
+    """The largest power of two ``<= x`` (``x > 0``).
+
+    The floor only sets when to re-whiten; as a power of two it does not carry the last
+    bits of a power estimate, which XLA rounds differently in programs compiled for other
+    device counts (``logical_shards`` promises the same accumulator on every split).
+    """
+    _, exponent = jnp.frexp(x)
+    return jnp.ldexp(jnp.ones_like(x), exponent - 1)
+
+
+def _root(m: jax.Array) -> jax.Array:
+    """Rows ``F`` with ``FᵀF = m`` (symmetric PSD): its Cholesky factor, zero rows where it is singular."""
+    scale, u, deflated, _ = _correlation_root(m, deflate=True)
+    flat = deflated | (jnp.diagonal(m) <= 0)
+    return jnp.where(flat[:, None], 0.0, u) * scale[None, :]
+
+
+class _Rows(NamedTuple):
+    """The rows a fold adds: ``b`` and, before them where ``has_head``, a young shard's R
+    (``head``, ``n x n``). One fold serves both, so the re-whitening is compiled once per add."""
+
+    b: jax.Array
+    head: jax.Array | None = None
+    has_head: jax.Array | None = None
+
+    def map(self, f) -> _Rows:
+        """The same (row-wise) transform of every block."""
+        return self._replace(b=f(self.b), head=None if self.head is None else f(self.head))
+
+    def reduce(self, reduce) -> jax.Array:
+        """``reduce`` (a sum over rows) of all the rows, in a fixed order (:func:`_blocked`)."""
+        return self._with_head(_blocked(reduce, self.b), lambda: _blocked(reduce, self.head))
+
+    def gram(self, to_basis) -> jax.Array:
+        """``cᵀc`` of the rows taken to a basis (``c = to_basis(rows)``)."""
+        return self._with_head(_gram(to_basis(self.b)), lambda: _gram(to_basis(self.head)))
+
+    def _with_head(self, out: jax.Array, head) -> jax.Array:
+        if self.head is None:
+            return out
+        return jax.lax.cond(self.has_head, head, lambda: jnp.zeros_like(out)) + out
+
+
+class _Whitening(NamedTuple):
+    basis: jax.Array
+    gram: jax.Array      # the rows seen before this micro-batch, in `basis`
+    batch: jax.Array     # this micro-batch's Gram in `basis`
+    floor: jax.Array
+    diagonal: jax.Array
+
+
+def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, deflate) -> _Whitening:
+    """One pass: a basis that whitens ``gram + batch``; ``gram`` moved to it, ``rows`` redone in it.
+
+    The new basis columns are scaled to unit norm in the ``start`` units, so a direction
+    without data (noise) is never amplified from pass to pass. Whether a diagonal basis
+    still does is decided on the centred ``X`` columns: with the ones column first,
+    ``U[1:, 1:]`` factors the correlations of the centred columns (a Schur complement),
+    the ones column's correlations say how far the shift is from the mean, and the last
+    ``targets`` columns (a regression's ``y``, collinear with ``X`` when the fit is
+    good) are no reason to whiten.
+    """
+    scale, u, deflated, u_inv = _correlation_root(state.gram + state.batch, deflate)
+    lead = u.shape[0] - targets
+    centred = u[1:lead, 1:lead]
+    inverse = u_inv[1:lead, 1:lead]
+    smallest = 1.0 / _power_estimate(lambda v: inverse @ (inverse.T @ v), jnp.ones_like(inverse[0]))
+    largest = jnp.max(jnp.sum(jnp.abs(centred.T @ centred), axis=1))  # ‖·‖∞ bounds the largest eigenvalue
+    offset = jnp.max(jnp.abs(u[0, 1:lead]), initial=0.0)
+    stay = state.diagonal & (largest <= DIAGONAL_COND * smallest) & (offset <= DIAGONAL_OFFSET)
+
+    def keep_diagonal():  # a column scaling suffices: the sums keep their digits as they are
+        return state._replace(floor=_power_of_two_below(smallest))
+
+    def full():
+        v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I where it spans
+        v = v @ _null_free((state.basis @ v) / start[:, None], deflated)
+        norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
+        v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
+        basis = state.basis @ v
+        batch = rows.gram(lambda part: part @ basis)
+        floor = jnp.full_like(smallest, 0.5)
+        return _Whitening(basis, v.T @ state.gram @ v, batch, floor, jnp.zeros_like(state.diagonal))
+
+    return jax.lax.cond(stay, keep_diagonal, full)
+
+
+def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
+    """A unit upper-triangular ``T`` such that the columns of ``w T`` after a ``null`` column
+    have no component along it (Gram-Schmidt in coefficient space).
+
+    A column the data does not span (``b w_j = 0`` exactly) adds nothing to ``b w_k`` in
+    exact arithmetic whatever its multiple in ``w_k``, but its rounding does: taking it
+    out keeps a later column (a regression's ``y``) free of that noise.
+    """
+    index = jnp.arange(w.shape[0])
+
+    def one(j, carry):
+        w, t = carry
+        wj = w[:, j]
+        beta = (wj @ w) / jnp.maximum(wj @ wj, jnp.finfo(w.dtype).tiny)
+        beta = jnp.where(null[j] & (index > j), beta, 0.0)
+        return w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
+
+    eye = jnp.eye(w.shape[0], dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
+    return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
+
+
+def _blocked(reduce, rows: jax.Array) -> jax.Array:
+    """``reduce`` (a sum over rows) of ``rows``, as the sum of its values on blocks of at most
+    ``REPRODUCIBLE_MICROBATCH`` rows in a fixed order.
+
+    XLA:CPU splits a longer reduction between threads by how many devices the process has;
+    a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold depend
+    on the device count, and ``logical_shards`` promises it does not.
+    """
+    out = None
+    for start in range(0, rows.shape[0], REPRODUCIBLE_MICROBATCH):
+        part = reduce(rows[start : start + REPRODUCIBLE_MICROBATCH])
+        out = part if out is None else out + part
+    return out
+
+
+def _gram(c: jax.Array) -> jax.Array:
+    """``cᵀc`` summed over row blocks in a fixed order (:func:`_blocked`)."""
+    return _blocked(lambda part: part.T @ part, c)
+
+
+def row_sums(b: jax.Array) -> jax.Array:
+    """``(2, n)``: the column sums of ``b`` and of its squares."""
+    return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
+
+
+def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[WhitenedAcc, _Rows]:
+    """``acc`` and ``rows`` with the shift moved to the running mean (``sums`` include ``b``'s)
+    in the columns whose mean is more than ``RECENTRE`` standard deviations from it.
+
+    ``[1 | z - new] = [1 | z - old] T`` with ``T = [[1, (old - new)ᵀ], [0, I]]``; the basis
+    becomes ``T⁻¹ W`` (its first row changes), so ``M`` stays as it is.
+    """
+    count = jnp.maximum(sums[0, 0], 1.0)
+    mean = sums[0, 1:] / count
+    variance = jnp.maximum(sums[1, 1:] / count - mean * mean, 0.0)
+    delta = jnp.where(mean * mean > RECENTRE**2 * variance, mean, 0.0)
+    basis = acc.basis.at[0].add(delta @ acc.basis[1:])
+    total, squares = sums[0, 1:], sums[1, 1:]
+    squares = squares - 2 * delta * total + sums[0, 0] * delta * delta
+    sums = sums.at[0, 1:].set(total - sums[0, 0] * delta).at[1, 1:].set(squares)
+    rows = rows.map(lambda b: b.at[:, 1:].add(-b[:, :1] * delta[None, :]))
+    return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), rows
+
+
+def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Adds the rows (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
+    rows = rows if isinstance(rows, _Rows) else _Rows(rows)
+    sums = acc.sums + rows_sums
+    batch = rows.gram(lambda part: _in_basis(part, acc.basis, acc.diagonal))
+    gram = acc.gram - acc.compensation
+    scale = _scales(gram)
+    scaled = batch / jnp.outer(scale, scale)
+    largest = jnp.maximum(_power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0])), jnp.max(jnp.diag(scaled)))
+    big = (largest > GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
+
+    def rewhiten(acc):
+        acc, moved_rows = _recentred(acc, rows, sums)  # moved @ new basis == rows @ old: batch and gram stand
+        state = _Whitening(acc.basis, gram, batch, acc.floor, acc.diagonal)
+
+        def again(carry):
+            i, s = carry
+            return (i < PASSES) & ((i == 0) | ~s.diagonal)
+
+        def one(carry):
+            i, s = carry
+            return i + 1, _rewhiten(s, moved_rows, acc.start, targets, deflate=i > 0)
+
+        state = jax.lax.while_loop(again, one, (0, state))[1]
+        return acc._replace(basis=state.basis, gram=state.gram, compensation=jnp.zeros_like(gram),
+                            floor=state.floor, diagonal=state.diagonal), state.batch
+
+    acc, batch = jax.lax.cond(big, rewhiten, lambda acc: (acc._replace(sums=sums), batch), acc)
+    y = batch - acc.compensation  # Kahan: gram - compensation is the running sum
+    total = acc.gram + y
+    return acc._replace(gram=total, compensation=(total - acc.gram) - y)
+
+
+def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
+    """An empty whitened accumulator with ``acc``'s shift, in the units of ``rows``."""
+    norms = jnp.sqrt(rows.reduce(lambda part: jnp.sum(part * part, axis=0)))
+    start = 1.0 / jnp.where(norms > 0, norms, 1.0)
+    zeros = jnp.zeros_like(acc.gram)
+    return acc._replace(
+        sums=jnp.zeros_like(acc.sums), start=start, basis=jnp.diag(start), gram=zeros, compensation=zeros,
+        floor=jnp.zeros_like(acc.floor), diagonal=jnp.ones_like(acc.diagonal), young=jnp.zeros_like(acc.young),
+    )
+
+
+def _grown(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array) -> WhitenedAcc:
+    """A young accumulator with ``rows`` added to its R (``sums`` the data's sums of them)."""
+    r = jnp.linalg.qr(jnp.concatenate([acc.gram, rows]), mode="r")
+    return acc._replace(gram=r, sums=acc.sums + sums)
+
+
+def _young_enough(acc: WhitenedAcc, more) -> jax.Array:
+    """Whether a young accumulator has, with ``more`` rows, the ``2 n`` rows to whiten."""
+    return wide.to_float(acc.count, acc.gram.dtype) + more >= 2 * acc.gram.shape[0]
+
+
+def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> WhitenedAcc:
+    """Folds the rows ``z`` where ``mask`` is True; the last ``targets`` columns of ``z`` are ``y``."""
+    z = z.astype(acc.gram.dtype)
+    nb = row_count(mask)
+    fresh = wide.is_zero(acc.count)
+    shift = jnp.where(fresh, reference_point(acc.shift, z, mask, nb), acc.shift)
+    acc = acc._replace(shift=shift)
+    b = augmented(z, shift, mask)
+    sums = row_sums(b)
+
+    def whiten(acc):  # an adult folds b; a young shard with enough rows becomes one with its R and b
+        grows_up = acc.young
+        rows = _Rows(b, jnp.where(grows_up, acc.gram, 0.0), grows_up)
+        rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
+        acc = jax.tree.map(lambda new, old: jnp.where(grows_up, new, old), _fresh(acc, rows), acc)
+        return fold(acc, rows, rows_sums, targets)
+
+    stays_young = acc.young & ~_young_enough(acc, nb.astype(z.dtype))
+    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, sums), whiten, acc)
+    return folded._replace(count=wide.add_int32(acc.count, nb))
+
+
+def _rows(acc: WhitenedAcc) -> jax.Array:
+    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's R, else ``chol(M) W⁻¹``."""
+    adult = _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
+    return jnp.where(acc.young, acc.gram, adult)
+
+
+def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
+    """Sums of ``z - old`` and their squares, as sums of ``z - new``."""
+    move = old - new
+    total, squares = sums[0, 1:], sums[1, 1:]
+    return sums.at[0, 1:].add(sums[0, 0] * move).at[1, 1:].set(squares + 2 * move * total + sums[0, 0] * move**2)
+
+
+def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
+    """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
+    a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
+    into_b = a.young & ~b.young
+    host, guest = jax.tree.map(lambda x, y: jnp.where(into_b, y, x), (a, b), (b, a))
+    rows = moved(_rows(guest), guest.shift, host.shift)
+    sums = _moved_sums(guest.sums, guest.shift, host.shift)
+    merged = jax.lax.cond(
+        host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
+    )
+    pick = lambda x, y, m: jnp.where(a_empty, y, jnp.where(b_empty, x, m))  # noqa: E731
+    out = jax.tree.map(pick, a, b, merged)
+    return out._replace(count=wide.add(a.count, b.count))
+
+
+def _host_root(m: np.ndarray) -> np.ndarray:
+    """A float64 ``F`` with ``FᵀF = m`` (symmetric, positive semidefinite): Cholesky of the
+    correlations when definite, else a square root from their eigen-decomposition.
+
+    Columns with a zero diagonal (a constant column: exactly zero in every basis) stay
+    exactly zero, so no eigenvector rounding makes them look like data.
+    """
+    live = np.diag(m) > 0
+    sub = m[np.ix_(live, live)]
+    scale = np.sqrt(np.diag(sub))
+    k = (sub + sub.T) / 2 / np.outer(scale, scale)
+    try:
+        root = np.linalg.cholesky(k).T
+    except np.linalg.LinAlgError:
+        values, vectors = np.linalg.eigh(k)
+        root = np.sqrt(np.maximum(values, 0.0))[:, None] * vectors.T
+    out = np.zeros_like(m, dtype=np.float64)
+    out[np.ix_(live, live)] = root * scale
+    return out
+
+
+def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``a W⁻¹`` for an upper-triangular ``W``, by substitution (componentwise stable)."""
+    x = np.zeros_like(a)
+    for j in range(w.shape[0]):
+        x[:, j] = (a[:, j] - x[:, :j] @ w[:j, j]) / w[j, j]
+    return x
+
+
+def factor(acc: WhitenedAcc) -> Factor:
+    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or a young shard's R), its
+    first row giving the mean."""
+    m = np.asarray(acc.gram, np.float64) - np.asarray(acc.compensation, np.float64)
+    young = bool(np.asarray(acc.young))
+    rows = m if young else _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
+    r = np.linalg.qr(rows, mode="r")
+    count = int(wide.to_int(acc.count))
+    head = r[0, 0] if count and r[0, 0] else 1.0
+    mean = np.asarray(acc.shift, np.float64) + r[0, 1:] / head
+    eps = np.finfo(np.asarray(acc.gram).dtype).eps
+    return Factor(count, mean, r[1:, 1:], noise=eps * max(r.shape[0], 10))

@@ -1,0 +1,34 @@
+"""Cholesky and triangular inverse in plain XLA ops, against numpy in float64."""
+
+import jax
+import numpy as np
+import pytest
+
+from sharded_scan.combiners import dense
+
+
+@pytest.mark.parametrize("n", [1, 7, 32, 33, 70])
+def test_cholesky_and_inverse_match_numpy(n):
+    a = np.random.default_rng(n).normal(size=(2 * n + 3, n))
+    m = (a.T @ a).astype(np.float32)
+    u, deflated, u_inv = jax.jit(dense.cholesky_upper)(m)
+    u, u_inv = np.asarray(u, np.float64), np.asarray(u_inv, np.float64)
+    want = np.linalg.cholesky(m.astype(np.float64)).T
+    assert not np.asarray(deflated).any()
+    assert np.abs(u - want).max() < 1e-5 * np.abs(want).max()
+    assert (np.tril(u, -1) == 0).all() and (np.tril(u_inv, -1) == 0).all()
+    assert np.abs(u_inv @ u - np.eye(n)).max() < 1e-5
+    np.testing.assert_allclose(np.asarray(jax.jit(dense.triangular_inverse)(u.astype(np.float32))), u_inv, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [6, 40])
+def test_a_singular_matrix_deflates_its_dependent_columns(n):
+    a = np.random.default_rng(0).normal(size=(3 * n, n))
+    a[:, 2] = 2 * a[:, 1]  # column 2 adds nothing
+    m = (a.T @ a) / np.outer(np.linalg.norm(a, axis=0), np.linalg.norm(a, axis=0))
+    u, deflated, u_inv = jax.jit(dense.cholesky_upper, static_argnums=())(m.astype(np.float32), 1e-5)
+    assert np.asarray(deflated).tolist() == [j == 2 for j in range(n)]
+    u = np.asarray(u, np.float64)
+    keep = ~np.asarray(deflated)
+    np.testing.assert_allclose((u[keep].T @ u[keep]), m, atol=1e-5)
+    assert np.isfinite(np.asarray(u_inv)).all()
