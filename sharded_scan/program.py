@@ -123,7 +123,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str)
     first ``num_valid`` are real. Each logical shard folds its block of rows as
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
-    folds away.
+    folds away (unless ``combiner.full_step_branch`` is False).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
