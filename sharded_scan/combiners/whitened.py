@@ -360,7 +360,7 @@ def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> Wh
         grows_up = acc.young
         rows = _Rows(b, jnp.where(grows_up, acc.gram, 0.0), grows_up)
         rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
-        acc = jax.tree.map(lambda new, old: jnp.where(grows_up, new, old), _fresh(acc, rows), acc)
+        acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
         return fold(acc, rows, rows_sums, targets)
 
     stays_young = acc.young & ~_young_enough(acc, nb.astype(z.dtype))
