@@ -137,12 +137,14 @@ class ProgressLog:
             return
         self._next = p.seconds + self.every_seconds
         rows, seconds = p.rows_done - self._first.rows_done, p.seconds - self._first.seconds
-        rate = rows / seconds if rows > 0 and seconds > 0 else float("nan")
-        eta = (p.num_rows - p.rows_done) / rate
+        left = p.num_rows - p.rows_done
+        if rows > 0 and seconds > 0:
+            rate, eta = f"{rows / seconds:.3g} rows/s", time.strftime("%H:%M:%S", time.gmtime(left / (rows / seconds)))
+        else:  # only the first step so far: its time is mostly compiling
+            rate, eta = "rows/s from the second step on", "00:00:00" if left == 0 else "?"
         logging.info(
-            "step %d/%d  rows %d/%d (%.1f%%)  %.3g rows/s  ETA %s",
-            p.step, p.total_steps, p.rows_done, p.num_rows, 100.0 * p.rows_done / p.num_rows, rate,
-            time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?",
+            "step %d/%d  rows %d/%d (%.1f%%)  %s  ETA %s",
+            p.step, p.total_steps, p.rows_done, p.num_rows, 100.0 * p.rows_done / p.num_rows, rate, eta,
         )
 
 

@@ -120,3 +120,19 @@ def test_missing_or_unwritable_workdir(cli_runs):
     assert "--workdir" in cli.one_error_line(cli_runs["missing workdir"][0])
     proc, blocker = cli_runs["unwritable workdir"]
     assert str(blocker) in cli.one_error_line(proc)
+
+
+def test_progress_of_a_one_step_job_says_no_nan(caplog):
+    # A job of one step (README's first command) logged "nan rows/s  ETA ?".
+    from launch.main import ProgressLog
+    from sharded_scan.engine import Progress
+
+    log = ProgressLog(every_seconds=0.0)
+    with caplog.at_level("INFO"):
+        log(Progress(1, 1, 1000, 1000, 2.0))
+        two = ProgressLog(every_seconds=0.0)
+        two(Progress(1, 3, 100, 300, 2.0))
+        two(Progress(2, 3, 200, 300, 3.0))
+    lines = [r.getMessage() for r in caplog.records if "step " in r.getMessage()]
+    assert len(lines) == 3 and not any("nan" in line for line in lines), lines
+    assert "ETA 00:00:00" in lines[0] and "100 rows/s  ETA 00:00:01" in lines[2], lines
