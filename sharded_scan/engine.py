@@ -29,6 +29,7 @@ from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program, to_host
+from sharded_scan.progress import reporter
 from sharded_scan.sources import Source, as_source
 from sharded_scan.watchdog import Watchdog, is_peer_lost
 
@@ -37,13 +38,18 @@ _log = logging.getLogger(__name__)
 
 
 class Progress(NamedTuple):
-    """What the engine reports after each step."""
+    """What the engine reports after each step (the fields after ``seconds`` have defaults)."""
 
     step: int          # steps done in this run (counting from the resumed one)
     total_steps: int
     rows_done: int     # cursor: rows folded so far, including those of a resumed checkpoint
     num_rows: int
     seconds: float     # since the run started
+    steps_before: int = 0                    # steps of earlier runs (a resumed checkpoint's); + step: over all runs
+    step_seconds: float | None = None        # this step: waiting for its rows and folding them (not the callbacks
+                                             # or saves between steps; the first step's includes compiling)
+    checkpoint_step: int | None = None       # steps over all runs at this run's latest save; None before one
+    checkpoint_seconds: float | None = None  # how long that save held the run (the write ends in the background)
 
 
 class RunReport(NamedTuple):
@@ -267,19 +273,25 @@ def fold_all(
       Preempted: after saving a checkpoint at the step boundary all processes agreed on.
       StorageError: a save failed (the checkpoint before it is intact).
     """
-    layout, report = program.layout, program.options.progress
+    layout = program.layout
     partials, steps = start.partials, 0
+    saved: tuple[int, float] | None = None  # (steps over all runs, seconds) of this run's latest save
     total = layout.num_steps(start.cursor)
     health = _Health(program.combiner)
     if ckpt is not None:
         ckpt.policy.plan(layout.num_steps())
 
     def save(done: int) -> None:
+        nonlocal saved, between
         health.check()  # never save rows a "raise" policy refuses
+        began = time.perf_counter()
         ckpt.save(done, start.steps + steps, partials, source.state_at(done))
+        between = time.perf_counter()
+        saved = (start.steps + steps, between - began)
 
     batches = device_batches(source, layout, program.mesh, start.cursor, program.options.prefetch, start.source_state)
-    with contextlib.closing(batches):
+    with contextlib.closing(batches), reporter(program.options.progress, start.cursor, layout.num_rows) as report:
+        between = time.perf_counter()  # the end of what the engine did after the step before
         for i, item in enumerate(batches):
             partials = program.step(partials, item.batch, item.num_valid)
             health.after_step(partials, item.cursor, item.num_valid)
@@ -287,7 +299,10 @@ def fold_all(
             steps, done = i + 1, item.cursor + item.num_valid
             dog.beat(f"after row {done} of {layout.num_rows}")
             if report is not None:
-                report(Progress(steps, total, done, layout.num_rows, time.perf_counter() - started))
+                now = time.perf_counter()
+                report(Progress(steps, total, done, layout.num_rows, now - started, start.steps, now - between,
+                                *(saved or (None, None))))
+                between = time.perf_counter()
             if ckpt is None or done >= layout.num_rows:
                 continue
             signalled = watch is not None and watch.signal_name is not None

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sharded_scan.errors import UsageError
+from sharded_scan.progress import check_progress
 from sharded_scan.watchdog import check_timeout
 
 NAN_POLICIES = ("propagate", "omit", "raise")
@@ -58,7 +59,10 @@ class RunOptions:
         :class:`sharded_scan.checkpoint.Checkpointer`: resume from the latest
         checkpoint there, save periodically and at the end, and on SIGTERM save and
         raise :class:`sharded_scan.Preempted`.
-      progress: called with a :class:`sharded_scan.Progress` after every step.
+      progress: called with a :class:`sharded_scan.Progress` after every step; True draws
+        a tqdm bar over rows on process 0 (``pip install tqdm``); a list of callables
+        and/or True calls each (:func:`sharded_scan.progress.combine` chains callbacks
+        and closes them). False is None.
       step_timeout: seconds; when no step finishes for that long, print one line and
         end the process with status 3 (a stuck process or peer). None: no watchdog.
     """
@@ -72,7 +76,7 @@ class RunOptions:
     compensated: bool = _plain(True, bool)
     precision: str = _plain("highest", str)
     checkpoint: Any = None
-    progress: Callable[[Any], None] | None = None
+    progress: Callable[[Any], None] | bool | tuple | None = None
     step_timeout: float | None = None
 
     def __post_init__(self):
@@ -89,8 +93,7 @@ class RunOptions:
             raise UsageError(f"compensated must be True or False, got {self.compensated!r}.")
         if self.precision not in PRECISIONS:
             raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}.")
-        if self.progress is not None and not callable(self.progress):
-            raise UsageError(f"progress must be a callable or None, got {type(self.progress).__name__}.")
+        object.__setattr__(self, "progress", check_progress(self.progress))  # frozen: set once, checked
         check_timeout(self.step_timeout)
 
     @classmethod
