@@ -12,8 +12,10 @@ and raises :class:`Preempted`. :func:`all_processes`, :func:`gather_json` and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
 import signal
 import threading
 from typing import Any, NamedTuple
@@ -51,18 +53,36 @@ class Timeouts(NamedTuple):
     shutdown: int = DEFAULT_SHUTDOWN_TIMEOUT
 
 
-def detected_cluster() -> str | None:
-    """The cluster ``jax.distributed.initialize()`` would detect, or None."""
-    try:  # no public API lists the clusters; this is the list jax.distributed.initialize() walks
-        from jax._src.clusters import ClusterEnv
-    except ImportError:  # pragma: no cover - jax moved it
-        return None
-    for env in ClusterEnv._cluster_types:
-        try:
-            if not env.opt_in_only_method and env.is_env_present():
-                return env.__name__
-        except Exception as e:  # noqa: BLE001 - a probe failing means "not this cluster"
-            _log.debug("cluster probe %s failed: %s", env.__name__, e)
+# Public environment variables that name the launcher, in the order JAX's detection tries them
+# (Open MPI before SLURM: mpirun inside a SLURM allocation is Open MPI's job). Only a label:
+# jax.distributed.initialize() itself decides whether there is a cluster.
+CLUSTER_HINTS = (
+    ("ompi", ("OMPI_MCA_orte_hnp_uri",)),
+    ("slurm", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")),
+    ("tpu", ("TPU_WORKER_HOSTNAMES",)),
+    ("tpu", ("TPU_PROCESS_ADDRESSES",)),
+    ("tpu", ("MEGASCALE_COORDINATOR_ADDRESS",)),
+    ("k8s", ("KUBERNETES_SERVICE_HOST",)),  # JAX asks the API server only with `kubernetes` installed
+)
+# What jax.distributed.initialize() raises when it finds no cluster and was given no address
+# (jax/_src/distributed.py; tests/test_launch_recipes.py pins it), and when a backend already runs.
+_NO_CLUSTER = "coordinator_address should be defined."
+_BACKEND_RUNNING = "must be called before any JAX calls"
+
+
+def cluster_hint(environ: Any = None) -> str | None:
+    """The launcher that public environment variables name (``"slurm"``, ``"ompi"``, ...), or None.
+
+    A label for logs: whether JAX finds a cluster is for ``jax.distributed.initialize()``
+    to say (a Cloud TPU VM, for one, is found through its metadata server, not the
+    environment).
+    """
+    environ = os.environ if environ is None else environ
+    for name, needed in CLUSTER_HINTS:
+        if all(v in environ for v in needed):
+            if name == "k8s" and importlib.util.find_spec("kubernetes") is None:
+                continue
+            return name
     return None
 
 
@@ -76,7 +96,9 @@ def initialize(
 ) -> str:
     """Starts ``jax.distributed`` when this is a multi-process job.
 
-    Call it first, before anything touches a JAX backend.
+    Call it first, before anything touches a JAX backend. With none of the three
+    explicit settings, ``jax.distributed.initialize()`` detects the cluster itself
+    (Cloud TPU, SLURM, Open MPI, Kubernetes); where it finds none, this is one process.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator. Given together
@@ -85,14 +107,20 @@ def initialize(
       process_id: this process's index, ``0 <= process_id < num_processes``.
       timeouts: initialization, heartbeat and shutdown timeouts in seconds.
       local_device_ids: the local devices this process uses (GPU clusters with one
-        process per GPU); None for all.
+        process per GPU); None for JAX's choice (on SLURM and Open MPI GPUs: the
+        device of the local rank).
 
     Returns:
-      How it started: ``"explicit"``, ``"auto:<ClusterName>"`` or ``"single"``.
+      How it started: ``"explicit"``; ``"auto:<hint>"`` when JAX detected a cluster,
+      ``<hint>`` naming it from public environment variables (``slurm``, ``ompi``,
+      ``tpu``, ``k8s``; ``cluster`` when none names it); or ``"single"`` (one process,
+      ``jax.distributed`` not started).
 
     Raises:
       UsageError: only some of the three explicit settings are given, or they are
-        out of range.
+        out of range; or a JAX backend already runs inside a cluster.
+      ValueError, RuntimeError: JAX's own, when it cannot start (a cluster it detects
+        but cannot join, an initialization timeout).
     """
     timeouts = timeouts or Timeouts()
     given = [coordinator_address is not None, num_processes is not None, process_id is not None]
@@ -118,11 +146,24 @@ def initialize(
             return "single"
         _start_runtime(coordinator_address, num_processes, process_id, **kwargs)
         return "explicit"
-    cluster = detected_cluster()
-    if cluster is None:
+    hint = cluster_hint()
+    try:
+        _start_runtime(**kwargs)
+    except ValueError as e:  # raised before JAX's state changes: jax.distributed stays unstarted
+        if str(e) != _NO_CLUSTER:
+            raise
+        _log.debug("jax.distributed.initialize() found no cluster: one process")
         return "single"
-    _start_runtime(**kwargs)
-    return f"auto:{cluster}"
+    except RuntimeError as e:
+        if _BACKEND_RUNNING not in str(e):
+            raise
+        if hint is not None:
+            raise UsageError(
+                f"a JAX backend already runs, so this {hint} job cannot start jax.distributed; call "
+                "sharded_scan.distributed.initialize() before anything touches JAX (jax.devices(), an array)."
+            ) from None
+        return "single"  # too late to ask JAX, and nothing names a cluster
+    return f"auto:{hint or 'cluster'}"
 
 
 def _start_runtime(*args: Any, **kwargs: Any) -> None:
@@ -130,9 +171,15 @@ def _start_runtime(*args: Any, **kwargs: Any) -> None:
 
     The engine catches SIGTERM itself (:class:`PreemptionWatch`) and agrees on the step
     after every step; the service's own SIGTERM handler and sync point are not needed.
+    The setting is restored when the runtime did not start.
     """
+    previous = jax.config.jax_enable_preemption_service
     jax.config.update("jax_enable_preemption_service", False)
-    jax.distributed.initialize(*args, **kwargs)
+    try:
+        jax.distributed.initialize(*args, **kwargs)
+    except BaseException:
+        jax.config.update("jax_enable_preemption_service", previous)
+        raise
 
 
 def check_address(address: str) -> None:
