@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -20,22 +21,58 @@ def _file(data: Any) -> str:
     return data.path
 
 
+def _array_files(data: Any, path: str) -> sources.Source:
+    """One array of ``npy``, ``npy_shards`` or ``zarr`` files."""
+    if data.kind == "zarr":
+        return sources.ZarrSource(path, driver=data.zarr_driver or None, fill_missing=data.zarr_fill_missing)
+    kind = sources.NpySource if data.kind == "npy" else sources.NpyShardsSource
+    return kind(path, zero_copy=data.zero_copy)
+
+
+def _arrays(data: Any) -> sources.Source:
+    """X from ``data.path``; ``(X, y)`` when ``data.target_path`` names y's file(s) too."""
+    x = _array_files(data, _file(data))
+    return sources.TreeSource((x, _array_files(data, data.target_path))) if data.target_path else x
+
+
+def _columns(data: Any) -> Any:
+    """The ``columns=`` of a tabular source: ``data.columns`` (comma-separated; empty for every
+    numeric column), as ``(X, y)`` when ``data.target`` names y's column."""
+    names = [n.strip() for n in data.columns.split(",") if n.strip()] or None
+    if not data.target:
+        return names
+    if names is not None and data.target in names:
+        raise UsageError(f"config.data.target={data.target!r} is also in config.data.columns; list only X's there.")
+    return (names, data.target)
+
+
+def _tabular(data: Any) -> sources.Source:
+    kind = sources.ParquetSource if data.kind == "parquet" else sources.CsvSource
+    return kind(_file(data), columns=_columns(data), dtype=data.dtype or None)
+
+
 # One factory per ``config.data.kind``: each builds the Source from the ``data`` section.
 SOURCES: dict[str, Callable[[Any], sources.Source]] = {
     "synthetic": lambda data: sources.SyntheticSource(
-        data.num_rows, data.features, dtype=data.dtype, seed=data.seed, kind=data.distribution,
+        data.num_rows, data.features, dtype=data.dtype or "float32", seed=data.seed, kind=data.distribution,
         chunk_rows=data.chunk_rows, targets=data.targets, noise=data.noise,
     ),
-    "npy": lambda data: sources.NpySource(_file(data), zero_copy=data.zero_copy),
-    "npy_shards": lambda data: sources.NpyShardsSource(_file(data), zero_copy=data.zero_copy),
-    "zarr": lambda data: sources.ZarrSource(_file(data), driver=data.zarr_driver or None,
-                                            fill_missing=data.zarr_fill_missing),
+    "npy": _arrays,
+    "npy_shards": _arrays,
+    "zarr": _arrays,
+    "parquet": _tabular,
+    "csv": _tabular,
     "python": lambda data: _from_factory(data),
 }
+FILE_KINDS = ("npy", "npy_shards", "zarr", "parquet", "csv")
 # Fields of the ``data`` section that only some kinds read: set for another kind, they
 # would be ignored silently (a job on synthetic rows that meant to read a file).
 ONLY_FOR = {
-    "path": ("npy", "npy_shards", "zarr"),
+    "path": FILE_KINDS,
+    "target_path": ("npy", "npy_shards", "zarr"),
+    "columns": ("parquet", "csv"),
+    "target": ("parquet", "csv"),
+    "dtype": ("synthetic", "parquet", "csv"),
     "zero_copy": ("npy", "npy_shards"),
     "zarr_driver": ("zarr",),
     "zarr_fill_missing": ("zarr",),
@@ -45,7 +82,14 @@ ONLY_FOR = {
 
 
 def check_fields(data: Any) -> None:
-    """Raises a one-line UsageError when a field is set that ``data.kind`` does not read."""
+    """Raises a one-line UsageError when a field is set that ``data.kind`` does not read, or when
+    the job wants ``(X, y)`` (``data.targets``) and a file kind is not told where y is."""
+    if data.targets and data.kind in FILE_KINDS and not (data.get("target") or data.get("target_path")):
+        where = "--config.data.target=COLUMN" if data.kind in ("parquet", "csv") else "--config.data.target_path=Y"
+        raise UsageError(
+            f"this job fits y on X, and config.data.kind={data.kind!r} reads only X from {data.path or 'its path'}; "
+            f"pass {where} (y's {'column' if 'COLUMN' in where else 'file(s)'})."
+        )
     for field, kinds in ONLY_FOR.items():
         value = data.get(field)
         if value and data.kind not in kinds:
@@ -64,6 +108,7 @@ def _from_factory(data: Any) -> sources.Source:
         )
     factory = imported(data.factory, "config.data.factory")
     kwargs = dict(data.factory_kwargs)
+    check_kwargs(factory, kwargs, f"config.data.factory {data.factory}", "data.factory_kwargs")
     try:
         built = factory(**kwargs)
     except TypeError as e:
@@ -74,10 +119,21 @@ def _from_factory(data: Any) -> sources.Source:
 def imported(name: str, field: str) -> Any:
     """The object ``"module:attribute"`` names, or a one-line UsageError naming ``field``."""
     module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise UsageError(f"{field}={name!r} must read package.module:Name.")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"{field}={name!r} cannot be imported: {e}.") from None
+        found = importlib.import_module(module)
+    except ImportError as e:
+        raise UsageError(
+            f"{field}={name!r}: cannot import {module!r} ({e}); is it installed or on PYTHONPATH?"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+        raise UsageError(f"{field}={name!r}: importing {module!r} failed: {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(found, part):
+            raise UsageError(f"{field}={name!r}: {module!r} has no {attr!r}.") from None
+        found = getattr(found, part)
+    return found
 
 
 def data_config(num_rows: int, features: int, *, targets: bool = False, kind: str = "synthetic") -> Any:
@@ -85,20 +141,24 @@ def data_config(num_rows: int, features: int, *, targets: bool = False, kind: st
     return ml_collections.ConfigDict(
         {
             "kind": kind,  # one of SOURCES
-            "path": "",  # npy: a .npy file; npy_shards: a directory or glob; zarr: a zarr array
+            "path": "",  # npy: a .npy file; npy_shards: a directory or glob; zarr: a zarr array;
+            # parquet: a file, directory or glob of Parquet files; csv: a CSV file with a header row
+            "target_path": "",  # npy, npy_shards, zarr: y's file(s), read as (X, y) with X from path
+            "columns": "",  # parquet, csv: X's columns, comma-separated; empty for every numeric one
+            "target": "",  # parquet, csv: y's column: rows are (X, y)
+            "dtype": "",  # synthetic: float32 when empty; parquet, csv: the columns' own type when empty
             "zero_copy": False,  # npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)
             "zarr_driver": "",  # zarr: "zarr" or "zarr3"; empty to detect
             "zarr_fill_missing": False,  # zarr: read chunks that are not stored as the fill value
             "factory": "",  # python: "module:function" returning a Source (e.g. an IteratorSource) or arrays
             "factory_kwargs": {},  # python: keyword arguments of the factory
+            "targets": targets,  # the job wants (X, y): synthetic makes y; file kinds need target(_path)
             # synthetic only:
             "num_rows": num_rows,
             "features": features,
-            "dtype": "float32",
             "seed": 0,
             "distribution": "normal",
             "chunk_rows": 4096,
-            "targets": targets,
             "noise": 0.1,
         }
     )
@@ -127,7 +187,11 @@ def make_combiner(combiner: Any) -> sharded_scan.Combiner:
     """The combiner a config's ``combiner`` section names, built with its ``kwargs``.
 
     ``combiner.name`` is a name exported by ``sharded_scan`` (``"Gram"``,
-    ``"Covariance"``, ...) or ``"module:function"`` for a factory such as a config's own.
+    ``"Covariance"``, ...) or ``"package.module:Name"`` for your own: a Combiner class or
+    a function returning a Combiner (a config's own factory, a ``from_fn`` job).
+
+    Raises:
+      UsageError: the name cannot be imported, is not a Combiner, or refuses the kwargs.
     """
     name, kwargs = combiner.name, dict(combiner.get("kwargs", {}) or {})
     if ":" in name:
@@ -135,11 +199,46 @@ def make_combiner(combiner: Any) -> sharded_scan.Combiner:
     else:
         factory = getattr(sharded_scan, name, None)
         if not (isinstance(factory, type) and issubclass(factory, sharded_scan.Combiner)):
-            raise UsageError(f"config.combiner.name={name!r} is not a combiner of this build of sharded_scan.")
+            raise UsageError(
+                f"config.combiner.name={name!r} is not a combiner of sharded_scan (its own: "
+                f"{', '.join(builtin_combiners())}); name your own as package.module:Class."
+            )
+    if isinstance(factory, type) and not issubclass(factory, sharded_scan.Combiner):
+        raise UsageError(f"config.combiner.name={name!r} is a class but not a sharded_scan.Combiner; subclass "
+                         "sharded_scan.Combiner (or AdditiveCombiner).")
+    if not callable(factory):
+        raise UsageError(f"config.combiner.name={name!r} is a {type(factory).__name__}, not a Combiner class or "
+                         "a function returning one.")
+    check_kwargs(factory, kwargs, f"config.combiner {name}")
     try:
         built = factory(**kwargs)
-    except TypeError as e:
-        raise UsageError(f"config.combiner {name} does not take these kwargs {sorted(kwargs)}: {e}.") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"config.combiner {name} refused its kwargs {kwargs}: {e}") from None
     if not isinstance(built, sharded_scan.Combiner):
-        raise UsageError(f"config.combiner.name={name!r} did not build a sharded_scan Combiner.")
+        raise UsageError(f"config.combiner.name={name!r} built a {type(built).__name__}, not a sharded_scan "
+                         "Combiner.")
     return built
+
+
+def builtin_combiners() -> list[str]:
+    """The Combiner classes ``sharded_scan`` exports, by name."""
+    return sorted(n for n in sharded_scan.__all__ if isinstance(getattr(sharded_scan, n), type)
+                  and issubclass(getattr(sharded_scan, n), sharded_scan.Combiner)
+                  and n not in ("Combiner", "AdditiveCombiner"))
+
+
+def check_kwargs(factory: Callable, kwargs: dict[str, Any], what: str, field: str = "combiner.kwargs") -> None:
+    """Raises a one-line UsageError naming the arguments ``factory`` takes when ``kwargs`` has others."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to check against: the call itself will say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        raise UsageError(
+            f"{what} takes no argument {', '.join(map(repr, unknown))}; it takes: {', '.join(takes) or 'none'} "
+            f"(--config.{field}.NAME=VALUE)."
+        )

@@ -35,5 +35,9 @@ def main(argv: list[str]) -> None:
     sys.exit(launch(main_args, _NUM_PROCESSES.value, _DEVICES.value, _PORT.value, _GRACE.value))
 
 
-if __name__ == "__main__":
+def cli() -> None:
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

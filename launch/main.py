@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -28,8 +29,10 @@ import jax
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
+from etils import epath
 from ml_collections import config_flags
 
+from launch.config_args import merge_extra, shipped_configs, split_args
 from launch.data import make_combiner, make_source, run_options
 from sharded_scan import distributed
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
@@ -43,7 +46,12 @@ from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abo
 
 jax.config.config_with_absl()
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Job config: configs/NAME.py[:ARG].", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Job config: a shipped one by name (gram, ridge:quick; --list_configs) or a file PATH.py[:ARG].",
+    lock_config=True,
+)
+_LIST_CONFIGS = flags.DEFINE_bool("list_configs", False, "Print the shipped configs, one a line, and exit.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the job's config after the overrides, and exit.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where result.npz, summary.json and checkpoints/ go.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process).")
@@ -72,6 +80,7 @@ _FORCE_UNLOCK = flags.DEFINE_bool(
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C before the run could save (128 + SIGINT)
 FORCE_HINT = "pass --force_unlock"
+_EXTRA: dict[str, dict[str, Any]] = {}  # the --config.combiner.kwargs.NAME=VALUE overrides (launch.config_args)
 OUTPUTS = ("result.npz", "summary.json")
 
 
@@ -90,18 +99,34 @@ def one_line(e: BaseException) -> str:
     return " ".join(dict.fromkeys(lines)) or type(e).__name__
 
 
-def field_name(e: BaseException) -> str:
-    return repr(str(e.args[0] if e.args else e).strip("\"'"))
+def not_a_field(e: BaseException) -> str:
+    """One readable line for an override of a field the config does not have."""
+    inner = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
+    text = str(inner.args[0] if inner.args else inner)
+    name = re.search(r'Key "([^"]+)"', text) or re.match(r"""\W*([\w.]+)""", text)
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    hint = (f'; did you mean "{suggestion.group(1)}"?' if suggestion
+            else "; check the spelling (--print_config lists them).")
+    return f"bad --config override: {(name.group(1) if name else text)!r} is not a field of this config{hint}"
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing that reports a bad flag or config override as one line."""
+    """absl flag parsing that reports a bad flag or config override as one line.
+
+    ``--config`` may name a shipped config from anywhere, and ``--config.combiner.kwargs.NAME``
+    any argument of the combiner (:mod:`launch.config_args`).
+    """
+    global _EXTRA
     try:
+        argv, _EXTRA = split_args(argv)
+        sys.argv[1:] = argv[1:]  # config_flags finds the --config.FIELD overrides in sys.argv
         return flags.FLAGS(argv)
+    except UsageError as e:
+        fail(str(e))
     except flags.Error as e:
         fail(one_line(e))
     except (KeyError, AttributeError) as e:  # a locked config refuses an unknown field
-        fail(f"bad --config override: {field_name(e)} is not a field of this config; check the spelling.")
+        fail(not_a_field(e))
     except (TypeError, ValueError, OSError) as e:
         fail(f"bad --config: {one_line(e)}")
     return []
@@ -113,12 +138,13 @@ def load_config() -> Any:
         config = _CONFIG.value
         if config is not None:
             config.keys()  # a config file that failed to load raises only when first used
-    except KeyError as e:
-        fail(f"bad --config override: {field_name(e)} is not a field of this config; check the spelling.")
+    except (KeyError, AttributeError) as e:
+        fail(not_a_field(e))
     except Exception as e:  # noqa: BLE001 - whatever the config file raises is a usage error here
         fail(f"bad --config: {one_line(e)}")
     if config is None:
-        fail("--config is required, e.g. --config=configs/gram.py:quick.")
+        fail("--config is required, e.g. --config=gram:quick (--list_configs shows the shipped ones).")
+    merge_extra(config, _EXTRA)
     return config
 
 
@@ -195,48 +221,54 @@ def summary(report: RunReport, source: Any, config: Any, started_as: str) -> dic
 
 
 def write_outputs(workdir: str, result: Any, record: dict[str, Any], intact: str) -> None:
-    """Writes result.npz and summary.json atomically (temp file, then rename).
+    """Writes result.npz and summary.json atomically (temp file, then rename; any epath workdir).
 
     Raises:
       StorageError: the workdir refused a write; ``intact`` says what is still there.
     """
     arrays = named_arrays(result)
-    written = []
+    root, written = epath.Path(workdir), []
     try:
+        root.mkdir(parents=True, exist_ok=True)
         for name, write in (("result.npz", lambda f: np.savez(f, **arrays)),
                             ("summary.json", lambda f: f.write(json.dumps(record, indent=2, default=repr).encode()))):
-            tmp = os.path.join(workdir, f"{name}.tmp")
+            tmp = root / f"{name}.tmp"
             written.append(tmp)
-            with open(tmp, "wb") as f:
+            with tmp.open("wb") as f:
                 write(f)
-            os.replace(tmp, os.path.join(workdir, name))
+            tmp.replace(root / name)
     except OSError as e:
         code = storage_reason(e)
         if code is None:
             raise
         needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
-        raise storage_error(f"write {os.path.join(workdir, OUTPUTS[0])}", code, intact, needed) from None
+        raise storage_error(f"write {root / OUTPUTS[0]}", code, intact, needed) from None
     finally:
         for tmp in written:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            if tmp.exists():
+                tmp.unlink()
 
 
 def finished(workdir: str, job: str) -> dict[str, Any] | None:
     """The summary of this job when the workdir holds its result, else None (reads only)."""
+    root = epath.Path(workdir)
     try:
-        with open(os.path.join(workdir, OUTPUTS[1])) as f:
-            record = json.load(f)
+        record = json.loads((root / OUTPUTS[1]).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("job") != job:
         return None
-    return record if os.path.isfile(os.path.join(workdir, OUTPUTS[0])) else None
+    return record if (root / OUTPUTS[0]).is_file() else None
 
 
 def load_result(workdir: str) -> dict[str, np.ndarray]:
-    with np.load(os.path.join(workdir, OUTPUTS[0])) as f:
-        return {k: f[k] for k in f.files}
+    with (epath.Path(workdir) / OUTPUTS[0]).open("rb") as f, np.load(f) as arrays:
+        return {k: arrays[k] for k in arrays.files}
+
+
+def workdir_path(value: str) -> str:
+    """``--workdir`` as the job uses it: an absolute local path, or a URL (``gs://...``) as given."""
+    return value if "://" in value else os.path.abspath(value)
 
 
 def workdir_lease(workdir: str, job: str, force: bool) -> Lease | None:
@@ -282,7 +314,7 @@ def run_job(
     checkpoint = None
     if ck.enabled:
         checkpoint = Checkpointer(CheckpointOptions(
-            os.path.join(workdir, "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
+            str(epath.Path(workdir) / "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
             keep=ck.keep, per_job=ck.per_job, ignore_changed_data=ck.ignore_changed_data, force_unlock=force_unlock,
         ), force_hint=FORCE_HINT)
     options = run_options(
@@ -313,10 +345,17 @@ def run_job(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}; every option is a --flag.")
+    if _LIST_CONFIGS.value:
+        for name, doc in shipped_configs().items():
+            print(f"{name:14s} {doc}")
+        return
     config = load_config()
+    if _PRINT_CONFIG.value:
+        print(config, end="")
+        return
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
-    workdir = os.path.abspath(_WORKDIR.value)
+    workdir = workdir_path(_WORKDIR.value)
     if config.get("x64", False):
         jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     try:

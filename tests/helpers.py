@@ -37,3 +37,17 @@ def assert_usage_error(call, words) -> None:
     for word in words:
         assert word in message, (word, message)
 
+
+
+class CrashError(Exception):
+    """A stand-in for a kill, raised from a progress callback."""
+
+
+def crash_at(step):
+    """A progress callback that raises :class:`CrashError` once the run reaches ``step``."""
+
+    def progress(p):
+        if p.step >= step:
+            raise CrashError
+
+    return progress

@@ -8,7 +8,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan.checkpoint import fingerprint_difference
-from tests.helpers import assert_usage_error, f64, rel_err
+from tests.helpers import CrashError, assert_usage_error, crash_at, f64, rel_err
 
 KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step
 
@@ -16,17 +16,6 @@ KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step
 def rows(n=1009, d=5, seed=0):
     return np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
 
-
-class CrashError(Exception):
-    pass
-
-
-def crash_at(step):
-    def progress(p):
-        if p.step == step:
-            raise CrashError
-
-    return progress
 
 
 def listing(directory):

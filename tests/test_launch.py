@@ -103,8 +103,8 @@ def test_bad_config_values_and_partial_coordinator_flags_are_usage_errors(tmp_pa
     config = quick("gram")
     config.data.kind = "npy"
     assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["--config.data.path"])
-    config.data.kind = "parquet"
-    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["data.kind", "parquet"])
+    config.data.kind = "feather"
+    assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["data.kind", "feather", "parquet, csv"])
     config = quick("gram")
     config.combiner.name = "Nope"
     assert_usage_error(lambda: run_job(config, str(tmp_path / "w")), ["Nope"])

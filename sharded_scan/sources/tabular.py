@@ -2,7 +2,8 @@
 
 Columns are chosen by name and laid out as the combiner wants its rows: one name gives
 ``(rows,)``, a list of names ``(rows, len(list))``, and a pytree of those a pytree of
-arrays, e.g. ``columns=(["year", "income", "age"], "price")`` for ``(X, y)``. Every value
+arrays, e.g. ``columns=(["year", "income", "age"], "price")`` for ``(X, y)``; None stands for
+every numeric column not named elsewhere (``columns=(None, "price")``). Every value
 keeps its precision: the row dtype is the columns' common numpy type (float64 for
 doubles, which needs ``jax_enable_x64``) unless ``dtype=`` says otherwise. Nulls become
 NaN (so ``nan_policy`` applies) in float dtypes and are an error in integer ones;
@@ -43,8 +44,8 @@ def _is_names(x: Any) -> bool:
 
 
 def _leaves(columns: Columns) -> tuple[list, Any]:
-    """The column selections (a name or a list of names) of ``columns`` and their tree."""
-    return jax.tree.flatten(columns, is_leaf=_is_names)
+    """The column selections (a name, a list of names, or None) of ``columns`` and their tree."""
+    return jax.tree.flatten(columns, is_leaf=lambda x: x is None or _is_names(x))
 
 
 def _numeric(arrow_type: Any) -> bool:
@@ -55,14 +56,19 @@ def _numeric(arrow_type: Any) -> bool:
 def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str) -> tuple[Columns, np.dtype]:
     """Checks ``columns`` against an Arrow ``schema``; returns the selection and the row dtype.
 
-    ``columns=None`` selects every numeric column as one ``(rows, d)`` array.
+    ``columns=None`` selects every numeric column as one ``(rows, d)`` array; a None inside a
+    pytree every numeric column the others do not name (``(None, "y")``: y, and X of the rest).
     """
     numeric = [f.name for f in schema if _numeric(f.type)]
-    if columns is None:
-        if not numeric:
-            raise UsageError(f"{where} has no numeric column (its columns: {', '.join(schema.names)}).")
-        columns = numeric
-    selections, _ = _leaves(columns)
+    selections, tree = _leaves(columns)
+    if any(s is None for s in selections):
+        named = {n for s in selections if s is not None for n in ([s] if isinstance(s, str) else s)}
+        rest = [n for n in numeric if n not in named]
+        if not rest:
+            besides = f" besides {', '.join(sorted(named))}" if named else ""
+            raise UsageError(f"{where} has no numeric column{besides} (its columns: {', '.join(schema.names)}).")
+        columns = tree.unflatten([rest if s is None else s for s in selections])
+        selections, _ = _leaves(columns)
     if not selections or not all(_is_names(s) for s in selections):
         raise UsageError(f"columns must be a column name, a list of names, or a pytree of those; got {columns!r}.")
     for selection in selections:

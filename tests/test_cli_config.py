@@ -1,0 +1,219 @@
+"""The launcher's config from the command line: shipped configs by name from anywhere, a user's own
+combiner and its arguments, the user's own files (Parquet, CSV, npy with a y file), and the one
+lines for the mistakes made on the way."""
+
+import subprocess
+import textwrap
+
+import ml_collections
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.linear_model import Ridge
+
+from launch import config_args
+from launch.data import make_combiner, make_source
+from launch.main import not_a_field
+from tests import cli
+from tests.helpers import assert_usage_error
+
+pytest.importorskip("pyarrow")
+
+MY_COMBINER = textwrap.dedent('''
+    import jax.numpy as jnp
+    import sharded_scan as ss
+
+    class ColumnMax(ss.Combiner):
+        """Per-column maximum, times ``scale``."""
+
+        def __init__(self, scale=1.0):
+            self.scale = scale
+
+        def init(self, spec):
+            return jnp.full(spec.shape, -jnp.inf, spec.dtype)
+
+        def add(self, acc, batch, mask):
+            return jnp.maximum(acc, jnp.max(jnp.where(mask[:, None], batch, -jnp.inf), axis=0))
+
+        def merge(self, a, b):
+            return jnp.maximum(a, b)
+
+        def finalize(self, acc):
+            return acc * self.scale
+
+    class NotACombiner:
+        pass
+''')
+BROKEN_MODULE = "raise RuntimeError('this module is broken')\n"
+
+
+def income_frame(rows=600, seed=0):
+    """Data shaped like users': a large-mean column, an integer column, a string column, y."""
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({
+        "year": rng.integers(1990, 2024, rows).astype(np.int64),
+        "income": rng.lognormal(10, 1, rows),
+        "age": rng.normal(40, 12, rows),
+        "city": rng.choice(["Lyon", "Köln"], rows),
+    })
+    frame["spend"] = 0.3 * frame["income"] - 20.0 * frame["age"] + 5.0 * (frame["year"] - 2000) + 100.0
+    return frame
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory):
+    """A user's directory (a space and non-ASCII in its name): their module and data files."""
+    root = tmp_path_factory.mktemp("user") / "mes données"
+    root.mkdir()
+    (root / "my_stats.py").write_text(MY_COMBINER)
+    (root / "broken_stats.py").write_text(BROKEN_MODULE)
+    frame = income_frame()
+    frame.to_parquet(root / "sales.parquet", row_group_size=128)
+    frame.to_csv(root / "sales.csv", index=False)
+    x = frame[["year", "income", "age"]].to_numpy(np.float32)
+    np.save(root / "X.npy", np.ascontiguousarray(x))
+    np.save(root / "y.npy", frame["spend"].to_numpy(np.float32))
+    return root, frame
+
+
+def launch(cwd, *args, devices=2):
+    """``python -m launch.main ARGS`` started in ``cwd`` (not the repository)."""
+    return subprocess.run(cli.main_cmd(*args, devices=devices), cwd=cwd, env=cli.env(), capture_output=True,
+                          text=True, timeout=cli.TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(user_files):
+    """The module's launcher runs, started at once from the user's directory."""
+    root, _ = user_files
+    x64 = "--config.x64=True"
+    cases = {
+        "parquet": ("--config=ridge:quick", "--config.data.kind=parquet", f"--config.data.path={root}/sales.parquet",
+                    "--config.data.columns=year,income,age", "--config.data.target=spend", x64,
+                    "--config.combiner.kwargs.l2=0.5"),
+        "csv": ("--config=configs/ridge.py:quick", "--config.data.kind=csv", f"--config.data.path={root}/sales.csv",
+                "--config.data.target=spend", x64, "--config.combiner.kwargs.l2=0.5"),
+        "npy": ("--config=ridge", "--config.data.kind=npy", f"--config.data.path={root}/X.npy",
+                f"--config.data.target_path={root}/y.npy", "--config.combiner.kwargs.l2=0.5",
+                "--config.microbatch=64"),
+        "mine": ("--config=gram:quick", "--config.combiner.name=my_stats:ColumnMax",
+                 "--config.combiner.kwargs.scale=2", "--config.data.kind=npy", f"--config.data.path={root}/X.npy"),
+    }
+    for name, args in cases.items():
+        cases[name] = (*args, f"--workdir={root}/runs/{name}")
+    with cli.concurrent.futures.ThreadPoolExecutor(4) as pool:
+        procs = pool.map(lambda args: launch(root, *args), cases.values())
+        return dict(zip(cases, procs, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "npy"])
+def test_ridge_on_the_users_own_files_matches_sklearn(user_files, runs, kind):
+    root, frame = user_files
+    proc = runs[kind]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x, y = frame[["year", "income", "age"]].to_numpy(), frame["spend"].to_numpy()
+    if kind == "npy":  # float32 files: the reference sees the same rounded values
+        x, y = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+    want = Ridge(alpha=0.5).fit(x, y)
+    got = cli.result(root / "runs" / kind)
+    rtol = 1e-9 if kind != "npy" else 1e-4
+    np.testing.assert_allclose(got["coef"], want.coef_, rtol=rtol)
+    np.testing.assert_allclose(got["intercept"], want.intercept_, rtol=rtol)
+    assert cli.summary(root / "runs" / kind)["config"]["combiner"]["kwargs"]["l2"] == 0.5
+
+
+def test_the_users_own_combiner_with_its_arguments(user_files, runs):
+    root, frame = user_files
+    assert runs["mine"].returncode == 0, runs["mine"].stderr[-3000:]
+    want = 2 * frame[["year", "income", "age"]].to_numpy(np.float32).max(axis=0)
+    np.testing.assert_array_equal(cli.result(root / "runs" / "mine")["result"], want)
+
+
+def test_list_and_print_config_from_anywhere(tmp_path):
+    listed = launch(tmp_path, "--list_configs")
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert {"gram", "ridge", "pca", "quantiles"} <= set(names) and "common" not in names
+    printed = launch(tmp_path, "--config=ridge:quick", "--print_config", "--config.combiner.kwargs.solver=tsqr",
+                     "--config.microbatch=32")
+    assert printed.returncode == 0, printed.stderr
+    assert "solver: tsqr" in printed.stdout and "microbatch: 32" in printed.stdout
+    assert not list(tmp_path.iterdir())  # printing writes nothing
+
+
+def test_typos_and_unknown_names_are_one_readable_line(tmp_path):
+    procs = cli.run_all([
+        cli.main_cmd("--config=gram:quick", f"--workdir={tmp_path}/a", "--config.microbtch=5"),
+        cli.main_cmd("--config=gramm", f"--workdir={tmp_path}/b"),
+        cli.main_cmd("--config=gram:quick", f"--workdir={tmp_path}/c", "--config.combiner.kwargs.block"),
+    ])
+    line = cli.one_error_line(procs[0])
+    assert line == "error: bad --config override: 'microbtch' is not a field of this config; did you mean " \
+                   '"microbatch"?', line
+    assert "'gramm'" in cli.one_error_line(procs[1]) and "ridge" in cli.one_error_line(procs[1])
+    assert "NAME=VALUE" in cli.one_error_line(procs[2])
+    assert not list(tmp_path.iterdir())
+
+
+def test_not_a_field_without_a_suggestion():
+    e = AttributeError(KeyError('Key "zz" does not exist and cannot be added since the config is locked.'))
+    assert not_a_field(e) == ("bad --config override: 'zz' is not a field of this config; check the spelling "
+                              "(--print_config lists them).")
+
+
+def test_split_args_resolves_configs_and_reads_kwargs_as_literals(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    argv, extra = config_args.split_args([
+        "prog", "--config=pca:quick", "--config.combiner.kwargs.k=3", "--config.combiner.kwargs.solver=tsqr",
+        "--config.combiner.kwargs.range=(0, 1.5)", "--config.data.factory_kwargs.path=/a b", "--workdir=w",
+    ])
+    assert argv == ["prog", f"--config={config_args.CONFIG_DIR}/pca.py:quick", "--workdir=w"]
+    assert extra == {"combiner.kwargs": {"k": 3, "solver": "tsqr", "range": (0, 1.5)},
+                     "data.factory_kwargs": {"path": "/a b"}}
+    assert config_args.resolve_config("configs/gram.py") == f"{config_args.CONFIG_DIR}/gram.py"
+    (tmp_path / "mine.py").write_text("")
+    assert config_args.resolve_config("mine.py:x") == "mine.py:x"  # the user's own file, as given
+    assert_usage_error(lambda: config_args.resolve_config("common"), ["common", "gram"])
+
+
+def test_combiner_by_name_refuses_in_one_line(user_files, monkeypatch):
+    root, _ = user_files
+    monkeypatch.syspath_prepend(str(root))
+    config = ml_collections.ConfigDict({"name": "", "kwargs": {}})
+    for name, kwargs, words in [
+        ("my_stats:NotACombiner", {}, ["NotACombiner", "not a sharded_scan.Combiner"]),
+        ("my_stats:Missing", {}, ["has no 'Missing'"]),
+        ("no_such_module:X", {}, ["cannot import 'no_such_module'", "PYTHONPATH"]),
+        ("broken_stats:X", {}, ["importing 'broken_stats' failed", "RuntimeError", "broken"]),
+        ("my_stats:ColumnMax", {"scal": 2}, ["'scal'", "takes: scale"]),
+        ("my_stats", {}, ["package.module:Class"]),
+        ("Gramm", {}, ["'Gramm'", "Gram", "package.module:Class"]),
+        ("Gram", {"d": 4}, ["'d'", "block"]),
+    ]:
+        config.name, config.kwargs = name, kwargs
+        assert_usage_error(lambda: make_combiner(config), words)
+    config.name, config.kwargs = "my_stats:ColumnMax", {"scale": 3}
+    assert make_combiner(config).scale == 3
+
+
+def test_file_kinds_name_x_and_y_or_say_what_is_missing(user_files):
+    root, frame = user_files
+    import configs.ridge
+
+    data = configs.ridge.get_config("quick").data
+    data.kind, data.path = "parquet", str(root / "sales.parquet")
+    assert_usage_error(lambda: make_source(data), ["--config.data.target=COLUMN"])
+    data.target = "spend"
+    source = make_source(data)  # X: every numeric column but y (the string column left out)
+    x, y = source.read(0, 5)
+    np.testing.assert_array_equal(x, frame[["year", "income", "age"]].to_numpy()[:5])
+    np.testing.assert_array_equal(y, frame["spend"].to_numpy()[:5])
+    data.columns = "income,spend"
+    assert_usage_error(lambda: make_source(data), ["spend", "also in config.data.columns"])
+    data.columns = "income,city"
+    assert_usage_error(lambda: make_source(data), ["city", "not a number"])
+    data.kind, data.path, data.columns, data.target = "npy", str(root / "X.npy"), "", ""
+    assert_usage_error(lambda: make_source(data), ["--config.data.target_path"])
+    data.target = "spend"
+    assert_usage_error(lambda: make_source(data), ["config.data.target", "npy", "parquet"])
+
