@@ -20,6 +20,8 @@ Checkpoints are written only between steps, so every row is folded exactly once.
 restore checks every digest before it uses a checkpoint: one that fails (a flipped
 byte, a truncated file, a killed save) is set aside into ``damaged/`` and the one
 before is used. One job at a time holds the directory (:class:`~sharded_scan.lease.Lease`).
+The directory is a local path or a URL (``gs://...``): every look at it goes through
+:mod:`etils.epath`, like orbax's own (:mod:`sharded_scan.paths`).
 :class:`Checkpointer` owns the protocol: :meth:`~Checkpointer.restore_latest`,
 :meth:`~Checkpointer.poll`, :attr:`~Checkpointer.policy` (a :class:`SavePolicy`),
 :meth:`~Checkpointer.save` and :meth:`~Checkpointer.close`.
@@ -42,11 +44,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from sharded_scan.digest import array_digests, json_digest
 from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
 from sharded_scan.lease import Lease
+from sharded_scan.paths import as_path, file_size, is_url, where
 from sharded_scan.storage import check_room, check_writable, storage_error, storage_reason
 
 PyTree = Any
@@ -65,9 +69,11 @@ class CheckpointOptions:
     """Where and how often :func:`sharded_scan.run` checkpoints.
 
     Attributes:
-      directory: the checkpoint directory (shared by every process). Running the same
-        job again with it resumes from its latest checkpoint. One job at a time may use
-        it (a lease in ``directory/lock.json``).
+      directory: the checkpoint directory (shared by every process): a local path
+        (``str``, ``pathlib.Path``, ``epath.Path``) or a URL such as ``gs://bucket/dir``
+        (where orbax, through etils.epath, can write it). Running the same job again with
+        it resumes from its latest checkpoint. One job at a time may use it (a lease in
+        ``directory/lock.json``; advisory on a remote store).
       every_steps: save after this many steps; None for no step-based saves.
       every_seconds: save when this many seconds passed since the last save; None for
         no time-based saves.
@@ -81,7 +87,7 @@ class CheckpointOptions:
         it (only when you know that process is gone).
     """
 
-    directory: str
+    directory: str | os.PathLike
     every_steps: int | None = None
     every_seconds: float | None = 600.0
     keep: int = 2
@@ -92,6 +98,7 @@ class CheckpointOptions:
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise UsageError(f"checkpoint directory must be a path, got {self.directory!r}.")
+        as_path(self.directory)  # a URL epath cannot open is one line now
         for name in ("every_steps", "every_seconds", "keep", "per_job"):
             value = getattr(self, name)
             if value is None and name != "keep":
@@ -233,7 +240,8 @@ class Checkpointer:
 
     def __init__(self, options: CheckpointOptions, force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
         self.options = options
-        self.directory = os.path.abspath(os.fspath(options.directory))
+        self.directory = where(options.directory)  # absolute if local; a URL as given
+        self._root = as_path(self.directory)
         self.force_hint = force_hint
         self.set_aside: list[str] = []
         self.policy = SavePolicy(options.every_steps, options.every_seconds, options.per_job)
@@ -395,10 +403,9 @@ class Checkpointer:
     def _room_needed(self, partials: PyTree) -> int:
         """Bytes the next save needs: a quarter more than the last checkpoint took on disk
         (orbax compresses), or, before there is one, the partials' raw bytes."""
-        done = [n for n in _step_names(self.directory) if os.path.isfile(
-            os.path.join(self.directory, str(n), COMMIT_MARKER))]
+        done = _committed_steps(self._root)
         if done:
-            return int(1.25 * _disk_bytes(os.path.join(self.directory, str(done[-1])))) + METADATA_BYTES
+            return int(1.25 * _disk_bytes(self._root / str(done[-1]))) + METADATA_BYTES
         return sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(partials)) + METADATA_BYTES
 
     def poll(self) -> bool:
@@ -435,8 +442,7 @@ class Checkpointer:
 
     def _intact(self, failed: int) -> str:
         """What a failed save at ``failed`` leaves: the checkpoint before it, or none."""
-        done = [n for n in _step_names(self.directory) if n != failed and os.path.isfile(
-            os.path.join(self.directory, str(n), COMMIT_MARKER))]
+        done = [n for n in _committed_steps(self._root) if n != failed]
         if not done:
             return "no checkpoint was written before it, so a rerun starts from row 0"
         return f"the previous checkpoint at row {max(done)} is intact"
@@ -499,7 +505,7 @@ class Checkpointer:
 
     def _source_state(self, cursor: int, meta: dict[str, Any]) -> dict[str, Any]:
         """This process's source state saved at ``cursor`` (``{}`` for checkpoints without one)."""
-        if not os.path.isdir(os.path.join(self.directory, str(cursor), SOURCE)):
+        if not (self._root / str(cursor) / SOURCE).is_dir():
             if meta.get("source_digest") is not None:
                 raise Damaged("its source item is missing")
             return {}
@@ -524,7 +530,7 @@ class Checkpointer:
         Raises:
           StorageError: the move failed (read-only, no permission); nothing was changed.
         """
-        target = os.path.join(self.directory, DAMAGED, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        target = self._root / DAMAGED / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         _log.warning(
             "skipping the damaged checkpoint %s in %s (%s); moved it to %s and using the one before it.",
             name, self.directory, problem, target,
@@ -533,8 +539,11 @@ class Checkpointer:
         code = None
         if jax.process_index() == 0:
             try:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.replace(os.path.join(self.directory, name), target)
+                if is_url(self.directory):
+                    _move_remote(self._root / name, target)
+                else:  # one atomic rename
+                    os.makedirs(target.parent, exist_ok=True)
+                    os.replace(os.path.join(self.directory, name), target)
             except OSError as e:
                 code = storage_reason(e) or e.errno or errno.EIO
         code = gather_json(code)[0]
@@ -587,22 +596,45 @@ def _leaf_problem(digests: list[str], meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _disk_bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+def _copy_tree(source: epath.Path, target: epath.Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for child in source.iterdir():
+        if child.is_dir():
+            _copy_tree(child, target / child.name)
+        else:
+            child.copy(target / child.name)
 
 
-def _read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
+def _move_remote(source: epath.Path, target: epath.Path) -> None:
+    """Moves a step directory on an object store, which has no rename of a directory: every file
+    copied, then the commit marker deleted before the rest (a move cut short leaves the step
+    incomplete, so set aside again, never a checkpoint that looks whole)."""
+    _copy_tree(source, target)
+    (source / COMMIT_MARKER).unlink(missing_ok=True)
+    source.rmtree()
 
 
-def _step_names(directory: str) -> list[int]:
-    if not os.path.isdir(directory):
+def _disk_bytes(directory: epath.Path) -> int:
+    """Bytes of the files under ``directory`` (remote: one listing a directory, one stat a file)."""
+    return sum(_disk_bytes(p) if p.is_dir() else file_size(p) for p in directory.iterdir())
+
+
+def _read_json(path: epath.Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _step_names(directory: epath.Path) -> list[int]:
+    if not directory.is_dir():
         return []
-    return sorted(int(n) for n in os.listdir(directory) if re.fullmatch(r"\d+", n))
+    return sorted(int(p.name) for p in directory.iterdir() if re.fullmatch(r"\d+", p.name))
 
 
-def step_damage(step_dir: str) -> str | None:
+def _committed_steps(directory: epath.Path) -> list[int]:
+    """The step names under ``directory`` with orbax's commit marker, oldest first."""
+    return [n for n in _step_names(directory) if (directory / str(n) / COMMIT_MARKER).is_file()]
+
+
+def step_damage(step_dir: str | os.PathLike) -> str | None:
     """Why ``step_dir`` is not a complete checkpoint of ours (a phrase), or None.
 
     Checks what can be checked without reading the arrays: orbax's commit marker and
@@ -610,27 +642,29 @@ def step_damage(step_dir: str) -> str | None:
     digest) and the partials' tree metadata. A flipped byte in the arrays shows up when
     they are read and their digests checked (:meth:`Checkpointer.restore_latest`).
     """
-    needed = [COMMIT_MARKER, STEP_METADATA, os.path.join(META, "metadata"), os.path.join(PARTIALS, "_METADATA")]
+    step = as_path(step_dir)
+    needed = [COMMIT_MARKER, STEP_METADATA, f"{META}/metadata", f"{PARTIALS}/_METADATA"]
     for name in needed:
-        if not os.path.isfile(os.path.join(step_dir, name)):
+        if not (step / name).is_file():
             return f"{name} is missing"
     try:
-        meta = _read_json(os.path.join(step_dir, META, "metadata"))
-        _read_json(os.path.join(step_dir, STEP_METADATA))
-        _read_json(os.path.join(step_dir, PARTIALS, "_METADATA"))
+        meta = _read_json(step / META / "metadata")
+        _read_json(step / STEP_METADATA)
+        _read_json(step / PARTIALS / "_METADATA")
     except (OSError, ValueError) as e:
         return f"unreadable metadata: {' '.join(str(e).split())[:120]}"
     problem = meta_problem(meta)
     if problem is not None:
         return problem
-    if str(meta["cursor"]) != os.path.basename(step_dir):
+    if str(meta["cursor"]) != step.name:
         return f"meta says cursor {meta['cursor']}"
     return None
 
 
-def damaged_steps(directory: str) -> list[tuple[str, str]]:
+def damaged_steps(directory: str | os.PathLike) -> list[tuple[str, str]]:
     """``(name, problem)`` for each step directory under ``directory`` that is damaged."""
-    found = [(str(n), step_damage(os.path.join(directory, str(n)))) for n in _step_names(directory)]
+    root = as_path(directory)
+    found = [(str(n), step_damage(root / str(n))) for n in _step_names(root)]
     return [(n, problem) for n, problem in found if problem is not None]
 
 
@@ -645,5 +679,5 @@ def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
             "checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; "
             f"got {type(checkpoint).__name__}."
         )
-    check_writable(os.path.abspath(os.fspath(checkpoint.directory)))
+    check_writable(where(checkpoint.directory))
     return Checkpointer(checkpoint)

@@ -10,6 +10,11 @@ hosts (FUSE mounts such as GCS FUSE) the holder also rewrites the record every
 was killed leaves it, stale. A new holder checks, once it has the lock, that the path
 still names the file it locked, so removing never races with taking.
 
+A remote directory (``gs://...``) has no locks: there the lease is advisory. The
+record is read and, when no live holder's is there, written (and its heartbeat kept
+up), so a second job started after the first is refused; two jobs started within
+the same moment can both pass the check.
+
 A second job on the directory gets one :class:`~sharded_scan.errors.UsageError` line
 naming the holder before it touches anything; ``force=True`` takes the lease anyway.
 """
@@ -27,6 +32,7 @@ import time
 from typing import Any
 
 from sharded_scan.errors import UsageError
+from sharded_scan.paths import as_path, is_url, where
 
 _log = logging.getLogger(__name__)
 
@@ -79,17 +85,19 @@ class Lease:
     """An exclusive lease on ``directory`` for one job (a context manager).
 
     Args:
-      directory: the directory (created if missing).
+      directory: the directory (created if missing): a local path, or a URL (advisory lease).
       job: the job's fingerprint digest; the message says whether a holder runs the same job.
       force: take the lease even when another process holds it (the operator knows it is gone).
       force_hint: how the user forces it, for the message (``"--force_unlock"`` on the CLI).
     """
 
-    def __init__(self, directory: str, job: str, force: bool = False,
+    def __init__(self, directory: str | os.PathLike, job: str, force: bool = False,
                  force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
-        self.directory, self.job, self.force, self.force_hint = os.path.abspath(directory), job, force, force_hint
+        self.directory, self.job, self.force, self.force_hint = where(directory), job, force, force_hint
         self.path = os.path.join(self.directory, LEASE_FILE)
+        self.remote = is_url(self.directory)
         self._fd: int | None = None
+        self._remote_held = False
         self._since = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,7 +111,7 @@ class Lease:
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._fd is not None or self._remote_held
 
     def acquire(self) -> None:
         """Takes the lease, or raises a one-line UsageError naming the holder.
@@ -112,6 +120,10 @@ class Lease:
           UsageError: another live process holds the lease (and ``force`` is off).
           OSError: the lock file cannot be written (a storage fault).
         """
+        if self.remote:
+            self._acquire_remote()
+            self._start_heartbeat()
+            return
         os.makedirs(self.directory, exist_ok=True)
         self._since = _when(time.time())
         mode = os.O_RDONLY if mount_type(self.directory) in _LOCAL_FILE_SYSTEMS else os.O_RDWR
@@ -139,20 +151,61 @@ class Lease:
             finally:
                 if fd is not None:
                     os.close(fd)
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._heartbeat, name="sharded_scan-lease", daemon=True)
-            self._thread.start()
+            self._start_heartbeat()
             return
         raise UsageError(f"{self.directory}: its lock file {LEASE_FILE} keeps being replaced; is another job starting?")
 
+    def _acquire_remote(self) -> None:
+        """The advisory lease on a remote directory: the record checked, then ours written."""
+        lock = as_path(self.path)
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            holder = self._read_remote()
+        except ImportError as e:  # the store's file system (gcsfs, s3fs, ...) is not installed
+            raise UsageError(f"cannot use {self.directory}: {' '.join(str(e).split())}") from None
+        self._since = _when(time.time())
+        if self._alive_elsewhere(holder):
+            if not self.force:
+                raise UsageError(self._in_use(holder))
+            _log.warning("taking over %s from pid %s on %s (forced)", self.directory, holder.get("pid"),
+                         holder.get("host"))
+        lock.write_text(json.dumps(self._record()) + "\n")
+        self._remote_held = True
+
+    def _read_remote(self) -> dict[str, Any]:
+        lock = as_path(self.path)
+        try:
+            record = json.loads(lock.read_text()) if lock.exists() else {}
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _ours(self, record: dict[str, Any]) -> bool:
+        """Whether a remote record is still this holder's (not taken over by a forced one)."""
+        return (record.get("host"), record.get("pid"), record.get("since")) == (
+            socket.gethostname(), os.getpid(), self._since)
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="sharded_scan-lease", daemon=True)
+        self._thread.start()
+
     def release(self) -> None:
         """Removes the lock file and drops the lock (idempotent; a storage fault is only logged)."""
-        if self._fd is None:
+        if not self.held:
             return
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.remote:
+            self._remote_held = False
+            try:
+                if self._ours(self._read_remote()):
+                    as_path(self.path).unlink()
+            except OSError as e:
+                _log.info("could not remove %s (a later job takes it over): %s", self.path, e)
+            return
         fd, self._fd = self._fd, None
         try:
             if os.fstat(fd).st_ino == os.stat(self.path).st_ino:  # not taken over by a forced holder
@@ -180,7 +233,7 @@ class Lease:
         if holder.get("host") == socket.gethostname():
             pid = int(holder.get("pid", 0))
             return pid != os.getpid() and _start_time(pid) == holder.get("pid_start")
-        if locks_reach_other_hosts(self.directory):
+        if not self.remote and locks_reach_other_hosts(self.directory):
             return False  # we hold the lock, so the holder on that host is gone
         return time.time() - float(holder.get("heartbeat", 0)) < STALE_S
 
@@ -219,6 +272,14 @@ class Lease:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            if self.remote:
+                try:
+                    if not self._ours(self._read_remote()):
+                        return  # taken over (forced)
+                    as_path(self.path).write_text(json.dumps(self._record()) + "\n")
+                except OSError as e:
+                    _log.debug("lease heartbeat failed: %s", e)
+                continue
             fd = self._fd
             if fd is None:
                 return

@@ -6,7 +6,9 @@ recognises such an error however it arrived (an ``OSError`` with its ``errno``, 
 tensorstore's and orbax's wrapped text) and :func:`storage_error` turns it into a
 :class:`~sharded_scan.errors.StorageError` whose one line says what to do.
 :func:`check_room` looks before a save starts, so the common case never reaches
-orbax's half-written temporary directories.
+orbax's half-written temporary directories. Both checks look at a local file system; a
+remote directory (``gs://...``) is not checked: its store reports its own errors when
+orbax writes, and those are worded the same way where they name a known fault.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import os
 
 from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.paths import is_url
 
 MIB = 1 << 20
 
@@ -90,8 +93,10 @@ def check_room(directory: str, needed: int) -> int | None:
     """The errno that would stop writing ``needed`` bytes under ``directory`` now, or None.
 
     Looks at the mount (read-only), the permission and the free space; a quota or
-    another writer can still fail the write itself.
+    another writer can still fail the write itself. None for a remote directory (not checked).
     """
+    if is_url(directory):
+        return None
     if read_only(directory):
         return errno.EROFS
     if not os.access(directory, os.W_OK | os.X_OK):
@@ -103,7 +108,12 @@ def check_room(directory: str, needed: int) -> int | None:
 
 
 def check_writable(directory: str) -> None:
-    """Raises UsageError unless ``directory`` exists or can be created, and is writable."""
+    """Raises UsageError unless ``directory`` exists or can be created, and is writable.
+
+    A remote directory is not checked (its store refuses a write itself).
+    """
+    if is_url(directory):
+        return
     path = directory
     while not os.path.exists(path):
         parent = os.path.dirname(path)

@@ -1,4 +1,9 @@
-"""Sources on disk: ``.npy`` files, directories of ``.npy`` shards, and zarr arrays."""
+"""Sources on disk: ``.npy`` files, directories of ``.npy`` shards, and zarr arrays.
+
+Every source takes a ``str``, a :class:`pathlib.Path` or an :class:`etils.epath.Path`:
+a local path, or a URL (``gs://...``) read through etils.epath (``.npy``) or
+tensorstore (zarr) where the store's file system is installed.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import numpy as np
 
 from sharded_scan.combiners.base import check_numeric
 from sharded_scan.errors import UsageError
+from sharded_scan.paths import as_path, is_url, remote_stamp, where
 from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, row_spec
 
 
@@ -31,14 +37,26 @@ class _NpyFile:
     rows are handed on as a view of a memory map instead (no copy; the devices read the
     page cache), and a file truncated while a view is in use ends the process with a
     bus error.
+
+    A remote file (a URL) is read through :mod:`etils.epath`: ``open``, ``seek`` and
+    ``read`` a row range, after a ``stat`` that checks its size and modification time
+    (to the second); it cannot be memory-mapped.
     """
 
     def __init__(self, path: str, zero_copy: bool = False):
         self.zero_copy = bool(zero_copy)
-        if not os.path.isfile(path):
+        self.remote = is_url(path)
+        if self.remote and self.zero_copy:
+            raise UsageError(f"zero_copy maps local files only, and {path!r} is remote; drop zero_copy.")
+        self._file = as_path(path) if self.remote else None
+        try:
+            exists = self._file.is_file() if self.remote else os.path.isfile(path)
+        except ImportError as e:  # the store's file system (gcsfs, s3fs, ...) is not installed
+            raise UsageError(f"cannot read {path!r}: {' '.join(str(e).split())}") from None
+        if not exists:
             raise UsageError(f"no such .npy file: {path!r}; check the path.")
         try:
-            with open(path, "rb") as f:
+            with self._file.open("rb") if self.remote else open(path, "rb") as f:
                 version = np.lib.format.read_magic(f)
                 fmt = np.lib.format
                 header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
@@ -54,19 +72,27 @@ class _NpyFile:
         if fortran and len(shape) > 1:
             raise UsageError(f"{path!r} is stored in Fortran order; save it with np.save(np.ascontiguousarray(x)).")
         row_bytes = dtype.itemsize * math.prod(shape[1:])
-        if os.path.getsize(path) < self.offset + row_bytes * shape[0]:
+        self.stat = self._file.stat() if self.remote else os.stat(path)
+        if self._size(self.stat) < self.offset + row_bytes * shape[0]:
             raise UsageError(f"{path!r} is shorter than its header says ({shape}); the file is truncated.")
         self.path, self.shape, self.dtype, self.row_bytes = path, tuple(shape), dtype, row_bytes
-        self.stat = os.stat(path)
+
+    def _size(self, stat: Any) -> int:
+        return int(stat.length or 0) if self.remote else stat.st_size
+
+    def _stamp(self, stat: Any) -> str:
+        return remote_stamp(stat) if self.remote else file_stamp(stat)
 
     @property
     def stamp(self) -> str:
-        return file_stamp(self.stat)
+        return self._stamp(self.stat)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         if stop <= start or self.row_bytes == 0:
             return np.zeros((max(stop - start, 0),) + self.shape[1:], self.dtype)
         begin, shape = self.offset + start * self.row_bytes, (stop - start,) + self.shape[1:]
+        if self.remote:
+            return self._read_remote(begin, shape, start, stop)
         with open(self.path, "rb") as f:
             self._check_unchanged(os.fstat(f.fileno()), start, stop)
             if self.zero_copy:
@@ -79,11 +105,31 @@ class _NpyFile:
                              f"{begin + rows.nbytes}; check the file.")
         return rows
 
-    def _check_unchanged(self, now: os.stat_result, start: int, stop: int) -> None:
-        if (now.st_size, now.st_mtime_ns, now.st_ino) != (self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ino):
+    def _read_remote(self, begin: int, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+        """Rows of a remote file: its stat checked, then one ranged read into aligned memory."""
+        self._check_unchanged(self._file.stat(), start, stop)
+        rows = aligned_empty(shape, self.dtype)
+        view, got = memoryview(rows).cast("B"), 0
+        with self._file.open("rb") as f:
+            f.seek(begin)
+            while got < len(view) and (n := f.readinto(view[got:])):
+                got += n
+        if got != rows.nbytes:
+            self._check_unchanged(self._file.stat(), start, stop)
+            raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
+                             f"{begin + rows.nbytes}; check the file.")
+        return rows
+
+    def _check_unchanged(self, now: Any, start: int, stop: int) -> None:
+        if self.remote:
+            changed = (now.length, now.mtime) != (self.stat.length, self.stat.mtime)
+        else:
+            changed = (now.st_size, now.st_mtime_ns, now.st_ino) != (
+                self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ino)
+        if changed:
             raise UsageError(
                 f"{self.path!r} changed while the job read it (at rows {start}..{stop - 1}): it was "
-                f"{file_stamp(self.stat)}, it is {file_stamp(now)}; put the original back and rerun the same "
+                f"{self._stamp(self.stat)}, it is {self._stamp(now)}; put the original back and rerun the same "
                 "command to resume, or run the new data in a new workdir."
             )
 
@@ -114,10 +160,10 @@ class NpySource(Source):
     """One ``.npy`` file, read by row range; never loaded whole.
 
     Args:
-      path: the file.
+      path: the file: a local path, or a URL (``gs://...``) read through etils.epath.
       zero_copy: hand rows on as views of a memory map instead of reading them into
         private memory: no copy (faster on CPU devices), but a file truncated while the
-        job runs then ends it with a bus error instead of one line.
+        job runs then ends it with a bus error instead of one line. Local files only.
     """
 
     def __init__(self, path: str | os.PathLike, zero_copy: bool = False):
@@ -140,31 +186,31 @@ class NpySource(Source):
         return self._file.read(start, stop)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": os.path.abspath(self.path)}
+        return {**super().describe(), "path": where(self.path)}
 
     def stamps(self) -> dict[str, str]:
-        return {os.path.abspath(self.path): self._file.stamp}
+        return {where(self.path): self._file.stamp}
 
 
 class NpyShardsSource(Source):
     """Several ``.npy`` shards read as one row-concatenated array.
 
     Args:
-      shards: a directory (its ``*.npy`` files), a glob pattern, or a list of paths.
-        Directory and glob matches are taken in natural order: ``part-2`` before
-        ``part-10`` (digit runs compare as numbers); a list keeps its order.
+      shards: a directory (its ``*.npy`` files), a glob pattern, or a list of paths,
+        local or URLs (globbed through etils.epath). Directory and glob matches are
+        taken in natural order: ``part-2`` before ``part-10`` (digit runs compare as
+        numbers); a list keeps its order.
       zero_copy: as :class:`NpySource`.
     """
 
     def __init__(self, shards: str | os.PathLike | Sequence[str | os.PathLike], zero_copy: bool = False):
         if isinstance(shards, (str, os.PathLike)):
-            where = os.fspath(shards)
-            pattern = os.path.join(where, "*.npy") if os.path.isdir(where) else where
-            paths = sorted(glob.glob(pattern), key=natural_key)
+            named = os.fspath(shards)
+            paths = sorted(_shard_paths(named), key=natural_key)
         else:
-            where, paths = "the list", [os.fspath(p) for p in shards]
+            named, paths = "the list", [os.fspath(p) for p in shards]
         if not paths:
-            raise UsageError(f"no .npy shards found in {where!r}; give a directory, a glob or a list of .npy files.")
+            raise UsageError(f"no .npy shards found in {named!r}; give a directory, a glob or a list of .npy files.")
         self._files = [_NpyFile(p, zero_copy) for p in paths]
         first = self._files[0]
         for f in self._files[1:]:
@@ -198,18 +244,35 @@ class NpyShardsSource(Source):
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "paths": [os.path.abspath(p) for p in self.paths]}
+        return {**super().describe(), "paths": [where(p) for p in self.paths]}
 
     def stamps(self) -> dict[str, str]:
-        return {os.path.abspath(f.path): f.stamp for f in self._files}
+        return {where(f.path): f.stamp for f in self._files}
+
+
+def _shard_paths(shards: str) -> list[str]:
+    """The ``*.npy`` files of a directory, or a glob's matches (a plain path matches itself)."""
+    if not is_url(shards):
+        return glob.glob(os.path.join(glob.escape(shards), "*.npy") if os.path.isdir(shards) else shards)
+    try:
+        root = as_path(shards)
+        if root.is_dir():
+            return [str(p) for p in root.glob("*.npy")]
+        parts = shards.split("/")  # scheme:, "", bucket, ...: a wildcard is looked for after the bucket
+        magic = next((i for i, part in enumerate(parts) if i > 2 and re.search(r"[*?[]", part)), None)
+        if magic is None:
+            return [shards] if root.exists() else []
+        return [str(p) for p in as_path("/".join(parts[:magic])).glob("/".join(parts[magic:]))]
+    except ImportError as e:  # the store's file system (gcsfs, s3fs, ...) is not installed
+        raise UsageError(f"cannot read {shards!r}: {' '.join(str(e).split())}") from None
 
 
 class ZarrSource(Source):
     """A zarr array (v2 or v3) read through tensorstore.
 
     Args:
-      path: a local directory, or a URL tensorstore's kvstore understands (``file://``,
-        ``gs://``, ``s3://``, ...).
+      path: a local directory (``str``, ``pathlib.Path``, ``epath.Path``), or a URL
+        tensorstore's kvstore understands (``file://``, ``gs://``, ``s3://``, ...).
       driver: ``"zarr"`` (v2), ``"zarr3"``, or ``None`` to detect it.
       fill_missing: read a chunk that is not stored as the array's fill value. Off by
         default: a missing chunk is then one :class:`UsageError` line naming it, never
@@ -266,14 +329,25 @@ class ZarrSource(Source):
             ) from None
 
     def describe(self) -> dict[str, Any]:
-        where = self._path if "://" in self._path else os.path.abspath(self._path)
-        return {**super().describe(), "path": where, "fill_missing": self._fill_missing}
+        here = self._path if "://" in self._path else os.path.abspath(self._path)
+        return {**super().describe(), "path": here, "fill_missing": self._fill_missing}
 
     def stamps(self) -> dict[str, str]:
         """The array's metadata file and its directory (cheap: a chunk rewritten in place,
-        deep in a nested zarr3 layout, does not show)."""
+        deep in a nested zarr3 layout, does not show). At a URL, the metadata file's size
+        and time through etils.epath (none where epath cannot open the URL)."""
         if "://" in self._path:
-            return {}
+            return self._remote_stamps()
         root = os.path.abspath(self._path)
         found = [os.path.join(root, n) for n in (".zarray", "zarr.json", "c") if os.path.exists(os.path.join(root, n))]
         return {p: file_stamp(os.stat(p)) for p in [root, *found]}
+
+    def _remote_stamps(self) -> dict[str, str]:
+        if not is_url(self._path):
+            return {}  # a file:// URL: as before, not stamped (a checkpoint's fingerprint stays the same)
+        try:
+            root = as_path(self._path)
+            found = [root / n for n in (".zarray", "zarr.json")]
+            return {str(p): remote_stamp(p.stat()) for p in found if p.exists()}
+        except (UsageError, ImportError, NotImplementedError):  # tensorstore reads it, epath cannot
+            return {}
