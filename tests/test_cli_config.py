@@ -71,7 +71,8 @@ def user_files(tmp_path_factory):
     frame.to_parquet(root / "sales.parquet", row_group_size=128)
     frame.to_csv(root / "sales.csv", index=False)
     x = frame[["year", "income", "age"]].to_numpy(np.float32)
-    np.save(root / "X.npy", np.ascontiguousarray(x))
+    assert x.flags.f_contiguous  # as pandas gives it: np.save keeps Fortran order
+    np.save(root / "X.npy", x)
     np.save(root / "y.npy", frame["spend"].to_numpy(np.float32))
     return root, frame
 

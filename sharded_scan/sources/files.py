@@ -69,8 +69,7 @@ class _NpyFile:
         check_numeric(dtype, f"the .npy file {path!r}")
         if len(shape) == 0:
             raise UsageError(f"{path!r} holds a scalar; a .npy source needs a leading row dimension.")
-        if fortran and len(shape) > 1:
-            raise UsageError(f"{path!r} is stored in Fortran order; save it with np.save(np.ascontiguousarray(x)).")
+        self.fortran = bool(fortran) and len(shape) > 1 and math.prod(shape[1:]) > 1
         row_bytes = dtype.itemsize * math.prod(shape[1:])
         self.stat = self._file.stat() if self.remote else os.stat(path)
         if self._size(self.stat) < self.offset + row_bytes * shape[0]:
@@ -91,6 +90,8 @@ class _NpyFile:
         if stop <= start or self.row_bytes == 0:
             return np.zeros((max(stop - start, 0),) + self.shape[1:], self.dtype)
         begin, shape = self.offset + start * self.row_bytes, (stop - start,) + self.shape[1:]
+        if self.fortran:
+            return self._read_columns(start, stop)
         if self.remote:
             return self._read_remote(begin, shape, start, stop)
         with open(self.path, "rb") as f:
@@ -104,6 +105,27 @@ class _NpyFile:
             raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
                              f"{begin + rows.nbytes}; check the file.")
         return rows
+
+    def _read_columns(self, start: int, stop: int) -> np.ndarray:
+        """Rows of a Fortran-order file (``np.save`` of a transposed or pandas array): each column
+        is stored whole, so rows ``start..stop`` are one ranged read per column, then laid out
+        in rows (a copy, also under ``zero_copy``)."""
+        rows, size = stop - start, self.dtype.itemsize
+        columns = aligned_empty((math.prod(self.shape[1:]), rows), self.dtype)
+        for c, column in enumerate(columns):
+            begin = self.offset + (c * self.shape[0] + start) * size
+            if self.remote:
+                column[:] = self._read_remote(begin, (rows,), start, stop)
+                continue
+            with open(self.path, "rb") as f:
+                self._check_unchanged(os.fstat(f.fileno()), start, stop)
+                if os.preadv(f.fileno(), [memoryview(column).cast("B")], begin) != column.nbytes:
+                    self._check_unchanged(os.stat(self.path), start, stop)
+                    raise UsageError(f"{self.path!r} ended early reading rows {start}..{stop - 1}; check the file.")
+        block = np.ndarray((rows,) + self.shape[1:], self.dtype, buffer=columns, order="F")
+        out = aligned_empty(block.shape, self.dtype)
+        out[...] = block
+        return out
 
     def _read_remote(self, begin: int, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
         """Rows of a remote file: its stat checked, then one ranged read into aligned memory."""
