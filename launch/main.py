@@ -34,6 +34,7 @@ from ml_collections import config_flags
 
 from launch.config_args import merge_extra, shipped_configs, split_args
 from launch.data import make_combiner, make_source, run_options
+from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
 from sharded_scan import distributed
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
 from sharded_scan.digest import json_digest
@@ -71,6 +72,14 @@ _SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
 _STEP_TIMEOUT = flags.DEFINE_float(
     "step_timeout", 900.0,
     "Seconds without a finished step after which a process stops with one line (a stuck peer); 0 for off.",
+)
+_TENSORBOARD = flags.DEFINE_enum(
+    "tensorboard", "auto", ["auto", "on", "off"],
+    "TensorBoard scalars (rows/s, bytes/s, step and checkpoint seconds, progress) in WORKDIR/tensorboard from "
+    "process 0: auto writes them when tensorboardX is installed.",
+)
+_PROFILE_STEPS = flags.DEFINE_string(
+    "profile_steps", None, "A:B traces steps A..B (from 1) with jax.profiler into WORKDIR/profile (every process).",
 )
 _FORCE_UNLOCK = flags.DEFINE_bool(
     "force_unlock", False,
@@ -292,12 +301,15 @@ def workdir_lease(workdir: str, job: str, force: bool) -> Lease | None:
 
 def run_job(
     config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None,
-    force_unlock: bool = False,
+    force_unlock: bool = False, tensorboard: bool = False, profile_steps: tuple[int, int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Runs the job ``config`` describes with checkpoints in ``workdir``; writes the outputs.
 
     A job whose result is already in ``workdir`` is not run again: its result and
     summary are returned (this reads only, so it works on a read-only workdir too).
+
+    ``tensorboard`` writes TensorBoard scalars to ``workdir/tensorboard``; ``profile_steps``
+    ``(A, B)`` traces steps A..B into ``workdir/profile``.
 
     Returns:
       ``(result, summary)``.
@@ -317,9 +329,13 @@ def run_job(
             str(epath.Path(workdir) / "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
             keep=ck.keep, per_job=ck.per_job, ignore_changed_data=ck.ignore_changed_data, force_unlock=force_unlock,
         ), force_hint=FORCE_HINT)
-    options = run_options(
-        config, checkpoint=checkpoint, progress=ProgressLog(config.log_every_seconds), step_timeout=step_timeout
+    root = epath.Path(workdir)
+    progress = combine(
+        ProgressLog(config.log_every_seconds),
+        MetricsWriter(str(root / "tensorboard"), row_bytes=row_bytes(source)) if tensorboard else None,
+        ProfileWindow(*profile_steps, str(root / "profile")) if profile_steps else None,
     )
+    options = run_options(config, checkpoint=checkpoint, progress=progress, step_timeout=step_timeout)
     program = build_program(combiner, source, options)
     job = json_digest(program.fingerprint)
     done = distributed.gather_json(finished(workdir, job))[0]
@@ -330,7 +346,8 @@ def run_job(
     check_writable(workdir)
     lease = workdir_lease(workdir, job, force_unlock)
     try:
-        result, report = run_program(program, source)
+        with progress:  # flushes the scalars and stops a trace, also when the run fails
+            result, report = run_program(program, source)
         record = {**summary(report, source, config, started_as), "job": job}
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {os.path.join(workdir, 'checkpoints')} is intact"
@@ -353,6 +370,11 @@ def main(argv: list[str]) -> None:
     if _PRINT_CONFIG.value:
         print(config, end="")
         return
+    tensorboard = _TENSORBOARD.value == "on" or (_TENSORBOARD.value == "auto" and tensorboardx_installed())
+    try:
+        profile_steps = parse_steps(_PROFILE_STEPS.value) if _PROFILE_STEPS.value else None
+    except UsageError as e:
+        fail(f"--profile_steps: {e}")
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
     workdir = workdir_path(_WORKDIR.value)
@@ -371,7 +393,8 @@ def main(argv: list[str]) -> None:
             # JAX ends a process whose coordinator died with a one-line fatal log and abort();
             # absl's faulthandler would add every Python thread's stack to it.
             signal.signal(signal.SIGABRT, signal.SIG_DFL)
-        _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None, _FORCE_UNLOCK.value)
+        _, record = run_job(config, workdir, started_as, _STEP_TIMEOUT.value or None, _FORCE_UNLOCK.value,
+                            tensorboard, profile_steps)
     except UsageError as e:
         fail(str(e))
     except StorageError as e:  # one line; skip interpreter shutdown, where orbax's threads would add tracebacks

@@ -37,6 +37,7 @@ by steps over all runs of the job, so a resumed run continues the curves), and
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import numbers
 import os
@@ -49,7 +50,10 @@ from sharded_scan.errors import UsageError
 from sharded_scan.progress import Callbacks, combine
 from sharded_scan.storage import check_writable
 
-__all__ = ["TAGS", "Callbacks", "MetricsWriter", "ProfileWindow", "combine", "parse_steps", "read_scalars"]
+__all__ = [
+    "TAGS", "Callbacks", "MetricsWriter", "ProfileWindow", "combine", "parse_steps", "read_scalars",
+    "tensorboardx_installed",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +62,11 @@ TENSORBOARDX_HINT = "pip install tensorboardX (or pip install 'sharded_scan[metr
 ROWS_PER_SECOND, BYTES_PER_SECOND = "rows_per_second", "bytes_per_second"
 STEP_SECONDS, CHECKPOINT_SECONDS, PROGRESS = "step_seconds", "checkpoint_seconds", "progress"
 TAGS = (ROWS_PER_SECOND, BYTES_PER_SECOND, STEP_SECONDS, CHECKPOINT_SECONDS, PROGRESS)
+
+
+def tensorboardx_installed() -> bool:
+    """Whether :class:`MetricsWriter` can write here (tensorboardX importable)."""
+    return importlib.util.find_spec("tensorboardX") is not None
 
 
 def _summary_writer_class() -> Any:

@@ -9,6 +9,7 @@ import pytest
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
 from launch.main import named_arrays, run_job
+from launch.metrics import read_scalars
 from sharded_scan import distributed
 from tests import cli
 from tests.helpers import assert_usage_error
@@ -44,6 +45,7 @@ BAD_ARGS = [
     (["--config.typo=1"], ["'typo'", "not a field"]),
     (["--config.microbatch=abc"], ["microbatch", "abc"]),
     (["--config=configs/nope.py"], ["configs/nope.py"]),
+    (["--profile_steps=3:x"], ["--profile_steps", "'3:x'"]),
 ]
 OVERRIDES = ("--config.microbatch=8", "--config.data.features=6", "--config.log_every_seconds=0")
 
@@ -55,8 +57,8 @@ def cli_runs(tmp_path_factory):
     blocker = base / "file"
     blocker.write_text("")
     cases = {
-        "overrides": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={base / 'ok'}", *OVERRIDES),
-                      base / "ok"),
+        "overrides": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={base / 'ok'}", *OVERRIDES,
+                                   "--tensorboard=on", "--profile_steps=2:3"), base / "ok"),
         "missing workdir": (cli.main_cmd("--config=configs/gram.py:quick"), None),
         "unwritable workdir": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={blocker}/w"), blocker),
     }
@@ -82,6 +84,10 @@ def test_cli_run_with_overrides_writes_result_summary_and_progress(cli_runs):
     assert summary["config"]["microbatch"] == 8 and summary["mesh"] == {"data": 4} and summary["processes"] == 1
     progress = [line for line in proc.stderr.splitlines() if "step " in line and "rows/s" in line and "ETA" in line]
     assert progress and "/" in progress[-1]
+    scalars = read_scalars(str(workdir / "tensorboard"))
+    assert [step for step, _ in scalars["progress"]] == list(range(1, summary["steps"] + 1))
+    assert scalars["progress"][-1][1] == 1.0 and len(scalars["rows_per_second"]) == summary["steps"] - 1
+    assert list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))  # steps 2..3 traced
 
 
 def test_named_arrays():
