@@ -115,3 +115,25 @@ def test_bad_columns_are_one_line(files):
     assert_usage_error(lambda: ParquetSource(str(files / "none-*.parquet")), ["no files match"])
     assert_usage_error(lambda: CsvSource(files / "nope.csv"), ["no such CSV file"])
     assert_usage_error(lambda: ss.run(ss.Sum(), ParquetSource(one, columns=X)), ["float64", "dtype='float32'"])
+
+
+def test_files_that_disagree_nulls_in_integers_and_ragged_lines_are_one_line_before_any_read(tmp_path):
+    (tmp_path / "parts").mkdir()
+    first = pa.table({"a": pa.array([1, 2, None], pa.int32()), "b": [1.0, 2.0, 3.0]})
+    pq.write_table(first, tmp_path / "parts" / "0.parquet")
+    pq.write_table(pa.table({"a": pa.array([1.5, 2.5]), "b": [1.0, 2.0]}), tmp_path / "parts" / "1.parquet")
+    pq.write_table(pa.table({"b": [1.0]}), tmp_path / "b_only.parquet")
+    assert_usage_error(lambda: ParquetSource(tmp_path / "parts", columns=["a", "b"]),
+                       ["'a'", "double", "1.parquet", "int32", "0.parquet", "schemas differ"])
+    assert ParquetSource(tmp_path / "parts", columns=["b"]).num_rows == 5  # the columns they share
+    both = [tmp_path / "parts" / "0.parquet", tmp_path / "b_only.parquet"]
+    assert_usage_error(lambda: ParquetSource(both, columns=["a"]), ["b_only.parquet", "no column 'a'"])
+    (tmp_path / "nulls.csv").write_text("a,b\n1,2\n,3\n4,5\n")
+    for source, nulls in ((lambda dtype: ParquetSource(tmp_path / "parts" / "0.parquet", columns=["a"], dtype=dtype),
+                           [False, False, True]),
+                          (lambda dtype: CsvSource(tmp_path / "nulls.csv", columns=["a"], dtype=dtype),
+                           [False, True, False])):
+        assert_usage_error(lambda: source("int32"), ["'a'", "nulls", "int32", "dtype='float32'"])  # noqa: B023
+        np.testing.assert_array_equal(np.isnan(source("float32").read(0, 3))[:, 0], nulls)
+    (tmp_path / "ragged.csv").write_text("a,b\n1,2\n3\n4,5\n")
+    assert_usage_error(lambda: CsvSource(tmp_path / "ragged.csv"), ["ragged.csv", "Expected 2 columns, got 1"])

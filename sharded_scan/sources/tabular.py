@@ -163,6 +163,7 @@ class ParquetSource(Source):
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
         self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where))
+        _check_fragments(fragments, self._dataset.schema, _names(self._columns), self._dtype)
         self._units = [u for u, n in units if n]
         self._starts = np.cumsum([0] + [n for _, n in units if n])
         self._cached: tuple[int, Any] | None = None
@@ -178,8 +179,7 @@ class ParquetSource(Source):
 
     def _unit(self, i: int) -> Any:
         if self._cached is None or self._cached[0] != i:  # the reader asks for consecutive ranges
-            names = sorted({n for s in _leaves(self._columns)[0] for n in ([s] if isinstance(s, str) else s)})
-            self._cached = (i, self._units[i].to_table(columns=names))
+            self._cached = (i, self._units[i].to_table(columns=_names(self._columns)))
         return self._cached[1]
 
     def read(self, start: int, stop: int) -> PyTree:
@@ -196,6 +196,40 @@ class ParquetSource(Source):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._where, "columns": repr(self._columns), "format": self._format}
+
+
+def _names(columns: Columns) -> list[str]:
+    """Every column name ``columns`` selects, sorted, once each."""
+    return sorted({n for s in _leaves(columns)[0] for n in ([s] if isinstance(s, str) else s)})
+
+
+def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.dtype) -> None:
+    """One line before any compute when a file's selected columns differ in type from the
+    dataset's (its first file's), or hold nulls that an integer ``dtype`` cannot (Parquet
+    row-group statistics; files without them are checked as they are read)."""
+    first = fragments[0].path if fragments else "the first file"
+    for fragment in fragments:
+        physical = fragment.physical_schema
+        for name in names:
+            if name not in physical.names:
+                raise UsageError(f"{fragment.path} has no column {name!r}, which {first} has: the files' schemas "
+                                 "differ; select the columns every file has, or rewrite the odd file.")
+            if physical.field(name).type != schema.field(name).type:
+                raise UsageError(
+                    f"column {name!r} is {physical.field(name).type} in {fragment.path} but "
+                    f"{schema.field(name).type} in {first}: the files' schemas differ; rewrite them with one type."
+                )
+        metadata = getattr(fragment, "metadata", None) if not np.issubdtype(dtype, np.floating) else None
+        for g in range(metadata.num_row_groups if metadata is not None else 0):
+            group = metadata.row_group(g)
+            for j in range(group.num_columns):
+                column = group.column(j)
+                stats = column.statistics
+                if column.path_in_schema in names and stats is not None and stats.has_null_count and stats.null_count:
+                    raise UsageError(
+                        f"column {column.path_in_schema!r} of {fragment.path} has {stats.null_count} nulls (row group "
+                        f"{g}), which {dtype} cannot hold; pass dtype='float32' (or float64) to read them as NaN."
+                    )
 
 
 def _concat(pieces: list[PyTree], spec: PyTree) -> PyTree:
@@ -228,7 +262,11 @@ class CsvSource(Source):
         try:
             reader = self._open()
             self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path))
-            self._num_rows = sum(batch.num_rows for batch in reader)
+            self._num_rows = 0
+            for batch in reader:  # one pass: counts the rows, finds ragged lines and nulls before any compute
+                if not np.issubdtype(self._dtype, np.floating):
+                    table_rows(batch, self._columns, self._dtype, self._num_rows, repr(self._path))
+                self._num_rows += batch.num_rows
         except pa.ArrowException as e:
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
         self._reader, self._position, self._buffer = None, 0, None
