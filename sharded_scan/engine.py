@@ -131,7 +131,7 @@ def run_program(program: Program, source: Source, started: float | None = None) 
             ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
     merged = to_host(program.merge(partials))
     check_overflow(program, merged)
-    result = finalize(program, merged)
+    result = with_column_names(finalize(program, merged), source)
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -170,6 +170,7 @@ def run_passes(
         return run_with_report(reduction, data, options)  # one pass
     check_rereadable(data)
     pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
+    source = as_source(data)  # once: each pass reads it from row 0
     started = time.perf_counter()
     plan = reduction.passes()
     reports: list[RunReport] = []
@@ -177,11 +178,11 @@ def run_passes(
         combiner = next(plan)
         while True:
             checkpoint = pass_checkpoint(options.checkpoint, len(reports) + 1)
-            result, report = run_with_report(combiner, data, dataclasses.replace(options, checkpoint=checkpoint))
+            result, report = run_with_report(combiner, source, dataclasses.replace(options, checkpoint=checkpoint))
             reports.append(report)
             combiner = plan.send(result)
     except StopIteration as done:
-        answer = done.value
+        answer = with_column_names(done.value, source)
     last, first = reports[-1], reports[0]
     return answer, last._replace(
         rows_this_run=sum(r.rows_this_run for r in reports),
@@ -320,6 +321,16 @@ def fold_all(
     if ckpt is not None and steps:  # the finished state: rerunning returns the result at once
         save(layout.num_rows)
     return partials, steps
+
+
+def with_column_names(result: Any, source: Source) -> Any:
+    """``result`` with ``columns`` set to the names of the source's first columns (X's, for
+    ``(X, y)``), when the result has that field and the source names them."""
+    names = source.column_names
+    if names is None or "columns" not in getattr(result, "_fields", ()):
+        return result
+    first = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, (list, str)))
+    return result._replace(columns=tuple(first[0])) if first and isinstance(first[0], list) else result
 
 
 def finalize(program: Program, merged: PyTree) -> Any:

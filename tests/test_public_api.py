@@ -11,16 +11,16 @@ CONTRACT = [
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
 ]
 RESULT_FIELDS = {
-    "SumResult": ("sum", "count"),
-    "CovarianceResult": ("count", "mean", "cov"),
-    "MomentsResult": ("count", "mean", "var", "min", "max"),
-    "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values"),
-    "LinearRegressionResult": ("coef", "intercept", "rank", "cond"),
-    "HistogramResult": ("counts", "edges"),
+    "SumResult": ("sum", "count", "columns"),
+    "CovarianceResult": ("count", "mean", "cov", "columns"),
+    "MomentsResult": ("count", "mean", "var", "min", "max", "columns"),
+    "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values", "columns"),
+    "LinearRegressionResult": ("coef", "intercept", "rank", "cond", "columns"),
+    "HistogramResult": ("counts", "edges", "columns"),
     "GradientResult": ("count", "loss", "grad"),
-    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes"),
-    "DistinctCountResult": ("count", "exact", "relative_error"),
-    "TopKResult": ("values", "counts", "errors", "bound", "certain"),
+    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "columns"),
+    "DistinctCountResult": ("count", "exact", "relative_error", "columns"),
+    "TopKResult": ("values", "counts", "errors", "bound", "certain", "columns"),
 }
 
 

@@ -106,6 +106,16 @@ def test_a_csv_job_resumes_exactly_once_after_a_crash(frame, files, tmp_path):
     np.testing.assert_array_equal(got.cov, want.cov)
 
 
+def test_results_with_columns_keep_the_column_names(frame, files):
+    x = frame[X].astype("float32")
+    assert ss.run(ss.Covariance(), x, mesh="data:2").columns == tuple(X)
+    fit = ss.run(ss.LinearRegression(), ParquetSource(files / "one.parquet", columns=(None, Y), dtype="float32"),
+                 mesh="data:2")
+    assert fit.columns == ("year", "income", "age", "member")  # every numeric column but y, in file order
+    assert ss.run(ss.Quantiles(qs=[0.5], exact=True), x[["age"]], mesh="data:2").columns == ("age",)
+    assert ss.run(ss.Moments(), x.to_numpy(), mesh="data:2").columns is None  # a plain array has no names
+
+
 def test_bad_columns_are_one_line(files):
     one = files / "one.parquet"
     assert_usage_error(lambda: ParquetSource(one, columns=["name"]), ["'name'", "not a number", "year"])

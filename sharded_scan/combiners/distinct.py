@@ -44,6 +44,7 @@ class DistinctCountResult(NamedTuple):
     count: np.ndarray
     exact: np.ndarray
     relative_error: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 class DistinctAcc(NamedTuple):

@@ -20,6 +20,7 @@ class HistogramResult(NamedTuple):
 
     counts: np.ndarray
     edges: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 def _float32_at_least(edges: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ class PCAResult(NamedTuple):
     explained_variance_ratio: np.ndarray
     mean: np.ndarray
     singular_values: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,7 @@ class QuantilesResult(NamedTuple):
     count: np.ndarray
     rank_error: np.ndarray
     passes: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 class QuantilesAcc(NamedTuple):

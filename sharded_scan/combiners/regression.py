@@ -29,6 +29,7 @@ class LinearRegressionResult(NamedTuple):
     intercept: np.ndarray
     rank: np.ndarray
     cond: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 class RegressionAcc(NamedTuple):

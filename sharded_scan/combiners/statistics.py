@@ -147,6 +147,7 @@ class CovarianceResult(NamedTuple):
     count: np.ndarray
     mean: np.ndarray
     cov: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +186,7 @@ class MomentsResult(NamedTuple):
     var: np.ndarray
     min: np.ndarray
     max: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 class MomentsAcc(NamedTuple):

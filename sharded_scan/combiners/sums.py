@@ -30,6 +30,7 @@ class SumResult(NamedTuple):
 
     sum: np.ndarray
     count: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 def _is_integer(dtype) -> bool:

@@ -57,6 +57,7 @@ class TopKResult(NamedTuple):
     errors: np.ndarray
     bound: np.ndarray
     certain: np.ndarray
+    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
 
 
 class TopKAcc(NamedTuple):

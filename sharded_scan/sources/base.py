@@ -84,6 +84,12 @@ class Source(abc.ABC):
         if not 0 <= cursor <= self.num_rows:
             raise UsageError(f"cannot resume at row {cursor}: the data has {self.num_rows} rows.")
 
+    @property
+    def column_names(self) -> Any:
+        """The names of the row's columns, a pytree like ``spec`` (a list of names for a
+        ``(d,)`` leaf, a name for a scalar one), or None when the data has none."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What identifies the data for a checkpoint fingerprint: kind, rows, row spec."""
         return {

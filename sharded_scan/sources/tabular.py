@@ -177,6 +177,10 @@ class ParquetSource(Source):
     def spec(self) -> PyTree:
         return _spec(self._columns, self._dtype)
 
+    @property
+    def column_names(self) -> Columns:
+        return self._columns
+
     def _unit(self, i: int) -> Any:
         if self._cached is None or self._cached[0] != i:  # the reader asks for consecutive ranges
             self._cached = (i, self._units[i].to_table(columns=_names(self._columns)))
@@ -287,6 +291,10 @@ class CsvSource(Source):
     def sequential(self) -> bool:
         return True
 
+    @property
+    def column_names(self) -> Columns:
+        return self._columns
+
     def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
         super().seek(cursor, state)
         self._reader, self._position, self._buffer = self._open(), 0, None
@@ -317,7 +325,19 @@ class CsvSource(Source):
         return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._columns)}
 
 
-def dataframe_source(frame: Any, columns: Columns = None, dtype: Any = None) -> ArraySource:
+class FrameSource(ArraySource):
+    """A DataFrame's selected columns in memory, with their names (``column_names``)."""
+
+    def __init__(self, data: PyTree, columns: Columns):
+        super().__init__(data)
+        self._columns = columns
+
+    @property
+    def column_names(self) -> Columns:
+        return self._columns
+
+
+def dataframe_source(frame: Any, columns: Columns = None, dtype: Any = None) -> FrameSource:
     """A pandas (or polars) DataFrame's columns as an in-memory source (see the module docstring).
 
     Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes.
@@ -328,4 +348,4 @@ def dataframe_source(frame: Any, columns: Columns = None, dtype: Any = None) -> 
     except (AttributeError, TypeError, pa.ArrowException) as e:
         raise UsageError(f"cannot read the {type(frame).__name__} as columns: {str(e).splitlines()[0]}") from None
     columns, dtype = resolve_columns(table.schema, columns, dtype, f"the {type(frame).__name__}")
-    return ArraySource(table_rows(table, columns, dtype, 0, f"the {type(frame).__name__}"))
+    return FrameSource(table_rows(table, columns, dtype, 0, f"the {type(frame).__name__}"), columns)
