@@ -116,6 +116,23 @@ def test_results_with_columns_keep_the_column_names(frame, files):
     assert ss.run(ss.Moments(), x.to_numpy(), mesh="data:2").columns is None  # a plain array has no names
 
 
+def test_string_columns_hashed_when_asked_count_like_pandas(frame, files):
+    names = np.random.default_rng(1).choice(["Lyon", "Köln", "Oslo", "Porto"], N, p=[0.4, 0.3, 0.2, 0.1])
+    cities = pd.DataFrame({"city": names, "kind": pd.Categorical(names)})
+    top = ss.run(ss.TopK(k=4), dataframe_source(cities, strings="hash", columns=["city", "kind"]), mesh="data:2")
+    want = cities.city.value_counts()
+    np.testing.assert_array_equal(top.values, np.stack([ss.hash_strings(want.index)] * 2))  # categorical: same ids
+    np.testing.assert_array_equal(top.counts, np.stack([want.to_numpy()] * 2))
+    assert top.columns == ("city", "kind")
+    distinct = ss.run(ss.DistinctCount(exact_up_to=2048), ParquetSource(files / "one.parquet", columns=["name"],
+                                                                       strings="hash"), mesh="data:2")
+    assert distinct.count.tolist() == [N] and distinct.exact.all()
+    assert_usage_error(lambda: dataframe_source(cities, columns=["city"]), ["'city'", "strings='hash'"])
+    assert_usage_error(lambda: ParquetSource(files / "one.parquet", columns=["name", "age"], strings="hash"),
+                       ["int32 ids", "only string columns"])
+    assert_usage_error(lambda: CsvSource(files / "all.csv", columns=["name"], strings="yes"), ["strings must be"])
+
+
 def test_bad_columns_are_one_line(files):
     one = files / "one.parquet"
     assert_usage_error(lambda: ParquetSource(one, columns=["name"]), ["'name'", "not a number", "year"])

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sharded_scan.combiners.topk import hash_strings
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, aligned_empty, row_spec
 from sharded_scan.sources.memory import ArraySource
@@ -53,12 +54,28 @@ def _numeric(arrow_type: Any) -> bool:
     return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
 
 
-def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str) -> tuple[Columns, np.dtype]:
+def _text(arrow_type: Any) -> bool:
+    pa = _pyarrow()
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+
+
+STRINGS = ("refuse", "hash")
+
+
+def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str,
+                    strings: str = "refuse") -> tuple[Columns, np.dtype]:
     """Checks ``columns`` against an Arrow ``schema``; returns the selection and the row dtype.
 
     ``columns=None`` selects every numeric column as one ``(rows, d)`` array; a None inside a
     pytree every numeric column the others do not name (``(None, "y")``: y, and X of the rest).
+    ``strings="hash"`` reads selected string (or categorical) columns as the stable int32 ids
+    of :func:`sharded_scan.hash_strings`, for the sketches (``TopK``, ``DistinctCount``).
     """
+    if strings not in STRINGS:
+        raise UsageError(f"strings must be one of {', '.join(map(repr, STRINGS))}, got {strings!r}.")
+    text = [f.name for f in schema if _text(f.type)] if strings == "hash" else []
     numeric = [f.name for f in schema if _numeric(f.type)]
     selections, tree = _leaves(columns)
     if any(s is None for s in selections):
@@ -75,11 +92,21 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str) -> tu
         for name in [selection] if isinstance(selection, str) else selection:
             if name not in schema.names:
                 raise UsageError(f"{where} has no column {name!r}; its columns are: {', '.join(schema.names)}.")
-            if name not in numeric:
+            if name not in numeric and name not in text:
+                text_type = _text(schema.field(name).type)
+                hint = " or pass strings='hash' to count its values by stable ids" if text_type else ""
                 raise UsageError(
                     f"column {name!r} of {where} is {schema.field(name).type}, not a number; leave it out of "
-                    f"columns= (the numeric ones: {', '.join(numeric)}) or encode it as integers first."
+                    f"columns= (the numeric ones: {', '.join(numeric)}){hint}, or encode it as integers first."
                 )
+    chosen = [n for s in selections for n in ([s] if isinstance(s, str) else s)]
+    if any(n in text for n in chosen):
+        if not all(n in text for n in chosen) or dtype not in (None, "int32", np.int32, np.dtype(np.int32)):
+            raise UsageError(
+                f"strings='hash' reads {', '.join(n for n in chosen if n in text)} as int32 ids; select only string "
+                "columns in that source (a numeric column would be narrowed to int32), and leave dtype unset."
+            )
+        dtype = np.int32
     if dtype is None:
         types = [schema.field(n).type.to_pandas_dtype() for s in selections for n in ([s] if isinstance(s, str) else s)]
         dtype = np.result_type(*types)
@@ -95,11 +122,16 @@ def table_rows(table: Any, columns: Columns, dtype: np.dtype, first_row: int, wh
 
     def column(name: str) -> np.ndarray:
         values = table.column(name)
+        if values.null_count and _text(values.type):
+            raise UsageError(f"string column {name!r} of {where} has nulls near row {first_row}, which have no id; "
+                             "fill them (e.g. with '') first.")
         if values.null_count and not np.issubdtype(dtype, np.floating):
             raise UsageError(
                 f"column {name!r} of {where} has nulls near row {first_row}, which {dtype} cannot hold; "
                 "pass dtype='float32' (or float64) to read them as NaN."
             )
+        if _text(values.type):
+            return hash_strings(values.to_pylist())
         return np.asarray(values.to_numpy(zero_copy_only=False), dtype)
 
     def leaf(selection):
@@ -144,10 +176,12 @@ class ParquetSource(Source):
       columns: see the module docstring; None for every numeric column.
       dtype: the row dtype; None for the columns' common type.
       format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
+      strings: ``"hash"`` reads selected string columns as stable int32 ids (see
+        :func:`resolve_columns`); ``"refuse"`` (default) refuses them in one line.
     """
 
     def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
-                 format: str = "parquet"):  # noqa: A002 - pyarrow's word
+                 format: str = "parquet", strings: str = "refuse"):  # noqa: A002 - pyarrow's word
         pa = _pyarrow()
         self._where = str(path)
         try:
@@ -162,7 +196,7 @@ class ParquetSource(Source):
                     units.append((fragment, fragment.count_rows()))
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
-        self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where))
+        self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings)
         _check_fragments(fragments, self._dataset.schema, _names(self._columns), self._dtype)
         self._units = [u for u, n in units if n]
         self._starts = np.cumsum([0] + [n for _, n in units if n])
@@ -230,9 +264,11 @@ def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.d
                 column = group.column(j)
                 stats = column.statistics
                 if column.path_in_schema in names and stats is not None and stats.has_null_count and stats.null_count:
+                    fix = ("fill them (e.g. with '') first" if _text(schema.field(column.path_in_schema).type)
+                           else "pass dtype='float32' (or float64) to read them as NaN")
                     raise UsageError(
                         f"column {column.path_in_schema!r} of {fragment.path} has {stats.null_count} nulls (row group "
-                        f"{g}), which {dtype} cannot hold; pass dtype='float32' (or float64) to read them as NaN."
+                        f"{g}), which {dtype} cannot hold; {fix}."
                     )
 
 
@@ -255,17 +291,18 @@ class CsvSource(Source):
       columns: see the module docstring; None for every numeric column.
       dtype: the row dtype; None for the columns' common type.
       block_bytes: bytes pyarrow decodes at a time.
+      strings: as for :class:`ParquetSource`.
     """
 
     def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
-                 block_bytes: int = 1 << 24):
+                 block_bytes: int = 1 << 24, strings: str = "refuse"):
         pa = _pyarrow()
         self._path, self._block_bytes = os.fspath(path), int(block_bytes)
         if not os.path.isfile(self._path):
             raise UsageError(f"no such CSV file: {self._path!r}; check the path.")
         try:
             reader = self._open()
-            self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path))
+            self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path), strings)
             self._num_rows = 0
             for batch in reader:  # one pass: counts the rows, finds ragged lines and nulls before any compute
                 if not np.issubdtype(self._dtype, np.floating):
@@ -337,15 +374,18 @@ class FrameSource(ArraySource):
         return self._columns
 
 
-def dataframe_source(frame: Any, columns: Columns = None, dtype: Any = None) -> FrameSource:
+def dataframe_source(
+    frame: Any, columns: Columns = None, dtype: Any = None, strings: str = "refuse"
+) -> FrameSource:
     """A pandas (or polars) DataFrame's columns as an in-memory source (see the module docstring).
 
-    Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes.
+    Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes;
+    ``strings="hash"``: string or categorical columns as stable int32 ids.
     """
     pa = _pyarrow()
     try:
         table = pa.Table.from_pandas(frame, preserve_index=False) if hasattr(frame, "iloc") else frame.to_arrow()
     except (AttributeError, TypeError, pa.ArrowException) as e:
         raise UsageError(f"cannot read the {type(frame).__name__} as columns: {str(e).splitlines()[0]}") from None
-    columns, dtype = resolve_columns(table.schema, columns, dtype, f"the {type(frame).__name__}")
+    columns, dtype = resolve_columns(table.schema, columns, dtype, f"the {type(frame).__name__}", strings)
     return FrameSource(table_rows(table, columns, dtype, 0, f"the {type(frame).__name__}"), columns)
