@@ -185,9 +185,7 @@ class ProgressLog:
 
 def named_arrays(result: Any) -> dict[str, np.ndarray]:
     """The result's arrays by name: NamedTuple fields, dict keys, or ``result``."""
-    if isinstance(result, np.ndarray | np.generic) or (
-        isinstance(result, tuple) and result and all(isinstance(x, str) for x in result)  # column names
-    ):
+    if isinstance(result, np.ndarray | np.generic):
         return {"result": np.asarray(result)}
     if hasattr(result, "_asdict"):
         items = result._asdict().items()

@@ -42,6 +42,7 @@ import logging
 import numbers
 import os
 import struct
+import time
 from typing import Any
 
 import jax
@@ -124,7 +125,10 @@ class MetricsWriter:
         step = p.steps_before + p.step
         if self._writer is None:
             # TensorBoard then drops what earlier runs wrote from this step on (a killed run, past its checkpoint)
-            self._writer = self._summary_writer(self.logdir, flush_secs=self.flush_secs, purge_step=step)
+            # A unique suffix: event files are named by the second they open, and a resumed run can
+            # open its file in the second the killed run opened its own (it would replace it).
+            self._writer = self._summary_writer(self.logdir, flush_secs=self.flush_secs, purge_step=step,
+                                                filename_suffix=f".{time.time_ns()}.{os.getpid()}")
         write = self._writer.add_scalar
         write(PROGRESS, p.rows_done / max(p.num_rows, 1), step)
         if p.checkpoint_step is not None and p.checkpoint_step != self._saved_at:

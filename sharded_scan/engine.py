@@ -324,13 +324,16 @@ def fold_all(
 
 
 def with_column_names(result: Any, source: Source) -> Any:
-    """``result`` with ``columns`` set to the names of the source's first columns (X's, for
-    ``(X, y)``), when the result has that field and the source names them."""
-    names = source.column_names
-    if names is None or "columns" not in getattr(result, "_fields", ()):
+    """``result`` with ``columns`` set, when it has that field: the names of X's columns (the
+    source's first leaf) as a numpy string array when the source names them, else their
+    positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array."""
+    if "columns" not in getattr(result, "_fields", ()):
         return result
-    first = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, (list, str)))
-    return result._replace(columns=tuple(first[0])) if first and isinstance(first[0], list) else result
+    names = jax.tree.leaves(source.column_names, is_leaf=lambda x: isinstance(x, (list, str)))
+    if names and isinstance(names[0], list):
+        return result._replace(columns=np.asarray(names[0], str))
+    shape = jax.tree.leaves(source.spec)[0].shape
+    return result._replace(columns=np.arange(shape[0] if shape else 0))
 
 
 def finalize(program: Program, merged: PyTree) -> Any:

@@ -16,6 +16,7 @@ from tests.helpers import assert_usage_error
 
 CONFIGS = [
     "gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example", "quantiles", "distinct", "topk",
+    "custom_combiner",
 ]
 
 

@@ -92,7 +92,8 @@ def test_merge_is_associative_with_init_as_identity(combiner):
         np.testing.assert_array_equal(leaf_got, leaf_want)
     left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
     right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
-    for got, want in zip(left, right, strict=True):
+    assert left.columns is right.columns is None  # set by the engine, not by finalize
+    for got, want in zip(left[:-1], right[:-1], strict=True):
         assert rel_err(got, want) < 1e-6
 
 
@@ -176,7 +177,7 @@ def test_nan_in_a_real_row_propagates_to_its_column_like_numpy():
     x[150, 2] = np.nan
     got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=16)
     want = f64(x)
-    for name, value in zip(("mean", "var", "min", "max"), got[1:], strict=True):
+    for name, value in zip(("mean", "var", "min", "max"), got[1:5], strict=True):
         expected = getattr(np, name)(want, axis=0)
         assert np.isnan(value[2]) and np.isnan(expected[2])
         assert rel_err(np.delete(value, 2), np.delete(expected, 2)) < 1e-6

@@ -44,7 +44,7 @@ class DistinctCountResult(NamedTuple):
     count: np.ndarray
     exact: np.ndarray
     relative_error: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 class DistinctAcc(NamedTuple):

@@ -20,7 +20,7 @@ class HistogramResult(NamedTuple):
 
     counts: np.ndarray
     edges: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 def _float32_at_least(edges: np.ndarray) -> np.ndarray:

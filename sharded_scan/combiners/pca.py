@@ -23,7 +23,7 @@ class PCAResult(NamedTuple):
     explained_variance_ratio: np.ndarray
     mean: np.ndarray
     singular_values: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,7 @@ class QuantilesResult(NamedTuple):
     count: np.ndarray
     rank_error: np.ndarray
     passes: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 class QuantilesAcc(NamedTuple):

@@ -29,7 +29,7 @@ class LinearRegressionResult(NamedTuple):
     intercept: np.ndarray
     rank: np.ndarray
     cond: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 class RegressionAcc(NamedTuple):

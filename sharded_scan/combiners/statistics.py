@@ -147,7 +147,7 @@ class CovarianceResult(NamedTuple):
     count: np.ndarray
     mean: np.ndarray
     cov: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +186,7 @@ class MomentsResult(NamedTuple):
     var: np.ndarray
     min: np.ndarray
     max: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 class MomentsAcc(NamedTuple):

@@ -30,7 +30,7 @@ class SumResult(NamedTuple):
 
     sum: np.ndarray
     count: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 def _is_integer(dtype) -> bool:

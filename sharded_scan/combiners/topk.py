@@ -57,7 +57,7 @@ class TopKResult(NamedTuple):
     errors: np.ndarray
     bound: np.ndarray
     certain: np.ndarray
-    columns: tuple[str, ...] | None = None  # the columns' names, when the data has them (a DataFrame, Parquet, CSV)
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
 
 class TopKAcc(NamedTuple):
