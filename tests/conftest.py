@@ -1,6 +1,18 @@
-"""Eight simulated CPU devices for every test in this process."""
+"""Eight simulated CPU devices for every test in this process; one compilation cache for the run."""
 
-import jax
+import os
+import tempfile
+
+# One persistent compilation cache for the whole test run: both workers and every process
+# they start (launcher runs, multi-process jobs) reuse each other's compiled programs
+# instead of compiling the same quick configs again. Set before JAX reads its options;
+# tests that count compilations count cache hits too (tests/test_program.py).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sharded_scan_tests_{_RUN}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402 - after the cache settings above
 
 jax.config.update("jax_num_cpu_devices", 8)
 

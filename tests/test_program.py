@@ -100,11 +100,12 @@ def test_gram_resumes_from_a_model_mesh_onto_more_shards(tmp_path):
 
 @pytest.fixture
 def compiles():
-    """The names of XLA compilations from here on."""
+    """The programs built from here on: XLA compilations, and loads from the persistent
+    compilation cache (tests/conftest.py turns it on; a hit would hide a compile)."""
     seen = []
 
     def listen(event, seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
             seen.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
