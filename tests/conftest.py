@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test in this process; one compilation cache for the run."""
 
 import os
+import shutil
 import tempfile
 
 # One persistent compilation cache for the whole test run: both workers and every process
@@ -8,6 +9,7 @@ import tempfile
 # instead of compiling the same quick configs again. Set before JAX reads its options;
 # tests that count compilations count cache hits too (tests/test_program.py).
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # xdist workers inherit the controller's
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sharded_scan_tests_{_RUN}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -21,6 +23,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 LONGEST_FIRST = (
     "tests/test_reproducible.py", "tests/test_certified.py", "tests/test_faults.py", "tests/test_dead_peer.py",
 )
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the run's controller: the cache is done
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
