@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from sharded_scan.errors import UsageError
@@ -80,7 +82,9 @@ def make_mesh(spec: str | Mesh | None = None, devices: Sequence[jax.Device] | No
 
     Returns:
       A ``jax.sharding.Mesh`` with Auto axis types. A spec smaller than the devices
-      present uses the first ones (single process only; a warning says so).
+      present uses the first ones (single process only; a warning says so). Devices of
+      several TPU slices (joined over DCN) get a hybrid mesh: ``data`` spans the slices,
+      the other axes stay inside each one (:func:`hybrid_devices`).
 
     Raises:
       UsageError: the spec is malformed or does not match the devices present.
@@ -101,4 +105,27 @@ def make_mesh(spec: str | Mesh | None = None, devices: Sequence[jax.Device] | No
             )
         _log.warning("mesh %r uses %d of the %d devices present.", spec, used, len(devices))
         devices = devices[:used]
-    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+    axis_types = (AxisType.Auto,) * len(names)
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:  # jax.make_mesh refuses several slices
+        return Mesh(hybrid_devices(devices, names, sizes, spec), names, axis_types=axis_types)
+    return jax.make_mesh(sizes, names, axis_types=axis_types, devices=devices)
+
+
+def hybrid_devices(devices: Sequence, names: Sequence[str], sizes: Sequence[int], spec: str) -> np.ndarray:
+    """The device array of a mesh over several slices: slice by slice along ``data`` (the one
+    axis whose only collective is the final merge, which crosses the slower network once),
+    each slice's devices laid out by ``jax.experimental.mesh_utils`` for its own network.
+
+    Raises:
+      UsageError: ``data`` is not a multiple of the slice count.
+    """
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    i = list(names).index(DATA_AXIS)
+    if sizes[i] % slices:
+        raise UsageError(
+            f"mesh spec {spec!r}: the devices span {slices} slices, so the 'data' axis ({sizes[i]}) must be a "
+            f"multiple of {slices} (the other axes stay inside one slice); try 'data:-1'."
+        )
+    inside, across = list(sizes), [1] * len(sizes)
+    inside[i], across[i] = sizes[i] // slices, slices
+    return mesh_utils.create_hybrid_device_mesh(inside, across, list(devices))

@@ -1,10 +1,13 @@
 """make_mesh: spec strings to meshes, and clear errors for specs that do not fit."""
 
+from types import SimpleNamespace
+
 import jax
+import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.mesh import parse_mesh_spec
+from sharded_scan.mesh import hybrid_devices, parse_mesh_spec
 
 
 @pytest.mark.parametrize(
@@ -53,3 +56,17 @@ def test_bad_specs_are_one_line_errors(spec, words):
 
 def test_parse_resolves_minus_one():
     assert parse_mesh_spec("model:2,data:-1", 8) == (("model", "data"), (2, 4))
+
+
+def test_devices_of_several_slices_run_data_slice_by_slice():
+    """Stand-ins for 8 TPU devices in 2 slices (CPU devices have one slice): the hybrid layout."""
+    devices = [SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2, platform="cpu", device_kind="cpu")
+               for i in range(8)]
+    slice_of = np.vectorize(lambda d: d.slice_index)
+    mesh = hybrid_devices(devices[::-1], ("data", "model"), (4, 2), "data:4,model:2")
+    np.testing.assert_array_equal(slice_of(mesh), [[0, 0], [0, 0], [1, 1], [1, 1]])  # model inside a slice
+    mesh = hybrid_devices(devices, ("model", "data"), (2, 4), "model:2,data:4")
+    np.testing.assert_array_equal(slice_of(mesh), [[0, 0, 1, 1], [0, 0, 1, 1]])
+    assert sorted(d.id for d in mesh.flat) == list(range(8))
+    with pytest.raises(ss.UsageError, match="multiple of 2"):
+        hybrid_devices(devices, ("data", "model"), (1, 8), "data:1,model:8")
