@@ -119,8 +119,9 @@ def initialize(
     Raises:
       UsageError: only some of the three explicit settings are given, or they are
         out of range; or a JAX backend already runs inside a cluster.
-      ValueError, RuntimeError: JAX's own, when it cannot start (a cluster it detects
-        but cannot join, an initialization timeout).
+      UsageError: JAX refused a half-set environment (``JAX_COORDINATOR_ADDRESS`` alone).
+      RuntimeError: JAX's own, when it cannot start (a cluster it detects but cannot
+        join, an initialization timeout).
     """
     timeouts = timeouts or Timeouts()
     given = [coordinator_address is not None, num_processes is not None, process_id is not None]
@@ -150,8 +151,12 @@ def initialize(
     try:
         _start_runtime(**kwargs)
     except ValueError as e:  # raised before JAX's state changes: jax.distributed stays unstarted
-        if str(e) != _NO_CLUSTER:
-            raise
+        if str(e) != _NO_CLUSTER:  # a half-set environment, e.g. JAX_COORDINATOR_ADDRESS alone
+            raise UsageError(
+                f"jax.distributed cannot start from this environment ({' '.join(str(e).split())}); set "
+                "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID together, or pass "
+                "--coordinator_address, --num_processes and --process_id."
+            ) from None
         _log.debug("jax.distributed.initialize() found no cluster: one process")
         return "single"
     except RuntimeError as e:

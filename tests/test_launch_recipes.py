@@ -191,6 +191,12 @@ CLEAN_CHECK = textwrap.dedent("""
     from sharded_scan.errors import UsageError
     out = {"auto": distributed.initialize(), "started": jax.distributed.is_initialized(),
            "preemption_service": jax.config.jax_enable_preemption_service}
+    os.environ["JAX_COORDINATOR_ADDRESS"] = "127.0.0.1:1"  # half of JAX's own variables
+    try:
+        distributed.initialize()
+    except UsageError as e:
+        out["half_set"] = [str(e), jax.distributed.is_initialized()]
+    del os.environ["JAX_COORDINATOR_ADDRESS"]
     jax.distributed.initialize("127.0.0.1:%d", 1, 0)  # JAX's state was left unstarted: it still starts
     out["explicit"] = [jax.distributed.is_initialized(), jax.process_count()]
     out["backend_running"] = distributed.initialize()  # too late to ask JAX; nothing names a cluster
@@ -216,5 +222,6 @@ def test_no_cluster_is_one_process_and_leaves_jax_distributed_unstarted():
     out = json.loads(proc.stdout.splitlines()[-1])
     assert (out["auto"], out["started"], out["preemption_service"]) == ("single", False, True)
     assert out["explicit"] == [True, 1]
+    assert "JAX_NUM_PROCESSES" in out["half_set"][0] and not out["half_set"][1]  # one line, still unstarted
     assert out["backend_running"] == "single"
     assert "slurm" in out["late_in_slurm"] and "before anything touches JAX" in out["late_in_slurm"]
