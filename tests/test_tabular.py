@@ -117,6 +117,16 @@ def test_results_with_columns_keep_the_column_names(frame, files):
     np.testing.assert_array_equal(unnamed, np.arange(3))
 
 
+def test_a_polars_frame_is_data_with_nulls_as_nan_and_its_column_names(frame):
+    pl = pytest.importorskip("polars")
+    x = pl.from_pandas(frame[X]).with_columns(pl.when(pl.col("age") > 55).then(None).otherwise(pl.col("age"))
+                                             .alias("age")).cast(pl.Float32)
+    got = ss.run(ss.Moments(), x, mesh="data:2", nan_policy="omit")  # rows with a null (NaN) skipped
+    want = frame[X][~(frame.age > 55)].astype("float32").astype("float64")
+    np.testing.assert_allclose(got.mean, want.mean(), rtol=1e-6)
+    assert int(got.count) == len(want) and got.columns.tolist() == X
+
+
 def test_string_columns_hashed_when_asked_count_like_pandas(frame, files):
     names = np.random.default_rng(1).choice(["Lyon", "Köln", "Oslo", "Porto"], N, p=[0.4, 0.3, 0.2, 0.1])
     cities = pd.DataFrame({"city": names, "kind": pd.Categorical(names)})
