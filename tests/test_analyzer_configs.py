@@ -23,7 +23,7 @@ def test_quick_quantiles_config_gives_numpy_answers():
     got = ss.run(make_combiner(config.combiner), source, mesh="data:4", microbatch=config.microbatch)
     x = source.read(0, source.num_rows)  # 1000 rows: nothing compacted, so numpy's answers exactly
     np.testing.assert_array_equal(got.quantiles, np.quantile(x, got.qs, axis=0, method="lower").T)
-    assert sorted(named_arrays(got)) == ["count", "passes", "qs", "quantiles", "rank_error"]
+    assert sorted(named_arrays(got)) == ["columns", "count", "passes", "qs", "quantiles", "rank_error"]
 
 
 @pytest.mark.parametrize(
