@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan import Gram, RunOptions
+from sharded_scan import Combiner, Gram, RunOptions
 from sharded_scan.prefetch import device_batches, place, read_local
 from sharded_scan.program import build_program
 from sharded_scan.sources import NpySource, Source
@@ -84,15 +84,17 @@ def timed(fn: Callable[[], Any]) -> float:
 class Bench:
     """The engine's step for one source and layout, compiled once and reused by every timing."""
 
-    def __init__(self, source: Source):
-        options = RunOptions(microbatch=MICROBATCH, steps_per_call=STEPS_PER_CALL, compensated=False)
-        self.program = build_program(Gram(), source, options)
+    def __init__(self, source: Source, combiner: Combiner | None = None, options: RunOptions | None = None):
+        if options is None:
+            options = RunOptions(microbatch=MICROBATCH, steps_per_call=STEPS_PER_CALL, compensated=False)
+        self.program = build_program(Gram() if combiner is None else combiner, source, options)
         self.source, self.mesh, self.layout = source, self.program.mesh, self.program.layout
         self._row_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(source.spec))
         self._placed: list | None = None
         self.fold(self._pool(1), 1)  # compile
 
     def _pool(self, k: int) -> list:
+        self.source.seek(0)  # a sequential source (CSV) reads forward from here
         return [place(read_local(self.source, self.layout, c * self.layout.rows_per_step), self.layout, self.mesh)
                 for c in range(k)]
 
@@ -110,6 +112,7 @@ class Bench:
 
     def source_only(self) -> float:
         def read_all():
+            self.source.seek(0)
             for c in range(0, self.layout.num_rows, self.layout.rows_per_step):
                 read_local(self.source, self.layout, c)  # dropped at once, as the engine's loop does
 
