@@ -62,10 +62,12 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
 
 
 @contextlib.contextmanager
-def started(cmd: list[str], log_path: Path):
-    """A running ``cmd`` in its own process group, output to ``log_path``; the group is killed on exit."""
+def started(cmd: list[str], log_path: Path, environment: dict[str, str] | None = None):
+    """A running ``cmd`` in its own process group (with ``environment``, by default :func:`env`),
+    output to ``log_path``; the group is killed on exit."""
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=environment or env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         yield proc
     finally:

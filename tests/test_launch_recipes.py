@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -92,20 +91,6 @@ def k8s_cmd(workdir: Path, port: int) -> list[str]:
     return [shell, flag, f"{line} {' '.join(ARGS[1:])}"]
 
 
-@contextlib.contextmanager
-def started(cmd: list[str], env: dict[str, str], log_path: Path):
-    """``cmd`` running in its own process group with ``env``; the group is killed on exit."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=cli.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     """Their exit statuses once all ended, or one failed (None: still running)."""
     deadline = time.monotonic() + timeout
@@ -159,7 +144,7 @@ def test_slurm_ompi_indexed_job_and_hybrid_mesh_recipes_each_form_a_two_process_
                    for i in range(NUM_PROCESSES)]
     logs = {(name, i): tmp_path / f"{name}-{i}.log" for name in runs for i in range(NUM_PROCESSES)}
     with contextlib.ExitStack() as stack:
-        procs = {key: stack.enter_context(started(cmd, env, logs[key]))
+        procs = {key: stack.enter_context(cli.started(cmd, logs[key], env))
                  for key, (cmd, env) in ((k, runs[k[0]][k[1]]) for k in logs)}
         hybrid = stack.enter_context(
             multiprocess.running("tests.test_launch_recipes:hybrid_mesh_worker", NUM_PROCESSES, DEVICES))
