@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
-from sharded_scan.sources import Source, aligned_empty
+from sharded_scan.sources import Source
 
 PyTree = Any
 
@@ -56,18 +56,8 @@ class _Failed(NamedTuple):
 def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
     """Reads this process's rows of the step at ``cursor``, zero-padded past the end."""
     start, stop = layout.local_range(cursor)
-    rows = source.read(min(start, source.num_rows), min(stop, source.num_rows))
-    short = stop - start - (min(stop, source.num_rows) - min(start, source.num_rows))
-    if short:
-        rows = jax.tree.map(lambda x: _padded(x, short), rows)
-    return rows
-
-
-def _padded(x: np.ndarray, short: int) -> np.ndarray:
-    out = aligned_empty((len(x) + short,) + x.shape[1:], x.dtype)
-    out[: len(x)] = x
-    out[len(x) :] = 0
-    return out
+    lo, hi = min(start, source.num_rows), min(stop, source.num_rows)
+    return source.read(lo, hi) if hi - lo == stop - start else source.read_padded(lo, hi, stop - start)
 
 
 WIDE_DTYPES = tuple(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))

@@ -94,6 +94,19 @@ def test_reads_match_the_array(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_last_steps_padded_read_is_the_rows_then_zeros_aligned(kind, tmp_path):
+    x = rows()
+    src = make(kind, tmp_path, x)
+    src.read(0, 60)  # forward-only sources are then at row 60
+    for start, stop, padded_rows in [(60, 101, 64), (101, 101, 8)]:
+        got = src.read_padded(start, stop, padded_rows)
+        want = np.zeros((padded_rows, 3), np.float32)
+        want[: stop - start] = x[start:stop]
+        np.testing.assert_array_equal(got, want)
+        assert got.ctypes.data % sources.ALIGN == 0  # placed on CPU devices without a copy
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mesh", ["data:1", "data:8"])
 def test_run_over_each_source_matches_float64(kind, mesh, tmp_path):
     x = rows()

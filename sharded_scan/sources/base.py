@@ -19,6 +19,14 @@ PyTree = Any
 ALIGN = 64  # bytes; the CPU runtime places arrays aligned like this without a copy
 
 
+def padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` followed by zero rows, ``rows`` rows in all, in an aligned array."""
+    out = aligned_empty((rows,) + x.shape[1:], x.dtype)
+    out[: len(x)] = x
+    out[len(x) :] = 0
+    return out
+
+
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialised array whose data starts on an ``ALIGN``-byte boundary.
 
@@ -58,6 +66,14 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def read(self, start: int, stop: int) -> PyTree:
         """Returns rows ``[start, stop)`` as a pytree of numpy arrays."""
+
+    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
+        """Rows ``[start, stop)`` followed by zero rows, ``rows`` rows in all (the last step).
+
+        By default a copy of :meth:`read`'s arrays; a source that allocates its own output
+        reads straight into the longer arrays instead.
+        """
+        return jax.tree.map(lambda x: padded(x, rows), self.read(start, stop))
 
     @property
     def resumable(self) -> bool:

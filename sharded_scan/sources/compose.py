@@ -42,6 +42,9 @@ class TreeSource(Source):
     def read(self, start: int, stop: int) -> PyTree:
         return self._treedef.unflatten([s.read(start, stop) for s in self._sources])
 
+    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
+        return self._treedef.unflatten([s.read_padded(start, stop, rows) for s in self._sources])
+
     def state_at(self, cursor: int) -> dict[str, Any]:
         states = [s.state_at(cursor) for s in self._sources]
         return {"sources": states} if any(states) else {}

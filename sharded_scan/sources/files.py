@@ -20,7 +20,7 @@ import numpy as np
 from sharded_scan.combiners.base import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, is_url, remote_stamp, where
-from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, row_spec
+from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, padded, row_spec
 
 
 def natural_key(path: str) -> list:
@@ -86,9 +86,15 @@ class _NpyFile:
     def stamp(self) -> str:
         return self._stamp(self.stat)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
+    def read(self, start: int, stop: int, rows: int | None = None) -> np.ndarray:
+        """Rows ``start..stop``; with ``rows``, followed by zero rows up to ``rows`` in all, read
+        straight into the longer array (a local C-order file; the other kinds pad a copy)."""
         if stop <= start or self.row_bytes == 0:
-            return np.zeros((max(stop - start, 0),) + self.shape[1:], self.dtype)
+            out = aligned_empty((max(stop - start, rows or 0),) + self.shape[1:], self.dtype)
+            out[...] = 0
+            return out
+        if rows is not None and (self.fortran or self.remote or self.zero_copy):
+            return padded(self.read(start, stop), rows)
         begin, shape = self.offset + start * self.row_bytes, (stop - start,) + self.shape[1:]
         if self.fortran:
             return self._read_columns(start, stop)
@@ -98,13 +104,15 @@ class _NpyFile:
             self._check_unchanged(os.fstat(f.fileno()), start, stop)
             if self.zero_copy:
                 return _mapped_rows(f, begin, shape, self.dtype)
-            rows = aligned_empty(shape, self.dtype)
-            got = os.preadv(f.fileno(), [memoryview(rows).cast("B")], begin)
-        if got != rows.nbytes:
+            out = aligned_empty((rows or shape[0],) + shape[1:], self.dtype)
+            out[shape[0]:] = 0
+            wanted = memoryview(out).cast("B")[: math.prod(shape) * self.dtype.itemsize]
+            got = os.preadv(f.fileno(), [wanted], begin)
+        if got != len(wanted):
             self._check_unchanged(os.stat(self.path), start, stop)
             raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
-                             f"{begin + rows.nbytes}; check the file.")
-        return rows
+                             f"{begin + len(wanted)}; check the file.")
+        return out
 
     def _read_columns(self, start: int, stop: int) -> np.ndarray:
         """Rows of a Fortran-order file (``np.save`` of a transposed or pandas array): each column
@@ -206,6 +214,10 @@ class NpySource(Source):
     def read(self, start: int, stop: int) -> np.ndarray:
         self._check_range(start, stop)
         return self._file.read(start, stop)
+
+    def read_padded(self, start: int, stop: int, rows: int) -> np.ndarray:
+        self._check_range(start, stop)
+        return self._file.read(start, stop, rows)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": where(self.path)}

@@ -124,9 +124,13 @@ def table_rows(table: Any, columns: Columns, dtype: np.dtype, first_row: int, wh
     return tree.unflatten(out)
 
 
-def _empty(selections: list, num_rows: int, dtype: np.dtype) -> list[np.ndarray]:
-    """One aligned array a selection, ``num_rows`` rows (on CPU devices placing it is zero-copy)."""
-    return [aligned_empty((num_rows,) if isinstance(s, str) else (num_rows, len(s)), dtype) for s in selections]
+def _empty(selections: list, num_rows: int, dtype: np.dtype, real: int | None = None) -> list[np.ndarray]:
+    """One aligned array a selection, ``num_rows`` rows (on CPU devices placing it is zero-copy),
+    the rows from ``real`` on zeroed (the padding of a last step)."""
+    out = [aligned_empty((num_rows,) if isinstance(s, str) else (num_rows, len(s)), dtype) for s in selections]
+    for leaf in out:
+        leaf[num_rows if real is None else real :] = 0
+    return out
 
 
 def _fill(table: Any, selections: list, dtype: np.dtype, first_row: int, where: str, out: list[np.ndarray],
@@ -245,9 +249,12 @@ class ParquetSource(Source):
         leaf. Row groups after the first are scanned together, so pyarrow decodes the next ones
         on its threads while this one casts (1.3x the rate of decoding them one by one on 2 cores);
         the last one is kept, since the reader asks for consecutive ranges."""
+        return self.read_padded(start, stop, stop - start)
+
+    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
         self._check_range(start, stop)
         selections, tree = _leaves(self._columns)
-        out = _empty(selections, stop - start, self._dtype)
+        out = _empty(selections, rows, self._dtype, stop - start)
 
         def put(table: Any, at: int) -> None:  # the table's rows are rows at, at + 1, ...
             lo, hi = max(start, at), min(stop, at + table.num_rows)
@@ -379,13 +386,16 @@ class CsvSource(Source):
         self.read(cursor, cursor)
 
     def read(self, start: int, stop: int) -> PyTree:
+        return self.read_padded(start, stop, stop - start)
+
+    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
         self._check_range(start, stop)
         if start < self._position:
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
         if self._reader is None:
             self._reader = self._open()
         selections, tree = _leaves(self._columns)
-        out = _empty(selections, stop - start, self._dtype)
+        out = _empty(selections, rows, self._dtype, stop - start)
         while self._position < stop:
             if self._buffer is None or self._buffer.num_rows == 0:
                 self._buffer = next(self._reader)
