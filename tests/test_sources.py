@@ -106,6 +106,18 @@ def test_the_last_steps_padded_read_is_the_rows_then_zeros_aligned(kind, tmp_pat
         assert got.ctypes.data % sources.ALIGN == 0  # placed on CPU devices without a copy
 
 
+def test_a_subclass_that_overrides_read_is_read_through_it_on_the_last_step_too(tmp_path):
+    x = rows()
+    np.save(tmp_path / "x.npy", x)
+
+    class Doubled(NpySource):
+        def read(self, start, stop):
+            return 2 * super().read(start, stop)
+
+    got = ss.run(ss.Sum(), Doubled(tmp_path / "x.npy"), mesh="data:2", microbatch=8, steps_per_call=2)  # ragged
+    np.testing.assert_allclose(got.sum, 2 * f64(x).sum(0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mesh", ["data:1", "data:8"])
 def test_run_over_each_source_matches_float64(kind, mesh, tmp_path):

@@ -71,7 +71,8 @@ class Source(abc.ABC):
         """Rows ``[start, stop)`` followed by zero rows, ``rows`` rows in all (the last step).
 
         By default a copy of :meth:`read`'s arrays; a source that allocates its own output
-        reads straight into the longer arrays instead.
+        reads straight into the longer arrays instead (the reader uses it only where it is
+        defined beside or below the class's ``read``: a subclass overriding ``read`` alone keeps it).
         """
         return jax.tree.map(lambda x: padded(x, rows), self.read(start, stop))
 
