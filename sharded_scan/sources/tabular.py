@@ -133,6 +133,18 @@ def _empty(selections: list, num_rows: int, dtype: np.dtype, real: int | None = 
     return out
 
 
+def check_nulls(values: Any, name: str, dtype: np.dtype, first_row: int, where: str) -> None:
+    """One line when the Arrow column ``values`` holds nulls that ``dtype`` (or an id) cannot hold."""
+    if values.null_count and _text(values.type):
+        raise UsageError(f"string column {name!r} of {where} has nulls near row {first_row}, which have no id; "
+                         "fill them (e.g. with '') first.")
+    if values.null_count and not np.issubdtype(dtype, np.floating):
+        raise UsageError(
+            f"column {name!r} of {where} has nulls near row {first_row}, which {dtype} cannot hold; "
+            "pass dtype='float32' (or float64) to read them as NaN."
+        )
+
+
 def _fill(table: Any, selections: list, dtype: np.dtype, first_row: int, where: str, out: list[np.ndarray],
           offset: int) -> None:
     """Writes the rows of an Arrow table or record batch into ``out[k][offset:]``, one pass a column.
@@ -143,14 +155,7 @@ def _fill(table: Any, selections: list, dtype: np.dtype, first_row: int, where: 
 
     def column(name: str, target: np.ndarray) -> None:
         values = table.column(name)
-        if values.null_count and _text(values.type):
-            raise UsageError(f"string column {name!r} of {where} has nulls near row {first_row}, which have no id; "
-                             "fill them (e.g. with '') first.")
-        if values.null_count and not np.issubdtype(dtype, np.floating):
-            raise UsageError(
-                f"column {name!r} of {where} has nulls near row {first_row}, which {dtype} cannot hold; "
-                "pass dtype='float32' (or float64) to read them as NaN."
-            )
+        check_nulls(values, name, dtype, first_row, where)
         if _text(values.type):
             target[:] = hash_strings(values.to_pylist())
             return
@@ -347,9 +352,10 @@ class CsvSource(Source):
             self._schema = reader.schema  # the types inferred from the first block, kept for every read
             self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path), strings)
             self._num_rows = 0
+            names = _names(self._columns)
             for batch in reader:  # one pass: counts the rows, finds ragged lines and nulls before any compute
-                if not np.issubdtype(self._dtype, np.floating):
-                    table_rows(batch, self._columns, self._dtype, self._num_rows, repr(self._path))
+                for name in names:
+                    check_nulls(batch.column(name), name, self._dtype, self._num_rows, repr(self._path))
                 self._num_rows += batch.num_rows
         except pa.ArrowException as e:
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
