@@ -120,16 +120,17 @@ class _NpyFile:
         in rows (a copy, also under ``zero_copy``)."""
         rows, size = stop - start, self.dtype.itemsize
         columns = aligned_empty((math.prod(self.shape[1:]), rows), self.dtype)
-        for c, column in enumerate(columns):
-            begin = self.offset + (c * self.shape[0] + start) * size
-            if self.remote:
+        begins = [self.offset + (c * self.shape[0] + start) * size for c in range(len(columns))]
+        if self.remote:
+            for column, begin in zip(columns, begins, strict=True):
                 column[:] = self._read_remote(begin, (rows,), start, stop)
-                continue
-            with open(self.path, "rb") as f:
+        else:
+            with open(self.path, "rb") as f:  # one open and check, one ranged read a column
                 self._check_unchanged(os.fstat(f.fileno()), start, stop)
-                if os.preadv(f.fileno(), [memoryview(column).cast("B")], begin) != column.nbytes:
-                    self._check_unchanged(os.stat(self.path), start, stop)
-                    raise UsageError(f"{self.path!r} ended early reading rows {start}..{stop - 1}; check the file.")
+                for column, begin in zip(columns, begins, strict=True):
+                    if os.preadv(f.fileno(), [memoryview(column).cast("B")], begin) != column.nbytes:
+                        self._check_unchanged(os.stat(self.path), start, stop)
+                        raise UsageError(f"{self.path!r} ended early reading rows {start}..{stop - 1}; check the file.")
         block = np.ndarray((rows,) + self.shape[1:], self.dtype, buffer=columns, order="F")
         out = aligned_empty(block.shape, self.dtype)
         out[...] = block
