@@ -29,7 +29,6 @@ import jax
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
-from etils import epath
 from ml_collections import config_flags
 
 from launch.config_args import merge_extra, shipped_configs, split_args
@@ -41,6 +40,7 @@ from sharded_scan.digest import json_digest
 from sharded_scan.engine import Progress, RunReport, run_program
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.lease import Lease
+from sharded_scan.paths import as_path, where
 from sharded_scan.program import build_program
 from sharded_scan.storage import check_writable, storage_error, storage_reason
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abort, is_peer_lost
@@ -236,7 +236,7 @@ def write_outputs(workdir: str, result: Any, record: dict[str, Any], intact: str
       StorageError: the workdir refused a write; ``intact`` says what is still there.
     """
     arrays = named_arrays(result)
-    root, written = epath.Path(workdir), []
+    root, written = as_path(workdir), []
     try:
         root.mkdir(parents=True, exist_ok=True)
         for name, write in (("result.npz", lambda f: np.savez(f, **arrays)),
@@ -260,7 +260,7 @@ def write_outputs(workdir: str, result: Any, record: dict[str, Any], intact: str
 
 def finished(workdir: str, job: str) -> dict[str, Any] | None:
     """The summary of this job when the workdir holds its result, else None (reads only)."""
-    root = epath.Path(workdir)
+    root = as_path(workdir)
     try:
         record = json.loads((root / OUTPUTS[1]).read_text())
     except (OSError, ValueError):
@@ -271,13 +271,8 @@ def finished(workdir: str, job: str) -> dict[str, Any] | None:
 
 
 def load_result(workdir: str) -> dict[str, np.ndarray]:
-    with (epath.Path(workdir) / OUTPUTS[0]).open("rb") as f, np.load(f) as arrays:
+    with (as_path(workdir) / OUTPUTS[0]).open("rb") as f, np.load(f) as arrays:
         return {k: arrays[k] for k in arrays.files}
-
-
-def workdir_path(value: str) -> str:
-    """``--workdir`` as the job uses it: an absolute local path, or a URL (``gs://...``) as given."""
-    return value if "://" in value else os.path.abspath(value)
 
 
 def workdir_lease(workdir: str, job: str, force: bool) -> Lease | None:
@@ -322,14 +317,14 @@ def run_job(
     """
     combiner = make_combiner(config.combiner)
     source = make_source(config.data)
+    root = as_path(workdir)  # an unknown URL scheme is one line here, before any compute
     ck = config.checkpoint
     checkpoint = None
     if ck.enabled:
         checkpoint = Checkpointer(CheckpointOptions(
-            str(epath.Path(workdir) / "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
+            str(root / "checkpoints"), every_steps=ck.every_steps, every_seconds=ck.every_seconds,
             keep=ck.keep, per_job=ck.per_job, ignore_changed_data=ck.ignore_changed_data, force_unlock=force_unlock,
         ), force_hint=FORCE_HINT)
-    root = epath.Path(workdir)
     progress = combine(
         ProgressLog(config.log_every_seconds),
         MetricsWriter(str(root / "tensorboard"), row_bytes=row_bytes(source)) if tensorboard else None,
@@ -377,7 +372,7 @@ def main(argv: list[str]) -> None:
         fail(f"--profile_steps: {e}")
     if not _WORKDIR.value:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
-    workdir = workdir_path(_WORKDIR.value)
+    workdir = where(_WORKDIR.value)  # absolute if local; a URL (gs://...) as given
     if config.get("x64", False):
         jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     try:
