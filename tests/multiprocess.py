@@ -92,6 +92,17 @@ def _tail(outdir: str, i: int, chars: int = 3000) -> str:
         return "(no output)"
 
 
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Their exit statuses once all ended or one failed (None: still running at ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(0.5)  # let the others print why, then stop
+            break
+        time.sleep(0.05)
+    return [p.poll() for p in procs]
+
 class Group:
     """Processes started by :func:`running`; :meth:`results` waits for them."""
 
@@ -105,20 +116,13 @@ class Group:
           AssertionError: a process failed or the timeout passed; the message holds each
             process's exit code and output tail.
         """
-        procs = self.procs
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(0.5)  # let the others print why, then stop
-                break
-            time.sleep(0.05)
-        codes = [p.poll() for p in procs]
+        codes = wait_all(self.procs, timeout)
         if any(c != 0 for c in codes):
             report = "\n".join(f"--- process {i}: exit {c}\n{_tail(self.outdir, i)}" for i, c in enumerate(codes))
             why = f"timed out after {timeout}s (exit None: still running)" if None in codes else "failed"
             raise AssertionError(f"{self.target} {why}\n{report}")
         results = []
-        for i in range(len(procs)):
+        for i in range(len(self.procs)):
             with open(os.path.join(self.outdir, f"result-{i}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -91,17 +90,6 @@ def k8s_cmd(workdir: Path, port: int) -> list[str]:
     return [shell, flag, f"{line} {' '.join(ARGS[1:])}"]
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Their exit statuses once all ended, or one failed (None: still running)."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            time.sleep(1)  # let the others log why, then stop
-            break
-        time.sleep(0.1)
-    return [p.poll() for p in procs]
-
-
 def quick_source():
     """The rows of ``configs/gram.py:quick`` (synthetic, the same on every process)."""
     from configs.gram import get_config
@@ -148,7 +136,7 @@ def test_slurm_ompi_indexed_job_and_hybrid_mesh_recipes_each_form_a_two_process_
                  for key, (cmd, env) in ((k, runs[k[0]][k[1]]) for k in logs)}
         hybrid = stack.enter_context(
             multiprocess.running("tests.test_launch_recipes:hybrid_mesh_worker", NUM_PROCESSES, DEVICES))
-        codes = dict(zip(procs, wait_all(list(procs.values()), cli.TIMEOUT), strict=True))
+        codes = dict(zip(procs, multiprocess.wait_all(list(procs.values()), cli.TIMEOUT), strict=True))
         hybrid_results = hybrid.results(cli.TIMEOUT)
     failed = {key: code for key, code in codes.items() if code != 0}
     assert not failed, "\n".join(f"--- {name} process {i}: exit {code}\n{logs[name, i].read_text()[-3000:]}"
