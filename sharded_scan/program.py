@@ -43,6 +43,7 @@ from sharded_scan.codehash import code_digests
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import apply_policies
 from sharded_scan.errors import UsageError
+from sharded_scan.fixed_order import fixed_order
 from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.options import RunOptions
@@ -116,29 +117,31 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) 
 
 
 @cached
-def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str) -> Callable:
+def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
     first ``num_valid`` are real. Each logical shard folds its block of rows as
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
-    folds away (unless ``combiner.full_step_branch`` is False).
+    folds away (unless ``combiner.full_step_branch`` is False). ``fixed``: every float
+    product of ``add`` sums in contraction order (:func:`~sharded_scan.fixed_order.fixed_order`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
 
     def fold_shard(bound, acc, rows, valid):
+        add = fixed_order(bound.add) if fixed else bound.add
         micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 
         def ragged(acc, item):
             offset, batch = item
             mask = offset + jnp.arange(mb, dtype=jnp.int32) < valid
-            return bound.add(acc, batch, mask), None
+            return add(acc, batch, mask), None
 
         def full(acc, item):
-            return bound.add(acc, item[1], jnp.ones((mb,), bool)), None
+            return add(acc, item[1], jnp.ones((mb,), bool)), None
 
         if not combiner.full_step_branch:
             return jax.lax.scan(ragged, acc, (offsets, micro))[0]
@@ -175,25 +178,28 @@ def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
 
 
 @cached
-def compile_pair_merge(combiner: Combiner, precision: str) -> Callable:
-    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device."""
+def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
+    float products in contraction order)."""
 
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
-            return combiner.bind(operands).merge(a, b)
+            bound = combiner.bind(operands)
+            return (fixed_order(bound.merge) if fixed else bound.merge)(a, b)
 
     return jax.jit(merge)
 
 
 @cached
-def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str) -> Callable:
+def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str, fixed: bool = False) -> Callable:
     """``merge(partials, operands) -> acc``: one collective over ``data``.
 
     Additive combiners are merged by one ``psum`` unless ``ordered``; otherwise the
     partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree,
     which makes the result independent of the device count. The result is on every
     device, or split over the axes ``combiner.partition`` names (a wide accumulator is
-    summed over ``data`` only, never gathered whole on one device).
+    summed over ``data`` only, never gathered whole on one device). ``fixed``: float
+    products of the merge in contraction order.
     """
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     merged_specs = accumulator_specs(combiner, mesh)
@@ -210,7 +216,8 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str)
     def gather_and_fold(partials, operands):
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
         with jax.default_matmul_precision(precision):
-            return tree_fold(combiner.bind(operands).merge, shards_of(everywhere))
+            bound = combiner.bind(operands)
+            return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 
@@ -313,7 +320,9 @@ class Program:
 
     def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
         """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
-        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
+        compiled = compile_step(
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+        )
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
     def merge(self, partials: PyTree) -> PyTree:
@@ -325,11 +334,22 @@ class Program:
         if self.merges_locally:
             gathered = compile_gather(self.combiner, self.mesh)(partials)
             local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
-            merge = compile_pair_merge(self.combiner, self.options.precision)
+            merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             operands = jax.device_put(self.host_operands, jax.tree.leaves(local)[0].device)
             return tree_fold(lambda a, b: merge(a, b, operands), shards_of(local))
         ordered = self.options.logical_shards is not None
-        return compile_merge(self.combiner, self.mesh, ordered, self.options.precision)(partials, self.operands)
+        merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
+        return merge(partials, self.operands)
+
+    @property
+    def fixed_products(self) -> bool:
+        """Whether float products sum in contraction order (:mod:`sharded_scan.fixed_order`).
+
+        Where ``logical_shards`` promises bitwise results on CPU: XLA:CPU's matmul library
+        picks its summation order by the process's thread pool, the CPU's caches and the
+        output's width. TPUs and GPUs (deterministic mode) run one order per program.
+        """
+        return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
 
     @property
     def merges_locally(self) -> bool:
@@ -349,7 +369,9 @@ class Program:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
-        compiled = compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision)
+        compiled = compile_step(
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+        )
         return compiled.lower(self.like, batch, np.int32(0), self.operands)
 
     def lower_merge(self) -> jax.stages.Lowered:
@@ -357,10 +379,11 @@ class Program:
         :meth:`merges_locally`; its all-gather is :meth:`lower_gather`)."""
         if self.merges_locally:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
-            merge = compile_pair_merge(self.combiner, self.options.precision)
+            merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             return merge.lower(one, one, self.host_operands)
         ordered = self.options.logical_shards is not None
-        return compile_merge(self.combiner, self.mesh, ordered, self.options.precision).lower(self.like, self.operands)
+        merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
+        return merge.lower(self.like, self.operands)
 
     def lower_gather(self) -> jax.stages.Lowered:
         """The all-gather of the partials that a merge by :meth:`merges_locally` starts with."""

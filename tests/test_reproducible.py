@@ -10,10 +10,11 @@ import numpy as np
 from tests import multiprocess
 
 SPLITS = [(1, 1), (1, 2), (1, 8), (2, 1), (2, 4), (4, 2), (8, 1)]  # (processes, devices per process)
-N, D = 4 * 8 * 512 + 37, 64  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
+N, D = 4 * 8 * 512 + 37, 96  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
 OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1")
-# Without the 256-row cap, Gram, Covariance, PCA, LinearRegression and from_fn differ bitwise
-# between processes of 1, 4 and 8 devices (at d=32 XLA does not split their dots: d=64). Every
+# With their matrix products left to XLA:CPU's matmul library, Gram, Covariance, PCA,
+# LinearRegression and from_fn differ bitwise between processes of 1-3 and of 4 or more devices
+# (at d=96 even with 256-row micro-batches; at d=32 the library does not split the sums). Every
 # built-in runs on 1x8 (the test's own 8-device process) and 1x1, and resumes on 1x8 from 1x1's
 # checkpoints. Each other split runs a few, at least one of those five among them, and each
 # built-in runs on a split of several processes: fewer on splits of more processes, since

@@ -1,0 +1,53 @@
+"""What bitwise reproducibility costs on CPU: ``logical_shards`` runs (matrix products in a
+fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs without it.
+
+    python bench/fixed_order.py           # 8 simulated devices, best of 3 after a warm-up run
+
+Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
+runs of a job interleaved so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+import sharded_scan as ss  # noqa: E402
+
+JOBS = {  # name: (combiner, features, rows, with a target)
+    "Gram d=96": (ss.Gram(), 96, 300_000, False),
+    "Gram d=256": (ss.Gram(), 256, 100_000, False),
+    "Covariance d=96": (ss.Covariance(), 96, 300_000, False),
+    "LinearRegression d=32": (ss.LinearRegression(), 32, 200_000, True),
+    "PCA(3) d=64": (ss.PCA(3), 64, 100_000, False),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"{'job':24s} {'rows/s':>12s} {'rows/s logical_shards=8':>24s} {'ratio':>7s}")
+    for name, (combiner, d, n, target) in JOBS.items():
+        x = (3 + rng.normal(size=(n, d))).astype(np.float32)
+        data = (x, x[:, 0] + 1) if target else x
+        best = {None: float("inf"), 8: float("inf")}
+        for shards in best:  # warm-up: compiles
+            ss.run(combiner, data, logical_shards=shards)
+        for _ in range(args.repeats):
+            for shards in best:
+                start = time.perf_counter()
+                ss.run(combiner, data, logical_shards=shards)
+                best[shards] = min(best[shards], time.perf_counter() - start)
+        print(f"{name:24s} {n / best[None]:12.3g} {n / best[8]:24.3g} {best[None] / best[8]:7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
