@@ -1,13 +1,17 @@
 """Sources: every kind against the in-memory rows, ragged ranges, validation, resuming."""
 
+import ast
 import os
+import pathlib
 
 import numpy as np
 import pytest
 import tensorstore as ts
 
 import sharded_scan as ss
-from sharded_scan import sources
+from sharded_scan import dtypes, sources
+from sharded_scan.combiners import base as combiners_base
+from sharded_scan.combiners import keys, topk
 from sharded_scan.sources import (
     ArraySource,
     IteratorSource,
@@ -317,6 +321,21 @@ def test_non_resumable_iterator_says_so():
     np.testing.assert_array_equal(src.read(0, 20), np.concatenate([rows(10), rows(10)]))
     with pytest.raises(ss.UsageError, match="one-shot"):
         src.seek(0)
+
+
+def test_sources_import_their_dtype_checks_from_below_never_from_combiners():
+    for path in pathlib.Path(sources.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.startswith("sharded_scan.combiners") for n in names), (path.name, names)
+    # the old homes still import them
+    assert combiners_base.check_numeric is dtypes.check_numeric
+    assert combiners_base.accumulator_dtype is dtypes.accumulator_dtype
+    assert keys.check_keyable is dtypes.check_keyable
+    assert topk.hash_strings is dtypes.hash_strings is ss.hash_strings
 
 
 def test_resumable_iterator_resumes_at_any_row():

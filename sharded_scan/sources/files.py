@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, is_url, remote_stamp, where
 from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, padded, row_spec

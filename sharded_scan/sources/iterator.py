@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, check_unmasked, num_rows_of, row_spec
 

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.topk import hash_strings
+from sharded_scan.dtypes import hash_strings
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, aligned_empty, row_spec
 from sharded_scan.sources.memory import ArraySource
