@@ -1,6 +1,7 @@
 """Sources: every kind against the in-memory rows, ragged ranges, validation, resuming."""
 
 import ast
+import inspect
 import os
 import pathlib
 
@@ -97,17 +98,51 @@ def test_reads_match_the_array(kind, tmp_path):
         np.testing.assert_array_equal(src.read(start, stop), x[start:stop])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["tree", "minimal"])
 def test_the_last_steps_padded_read_is_the_rows_then_zeros_aligned(kind, tmp_path):
     x = rows()
-    src = make(kind, tmp_path, x)
+    if kind == "tree":
+        src = TreeSource({"npy": make("npy", tmp_path, x), "array": ArraySource(x)})
+    else:
+        src = Minimal(x) if kind == "minimal" else make(kind, tmp_path, x)
     src.read(0, 60)  # forward-only sources are then at row 60
     for start, stop, padded_rows in [(60, 101, 64), (101, 101, 8)]:
-        got = src.read_padded(start, stop, padded_rows)
+        got = src.read(start, stop, pad_to=padded_rows)
+        if kind == "tree":
+            np.testing.assert_array_equal(got["npy"], got["array"])
+            got = got["npy"]
         want = np.zeros((padded_rows, 3), np.float32)
         want[: stop - start] = x[start:stop]
         np.testing.assert_array_equal(got, want)
         assert got.ctypes.data % sources.ALIGN == 0  # placed on CPU devices without a copy
+
+
+class Minimal(sources.Source):
+    """A user's source as sources were written before ``pad_to``: ``read(start, stop)`` alone."""
+
+    def __init__(self, x):
+        self.x = x
+
+    @property
+    def num_rows(self):
+        return len(self.x)
+
+    @property
+    def spec(self):
+        return sources.row_spec(self.x.shape, self.x.dtype)
+
+    def read(self, start, stop):
+        return self.x[start:stop]
+
+
+def test_a_source_whose_read_takes_no_pad_to_is_padded_by_the_base():
+    x = rows()
+    src = Minimal(x)
+    assert "pad_to" in inspect.signature(Minimal.read).parameters
+    assert np.shares_memory(src.read(3, 9), x)  # no pad_to: its own rows, not a copy
+    got = ss.run(ss.Sum(), src, mesh="data:2", microbatch=8, steps_per_call=2)  # ragged: the last step padded
+    np.testing.assert_allclose(got.sum, f64(x).sum(0), rtol=1e-6)
+    assert int(got.count) == N
 
 
 def test_a_subclass_that_overrides_read_is_read_through_it_on_the_last_step_too(tmp_path):
