@@ -358,6 +358,36 @@ def test_non_resumable_iterator_says_so():
         src.seek(0)
 
 
+class OneShotWithState(Batches):
+    """The batches as an iterator (``iter`` gives itself) with their state, as grain's dataset iterators."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.next_batch == len(self.sizes):
+            raise StopIteration
+        starts = np.cumsum([0] + self.sizes)
+        self.next_batch += 1
+        return self.x[starts[self.next_batch - 1] : starts[self.next_batch]]
+
+
+def test_only_an_iterator_without_state_is_read_once_and_a_reduction_of_several_passes_refuses_it():
+    x = rows(3001, d=2)
+    one_shot = IteratorSource(iter(np.split(x, [1000, 2000])), len(x))
+    assert not one_shot.rereadable and not TreeSource((one_shot, ArraySource(x[:, 0]))).rereadable
+    assert IteratorSource(Batches(rows(), SIZES), N).rereadable and TreeSource((ArraySource(x),)).rereadable
+    exact = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64, exact=True)
+    with pytest.raises(ss.UsageError, match="one-shot") as info:
+        ss.run(exact, one_shot, microbatch=64, steps_per_call=2)
+    assert "\n" not in str(info.value)
+    with_state = IteratorSource(OneShotWithState(x, [17] * 176 + [9]), len(x))
+    assert with_state.rereadable  # rewound through its state, pass after pass
+    got = ss.run(exact, with_state, microbatch=64, steps_per_call=2)
+    assert got.passes > 1
+    np.testing.assert_array_equal(got.quantiles, np.quantile(f64(x), [0.1, 0.5, 0.9], axis=0, method="lower").T)
+
+
 def test_sources_import_their_dtype_checks_from_below_never_from_combiners():
     for path in pathlib.Path(sources.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -136,6 +136,12 @@ class Source(abc.ABC):
         """
         return {}
 
+    @property
+    def rereadable(self) -> bool:
+        """Whether the rows can be read again from row 0 once read (False for an iterator that
+        can be iterated only once): a reduction of several passes needs it."""
+        return True
+
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.num_rows:
             raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows}).")

@@ -39,6 +39,10 @@ class TreeSource(Source):
     def sequential(self) -> bool:
         return any(s.sequential for s in self._sources)
 
+    @property
+    def rereadable(self) -> bool:
+        return all(s.rereadable for s in self._sources)
+
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         return self._treedef.unflatten([s.read(start, stop, pad_to=pad_to) for s in self._sources])
 

@@ -83,6 +83,11 @@ class IteratorSource(Source):
     def sequential(self) -> bool:
         return True
 
+    @property
+    def rereadable(self) -> bool:
+        """True unless the iterable is a one-shot iterator without ``get_state``/``set_state``."""
+        return self.resumable or iter(self._batches) is not self._batches
+
     def _restart(self, position: int, state: Any) -> None:
         self._iter = iter(self._batches)
         self._position = position          # global row of the first row of self._buffer
