@@ -168,9 +168,9 @@ def run_passes(
     options = RunOptions.make(options, **overrides)
     if not (isinstance(reduction, MultiPass) and reduction.needs_passes):
         return run_with_report(reduction, data, options)  # one pass
-    check_rereadable(data)
     pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
     source = as_source(data)  # once: each pass reads it from row 0
+    check_rereadable(source)
     started = time.perf_counter()
     plan = reduction.passes()
     reports: list[RunReport] = []
@@ -210,13 +210,12 @@ def pass_checkpoint(checkpoint: Any, index: int) -> Any:
     )
 
 
-def check_rereadable(data: Any) -> None:
+def check_rereadable(source: Source) -> None:
     """Refuses data that can be read only once (an IteratorSource over a one-shot iterator)."""
-    batches = getattr(data, "_batches", None)
-    if batches is not None and iter(batches) is batches:
+    if not source.rereadable:
         raise UsageError(
             "this reduction reads the data more than once, and the IteratorSource wraps a one-shot iterator; "
-            "pass an array, a file source, or an iterable that starts over on each iter()."
+            "pass an array, a file source, or an iterable that starts over on each iter() or has get_state/set_state."
         )
 
 

@@ -27,7 +27,6 @@ from jax.sharding import Mesh
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
 from sharded_scan.sources import Source
-from sharded_scan.sources.base import padded
 
 PyTree = Any
 
@@ -58,19 +57,7 @@ def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
     """Reads this process's rows of the step at ``cursor``, zero-padded past the end."""
     start, stop = layout.local_range(cursor)
     lo, hi = min(start, source.num_rows), min(stop, source.num_rows)
-    if hi - lo == stop - start:
-        return source.read(lo, hi)
-    if _pads_as_it_reads(type(source)):
-        return source.read_padded(lo, hi, stop - start)
-    return jax.tree.map(lambda x: padded(x, stop - start), source.read(lo, hi))
-
-
-def _pads_as_it_reads(kind: type) -> bool:
-    """Whether ``kind.read_padded`` reads like ``kind.read``: defined in the class that defines
-    ``read``, or below it. A subclass that overrides only ``read`` (to log or change rows) is
-    read through its ``read`` on the last step too."""
-    owner = {name: next(c for c in kind.__mro__ if name in c.__dict__) for name in ("read", "read_padded")}
-    return issubclass(owner["read_padded"], owner["read"])
+    return source.read(lo, hi, pad_to=None if hi - lo == stop - start else stop - start)
 
 
 WIDE_DTYPES = tuple(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))

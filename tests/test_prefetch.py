@@ -12,7 +12,7 @@ import sharded_scan as ss
 from sharded_scan.layout import make_layout
 from sharded_scan.mesh import make_mesh
 from sharded_scan.prefetch import ReadError, device_batches
-from sharded_scan.sources import ArraySource
+from sharded_scan.sources import ArraySource, NpySource
 from tests.helpers import f64, rel_err
 
 READER = "sharded_scan-reader"
@@ -54,6 +54,23 @@ def test_prefetch_does_not_change_the_result(prefetch):
     x = rows(203)
     got = ss.run(ss.Gram(), Spy(x), mesh="data:8", microbatch=4, steps_per_call=2, prefetch=prefetch)
     assert rel_err(got, f64(x).T @ f64(x)) < 1e-5
+    assert not readers()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_each_step_is_one_read_and_only_the_last_asks_for_padding(prefetch, tmp_path):
+    x = rows(203)  # 25 steps of 8 rows, then 3
+    np.save(tmp_path / "x.npy", x)
+    calls = []
+
+    class Logged(NpySource):
+        def read(self, start, stop, pad_to=None):
+            calls.append((start, stop, pad_to))
+            return super().read(start, stop, pad_to)
+
+    got = [np.asarray(item.batch) for item in batches(Logged(tmp_path / "x.npy"), prefetch)]
+    assert calls == [(c, c + 8, None) for c in range(0, 200, 8)] + [(200, 203, 8)]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate([x, np.zeros((5, 4), np.float32)]))
     assert not readers()
 
 

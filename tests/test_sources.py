@@ -1,13 +1,18 @@
 """Sources: every kind against the in-memory rows, ragged ranges, validation, resuming."""
 
+import ast
+import inspect
 import os
+import pathlib
 
 import numpy as np
 import pytest
 import tensorstore as ts
 
 import sharded_scan as ss
-from sharded_scan import sources
+from sharded_scan import dtypes, sources
+from sharded_scan.combiners import base as combiners_base
+from sharded_scan.combiners import keys, topk
 from sharded_scan.sources import (
     ArraySource,
     IteratorSource,
@@ -93,17 +98,51 @@ def test_reads_match_the_array(kind, tmp_path):
         np.testing.assert_array_equal(src.read(start, stop), x[start:stop])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["tree", "minimal"])
 def test_the_last_steps_padded_read_is_the_rows_then_zeros_aligned(kind, tmp_path):
     x = rows()
-    src = make(kind, tmp_path, x)
+    if kind == "tree":
+        src = TreeSource({"npy": make("npy", tmp_path, x), "array": ArraySource(x)})
+    else:
+        src = Minimal(x) if kind == "minimal" else make(kind, tmp_path, x)
     src.read(0, 60)  # forward-only sources are then at row 60
     for start, stop, padded_rows in [(60, 101, 64), (101, 101, 8)]:
-        got = src.read_padded(start, stop, padded_rows)
+        got = src.read(start, stop, pad_to=padded_rows)
+        if kind == "tree":
+            np.testing.assert_array_equal(got["npy"], got["array"])
+            got = got["npy"]
         want = np.zeros((padded_rows, 3), np.float32)
         want[: stop - start] = x[start:stop]
         np.testing.assert_array_equal(got, want)
         assert got.ctypes.data % sources.ALIGN == 0  # placed on CPU devices without a copy
+
+
+class Minimal(sources.Source):
+    """A user's source as sources were written before ``pad_to``: ``read(start, stop)`` alone."""
+
+    def __init__(self, x):
+        self.x = x
+
+    @property
+    def num_rows(self):
+        return len(self.x)
+
+    @property
+    def spec(self):
+        return sources.row_spec(self.x.shape, self.x.dtype)
+
+    def read(self, start, stop):
+        return self.x[start:stop]
+
+
+def test_a_source_whose_read_takes_no_pad_to_is_padded_by_the_base():
+    x = rows()
+    src = Minimal(x)
+    assert "pad_to" in inspect.signature(Minimal.read).parameters
+    assert np.shares_memory(src.read(3, 9), x)  # no pad_to: its own rows, not a copy
+    got = ss.run(ss.Sum(), src, mesh="data:2", microbatch=8, steps_per_call=2)  # ragged: the last step padded
+    np.testing.assert_allclose(got.sum, f64(x).sum(0), rtol=1e-6)
+    assert int(got.count) == N
 
 
 def test_a_subclass_that_overrides_read_is_read_through_it_on_the_last_step_too(tmp_path):
@@ -317,6 +356,51 @@ def test_non_resumable_iterator_says_so():
     np.testing.assert_array_equal(src.read(0, 20), np.concatenate([rows(10), rows(10)]))
     with pytest.raises(ss.UsageError, match="one-shot"):
         src.seek(0)
+
+
+class OneShotWithState(Batches):
+    """The batches as an iterator (``iter`` gives itself) with their state, as grain's dataset iterators."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.next_batch == len(self.sizes):
+            raise StopIteration
+        starts = np.cumsum([0] + self.sizes)
+        self.next_batch += 1
+        return self.x[starts[self.next_batch - 1] : starts[self.next_batch]]
+
+
+def test_only_an_iterator_without_state_is_read_once_and_a_reduction_of_several_passes_refuses_it():
+    x = rows(3001, d=2)
+    one_shot = IteratorSource(iter(np.split(x, [1000, 2000])), len(x))
+    assert not one_shot.rereadable and not TreeSource((one_shot, ArraySource(x[:, 0]))).rereadable
+    assert IteratorSource(Batches(rows(), SIZES), N).rereadable and TreeSource((ArraySource(x),)).rereadable
+    exact = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64, exact=True)
+    with pytest.raises(ss.UsageError, match="one-shot") as info:
+        ss.run(exact, one_shot, microbatch=64, steps_per_call=2)
+    assert "\n" not in str(info.value)
+    with_state = IteratorSource(OneShotWithState(x, [17] * 176 + [9]), len(x))
+    assert with_state.rereadable  # rewound through its state, pass after pass
+    got = ss.run(exact, with_state, microbatch=64, steps_per_call=2)
+    assert got.passes > 1
+    np.testing.assert_array_equal(got.quantiles, np.quantile(f64(x), [0.1, 0.5, 0.9], axis=0, method="lower").T)
+
+
+def test_sources_import_their_dtype_checks_from_below_never_from_combiners():
+    for path in pathlib.Path(sources.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.startswith("sharded_scan.combiners") for n in names), (path.name, names)
+    # the old homes still import them
+    assert combiners_base.check_numeric is dtypes.check_numeric
+    assert combiners_base.accumulator_dtype is dtypes.accumulator_dtype
+    assert keys.check_keyable is dtypes.check_keyable
+    assert topk.hash_strings is dtypes.hash_strings is ss.hash_strings
 
 
 def test_resumable_iterator_resumes_at_any_row():

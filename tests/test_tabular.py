@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.sources import CsvSource, ParquetSource, dataframe_source
+from sharded_scan.sources import ALIGN, CsvSource, ParquetSource, dataframe_source
 from tests.helpers import assert_usage_error, rel_err
 
 pd = pytest.importorskip("pandas")
@@ -65,6 +65,18 @@ def test_every_kind_reads_the_rows_pandas_has_for_any_range(frame, files, kind):
         np.testing.assert_array_equal(y, want_y[start:stop])
     fresh = make(columns="member", dtype="int32")
     np.testing.assert_array_equal(fresh.read(0, N), frame["member"].to_numpy(np.int32))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_the_last_steps_read_is_the_rows_then_zeros_in_aligned_arrays(frame, files, kind):
+    source = (ParquetSource(files / "one.parquet", columns=(X, Y)) if kind == "parquet"
+              else CsvSource(files / "all.csv", columns=(X, Y)))
+    source.read(0, 900)  # a CSV reads forward: it is then at row 900
+    x, y = source.read(900, N, pad_to=128)  # 113 rows across two row groups, then 15 zero rows
+    want_x, want_y = frame[X].to_numpy(np.float64)[900:], frame[Y].to_numpy(np.float64)[900:]
+    np.testing.assert_array_equal(x, np.concatenate([want_x, np.zeros((15, 3))]))
+    np.testing.assert_array_equal(y, np.concatenate([want_y, np.zeros(15)]))
+    assert x.ctypes.data % ALIGN == 0 and y.ctypes.data % ALIGN == 0  # placed on CPU devices without a copy
 
 
 @pytest.mark.parametrize("mesh", ["data:1", "data:8"])

@@ -28,9 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
+from sharded_scan.dtypes import accumulator_dtype, check_numeric  # noqa: F401 - accumulator_dtype: importable here still
 from sharded_scan.errors import UsageError
 
 PyTree = Any
@@ -155,31 +155,6 @@ class AdditiveCombiner(Combiner):
 
     def merge(self, a: PyTree, b: PyTree) -> PyTree:
         return jax.tree.map(jnp.add, a, b)
-
-
-def check_numeric(dtype: Any, who: str) -> None:
-    """Raises :class:`UsageError` unless ``dtype`` is a numeric (bool, int, float) dtype."""
-    dtype = np.dtype(dtype)
-    numeric = jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_
-    if not numeric or jnp.issubdtype(dtype, jnp.complexfloating):
-        raise UsageError(
-            f"{who} needs numeric data, got dtype {dtype}; convert the data to a float "
-            "or integer dtype first."
-        )
-
-
-def accumulator_dtype(dtype: Any) -> np.dtype:
-    """The float dtype to accumulate rows of ``dtype`` in: float32 at least, float64 kept.
-
-    bfloat16, float16 and small integers accumulate in float32. Under
-    ``jax_enable_x64`` float64 inputs, and integers of 32 bits or more (which float32
-    would round), accumulate in float64.
-    """
-    dtype = np.dtype(dtype)
-    wide_int = np.issubdtype(dtype, np.integer) and dtype.itemsize >= 4
-    if (dtype == np.float64 or wide_int) and jax.config.jax_enable_x64:
-        return np.dtype(np.float64)
-    return np.dtype(np.float32)
 
 
 def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:

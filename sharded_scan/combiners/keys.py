@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_keyable
 from sharded_scan.errors import UsageError
 
 SIGN = 0x80000000
@@ -60,18 +60,6 @@ def decode(keys: np.ndarray, code) -> np.ndarray:
 def is_float(code) -> bool:
     """Whether keys of kind ``code`` stand for floats (and so may be NaN)."""
     return KINDS[int(code)] == FLOAT
-
-
-def check_keyable(dtype, who: str) -> None:
-    """Raises :class:`UsageError` unless ``dtype`` is a real number type that fits 32 bits."""
-    check_numeric(dtype, who)
-    dtype = np.dtype(dtype)
-    if dtype.itemsize > 4 and jax.config.jax_enable_x64:
-        kind = "64-bit integers" if jnp.issubdtype(dtype, jnp.integer) else "float64 values"
-        raise UsageError(
-            f"{who} keys values in 32 bits and got {kind} ({dtype}), which would be rounded and "
-            "distinct values merged; cast the data to int32 or float32 first if that precision is enough."
-        )
 
 
 def to_keys(x: jax.Array) -> jax.Array:
@@ -117,18 +105,6 @@ def mix32(x: jax.Array) -> jax.Array:
     x ^= x >> 15
     x *= jnp.uint32(0x846CA68B)
     return x ^ (x >> 16)
-
-
-def np_mix32(x) -> np.ndarray:
-    """:func:`mix32` on the host (numpy ``uint32``)."""
-    x = np.asarray(x, np.uint32).copy()
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint32(16)
-        x *= np.uint32(0x7FEB352D)
-        x ^= x >> np.uint32(15)
-        x *= np.uint32(0x846CA68B)
-        x ^= x >> np.uint32(16)
-    return x
 
 
 def check_column_spec(spec, who: str) -> None:

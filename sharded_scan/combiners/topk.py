@@ -22,8 +22,6 @@ can be counted by their :func:`hash_strings` ids.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import jax
@@ -35,6 +33,7 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import MAX_KEY, check_column_spec, columns, decode, fold_if_any, kind_code
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
+from sharded_scan.dtypes import hash_strings  # noqa: F401 - importable here still
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 10
@@ -216,14 +215,3 @@ class TopK(Combiner):
         if np.ndim(acc.held) == 0:
             return TopKResult(values[0], counts[0], errors[0], bounds[0], certain[0])
         return TopKResult(values, counts, errors, bounds, certain)
-
-
-def hash_strings(strings: Iterable[str]) -> np.ndarray:
-    """Stable 32-bit ids of strings (BLAKE2b), to count strings with :class:`TopK` on the devices.
-
-    The ids are the same in every process and run; two distinct strings share one with
-    probability ``2^-32`` per pair (about ``n^2 / 2^33`` collisions among ``n`` strings).
-    Map the returned values back with a dict of the candidate strings' ids.
-    """
-    ids = [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=4).digest(), "little") for s in strings]
-    return np.array(ids, np.uint32).view(np.int32)

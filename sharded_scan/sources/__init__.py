@@ -1,9 +1,11 @@
 """Sources: where rows come from. Each one reads a row range into host numpy.
 
 A source has ``num_rows``, ``spec`` (a pytree of ``jax.ShapeDtypeStruct`` giving the
-shape and dtype of one row of each leaf) and ``read(start, stop)`` returning that
-range as a pytree of numpy arrays. ``read`` must be safe to call from a reader thread
-(one reader at a time), and ``read(n, n)`` returns zero rows of the right shapes.
+shape and dtype of one row of each leaf) and ``read(start, stop, pad_to=None)`` returning
+that range as a pytree of numpy arrays, followed by zero rows up to ``pad_to`` rows when
+asked (the last step). ``read`` must be safe to call from a reader thread (one reader at
+a time), and ``read(n, n)`` returns zero rows of the right shapes. A source may define
+``read(start, stop)`` alone: the base class then pads a copy of its rows.
 
 Resuming. The engine resumes a job from a row ``cursor`` (saved in a checkpoint).
 Before its first read it calls ``seek(cursor, state)``, where ``state`` is what

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,7 +53,18 @@ def row_spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 class Source(abc.ABC):
-    """Rows of a dataset, readable by range."""
+    """Rows of a dataset, readable by range.
+
+    A subclass defines ``read(start, stop, pad_to=None)``, or ``read(start, stop)`` alone (as
+    sources did before ``pad_to``, and as a subclass that only logs or changes rows may): the
+    base then gives that ``read`` its ``pad_to`` by padding a copy of the rows.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        read = cls.__dict__.get("read")
+        if read is not None and not _takes_pad_to(read):
+            cls.read = _padding_a_copy(read)
 
     @property
     @abc.abstractmethod
@@ -64,17 +77,16 @@ class Source(abc.ABC):
         """A pytree of ``jax.ShapeDtypeStruct``: shape and dtype of one row per leaf."""
 
     @abc.abstractmethod
-    def read(self, start: int, stop: int) -> PyTree:
-        """Returns rows ``[start, stop)`` as a pytree of numpy arrays."""
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        """Returns rows ``[start, stop)`` as a pytree of numpy arrays.
 
-    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
-        """Rows ``[start, stop)`` followed by zero rows, ``rows`` rows in all (the last step).
-
-        By default a copy of :meth:`read`'s arrays; a source that allocates its own output
-        reads straight into the longer arrays instead (the reader uses it only where it is
-        defined beside or below the class's ``read``: a subclass overriding ``read`` alone keeps it).
+        Args:
+          start: the first row.
+          stop: the row after the last one; ``read(n, n)`` gives zero rows.
+          pad_to: None, or the rows wanted in all (at least ``stop - start``): the rows, then
+            zero rows (the last step). A source that allocates its output reads straight into
+            the longer arrays; the others get a padded copy from the base (see the class).
         """
-        return jax.tree.map(lambda x: padded(x, rows), self.read(start, stop))
 
     @property
     def resumable(self) -> bool:
@@ -124,9 +136,35 @@ class Source(abc.ABC):
         """
         return {}
 
+    @property
+    def rereadable(self) -> bool:
+        """Whether the rows can be read again from row 0 once read (False for an iterator that
+        can be iterated only once): a reduction of several passes needs it."""
+        return True
+
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.num_rows:
             raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows}).")
+
+
+def _takes_pad_to(read: Any) -> bool:
+    try:
+        parameters = inspect.signature(read).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: called with pad_to as it is
+        return True
+    return any(p.name == "pad_to" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _padding_a_copy(read: Callable[[Source, int, int], PyTree]) -> Callable[..., PyTree]:
+    """A subclass's ``read(start, stop)`` given ``pad_to``: its rows, then a padded copy of them."""
+
+    def read_then_pad(self: Source, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        rows = read(self, start, stop)
+        return rows if pad_to is None else jax.tree.map(lambda x: padded(x, pad_to), rows)
+
+    functools.update_wrapper(read_then_pad, read)
+    del read_then_pad.__wrapped__  # its signature is the one with pad_to
+    return read_then_pad
 
 
 def check_unmasked(x: Any, who: str) -> Any:

@@ -39,11 +39,12 @@ class TreeSource(Source):
     def sequential(self) -> bool:
         return any(s.sequential for s in self._sources)
 
-    def read(self, start: int, stop: int) -> PyTree:
-        return self._treedef.unflatten([s.read(start, stop) for s in self._sources])
+    @property
+    def rereadable(self) -> bool:
+        return all(s.rereadable for s in self._sources)
 
-    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
-        return self._treedef.unflatten([s.read_padded(start, stop, rows) for s in self._sources])
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        return self._treedef.unflatten([s.read(start, stop, pad_to=pad_to) for s in self._sources])
 
     def state_at(self, cursor: int) -> dict[str, Any]:
         states = [s.state_at(cursor) for s in self._sources]

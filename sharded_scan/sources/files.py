@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, is_url, remote_stamp, where
 from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, padded, row_spec
@@ -86,15 +86,15 @@ class _NpyFile:
     def stamp(self) -> str:
         return self._stamp(self.stat)
 
-    def read(self, start: int, stop: int, rows: int | None = None) -> np.ndarray:
-        """Rows ``start..stop``; with ``rows``, followed by zero rows up to ``rows`` in all, read
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> np.ndarray:
+        """Rows ``start..stop``; with ``pad_to``, followed by zero rows up to ``pad_to`` in all, read
         straight into the longer array (a local C-order file; the other kinds pad a copy)."""
         if stop <= start or self.row_bytes == 0:
-            out = aligned_empty((max(stop - start, rows or 0),) + self.shape[1:], self.dtype)
+            out = aligned_empty((max(stop - start, pad_to or 0),) + self.shape[1:], self.dtype)
             out[...] = 0
             return out
-        if rows is not None and (self.fortran or self.remote or self.zero_copy):
-            return padded(self.read(start, stop), rows)
+        if pad_to is not None and (self.fortran or self.remote or self.zero_copy):
+            return padded(self.read(start, stop), pad_to)
         begin, shape = self.offset + start * self.row_bytes, (stop - start,) + self.shape[1:]
         if self.fortran:
             return self._read_columns(start, stop)
@@ -104,7 +104,7 @@ class _NpyFile:
             self._check_unchanged(os.fstat(f.fileno()), start, stop)
             if self.zero_copy:
                 return _mapped_rows(f, begin, shape, self.dtype)
-            out = aligned_empty((rows or shape[0],) + shape[1:], self.dtype)
+            out = aligned_empty((pad_to or shape[0],) + shape[1:], self.dtype)
             out[shape[0]:] = 0
             wanted = memoryview(out).cast("B")[: math.prod(shape) * self.dtype.itemsize]
             got = os.preadv(f.fileno(), [wanted], begin)
@@ -212,13 +212,9 @@ class NpySource(Source):
     def spec(self) -> PyTree:
         return row_spec(self._file.shape, self._file.dtype)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> np.ndarray:
         self._check_range(start, stop)
-        return self._file.read(start, stop)
-
-    def read_padded(self, start: int, stop: int, rows: int) -> np.ndarray:
-        self._check_range(start, stop)
-        return self._file.read(start, stop, rows)
+        return self._file.read(start, stop, pad_to)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": where(self.path)}
@@ -268,10 +264,11 @@ class NpyShardsSource(Source):
     def spec(self) -> PyTree:
         return row_spec(self._files[0].shape, self._files[0].dtype)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> np.ndarray:
         self._check_range(start, stop)
         first = self._files[0]
-        out = aligned_empty((stop - start,) + first.shape[1:], first.dtype)
+        out = aligned_empty((pad_to or stop - start,) + first.shape[1:], first.dtype)
+        out[stop - start :] = 0
         for i, f in enumerate(self._files):
             lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
             if lo < hi:

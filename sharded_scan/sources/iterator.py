@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, check_unmasked, num_rows_of, row_spec
 
@@ -82,6 +82,11 @@ class IteratorSource(Source):
     @property
     def sequential(self) -> bool:
         return True
+
+    @property
+    def rereadable(self) -> bool:
+        """True unless the iterable is a one-shot iterator without ``get_state``/``set_state``."""
+        return self.resumable or iter(self._batches) is not self._batches
 
     def _restart(self, position: int, state: Any) -> None:
         self._iter = iter(self._batches)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import check_numeric
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, check_unmasked, row_spec
 

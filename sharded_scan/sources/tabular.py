@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.topk import hash_strings
+from sharded_scan.dtypes import hash_strings
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import PyTree, Source, aligned_empty, row_spec
 from sharded_scan.sources.memory import ArraySource
@@ -249,17 +249,14 @@ class ParquetSource(Source):
             self._cached = (i, self._units[i].to_table(columns=_names(self._columns)))
         return self._cached[1]
 
-    def read(self, start: int, stop: int) -> PyTree:
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         """Casts the rows of each row group the range overlaps straight into one aligned array a
-        leaf. Row groups after the first are scanned together, so pyarrow decodes the next ones
-        on its threads while this one casts (1.3x the rate of decoding them one by one on 2 cores);
-        the last one is kept, since the reader asks for consecutive ranges."""
-        return self.read_padded(start, stop, stop - start)
-
-    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
+        leaf (``pad_to`` rows long). Row groups after the first are scanned together, so pyarrow
+        decodes the next ones on its threads while this one casts (1.3x the rate of decoding them
+        one by one on 2 cores); the last one is kept, since the reader asks for consecutive ranges."""
         self._check_range(start, stop)
         selections, tree = _leaves(self._columns)
-        out = _empty(selections, rows, self._dtype, stop - start)
+        out = _empty(selections, pad_to or stop - start, self._dtype, stop - start)
 
         def put(table: Any, at: int) -> None:  # the table's rows are rows at, at + 1, ...
             lo, hi = max(start, at), min(stop, at + table.num_rows)
@@ -391,17 +388,14 @@ class CsvSource(Source):
         self._reader, self._position, self._buffer = self._open(), 0, None
         self.read(cursor, cursor)
 
-    def read(self, start: int, stop: int) -> PyTree:
-        return self.read_padded(start, stop, stop - start)
-
-    def read_padded(self, start: int, stop: int, rows: int) -> PyTree:
+    def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         self._check_range(start, stop)
         if start < self._position:
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
         if self._reader is None:
             self._reader = self._open()
         selections, tree = _leaves(self._columns)
-        out = _empty(selections, rows, self._dtype, stop - start)
+        out = _empty(selections, pad_to or stop - start, self._dtype, stop - start)
         while self._position < stop:
             if self._buffer is None or self._buffer.num_rows == 0:
                 self._buffer = next(self._reader)
