@@ -415,21 +415,17 @@ def kill_in_set_aside(moment: str, argv: list[str]) -> None:
     """Runs ``launch.main argv`` with a SIGKILL just before or after the set-aside's move."""
     import runpy
 
-    from sharded_scan import checkpoint
-
-    real = os.replace
+    from sharded_scan import fs
 
     def replace(src, dst):
         if moment == "before":
             os.kill(os.getpid(), signal.SIGKILL)
-        real(src, dst)
+        os.replace(src, dst)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint.os = type(sys)("os_with_a_fault")
-    checkpoint.os.__dict__.update(os.__dict__)
-    checkpoint.os.replace = replace
     sys.argv = ["launch.main", *argv]
-    runpy.run_module("launch.main", run_name="__main__", alter_sys=True)
+    with fs.replaced(replace=replace):
+        runpy.run_module("launch.main", run_name="__main__", alter_sys=True)
 
 
 def multi_cmds(workdir: pathlib.Path, *extra: str) -> list[list[str]]:

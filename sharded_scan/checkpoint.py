@@ -21,7 +21,9 @@ restore checks every digest before it uses a checkpoint: one that fails (a flipp
 byte, a truncated file, a killed save) is set aside into ``damaged/`` and the one
 before is used. One job at a time holds the directory (:class:`~sharded_scan.lease.Lease`).
 The directory is a local path or a URL (``gs://...``): every look at it goes through
-:mod:`etils.epath`, like orbax's own (:mod:`sharded_scan.paths`).
+:mod:`etils.epath`, like orbax's own (:mod:`sharded_scan.paths`). orbax is used through its
+public API; the local file-system calls made here (a set-aside's move) go through
+:mod:`sharded_scan.fs`, where tests inject faults.
 :class:`Checkpointer` owns the protocol: :meth:`~Checkpointer.restore_latest`,
 :meth:`~Checkpointer.poll`, :attr:`~Checkpointer.policy` (a :class:`SavePolicy`),
 :meth:`~Checkpointer.save` and :meth:`~Checkpointer.close`.
@@ -46,6 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from sharded_scan import fs
 from sharded_scan.digest import array_digests, json_digest
 from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
@@ -58,8 +61,10 @@ _log = logging.getLogger(__name__)
 
 PARTIALS, META, SOURCE = "partials", "meta", "source"
 DAMAGED = "damaged"  # damaged checkpoints are moved here, never loaded
-# What orbax (0.12) writes into a step directory before it counts as complete.
-COMMIT_MARKER, STEP_METADATA = "commit_success.txt", "_CHECKPOINT_METADATA"
+# The file orbax writes into every step directory last, on any file system. orbax's own
+# `is_checkpoint_finalized` checks it on an object store only (a local step counts once renamed),
+# so a local step that lost it (a copy or a remote move cut short) would pass: we check it ourselves.
+COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE
 FORMAT = 2  # meta with digests
 METADATA_BYTES = 128 << 10  # room a save needs besides its arrays (orbax's metadata, our JSON)
 
@@ -410,8 +415,8 @@ class Checkpointer:
 
     def poll(self) -> bool:
         """Whether a save has failed (looks at the save in flight without waiting for it)."""
-        if self._failure is None and self._pending is not None and self._save_finished():
-            self._wait()
+        if self._failure is None and self._pending is not None and not self._manager.is_saving_in_progress():
+            self._wait()  # the save has ended: its failure, if any, comes out of wait_until_finished now
         return self._failure is not None
 
     def raise_failure(self) -> None:
@@ -421,13 +426,12 @@ class Checkpointer:
         if self._failure is not None:
             raise self._failure
 
-    def _save_finished(self) -> bool:
-        thread = getattr(self._manager, "_finalize_thread", None)  # orbax 0.12; else saves are checked at the next
-        current = thread.get() if thread is not None and hasattr(thread, "get") else None
-        return thread is not None and (current is None or not current.is_alive())
-
     def _wait(self) -> None:
-        """Waits for the save in flight; records how it failed, if it did."""
+        """Waits for the save in flight; records how it failed, if it did.
+
+        orbax's finalize thread takes the background write's error (so the manager's
+        ``check_for_errors()`` no longer sees it) and ``wait_until_finished()`` raises it.
+        """
         try:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - recorded, raised by raise_failure
@@ -542,8 +546,8 @@ class Checkpointer:
                 if is_url(self.directory):
                     _move_remote(self._root / name, target)
                 else:  # one atomic rename
-                    os.makedirs(target.parent, exist_ok=True)
-                    os.replace(os.path.join(self.directory, name), target)
+                    fs.ops().makedirs(target.parent, exist_ok=True)
+                    fs.ops().replace(os.path.join(self.directory, name), target)
             except OSError as e:
                 code = storage_reason(e) or e.errno or errno.EIO
         code = gather_json(code)[0]
@@ -619,10 +623,6 @@ def _disk_bytes(directory: epath.Path) -> int:
     return sum(_disk_bytes(p) if p.is_dir() else file_size(p) for p in directory.iterdir())
 
 
-def _read_json(path: epath.Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def _step_names(directory: epath.Path) -> list[int]:
     if not directory.is_dir():
         return []
@@ -630,7 +630,12 @@ def _step_names(directory: epath.Path) -> list[int]:
 
 
 def _committed_steps(directory: epath.Path) -> list[int]:
-    """The step names under ``directory`` with orbax's commit marker, oldest first."""
+    """The step names under ``directory`` with orbax's commit marker, oldest first.
+
+    Read from the directory, not the manager's ``all_steps()``: a save drops the steps it
+    will delete from that list when it starts, so after a failed save it would miss a
+    checkpoint still intact on disk.
+    """
     return [n for n in _step_names(directory) if (directory / str(n) / COMMIT_MARKER).is_file()]
 
 
@@ -643,15 +648,14 @@ def step_damage(step_dir: str | os.PathLike) -> str | None:
     they are read and their digests checked (:meth:`Checkpointer.restore_latest`).
     """
     step = as_path(step_dir)
-    needed = [COMMIT_MARKER, STEP_METADATA, f"{META}/metadata", f"{PARTIALS}/_METADATA"]
-    for name in needed:
-        if not (step / name).is_file():
-            return f"{name} is missing"
+    if not (step / COMMIT_MARKER).is_file():
+        return f"{COMMIT_MARKER} is missing"
     try:
-        meta = _read_json(step / META / "metadata")
-        _read_json(step / STEP_METADATA)
-        _read_json(step / PARTIALS / "_METADATA")
-    except (OSError, ValueError) as e:
+        ocp.metadata.get_step_metadata(step)
+        meta = ocp.JsonCheckpointHandler().restore(step / META)
+        # Parsed here: the handler's public metadata() opens every array (tensorstore, remote too).
+        json.loads((step / PARTIALS / ocp.path.format_utils.PYTREE_METADATA_FILE).read_text())
+    except Exception as e:  # noqa: BLE001 - a file missing or garbled in any way is damage
         return f"unreadable metadata: {' '.join(str(e).split())[:120]}"
     problem = meta_problem(meta)
     if problem is not None:

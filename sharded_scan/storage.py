@@ -6,9 +6,10 @@ recognises such an error however it arrived (an ``OSError`` with its ``errno``, 
 tensorstore's and orbax's wrapped text) and :func:`storage_error` turns it into a
 :class:`~sharded_scan.errors.StorageError` whose one line says what to do.
 :func:`check_room` looks before a save starts, so the common case never reaches
-orbax's half-written temporary directories. Both checks look at a local file system; a
-remote directory (``gs://...``) is not checked: its store reports its own errors when
-orbax writes, and those are worded the same way where they name a known fault.
+orbax's half-written temporary directories. Both checks look at a local file system
+(through :mod:`sharded_scan.fs`, where tests inject faults); a remote directory
+(``gs://...``) is not checked: its store reports its own errors when orbax writes, and
+those are worded the same way where they name a known fault.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 
+from sharded_scan import fs
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.paths import is_url
 
@@ -75,7 +77,7 @@ def storage_error(what: str, code: int, intact: str, needed: int | None = None) 
 def free_bytes(directory: str) -> int | None:
     """Bytes an unprivileged write may still use under ``directory`` (None when unknown)."""
     try:
-        stats = os.statvfs(directory)
+        stats = fs.ops().statvfs(directory)
     except OSError:
         return None
     return stats.f_bavail * stats.f_frsize
@@ -84,7 +86,7 @@ def free_bytes(directory: str) -> int | None:
 def read_only(directory: str) -> bool:
     """Whether the file system holding ``directory`` is mounted read-only."""
     try:
-        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+        return bool(fs.ops().statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:
         return False
 
@@ -99,7 +101,7 @@ def check_room(directory: str, needed: int) -> int | None:
         return None
     if read_only(directory):
         return errno.EROFS
-    if not os.access(directory, os.W_OK | os.X_OK):
+    if not fs.ops().access(directory, os.W_OK | os.X_OK):
         return errno.EACCES
     free = free_bytes(directory)
     if free is not None and free < needed:
@@ -120,6 +122,6 @@ def check_writable(directory: str) -> None:
         if parent == path:
             break
         path = parent
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK) or read_only(path):
+    if not os.path.isdir(path) or not fs.ops().access(path, os.W_OK | os.X_OK) or read_only(path):
         why = "on a read-only file system" if os.path.isdir(path) and read_only(path) else "not writable"
         raise UsageError(f"{directory} is not a writable directory ({path} is {why}); pick another path.")

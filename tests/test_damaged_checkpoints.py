@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import checkpoint
+from sharded_scan import fs
 from sharded_scan.checkpoint import DAMAGED, damaged_steps
 from sharded_scan.errors import StorageError
 from tests import cli
@@ -145,7 +145,7 @@ def test_bytes_that_do_not_match_their_digest_are_set_aside(tmp_path, crashed, d
     test_damaged_latest_is_skipped_and_the_previous_one_used(tmp_path, crashed, damage, caplog)
 
 
-def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path, crashed, monkeypatch):
+def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path, crashed):
     original, _ = crashed
     directory = tmp_path / "ck"
     shutil.copytree(original, directory)
@@ -154,8 +154,7 @@ def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path,
     def refuse(src, dst):
         raise PermissionError(errno.EACCES, "Permission denied", src)
 
-    monkeypatch.setattr(checkpoint.os, "replace", refuse)
-    with pytest.raises(StorageError) as err:
+    with fs.replaced(replace=refuse), pytest.raises(StorageError) as err:
         ss.run(ss.Gram(), X, checkpoint=str(directory), **KW)
     message = str(err.value)
     assert "\n" not in message and err.value.errno == errno.EACCES
@@ -166,20 +165,19 @@ def test_a_set_aside_the_storage_refuses_is_one_line_and_moves_nothing(tmp_path,
 
 
 KILLED_AFTER_THE_MOVE = """
-import os, signal, sys, types
+import os, signal, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import sharded_scan as ss
-from sharded_scan import checkpoint
+from sharded_scan import fs
 from tests.test_damaged_checkpoints import KW, X
 
 def replace(src, dst):  # the set-aside's move, then SIGKILL
     os.replace(src, dst)
     os.kill(os.getpid(), signal.SIGKILL)
 
-checkpoint.os = types.ModuleType("os")
-checkpoint.os.__dict__.update(os.__dict__, replace=replace)
-ss.run(ss.Gram(), X, checkpoint=sys.argv[1], **KW)
+with fs.replaced(replace=replace):
+    ss.run(ss.Gram(), X, checkpoint=sys.argv[1], **KW)
 """
 
 
