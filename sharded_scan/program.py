@@ -453,8 +453,8 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     job.check_spec(source.spec)
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
-    microbatch, steps_per_call = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
-    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, options.logical_shards)
+    chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
+    layout = make_layout(source.num_rows, mesh, *chunking, options.logical_shards)
     if options.logical_shards is not None:
         warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))
     program = Program(
@@ -464,7 +464,7 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
         mesh=mesh,
         layout=layout,
         options=options,
-        fingerprint=job_fingerprint(job, source, microbatch),
+        fingerprint=job_fingerprint(job, source, layout.microbatch),  # the micro-batch the programs run
     )
     check_fits(program)
     return program

@@ -73,13 +73,14 @@ class Watchdog:
     the first interval also covers compilation and a restore.
 
     Args:
-      timeout: seconds without a beat before the process is ended; None for off.
+      timeout: seconds without a beat before the process is ended; None for off (as
+        :func:`check_timeout` gives it: ``RunOptions.step_timeout`` is checked there).
       on_stall: called with the message instead of :func:`abort` (tests); the
         watchdog then stops watching.
     """
 
     def __init__(self, timeout: float | None, on_stall: Callable[[str], None] | None = None):
-        self.timeout = check_timeout(timeout)
+        self.timeout = timeout
         self._on_stall = on_stall
         self._last = time.monotonic()
         self._beats = 0
