@@ -108,16 +108,6 @@ class Watchdog:
         if where is not None:
             self._where = where
 
-    def wrap(self, progress: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        """A progress callback that beats (naming the rows done), then calls ``progress``."""
-
-        def beat_then_report(p: Any) -> None:
-            self.beat(f"after row {p.rows_done} of {p.num_rows}")
-            if progress is not None:
-                progress(p)
-
-        return beat_then_report
-
     def message(self, idle: float) -> str:
         import jax  # the backend is up: the watchdog is entered inside a run
 
