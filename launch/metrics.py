@@ -36,12 +36,10 @@ by steps over all runs of the job, so a resumed run continues the curves), and
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import logging
 import numbers
 import os
-import struct
 import time
 from typing import Any
 
@@ -52,7 +50,7 @@ from sharded_scan.progress import Callbacks, combine
 from sharded_scan.storage import check_writable
 
 __all__ = [
-    "TAGS", "Callbacks", "MetricsWriter", "ProfileWindow", "combine", "parse_steps", "read_scalars",
+    "TAGS", "Callbacks", "MetricsWriter", "ProfileWindow", "combine", "parse_steps",
     "tensorboardx_installed",
 ]
 
@@ -254,28 +252,3 @@ class ProfileWindow:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def read_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
-    """The scalars of every event file in ``logdir``: ``{tag: [(step, value), ...]}`` in file order.
-
-    A small reader of the TFRecord framing (no TensorFlow; CRCs not checked), for tests
-    and scripts; needs tensorboardX for the protobuf.
-    """
-    _summary_writer_class()
-    from tensorboardX.proto.event_pb2 import Event
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(glob.glob(os.path.join(os.fspath(logdir), "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        at = 0
-        while at + 12 <= len(data):
-            (length,) = struct.unpack_from("<Q", data, at)
-            record = data[at + 12:at + 12 + length]
-            at += 12 + length + 4
-            event = Event.FromString(record)
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((int(event.step), float(value.simple_value)))
-    return scalars

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program, to_host
 from sharded_scan.progress import reporter
+from sharded_scan.relayout import relayout
 from sharded_scan.sources import Source, as_source
 from sharded_scan.watchdog import Watchdog, is_peer_lost
 
@@ -230,7 +232,8 @@ def _close_quietly(ckpt: Checkpointer, error: BaseException) -> None:
 def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
     """The latest checkpoint of the job, or identity partials at row 0 (``meta`` empty)."""
     if ckpt is not None:
-        restored = ckpt.restore_latest(program.like, program.fingerprint, program.relayout, program.shape_meta)
+        restored = ckpt.restore_latest(program.like, program.fingerprint, functools.partial(relayout, program),
+                                       program.shape_meta)
         if restored is not None:
             return restored
     return Restored(program.init(), 0, 0, {}, {})

@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
-from sharded_scan.options import check_positive_int
 
 # From the sweep in bench/results/bench.json (Gram on 8 simulated CPU devices): the best
 # micro-batch holds about the same bytes whatever the row width (4096 rows at d=256, 1024
@@ -64,10 +63,10 @@ def default_steps_per_call(spec: Any, microbatch: int) -> int:
 
 
 def resolve_chunking(spec: Any, microbatch: int | None = None, steps_per_call: int | None = None) -> tuple[int, int]:
-    """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``."""
+    """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``
+    (the values as :class:`~sharded_scan.options.RunOptions` checked them)."""
     if microbatch is None:
         microbatch = default_microbatch(spec)
-    check_positive_int("microbatch", microbatch)
     if steps_per_call is None:
         steps_per_call = default_steps_per_call(spec, microbatch)
     return microbatch, steps_per_call
@@ -128,6 +127,10 @@ def make_layout(
 ) -> Layout:
     """Builds the layout, shrinking micro-batch and steps for datasets smaller than one step.
 
+    The layout's ``microbatch`` is the one the compiled programs run and the job's
+    fingerprint names. The arguments are positive integers, as
+    :class:`~sharded_scan.options.RunOptions` checked them.
+
     Args:
       num_rows: rows in the dataset.
       mesh: the mesh; rows are split over its ``data`` axis.
@@ -137,15 +140,9 @@ def make_layout(
         ``data`` axis size; None for one per device.
 
     Raises:
-      UsageError: an argument is not a positive integer, ``logical_shards`` is not a
-        multiple of the ``data`` axis size, or this process's devices are not
-        contiguous on the ``data`` axis.
+      UsageError: ``logical_shards`` is not a multiple of the ``data`` axis size, or this
+        process's devices are not contiguous on the ``data`` axis.
     """
-    checks = [("microbatch", microbatch), ("steps_per_call", steps_per_call)]
-    if logical_shards is not None:
-        checks.append(("logical_shards", logical_shards))
-    for name, value in checks:
-        check_positive_int(name, value)
     data_size = mesh.shape[DATA_AXIS]
     if logical_shards is not None and logical_shards % data_size:
         raise UsageError(

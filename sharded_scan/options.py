@@ -3,8 +3,11 @@
 ``sharded_scan.run(combiner, data, **options)``, ``run_with_report`` and the launcher
 all build a :class:`RunOptions`; the job configs carry its plain-value fields
 (:func:`config_fields`) with the same defaults, so the list of options and their
-defaults exist only here. ``None`` for ``microbatch`` / ``steps_per_call`` means the
-measured default (:mod:`sharded_scan.layout`).
+defaults exist only here. Every option is checked here, once, when the options are made;
+what reads them later (the layout, the policies, the watchdog) takes them as checked. ``None``
+for ``microbatch`` / ``steps_per_call`` means the measured default (:mod:`sharded_scan.layout`),
+resolved once into the :class:`~sharded_scan.layout.Layout` that the compiled programs and the
+job's fingerprint both read.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class RunOptions:
         if self.precision not in PRECISIONS:
             raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}.")
         object.__setattr__(self, "progress", check_progress(self.progress))  # frozen: set once, checked
-        check_timeout(self.step_timeout)
+        object.__setattr__(self, "step_timeout", check_timeout(self.step_timeout))
 
     @classmethod
     def make(cls, options: RunOptions | None = None, **overrides: Any) -> RunOptions:

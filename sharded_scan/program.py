@@ -12,9 +12,11 @@ programs are built (memoized, so a rerun of the same job compiles nothing):
   collective; the partials are donated;
 - ``merge(partials) -> acc``: one collective: a ``psum`` for additive combiners, else one
   all-gather and a fixed-order tree fold with ``combiner.merge`` (in each process, by a
-  pairwise merge compiled for one device, when the accumulator is whole on every device);
-- ``relayout(leaves, meta) -> partials``: a checkpoint written with another shard count
-  or another resolution of the job, folded and converted onto this one.
+  pairwise merge compiled for one device, when the accumulator is whole on every device).
+
+Beside it: :mod:`sharded_scan.admission` refuses a job that cannot fit in memory before
+anything compiles, and :mod:`sharded_scan.relayout` lays a checkpoint written with another
+shard count or another resolution of the job out on this one.
 
 Every program traces under ``jax.default_matmul_precision(options.precision)`` and takes
 the combiner's operands (:meth:`Combiner.operands`) as an argument, so new parameter
@@ -39,6 +41,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
 from sharded_scan.codehash import code_digests
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import apply_policies
@@ -398,47 +401,6 @@ class Program:
         with threadpoolctl.threadpool_limits(1, user_api="blas"):
             return self.combiner.finalize(merged)
 
-    def relayout(self, leaves: list[np.ndarray], meta: dict[str, Any]) -> PyTree:
-        """Partials from a checkpoint's host ``leaves`` written with another shape (``meta``).
-
-        With the same shard count each shard's accumulator is converted to this mesh's
-        resolution of the job on its own (bitwise the state it saved, for a lossless
-        conversion). Otherwise the saved shards are merged in a fixed tree by the
-        combiner as it was resolved for the mesh that wrote them, converted, and laid out
-        as ``[merged, identity, ...]`` over this run's shards.
-
-        Raises:
-          UsageError: the leaves are not what this job writes on such a mesh.
-        """
-        axes = {str(k): int(v) for k, v in meta["axes"].items()}
-        saved = self.job.for_mesh(AbstractMesh((1, *axes.values()), (DATA_AXIS, *axes)))
-        expect = jax.eval_shape(lambda: stacked(saved, self.spec, int(meta["shards"])))
-        want = jax.tree.leaves(expect)
-        problem = None if len(leaves) == len(want) else f"{len(leaves)} accumulator leaves there but {len(want)} here"
-        for i, (got, leaf) in enumerate(zip(leaves, want, strict=False)):
-            if problem is None and (got.shape != leaf.shape or got.dtype != leaf.dtype):
-                problem = f"accumulator leaf {i} is {got.dtype.name}{list(got.shape)} there but " \
-                          f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} here"
-        if problem is not None:
-            raise UsageError(f"the checkpoint belongs to a different job: {problem}; "
-                             "rerun with the original settings, or use a new checkpoint directory.")
-        saved_partials = jax.tree.structure(expect).unflatten(leaves)
-        target, spec, shards = self.combiner, self.spec, self.layout.num_shards
-
-        def fold(saved_partials, operands):
-            here, there = target.bind(operands), saved.bind(operands)
-            with jax.default_matmul_precision(self.options.precision):
-                if int(meta["shards"]) == shards:  # shard by shard: a logical shard's state stays its own
-                    return jax.vmap(lambda acc: here.convert(acc, there))(saved_partials)
-                converted = here.convert(tree_fold(there.merge, shards_of(saved_partials)), there)
-                return jax.tree.map(
-                    lambda m, z: jnp.concatenate([m[None], jnp.broadcast_to(z[None], (shards - 1,) + z.shape)]),
-                    converted, here.init(spec),
-                )
-
-        host = jax.tree.map(np.asarray, jax.jit(fold)(saved_partials, self.host_operands))
-        return place(host, jax.tree.map(lambda s: s.sharding, self.like))
-
 
 DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
 
@@ -476,8 +438,8 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     job.check_spec(source.spec)
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
-    microbatch, steps_per_call = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
-    layout = make_layout(source.num_rows, mesh, microbatch, steps_per_call, options.logical_shards)
+    chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
+    layout = make_layout(source.num_rows, mesh, *chunking, options.logical_shards)
     if options.logical_shards is not None:
         warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))
     program = Program(
@@ -487,99 +449,10 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
         mesh=mesh,
         layout=layout,
         options=options,
-        fingerprint=job_fingerprint(job, source, microbatch),
+        fingerprint=job_fingerprint(job, source, layout.microbatch),  # the micro-batch the programs run
     )
     check_fits(program)
     return program
-
-
-GIB = 1 << 30
-
-
-def _largest_temporary(program: Program) -> int:
-    """Bytes of the largest value one ``add`` of a micro-batch makes (0 when it cannot be traced alone)."""
-    mb = program.layout.microbatch
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mb, *s.shape), s.dtype), program.spec)
-    try:
-        operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                program.host_operands)
-        acc = jax.eval_shape(program.combiner.init, program.spec)
-        jaxpr = jax.make_jaxpr(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m))(
-            operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
-    except Exception:  # noqa: BLE001 - e.g. an add that needs the mesh's axes: no estimate
-        return 0
-    sizes = [0]
-    for eqn in jaxpr.jaxpr.eqns:
-        sizes += [int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in eqn.outvars
-                  if hasattr(v.aval, "shape")]
-    return max(sizes)
-
-
-def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int]:
-    """Bytes one device of ``program`` holds at its peak, by part; worked out before compiling.
-
-    ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
-    ``rows``: the step's rows in flight (``prefetch`` steps ahead, one folding, one read);
-    ``merge``: the partials the merge gathers (all shards, unless one ``psum`` sums them in
-    place); ``temporary`` (with ``temporaries``; it needs the combiner's operands): the
-    largest value one micro-batch's ``add`` makes.
-    """
-    layout = program.layout
-    leaves = jax.tree.leaves(program.like)
-    accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
-    per_shard = accumulator // max(layout.shards_per_device, 1)
-    gathered = not program.combiner.additive or program.options.logical_shards is not None
-    rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
-    return {
-        "accumulator": accumulator,
-        "rows": layout.rows_per_device * rows * (program.options.prefetch + 2),
-        "merge": per_shard * (layout.num_shards if gathered else 1),
-        "temporary": _largest_temporary(program) if temporaries else 0,
-    }
-
-
-def _available(device: Any) -> tuple[int | None, str]:
-    """Memory one device may use, and what it is: an accelerator's limit, or the host's free memory."""
-    try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        limit = None
-    if limit:
-        return int(limit), f"{device.platform.upper()} memory"
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024, "available host memory"
-    except (OSError, KeyError, ValueError):
-        return None, ""
-
-
-def check_fits(program: Program) -> None:
-    """Raises a one-line UsageError when the job cannot fit in memory (before anything compiles).
-
-    On an accelerator each device's peak is compared with its limit; CPU devices share the
-    host's available memory, with the merged accumulator's host copies on top. The parts
-    known from shapes alone are checked first, so a hopeless accumulator is refused before
-    the combiner's operands are made.
-    """
-    device = program.mesh.devices.flat[0]
-    limit, what = _available(device)
-    if limit is None:
-        return
-    for temporaries in (False, True):
-        parts = memory_estimate(program, temporaries)
-        peak = max(parts["accumulator"] + parts["rows"] + parts["temporary"], parts["accumulator"] + parts["merge"])
-        local = len(program.mesh.local_devices) if device.platform == "cpu" else 1
-        need = peak * local + (2 * parts["merge"] if device.platform == "cpu" else 0)
-        if need > limit:
-            shown = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts.items() if value)
-            devices = f"{local} devices x " if local > 1 else ""
-            raise UsageError(
-                f"this job needs about {need / GIB:.1f} GiB ({devices}{peak / GIB:.2f} GiB at the peak: {shown}), more "
-                f"than the {limit / GIB:.1f} GiB of {what}; make the accumulator smaller (fewer bins or columns), "
-                "split it over a 'model' mesh axis where the combiner can (Gram), or lower logical_shards, "
-                "microbatch, steps_per_call or prefetch."
-            )
 
 
 def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: RunOptions | None = None) -> Program:

@@ -73,13 +73,14 @@ class Watchdog:
     the first interval also covers compilation and a restore.
 
     Args:
-      timeout: seconds without a beat before the process is ended; None for off.
+      timeout: seconds without a beat before the process is ended; None for off (as
+        :func:`check_timeout` gives it: ``RunOptions.step_timeout`` is checked there).
       on_stall: called with the message instead of :func:`abort` (tests); the
         watchdog then stops watching.
     """
 
     def __init__(self, timeout: float | None, on_stall: Callable[[str], None] | None = None):
-        self.timeout = check_timeout(timeout)
+        self.timeout = timeout
         self._on_stall = on_stall
         self._last = time.monotonic()
         self._beats = 0
@@ -106,16 +107,6 @@ class Watchdog:
         self._beats += 1
         if where is not None:
             self._where = where
-
-    def wrap(self, progress: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        """A progress callback that beats (naming the rows done), then calls ``progress``."""
-
-        def beat_then_report(p: Any) -> None:
-            self.beat(f"after row {p.rows_done} of {p.num_rows}")
-            if progress is not None:
-                progress(p)
-
-        return beat_then_report
 
     def message(self, idle: float) -> str:
         import jax  # the backend is up: the watchdog is entered inside a run

@@ -17,18 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
-
-
-def needs_synthetic_source():
-    """Skips the test when this build lacks SyntheticSource (the configs' default data)."""
-    from sharded_scan import sources
-
-    if not hasattr(sources, "SyntheticSource"):
-        pytest.skip("sharded_scan.sources.SyntheticSource (branch streaming) is not merged yet")
 
 
 def main_cmd(*args: str, devices: int = 4) -> list[str]:

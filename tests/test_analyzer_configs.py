@@ -17,7 +17,6 @@ def quick(name):
 
 
 def test_quick_quantiles_config_gives_numpy_answers():
-    cli.needs_synthetic_source()
     config = quick("quantiles")
     source = make_source(config.data)
     got = ss.run(make_combiner(config.combiner), source, mesh="data:4", microbatch=config.microbatch)

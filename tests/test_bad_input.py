@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import distributed, sources
+from sharded_scan import distributed
 from tests import cli
 from tests.helpers import assert_usage_error
 
@@ -36,7 +36,6 @@ def snapshot(directory):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """A workdir with a finished Gram job (checkpoints, result, summary) and bad input files."""
-    cli.needs_synthetic_source()
     base = tmp_path_factory.mktemp("bad_input")
     workdir = base / "w"
     proc = cli.run(cli.main_cmd(GRAM, f"--workdir={workdir}"))
@@ -77,11 +76,8 @@ def cli_runs(job):
     """Every case's command, all started at once, each on its own copy of the finished job:
     ``{name: (CompletedProcess, args, workdir, its files before)}``."""
     workdir, files, base = job
-    npy = hasattr(sources, "NpyShardsSource")
     cases, cmds = {}, []
     for i, (name, args, _) in enumerate(CLI_CASES):
-        if any("npy" in a for a in args) and not npy:
-            continue
         copy = base / f"w{i}"
         shutil.copytree(workdir, copy)
         args = [a.format(files=files, base=base) for a in args]
@@ -94,8 +90,6 @@ def cli_runs(job):
 
 @pytest.mark.parametrize("name, words", [(c[0], c[2]) for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_mistake_is_one_line_and_touches_nothing(cli_runs, job, name, words):
-    if name not in cli_runs:
-        pytest.skip("sharded_scan.sources.NpySource (branch streaming) is not merged yet")
     proc, args, workdir, before = cli_runs[name]
     base = job[2]
     line = cli.one_error_line(proc)  # status 2, one line, no traceback

@@ -4,6 +4,7 @@ import contextlib
 import json
 import re
 import signal
+import threading
 import time
 
 import numpy as np
@@ -12,13 +13,15 @@ import sharded_scan as ss
 from configs import gram
 from launch.data import make_source
 from launch.processes import commands, free_port
+from sharded_scan import watchdog
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, Watchdog
 from tests import cli
 
 ROWS = 60000  # 64 rows per step on 2 devices: ~940 steps, a checkpoint every 50
-ARGS = ("--config=configs/gram.py:quick", f"--config.data.num_rows={ROWS}", "--config.checkpoint.every_steps=50")
+# Process 0 logs every step, so a test can wait for the run to reach a row instead of sleeping.
+ARGS = ("--config=configs/gram.py:quick", f"--config.data.num_rows={ROWS}", "--config.checkpoint.every_steps=50",
+        "--config.log_every_seconds=0")
 HEARTBEAT_S = 5
-SLACK_S = 15
 
 
 @contextlib.contextmanager
@@ -27,6 +30,19 @@ def two_processes(tmp_path, workdir, *extra, logs="log"):
     cmds = commands([*ARGS, f"--workdir={workdir}", *extra], 2, 1, free_port())
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(cli.started(cmd, tmp_path / f"{logs}{i}")) for i, cmd in enumerate(cmds)]
+
+
+def wait_for_row(log_path, proc, past):
+    """Waits until process 0's log (``log_path``) shows a step that ended past row ``past``; fails
+    when ``proc`` ends first or after ``cli.TIMEOUT`` s (a bound for a hung test, not a timing)."""
+    deadline = time.monotonic() + cli.TIMEOUT
+    while True:
+        rows = [int(r) for r in re.findall(r"\] step \d+/\d+  rows (\d+)/", log_path.read_text())]
+        if rows and rows[-1] > past:
+            return rows[-1]
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before row {past}"
+        assert time.monotonic() < deadline, f"no step past row {past} after {cli.TIMEOUT} s"
+        time.sleep(0.05)
 
 
 def one_line(log_path, words):
@@ -39,17 +55,16 @@ def one_line(log_path, words):
 
 
 def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path):
-    cli.needs_synthetic_source()
     workdir = tmp_path / "w"
     # Saves far apart (~1 s of steps): the kill lands while the survivor steps. A peer that
     # dies during a save's barrier is JAX's heartbeat abort (WORKSPACE.md, "When a job hangs").
     sparse = (f"--heartbeat_timeout={HEARTBEAT_S}", "--config.checkpoint.every_steps=300")
     with two_processes(tmp_path, workdir, *sparse) as (survivor, victim):
-        cli.wait_for_checkpoint(workdir, survivor)
-        time.sleep(0.5)  # between saves: the survivor is stepping
+        saved = max(cli.wait_for_checkpoint(workdir, survivor))
+        wait_for_row(tmp_path / "log0", survivor, saved)  # between saves: the survivor steps again
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        survivor.wait(timeout=HEARTBEAT_S + SLACK_S)
+        survivor.wait(timeout=cli.TIMEOUT)
         took = time.monotonic() - killed
     assert survivor.returncode == EXIT_PEER_LOST, (tmp_path / "log0").read_text()[-3000:]
     print(f"survivor exited {took:.2f} s after its peer was killed")
@@ -66,16 +81,12 @@ def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path)
 
 
 def test_sigterm_to_one_process_saves_on_both_at_the_same_row(tmp_path):
-    cli.needs_synthetic_source()
     workdir = tmp_path / "w"
     with two_processes(tmp_path, workdir, "--config.checkpoint.every_steps=100000") as procs:
-        deadline = time.monotonic() + 60
-        while not (workdir / "lock.json").exists():  # process 0 holds the workdir: the run has started
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(1.0)
+        # Step 2 ends on process 0 only after both agreed on step 1: process 1 is in the loop, catching SIGTERM.
+        wait_for_row(tmp_path / "log0", procs[0], 64)
         procs[1].send_signal(signal.SIGTERM)  # one process only, as a preemption of one host
-        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+        assert [p.wait(timeout=cli.TIMEOUT) for p in procs] == [0, 0]
     rows = []
     for i in range(2):
         found = re.findall(r"preempted: saved a checkpoint at row (\d+)", (tmp_path / f"log{i}").read_text())
@@ -85,14 +96,13 @@ def test_sigterm_to_one_process_saves_on_both_at_the_same_row(tmp_path):
 
 
 def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
-    cli.needs_synthetic_source()
     workdir = tmp_path / "w"
     timeout = 4
     with two_processes(tmp_path, workdir, "--heartbeat_timeout=60", f"--step_timeout={timeout}") as (healthy, stuck):
         cli.wait_for_checkpoint(workdir, healthy)
         stuck.send_signal(signal.SIGSTOP)  # alive, holds its connections, never steps again
         stopped = time.monotonic()
-        healthy.wait(timeout=timeout + SLACK_S)
+        healthy.wait(timeout=cli.TIMEOUT)
         took = time.monotonic() - stopped
         stuck.send_signal(signal.SIGCONT)
     assert healthy.returncode == EXIT_STALLED, (tmp_path / "log0").read_text()[-3000:]
@@ -102,14 +112,41 @@ def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
     assert cli.checkpoints(workdir)  # the last complete checkpoint is there to resume from
 
 
-def test_watchdog_fires_only_when_beats_stop():
-    fired = []
-    with Watchdog(0.4, on_stall=fired.append) as dog:
-        for _ in range(8):  # 0.8 s of steady beats: no stall
-            time.sleep(0.1)
+class Clock:
+    """A monotonic clock that the test moves; it counts the watchdog thread's looks at it."""
+
+    def __init__(self):
+        self.now, self.looks, self._changed = 0.0, 0, threading.Condition()
+
+    def monotonic(self) -> float:
+        with self._changed:
+            if threading.current_thread().name == "sharded_scan-watchdog":
+                self.looks += 1
+                self._changed.notify_all()
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def wait_for_a_look(self) -> None:
+        """Returns once the watchdog has looked at the time again (a check of the beats)."""
+        with self._changed:
+            seen = self.looks
+            assert self._changed.wait_for(lambda: self.looks > seen, timeout=cli.TIMEOUT)
+
+
+def test_watchdog_fires_only_when_beats_stop(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(watchdog, "time", clock)  # the watchdog's time only; it still polls in real time
+    fired, stalled = [], threading.Event()
+    with Watchdog(0.4, on_stall=lambda message: (fired.append(message), stalled.set())) as dog:
+        for _ in range(8):  # 0.8 s of steady beats, each checked by the watchdog: no stall
+            clock.advance(0.1)
             dog.beat("after row 7")
+            clock.wait_for_a_look()
         assert not fired
-        time.sleep(1.5)
+        clock.advance(1.5)
+        assert stalled.wait(cli.TIMEOUT)
     assert len(fired) == 1 and "no step finished" in fired[0] and "after row 7" in fired[0], fired
 
 

@@ -9,10 +9,10 @@ import pytest
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
 from launch.main import named_arrays, run_job
-from launch.metrics import read_scalars
 from sharded_scan import distributed
 from tests import cli
 from tests.helpers import assert_usage_error
+from tests.tfrecords import read_scalars
 
 CONFIGS = [
     "gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example", "quantiles", "distinct", "topk",
@@ -26,7 +26,6 @@ def quick(name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_quick_config_through_launcher_equals_library_run(tmp_path, name):
-    cli.needs_synthetic_source()
     config = quick(name)
     config.mesh = "data:4"
     got, record = run_job(config, str(tmp_path))
@@ -71,7 +70,6 @@ def cli_runs(tmp_path_factory):
 
 
 def test_cli_run_with_overrides_writes_result_summary_and_progress(cli_runs):
-    cli.needs_synthetic_source()
     proc, workdir = cli_runs["overrides"]
     assert proc.returncode == 0, proc.stderr
     config = quick("gram")

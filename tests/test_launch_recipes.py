@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -79,10 +80,12 @@ def indexed_job_command() -> list[str]:
 
 
 def k8s_cmd(workdir: Path, port: int) -> list[str]:
-    """The recipe's command line, pointed at this machine: its coordinator host mapped to
-    127.0.0.1, two processes, the quick config, a local workdir and CPU devices."""
+    """The recipe's command line, pointed at this machine: this interpreter for its ``python``
+    (the one whose packages the test runs with, not the first on PATH), its coordinator host
+    mapped to 127.0.0.1, two processes, the quick config, a local workdir and CPU devices."""
     shell, flag, line = indexed_job_command()
-    for old, new in (("gram-0.gram:1234", f"127.0.0.1:{port}"), ("--num_processes=4", "--num_processes=2"),
+    for old, new in (("python -m ", f"{shlex.quote(sys.executable)} -m "),
+                     ("gram-0.gram:1234", f"127.0.0.1:{port}"), ("--num_processes=4", "--num_processes=2"),
                      ("--config=configs/gram.py ", "--config=configs/gram.py:quick "),
                      ("--workdir=/shared/gram", f"--workdir={workdir}")):
         assert old in line, f"WORKSPACE.md's Indexed Job recipe changed: no {old!r} in {line!r}"
@@ -122,7 +125,6 @@ def hybrid_mesh_worker() -> np.ndarray:
 
 
 def test_slurm_ompi_indexed_job_and_hybrid_mesh_recipes_each_form_a_two_process_job(tmp_path):
-    cli.needs_synthetic_source()
     ports = dict(zip(("slurm", "ompi", "k8s"), free_ports(3), strict=True))
     runs = {}  # recipe -> [(cmd, env)] of its processes
     for name, make_env in (("slurm", slurm_env), ("ompi", ompi_env)):

@@ -47,7 +47,6 @@ def test_a_killed_holders_lock_file_is_stale(tmp_path):
 
 def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path):
     """The concurrent-second-job fault: the same command twice on one workdir."""
-    cli.needs_synthetic_source()
     args = ("--config=configs/gram.py:quick", "--config.data.num_rows=4000000", "--config.checkpoint.every_steps=50",
             f"--workdir={tmp_path}")
     log = tmp_path.parent / f"{tmp_path.name}.log"

@@ -18,7 +18,6 @@ def children(pid):
 
 
 def test_two_processes_of_two_devices_equal_one_of_four(tmp_path):
-    cli.needs_synthetic_source()
     args = ("--config=configs/moments.py:quick", "--config.logical_shards=4", "--config.data.num_rows=3001")
     proc = cli.run(cli.local_cmd(2, 2, *args, f"--workdir={tmp_path}"))
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -33,7 +32,6 @@ def test_two_processes_of_two_devices_equal_one_of_four(tmp_path):
 
 
 def test_one_process_dying_stops_the_others_and_fails(tmp_path):
-    cli.needs_synthetic_source()
     args = ("--config=configs/gram.py:quick", "--config.data.num_rows=2000000", "--config.checkpoint.per_job=100000",
             f"--workdir={tmp_path}")
     with cli.started(cli.local_cmd(2, 1, *args), tmp_path / "log") as proc:

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from launch.metrics import TAGS, MetricsWriter, ProfileWindow, combine, parse_steps, read_scalars
+from launch.metrics import TAGS, MetricsWriter, ProfileWindow, combine, parse_steps
 from sharded_scan import progress as progress_module
 from tests.helpers import assert_usage_error
+from tests.tfrecords import read_scalars
 
 KW = dict(microbatch=2, steps_per_call=2)  # 8 devices x 2 x 2 = 32 rows a step: 100 rows in 4 steps
 X = np.random.default_rng(0).normal(size=(100, 5)).astype(np.float32)

@@ -44,6 +44,28 @@ class Spy(ArraySource):
         return super().read(start, stop)
 
 
+def stack(thread):
+    """The names of the functions ``thread`` is in, innermost first."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+def wait_until(condition, timeout=60):
+    """Polls ``condition`` until it holds; fails after ``timeout`` s (a bound for a hung test, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{condition.__name__} still false after {timeout} s"
+        time.sleep(0.01)
+
+
+def reader_waits_for_room():
+    """Whether the reader thread waits inside ``Queue.put`` for a full queue to make room."""
+    return any(stack(t)[:4] == ["wait", "put", "put", "reader"] for t in readers())
+
+
 def batches(src, prefetch, mb=4):
     mesh = make_mesh("data:2")
     return device_batches(src, make_layout(src.num_rows, mesh, mb, 1), mesh, 0, prefetch)
@@ -81,12 +103,9 @@ def test_host_never_reads_more_than_prefetch_ahead(prefetch):
     first = next(it)
     assert first.cursor == 0 and first.num_valid == 8
     bound = 1 if prefetch == 0 else prefetch + 2  # queued + one being placed + the one handed out
-    deadline = time.monotonic() + 2
-    while len(src.reads) < bound and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # room to overshoot, if it could
-    assert len(src.reads) <= bound
-    assert len(src.reads) == bound or prefetch == 0
+    if prefetch:  # once it has read that many, the reader waits for room in a full queue: no read can follow
+        wait_until(lambda: len(src.reads) >= bound and reader_waits_for_room())
+    assert len(src.reads) == bound
     it.close()
     assert not readers()
 
@@ -143,21 +162,20 @@ def test_ctrl_c_while_the_reader_is_blocked_stops_promptly():
     next(it)
     next(it)
 
-    main = threading.main_thread().ident
+    main = threading.main_thread()
 
     def waiting_in_the_generator():
-        frame = sys._current_frames().get(main)
-        while frame is not None and frame.f_code.co_name != "device_batches":
-            frame = frame.f_back
-        return frame is not None
+        return "device_batches" in stack(main)
+
+    def joining_the_stuck_reader():
+        names = stack(main)
+        return any(a == "join" and b == "device_batches" for a, b in zip(names, names[1:], strict=False))
 
     def interrupt():
-        src.blocked.wait(5)
-        deadline = time.monotonic() + 5
-        while not waiting_in_the_generator() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert src.blocked.wait(60)
+        wait_until(waiting_in_the_generator)
         _thread.interrupt_main()
-        time.sleep(0.2)
+        wait_until(joining_the_stuck_reader)  # the interrupt arrived while the read was stuck
         src.release.set()  # the stuck read returns, so the join completes
 
     threading.Thread(target=interrupt, daemon=True).start()

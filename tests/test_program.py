@@ -71,6 +71,21 @@ def test_a_bad_option_is_one_line(options, words):
 
 
 @pytest.mark.parametrize(
+    "num_rows, options, runs",
+    [
+        (100_000, {"microbatch": 1024, "logical_shards": 8}, 256),  # reproducible shards fold 256 rows at a time
+        (40, {"microbatch": 1024}, 5),  # 40 rows over 8 devices: no step padded out to 8 x 1024 rows
+        (100_000, {"microbatch": 1024}, 1024),
+    ],
+)
+def test_the_fingerprint_names_the_micro_batch_the_programs_run(num_rows, options, runs):
+    prog = program_for_spec(ss.Sum(), jax.ShapeDtypeStruct((3,), np.float32), num_rows, ss.RunOptions(**options))
+    assert prog.layout.microbatch == prog.fingerprint["microbatch"] == runs
+    step = prog.lower_step().as_text()
+    assert re.search(rf"tensor<{runs}x3xf32>", step), "the step folds micro-batches of that many rows"
+
+
+@pytest.mark.parametrize(
     "d, chain",
     [(30, ["data:4,model:2", "data:2,model:4", "data:8"]), (40, ["data:8", "data:4,model:2", "data:1"])],
 )

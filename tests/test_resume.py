@@ -18,7 +18,6 @@ ARGS = (
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The uninterrupted run's result, computed while the tests start theirs: call it to wait."""
-    cli.needs_synthetic_source()
     workdir = tmp_path_factory.mktemp("uninterrupted")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the run ends before the module does
         proc = pool.submit(cli.run, cli.main_cmd(*ARGS, f"--workdir={workdir}"))

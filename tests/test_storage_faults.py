@@ -126,7 +126,6 @@ def test_a_result_the_disk_cannot_hold_is_one_line_and_leaves_no_temporary_file(
 
 
 def test_cli_disk_full_exits_5_in_one_line_and_a_finished_job_reads_back_from_a_read_only_workdir(tmp_path):
-    cli.needs_synthetic_source()
     args = ("--config=configs/gram.py:quick", "--config.data.num_rows=6000", "--config.data.features=200",
             "--config.checkpoint.every_steps=8")
     with tmpfs(tmp_path / "disk", "1500k") as disk:

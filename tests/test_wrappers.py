@@ -84,5 +84,5 @@ def test_run_nan_policy_omit():
 
 
 def test_unknown_policy_is_one_line_error():
-    with pytest.raises(ss.UsageError, match="nan_policy"):
-        apply_policies(ss.Sum(), nan_policy="ignore")
+    with pytest.raises(ss.UsageError, match="nan_policy"):  # checked once, in RunOptions; apply_policies trusts it
+        ss.RunOptions(nan_policy="ignore")

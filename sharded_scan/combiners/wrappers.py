@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
-from sharded_scan.options import NAN_POLICIES
 
 
 def _is_float(x) -> bool:
@@ -163,8 +162,6 @@ class NonFinite(Wrapper):
     """
 
     def __init__(self, inner: Combiner, policy: str):
-        if policy not in ("omit", "raise"):
-            raise UsageError(f"nan_policy must be one of {NAN_POLICIES}, got {policy!r}.")
         super().__init__(inner)
         self.policy = policy
 
@@ -222,9 +219,8 @@ class NonFiniteError(UsageError):
 
 
 def apply_policies(combiner: Combiner, *, nan_policy: str = "propagate", compensated: bool = True) -> Combiner:
-    """Wraps ``combiner`` for ``nan_policy`` and (if additive) compensated accumulation."""
-    if nan_policy not in NAN_POLICIES:
-        raise UsageError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}; got {nan_policy!r}.")
+    """Wraps ``combiner`` for ``nan_policy`` and (if additive) compensated accumulation; the
+    options as :class:`~sharded_scan.options.RunOptions` checked them."""
     if compensated and combiner.additive:
         combiner = Compensated(combiner)
     if nan_policy != "propagate":
