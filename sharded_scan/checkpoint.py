@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -49,6 +48,7 @@ from etils import epath
 from sharded_scan.digest import array_digests, json_digest
 from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
+from sharded_scan.identity import files_difference, job_difference, job_digest
 from sharded_scan.lease import Lease
 from sharded_scan.paths import as_path, file_size, is_url, where
 from sharded_scan.storage import check_room, check_writable, storage_error, storage_reason
@@ -108,31 +108,6 @@ class CheckpointOptions:
         for name in ("ignore_changed_data", "force_unlock"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, (dict, list)):
-        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-        out: dict[str, Any] = {}
-        for key, value in items:
-            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out if out or not prefix else {prefix: tree}
-    return {prefix: tree}
-
-
-def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """The first field where two fingerprints differ, as a phrase; None when equal."""
-    old, new = _flat(saved), _flat(current)
-    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator, ...
-    keys = list(dict.fromkeys([*new, *old]))
-    for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
-        if old.get(key, "<absent>") != new.get(key, "<absent>"):
-            return f"{key} is {old.get(key, '<absent>')!r} there but {new.get(key, '<absent>')!r} here"
-    return None
-
-
-# Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
-NEWER_SECTIONS = ("code", "files")
 
 
 def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
@@ -269,7 +244,7 @@ class Checkpointer:
         """Process 0 takes the directory for the job; every process gets its answer."""
         problem = None
         if jax.process_index() == 0:
-            self._lease = Lease(self.directory, json_digest(fingerprint), self.options.force_unlock, self.force_hint)
+            self._lease = Lease(self.directory, job_digest(fingerprint), self.options.force_unlock, self.force_hint)
             try:
                 self._lease.acquire()
             except UsageError as e:
@@ -453,18 +428,13 @@ class Checkpointer:
     def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
         """Refuses a checkpoint of another job, or of data that changed since (unless told to ignore it)."""
         saved = dict(meta.get("fingerprint", {}))
-        current = {k: v for k, v in fingerprint.items() if k in saved or k not in NEWER_SECTIONS}
-        diff = fingerprint_difference({k: v for k, v in saved.items() if k != "files"},
-                                      {k: v for k, v in current.items() if k != "files"})
+        diff = job_difference(saved, fingerprint)
         if diff is not None:
-            if diff.startswith("code."):
-                diff = (f"the code of {diff.split(' is ')[0][5:]} changed since (an edit, or another Python than "
-                        f"{sys.version.split()[0]})")
             raise UsageError(
                 f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
                 f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
             )
-        changed = fingerprint_difference({"files": saved.get("files", {})}, {"files": current.get("files", {})})
+        changed = files_difference(saved, fingerprint)
         if changed is None:
             return
         if self.options.ignore_changed_data:
@@ -473,7 +443,7 @@ class Checkpointer:
             return
         raise UsageError(
             f"the data changed since the checkpoint at row {meta.get('cursor')} in {self.directory} was written: "
-            f"{changed[6:]}; resume anyway with --config.checkpoint.ignore_changed_data=true "
+            f"{changed}; resume anyway with --config.checkpoint.ignore_changed_data=true "
             "(CheckpointOptions(ignore_changed_data=True)), or start afresh in a new workdir / checkpoint directory."
         )
 
