@@ -195,6 +195,33 @@ def same_shape(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
     return int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
 
 
+def take_lease(directory: str, job: str, force: bool) -> Lease | None:
+    """Process 0 takes ``directory`` for the job of digest ``job``; every process gets its answer.
+
+    Returns:
+      The held lease on process 0 (release it when the job ends), None on the others.
+
+    Raises:
+      UsageError: another job holds the directory, or its lock file cannot be written.
+    """
+    lease, problem = None, None
+    if jax.process_index() == 0:
+        lease = Lease(directory, job, force)
+        try:
+            lease.acquire()
+        except UsageError as e:
+            lease, problem = None, str(e)
+        except OSError as e:
+            code = storage_reason(e)
+            if code is None:
+                raise
+            lease, problem = None, str(storage_error(f"take the lease on {directory}", code, "nothing was changed"))
+    problem = gather_json(problem)[0]
+    if problem is not None:
+        raise UsageError(problem)
+    return lease
+
+
 class Damaged(Exception):  # noqa: N818 - a finding, handled where it is raised
     """A checkpoint's bytes are not what was saved; the message is the problem."""
 
@@ -211,13 +238,18 @@ class Checkpointer:
     the partials are copied off the devices; a save that fails in the background is
     found by :meth:`poll` or :meth:`close`. Storage faults raise a one-line
     :class:`~sharded_scan.errors.StorageError`.
+
+    Args:
+      options: where and how often.
+      leased: the caller holds a lease on the directory or on one above it
+        (:func:`sharded_scan.workdir.run_in_workdir` holds its workdir's): take no second one.
     """
 
-    def __init__(self, options: CheckpointOptions, force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
+    def __init__(self, options: CheckpointOptions, leased: bool = False):
         self.options = options
         self.directory = where(options.directory)  # absolute if local; a URL as given
         self._root = as_path(self.directory)
-        self.force_hint = force_hint
+        self.leased = leased
         self.set_aside: list[str] = []
         self.policy = SavePolicy(options.every_steps, options.every_seconds, options.per_job)
         self.written = 0
@@ -240,24 +272,6 @@ class Checkpointer:
             },
         )
 
-    def _take_lease(self, fingerprint: dict[str, Any]) -> None:
-        """Process 0 takes the directory for the job; every process gets its answer."""
-        problem = None
-        if jax.process_index() == 0:
-            self._lease = Lease(self.directory, job_digest(fingerprint), self.options.force_unlock, self.force_hint)
-            try:
-                self._lease.acquire()
-            except UsageError as e:
-                problem = str(e)
-            except OSError as e:
-                code = storage_reason(e)
-                if code is None:
-                    raise
-                problem = str(storage_error(f"take the lease on {self.directory}", code, "nothing was changed"))
-        problem = gather_json(problem)[0]
-        if problem is not None:
-            raise UsageError(problem)
-
     def restore_latest(
         self,
         like: PyTree,
@@ -267,7 +281,7 @@ class Checkpointer:
     ) -> Restored | None:
         """The newest usable checkpoint of this job, or None; also names the job for :meth:`save`.
 
-        Takes the directory's lease first (one job at a time). A checkpoint whose
+        Takes the directory's lease first (one job at a time; not when ``leased``). A checkpoint whose
         digests do not match its bytes, or that cannot be read, is set aside with a
         warning (all processes agree) and the one before is tried. One laid out as
         ``shape`` is restored in place into ``like``'s shardings (bitwise the state it
@@ -286,7 +300,8 @@ class Checkpointer:
         """
         self._job = (fingerprint, shape)
         check_writable(self.directory)
-        self._take_lease(fingerprint)
+        if not self.leased:
+            self._lease = take_lease(self.directory, job_digest(fingerprint), self.options.force_unlock)
         for name, problem in damaged_steps(self.directory):
             self._set_aside(name, problem)
         barrier("sharded_scan_checkpoint_scan")
