@@ -97,8 +97,7 @@ def run_in_workdir(
     check_writable(workdir)
     lease = take_lease(workdir, job, force_unlock)
     try:
-        progress = options.progress if hasattr(options.progress, "__enter__") else contextlib.nullcontext()
-        with progress:  # flushes and stops what the caller's callbacks hold, also when the run fails
+        with _entered(options.progress):
             result, report = run_program(program, source)
         summary = {**summary_of(report, source), **(record or {}), "job": job}
         if jax.process_index() == 0:
@@ -111,6 +110,26 @@ def run_in_workdir(
         if lease is not None:
             lease.release()
     return result, summary
+
+
+@contextlib.contextmanager
+def _entered(progress: Any) -> Iterator[None]:
+    """Enters the caller's progress callbacks when they are a context manager, and closes them
+    (flushes an event file, stops a trace) also when the run fails; then a failure to close
+    them (a full disk under a TensorBoard writer) is logged, never raised over the run's own."""
+    if not hasattr(progress, "__exit__"):
+        yield
+        return
+    progress.__enter__()
+    try:
+        yield
+    except BaseException as e:
+        try:
+            progress.__exit__(type(e), e, e.__traceback__)
+        except Exception as closing:  # noqa: BLE001 - the run's error is the one to report
+            _log.warning("while stopping the progress callbacks: %s", closing)
+        raise
+    progress.__exit__(None, None, None)
 
 
 def _checkpointer(directory: str, checkpoint: bool | Mapping[str, Any]) -> Checkpointer | None:

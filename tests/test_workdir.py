@@ -106,3 +106,24 @@ def test_exit_statuses():
     assert workdir.exit_status(ss.StorageError(28, "x")) == 5
     assert workdir.exit_status(KeyboardInterrupt()) == 130
     assert workdir.exit_status(RuntimeError("connection reset")) == 1  # a lost peer only in a multi-process job
+
+
+class CrashError(Exception):
+    pass
+
+
+class FullDiskWriter:
+    """A progress callback whose close fails, as a TensorBoard writer's flush on a full disk."""
+
+    def __call__(self, p):
+        if p.step == 2:
+            raise CrashError
+
+    def close(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_the_runs_own_error_is_reported_when_closing_the_callbacks_fails_too(tmp_path):
+    with pytest.raises(CrashError):
+        ss.run_in_workdir(ss.Gram(), X, tmp_path, progress=ss.progress.combine(FullDiskWriter()), **KW)
+    assert LEASE_FILE not in os.listdir(tmp_path)  # released
