@@ -1,4 +1,5 @@
-"""The launcher's command line before absl reads it: which config file, and combiner arguments.
+"""The launcher's command line before absl reads it: which config file, and combiner arguments;
+and what absl or a config file raise while reading it, as one line (:func:`command_line_error`).
 
 ``--config=gram`` (or ``gram:quick``) names a config shipped in the ``configs`` package, so
 it works from any directory once sharded_scan is installed; ``--config=configs/gram.py``
@@ -16,10 +17,14 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Any
+
+from absl import flags
 
 import configs
 from sharded_scan.errors import UsageError
+from sharded_scan.workdir import one_line
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(configs.__file__))
 NOT_JOBS = ("__init__", "common")  # modules of the configs package that are not job configs
@@ -112,3 +117,25 @@ def merge_extra(config: Any, extra: dict[str, dict[str, Any]]) -> None:
         section, key = field.split(".")
         with config.unlocked():
             config[section][key] = {**dict(config[section].get(key) or {}), **values}
+
+
+def command_line_error(e: BaseException) -> str:
+    """One line for what absl or the config file raised while reading the command line."""
+    if isinstance(e, UsageError):
+        return str(e)
+    if isinstance(e, flags.Error):
+        return one_line(e)
+    if isinstance(e, (KeyError, AttributeError)):  # a locked config refuses an unknown field
+        return not_a_field(e)
+    return f"bad --config: {one_line(e)}"
+
+
+def not_a_field(e: BaseException) -> str:
+    """One readable line for an override of a field the config does not have."""
+    inner = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
+    text = str(inner.args[0] if inner.args else inner)
+    name = re.search(r'Key "([^"]+)"', text) or re.match(r"""\W*([\w.]+)""", text)
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    hint = (f'; did you mean "{suggestion.group(1)}"?' if suggestion
+            else "; check the spelling (--print_config lists them).")
+    return f"bad --config override: {(name.group(1) if name else text)!r} is not a field of this config{hint}"

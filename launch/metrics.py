@@ -20,13 +20,12 @@ Wiring into ``launch/main.py`` (flags ``--tensorboard`` and ``--profile_steps=A:
     # in run_job:
     progress = combine(
         ProgressLog(config.log_every_seconds),
-        MetricsWriter(os.path.join(workdir, "tensorboard"), row_bytes=row_bytes(source)) if tensorboard else None,
-        ProfileWindow(*steps, os.path.join(workdir, "profile")) if steps else None,
+        MetricsWriter(str(root / "tensorboard"), row_bytes=row_bytes(source)) if tensorboard else None,
+        ProfileWindow(*steps, str(root / "profile")) if steps else None,
     )
-    options = run_options(config, checkpoint=checkpoint, progress=progress, step_timeout=step_timeout)
-    ...  # build_program, the "already done" check, the workdir lease
-    with progress:  # checks the directories; flushes the event file and stops the trace, also when the run fails
-        result, report = run_program(program, source)
+    # run_in_workdir enters it around the run only (not when the job is already done): it checks
+    # the directories, and flushes the event file and stops the trace, also when the run fails
+    run_in_workdir(combiner, source, workdir, run_options(config, progress=progress, ...), ...)
 
 ``tensorboard --logdir WORKDIR/tensorboard`` shows the scalars (tags in :data:`TAGS`, indexed
 by steps over all runs of the job, so a resumed run continues the curves), and

@@ -23,6 +23,7 @@ from sharded_scan.engine import Progress, RunReport, run, run_passes, run_with_r
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.mesh import make_mesh
 from sharded_scan.options import RunOptions
+from sharded_scan.workdir import run_in_workdir
 
 __all__ = [
     "PCA",
@@ -49,6 +50,7 @@ __all__ = [
     "hash_strings",
     "make_mesh",
     "run",
+    "run_in_workdir",
     "run_passes",
     "run_with_report",
 ]

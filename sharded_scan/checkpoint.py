@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,6 +51,7 @@ from sharded_scan import fs
 from sharded_scan.digest import array_digests, json_digest
 from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
+from sharded_scan.identity import files_difference, job_difference, job_digest
 from sharded_scan.lease import Lease
 from sharded_scan.paths import as_path, file_size, is_url, where
 from sharded_scan.storage import check_room, check_writable, storage_error, storage_reason
@@ -113,31 +113,6 @@ class CheckpointOptions:
         for name in ("ignore_changed_data", "force_unlock"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, (dict, list)):
-        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-        out: dict[str, Any] = {}
-        for key, value in items:
-            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out if out or not prefix else {prefix: tree}
-    return {prefix: tree}
-
-
-def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """The first field where two fingerprints differ, as a phrase; None when equal."""
-    old, new = _flat(saved), _flat(current)
-    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator, ...
-    keys = list(dict.fromkeys([*new, *old]))
-    for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
-        if old.get(key, "<absent>") != new.get(key, "<absent>"):
-            return f"{key} is {old.get(key, '<absent>')!r} there but {new.get(key, '<absent>')!r} here"
-    return None
-
-
-# Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
-NEWER_SECTIONS = ("code", "files")
 
 
 def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
@@ -225,6 +200,33 @@ def same_shape(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
     return int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
 
 
+def take_lease(directory: str, job: str, force: bool) -> Lease | None:
+    """Process 0 takes ``directory`` for the job of digest ``job``; every process gets its answer.
+
+    Returns:
+      The held lease on process 0 (release it when the job ends), None on the others.
+
+    Raises:
+      UsageError: another job holds the directory, or its lock file cannot be written.
+    """
+    lease, problem = None, None
+    if jax.process_index() == 0:
+        lease = Lease(directory, job, force)
+        try:
+            lease.acquire()
+        except UsageError as e:
+            lease, problem = None, str(e)
+        except OSError as e:
+            code = storage_reason(e)
+            if code is None:
+                raise
+            lease, problem = None, str(storage_error(f"take the lease on {directory}", code, "nothing was changed"))
+    problem = gather_json(problem)[0]
+    if problem is not None:
+        raise UsageError(problem)
+    return lease
+
+
 class Damaged(Exception):  # noqa: N818 - a finding, handled where it is raised
     """A checkpoint's bytes are not what was saved; the message is the problem."""
 
@@ -241,13 +243,18 @@ class Checkpointer:
     the partials are copied off the devices; a save that fails in the background is
     found by :meth:`poll` or :meth:`close`. Storage faults raise a one-line
     :class:`~sharded_scan.errors.StorageError`.
+
+    Args:
+      options: where and how often.
+      leased: the caller holds a lease on the directory or on one above it
+        (:func:`sharded_scan.workdir.run_in_workdir` holds its workdir's): take no second one.
     """
 
-    def __init__(self, options: CheckpointOptions, force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
+    def __init__(self, options: CheckpointOptions, leased: bool = False):
         self.options = options
         self.directory = where(options.directory)  # absolute if local; a URL as given
         self._root = as_path(self.directory)
-        self.force_hint = force_hint
+        self.leased = leased
         self.set_aside: list[str] = []
         self.policy = SavePolicy(options.every_steps, options.every_seconds, options.per_job)
         self.written = 0
@@ -270,24 +277,6 @@ class Checkpointer:
             },
         )
 
-    def _take_lease(self, fingerprint: dict[str, Any]) -> None:
-        """Process 0 takes the directory for the job; every process gets its answer."""
-        problem = None
-        if jax.process_index() == 0:
-            self._lease = Lease(self.directory, json_digest(fingerprint), self.options.force_unlock, self.force_hint)
-            try:
-                self._lease.acquire()
-            except UsageError as e:
-                problem = str(e)
-            except OSError as e:
-                code = storage_reason(e)
-                if code is None:
-                    raise
-                problem = str(storage_error(f"take the lease on {self.directory}", code, "nothing was changed"))
-        problem = gather_json(problem)[0]
-        if problem is not None:
-            raise UsageError(problem)
-
     def restore_latest(
         self,
         like: PyTree,
@@ -297,7 +286,7 @@ class Checkpointer:
     ) -> Restored | None:
         """The newest usable checkpoint of this job, or None; also names the job for :meth:`save`.
 
-        Takes the directory's lease first (one job at a time). A checkpoint whose
+        Takes the directory's lease first (one job at a time; not when ``leased``). A checkpoint whose
         digests do not match its bytes, or that cannot be read, is set aside with a
         warning (all processes agree) and the one before is tried. One laid out as
         ``shape`` is restored in place into ``like``'s shardings (bitwise the state it
@@ -316,7 +305,8 @@ class Checkpointer:
         """
         self._job = (fingerprint, shape)
         check_writable(self.directory)
-        self._take_lease(fingerprint)
+        if not self.leased:
+            self._lease = take_lease(self.directory, job_digest(fingerprint), self.options.force_unlock)
         for name, problem in damaged_steps(self.directory):
             self._set_aside(name, problem)
         barrier("sharded_scan_checkpoint_scan")
@@ -457,18 +447,13 @@ class Checkpointer:
     def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
         """Refuses a checkpoint of another job, or of data that changed since (unless told to ignore it)."""
         saved = dict(meta.get("fingerprint", {}))
-        current = {k: v for k, v in fingerprint.items() if k in saved or k not in NEWER_SECTIONS}
-        diff = fingerprint_difference({k: v for k, v in saved.items() if k != "files"},
-                                      {k: v for k, v in current.items() if k != "files"})
+        diff = job_difference(saved, fingerprint)
         if diff is not None:
-            if diff.startswith("code."):
-                diff = (f"the code of {diff.split(' is ')[0][5:]} changed since (an edit, or another Python than "
-                        f"{sys.version.split()[0]})")
             raise UsageError(
                 f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
                 f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
             )
-        changed = fingerprint_difference({"files": saved.get("files", {})}, {"files": current.get("files", {})})
+        changed = files_difference(saved, fingerprint)
         if changed is None:
             return
         if self.options.ignore_changed_data:
@@ -477,7 +462,7 @@ class Checkpointer:
             return
         raise UsageError(
             f"the data changed since the checkpoint at row {meta.get('cursor')} in {self.directory} was written: "
-            f"{changed[6:]}; resume anyway with --config.checkpoint.ignore_changed_data=true "
+            f"{changed}; resume anyway with --config.checkpoint.ignore_changed_data=true "
             "(CheckpointOptions(ignore_changed_data=True)), or start afresh in a new workdir / checkpoint directory."
         )
 

@@ -88,12 +88,10 @@ class Lease:
       directory: the directory (created if missing): a local path, or a URL (advisory lease).
       job: the job's fingerprint digest; the message says whether a holder runs the same job.
       force: take the lease even when another process holds it (the operator knows it is gone).
-      force_hint: how the user forces it, for the message (``"--force_unlock"`` on the CLI).
     """
 
-    def __init__(self, directory: str | os.PathLike, job: str, force: bool = False,
-                 force_hint: str = "pass force_unlock=True (CheckpointOptions)"):
-        self.directory, self.job, self.force, self.force_hint = where(directory), job, force, force_hint
+    def __init__(self, directory: str | os.PathLike, job: str, force: bool = False):
+        self.directory, self.job, self.force = where(directory), job, force
         self.path = os.path.join(self.directory, LEASE_FILE)
         self.remote = is_url(self.directory)
         self._fd: int | None = None
@@ -242,7 +240,7 @@ class Lease:
         since = holder.get("since", "an unknown time")
         return (
             f"{self.directory} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} since {since} "
-            f"({same}); wait for it or {self.force_hint}"
+            f"({same}); wait for it or pass --force_unlock (from Python: force_unlock=True) if you know it is gone"
         )
 
     def _record(self) -> dict[str, Any]:

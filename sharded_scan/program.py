@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -42,11 +41,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
-from sharded_scan.codehash import code_digests
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers import apply_policies
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order
+from sharded_scan.identity import job_fingerprint
 from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.options import RunOptions
@@ -243,33 +242,6 @@ def leaf_shardings(combiner: Combiner, mesh: Mesh, like: PyTree) -> PyTree:
 def mesh_axes(mesh: Mesh) -> dict[str, int]:
     """The mesh's axes other than ``data``: what :meth:`Combiner.for_mesh` resolves by."""
     return {name: int(size) for name, size in dict(mesh.shape).items() if name != DATA_AXIS}
-
-
-def describe_leaves(tree: PyTree) -> list[str]:
-    """Each leaf as ``"path: dtype[shape]"``."""
-    return [
-        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    ]
-
-
-def job_fingerprint(job: Combiner, source: Source, microbatch: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator,
-    the user code in the combiner (:func:`~sharded_scan.codehash.code_digests`) and the size
-    and modification time of every file read (``files``: a change there may be overridden).
-
-    Mesh-independent (the job, not its resolution for a mesh), so a checkpoint resumes
-    on another mesh.
-    """
-    raw = {
-        "combiner": job.fingerprint(),
-        "data": source.describe(),
-        "microbatch": int(microbatch),
-        "accumulator": describe_leaves(jax.eval_shape(job.init, source.spec)),
-        "code": code_digests(job),
-        "files": source.stamps(),
-    }
-    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -7,7 +7,8 @@ import pytest
 
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
-from launch.main import named_arrays, run_job
+from launch.main import run_job
+from sharded_scan.workdir import named_arrays
 from tests import cli
 from tests.helpers import assert_usage_error
 

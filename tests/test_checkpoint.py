@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.checkpoint import fingerprint_difference
+from sharded_scan.identity import fingerprint_difference
 from tests.helpers import CrashError, assert_usage_error, crash_at, f64, rel_err
 
 KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step

@@ -12,8 +12,8 @@ import pytest
 from sklearn.linear_model import Ridge
 
 from launch import config_args
+from launch.config_args import not_a_field
 from launch.data import make_combiner, make_source
-from launch.main import not_a_field
 from tests import cli
 from tests.helpers import assert_usage_error
 

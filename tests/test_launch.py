@@ -8,8 +8,9 @@ import pytest
 
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
-from launch.main import named_arrays, run_job
+from launch.main import run_job
 from sharded_scan import distributed
+from sharded_scan.workdir import named_arrays
 from tests import cli
 from tests.helpers import assert_usage_error
 from tests.tfrecords import read_scalars
@@ -129,7 +130,7 @@ def test_missing_or_unwritable_workdir(cli_runs):
 
 def test_progress_of_a_one_step_job_says_no_nan(caplog):
     # A job of one step (README's first command) logged "nan rows/s  ETA ?".
-    from launch.main import ProgressLog
+    from launch.logs import ProgressLog
     from sharded_scan.engine import Progress
 
     log = ProgressLog(every_seconds=0.0)

@@ -9,6 +9,7 @@ CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
+    "run_in_workdir",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),

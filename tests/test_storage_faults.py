@@ -14,9 +14,10 @@ import pytest
 
 import sharded_scan as ss
 from configs import gram
-from launch.main import run_job, write_outputs
+from launch.main import run_job
 from sharded_scan import fs
 from sharded_scan.errors import StorageError
+from sharded_scan.workdir import write_outputs
 from tests import cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

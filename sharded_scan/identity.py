@@ -1,4 +1,12 @@
-"""The code that decides a job's answer, as digests for its fingerprint.
+"""A job's identity: its fingerprint, the digest that names it, and how two differ.
+
+The fingerprint (:func:`job_fingerprint`) is what a checkpoint must match to be
+resumed: the combiner and its parameters, the data (kind, row count, row spec), the
+micro-batch, the accumulator's leaf dtypes and shapes, the user code in the combiner
+(:func:`code_digests`) and the size and modification time of every file read. It
+leaves out the mesh, so a checkpoint resumes on another mesh. :func:`job_digest` names
+the job in a lease and in a workdir's ``summary.json``; :func:`job_difference` and
+:func:`files_difference` word why a saved fingerprint is not this job's.
 
 A ``from_fn`` body, a ``Gradient`` loss or a user's own Combiner class is code, not a
 parameter: editing it changes the answer while every parameter stays the same. Their
@@ -15,10 +23,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
+import sys
 import types
 from typing import Any
 
+import jax
 import numpy as np
+
+from sharded_scan.digest import json_digest
 
 LIBRARIES = ("sharded_scan", "jax", "jaxlib", "numpy", "builtins", "functools")
 _DEPTH = 6
@@ -122,3 +135,89 @@ def code_digests(combiner: Any) -> dict[str, str]:
 
     visit(combiner, "", 0)
     return found
+
+
+def describe_leaves(tree: Any) -> list[str]:
+    """Each leaf as ``"path: dtype[shape]"``."""
+    return [
+        f"{jax.tree_util.keystr(path)}: {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def job_fingerprint(job: Any, source: Any, microbatch: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: combiner, data, micro-batch, accumulator,
+    the user code in the combiner (:func:`code_digests`) and the size and modification time
+    of every file read (``files``: a change there may be overridden).
+
+    Mesh-independent (the job, not its resolution for a mesh), so a checkpoint resumes
+    on another mesh.
+
+    Args:
+      job: the combiner with the run's policies applied, before a mesh resolved it.
+      source: the :class:`~sharded_scan.sources.Source` it reads.
+      microbatch: the micro-batch it runs.
+    """
+    raw = {
+        "combiner": job.fingerprint(),
+        "data": source.describe(),
+        "microbatch": int(microbatch),
+        "accumulator": describe_leaves(jax.eval_shape(job.init, source.spec)),
+        "code": code_digests(job),
+        "files": source.stamps(),
+    }
+    return json.loads(json.dumps(raw, default=repr))  # tuples -> lists, as JSON gives them back
+
+
+def job_digest(fingerprint: dict[str, Any]) -> str:
+    """The digest that names the job of ``fingerprint`` (in a lease, a workdir's ``summary.json``)."""
+    return json_digest(fingerprint)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, (dict, list)):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        out: dict[str, Any] = {}
+        for key, value in items:
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out if out or not prefix else {prefix: tree}
+    return {prefix: tree}
+
+
+def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The first field where two fingerprints differ, as a phrase; None when equal."""
+    old, new = _flat(saved), _flat(current)
+    sections = list(dict.fromkeys([*current, *saved]))  # combiner, data, microbatch, accumulator, ...
+    keys = list(dict.fromkeys([*new, *old]))
+    for key in sorted(keys, key=lambda k: sections.index(k.split(".")[0])):
+        if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            return f"{key} is {old.get(key, '<absent>')!r} there but {new.get(key, '<absent>')!r} here"
+    return None
+
+
+# Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
+NEWER_SECTIONS = ("code", "files")
+
+
+def job_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why the ``saved`` fingerprint names another job than ``current`` (a phrase), or None.
+
+    The files read are left out (:func:`files_difference`), and so are the sections an
+    older ``saved`` lacks.
+    """
+    saved = {k: v for k, v in saved.items() if k != "files"}
+    current = {k: v for k, v in current.items() if k != "files" and (k in saved or k not in NEWER_SECTIONS)}
+    diff = fingerprint_difference(saved, current)
+    if diff is not None and diff.startswith("code."):
+        return f"the code of {diff.split(' is ')[0][5:]} changed since (an edit, or another Python than " \
+               f"{sys.version.split()[0]})"
+    return diff
+
+
+def files_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Which file the job reads changed (size or modification time) since ``saved`` (a phrase), or None
+    (also when ``saved`` is of an older format, without ``files``)."""
+    if "files" not in saved:
+        return None
+    changed = fingerprint_difference({"files": saved["files"]}, {"files": current.get("files", {})})
+    return None if changed is None else changed[len("files."):]

@@ -1,0 +1,300 @@
+"""A job in a workdir: one call runs it there, or says it is already done.
+
+:func:`run_in_workdir` is what ``python -m launch.main`` runs, and what a script that
+wants the same files calls::
+
+    result, summary = sharded_scan.run_in_workdir(sharded_scan.Gram(), X, "/tmp/gram")
+
+It writes ``WORKDIR/result.npz`` (the result's named arrays) and ``WORKDIR/summary.json``
+(what the run did, and the job's digest, :func:`~sharded_scan.identity.job_digest`), with
+checkpoints in ``WORKDIR/checkpoints``. Running the same job again resumes from the
+latest checkpoint or, when its result is there, returns it ("already done"; this reads
+only, so it works on a read-only workdir too). One job at a time holds the workdir: one
+lease, ``WORKDIR/lock.json``, held while the job runs and writes, which also covers its
+checkpoints. :func:`exits` ends a process with the CLI's exit statuses
+(:func:`exit_status`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
+from sharded_scan.distributed import Preempted, gather_json
+from sharded_scan.engine import RunReport, run_program
+from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.identity import job_digest
+from sharded_scan.options import RunOptions
+from sharded_scan.paths import as_path, where
+from sharded_scan.program import build_program
+from sharded_scan.sources import Source, as_source
+from sharded_scan.storage import check_writable, storage_error, storage_reason
+from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abort, is_peer_lost
+
+_log = logging.getLogger(__name__)
+
+RESULT, SUMMARY, CHECKPOINTS = "result.npz", "summary.json", "checkpoints"
+EXIT_DONE = 0          # done, or preempted / interrupted with a checkpoint saved (rerun to resume)
+EXIT_ERROR = 1         # an unexpected error (its traceback)
+EXIT_USAGE = 2         # a usage error: one line, nothing computed or written; also another job holding the workdir
+EXIT_INTERRUPTED = 130  # Ctrl-C before the run could save (128 + SIGINT)
+
+
+def run_in_workdir(
+    combiner: Any, data: Any, workdir: str | os.PathLike, options: RunOptions | None = None, *,
+    checkpoint: bool | Mapping[str, Any] = True, force_unlock: bool = False, record: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """Runs ``combiner`` over ``data`` in ``workdir``, or returns the result already there.
+
+    Args:
+      combiner, data, options, overrides: as :func:`sharded_scan.run` (no ``checkpoint``
+        option: the workdir keeps the checkpoints). A ``progress`` that is a context
+        manager (:func:`sharded_scan.progress.combine`) is entered around the run only,
+        not when the job is already done.
+      workdir: a local path or a URL (``gs://...``).
+      checkpoint: True (the defaults), False (none: a rerun starts afresh), or the
+        :class:`~sharded_scan.CheckpointOptions` fields other than ``directory`` and
+        ``force_unlock`` (``{"every_steps": 50}``).
+      force_unlock: take the workdir even though its lock file names a running job
+        (only when you know that job is gone).
+      record: more fields for ``summary.json`` (the launcher's config).
+
+    Returns:
+      ``(result, summary)``: the result and what ``summary.json`` holds; an already
+      done job's summary has ``"already_done": True``.
+
+    Raises:
+      UsageError: bad arguments, data or options, another job holding the workdir, a
+        checkpoint of another job or of changed data; before any compute or write.
+      StorageError: a checkpoint or the outputs could not be written (one line).
+      sharded_scan.Preempted: SIGTERM or SIGINT arrived and a checkpoint was saved.
+    """
+    root, workdir = as_path(workdir), where(workdir)  # an unknown URL scheme is one line here
+    options = RunOptions.make(options, **overrides)
+    if options.checkpoint is not None:
+        raise UsageError(f"a workdir keeps its checkpoints in {CHECKPOINTS}/: pass run_in_workdir(checkpoint=True, "
+                         "False or CheckpointOptions fields), not the checkpoint option.")
+    checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
+    source = as_source(data)
+    program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
+    job = job_digest(program.fingerprint)
+    done = gather_json(finished(workdir, job))[0]
+    if done is not None:
+        _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again).",
+                  root / RESULT, done.get("rows"))
+        return load_result(workdir), {**done, "already_done": True}
+    check_writable(workdir)
+    lease = take_lease(workdir, job, force_unlock)
+    try:
+        with _entered(options.progress):
+            result, report = run_program(program, source)
+        summary = {**summary_of(report, source), **(record or {}), "job": job}
+        if jax.process_index() == 0:
+            intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
+                      else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
+            write_outputs(workdir, result, summary, intact)
+            _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; wrote %s", summary["rows"],
+                      summary["seconds"], summary["rows_per_second"], summary["devices"], root / RESULT)
+    finally:
+        if lease is not None:
+            lease.release()
+    return result, summary
+
+
+@contextlib.contextmanager
+def _entered(progress: Any) -> Iterator[None]:
+    """Enters the caller's progress callbacks when they are a context manager, and closes them
+    (flushes an event file, stops a trace) also when the run fails; then a failure to close
+    them (a full disk under a TensorBoard writer) is logged, never raised over the run's own."""
+    if not hasattr(progress, "__exit__"):
+        yield
+        return
+    progress.__enter__()
+    try:
+        yield
+    except BaseException as e:
+        try:
+            progress.__exit__(type(e), e, e.__traceback__)
+        except Exception as closing:  # noqa: BLE001 - the run's error is the one to report
+            _log.warning("while stopping the progress callbacks: %s", closing)
+        raise
+    progress.__exit__(None, None, None)
+
+
+def _checkpointer(directory: str, checkpoint: bool | Mapping[str, Any]) -> Checkpointer | None:
+    """The workdir's checkpointer (under the workdir's lease), or None."""
+    if checkpoint is False or checkpoint is None:
+        return None
+    fields = {} if checkpoint is True else checkpoint
+    if not isinstance(fields, Mapping):
+        raise UsageError(f"checkpoint must be True, False or a dict of CheckpointOptions fields; got "
+                         f"{type(checkpoint).__name__}.")
+    try:
+        return Checkpointer(CheckpointOptions(directory, **fields), leased=True)
+    except TypeError:
+        names = [f.name for f in dataclasses.fields(CheckpointOptions) if f.name not in ("directory", "force_unlock")]
+        raise UsageError(f"checkpoint takes the CheckpointOptions fields {', '.join(names)}; got "
+                         f"{', '.join(map(str, fields))}.") from None
+
+
+def row_bytes(source: Source) -> int:
+    """Bytes of one row of ``source``."""
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(source.spec))
+
+
+def summary_of(report: RunReport, source: Source) -> dict[str, Any]:
+    """What ``summary.json`` says about one run (the job's digest and the caller's record are added)."""
+    seconds = max(report.seconds, 1e-9)
+    return {
+        "rows": report.rows,
+        "rows_this_run": report.rows_this_run,
+        "seconds": report.seconds,
+        "rows_per_second": report.rows_this_run / seconds,
+        "bytes_per_second": report.rows_this_run * row_bytes(source) / seconds,
+        "steps": report.steps,
+        "devices": report.devices,
+        "processes": report.processes,
+        "mesh": report.mesh,
+        "resumed_from_step": report.resumed_from_step,
+        "resumed_from_cursor": report.resumed_from_cursor,
+        "checkpoints_written": report.checkpoints_written,
+        "merge_bytes": report.merge_bytes,
+        "passes": report.passes,
+    }
+
+
+def named_arrays(result: Any) -> dict[str, np.ndarray]:
+    """The result's arrays by name: NamedTuple fields, dict keys, or ``result``."""
+    if isinstance(result, np.ndarray | np.generic):
+        return {"result": np.asarray(result)}
+    if hasattr(result, "_asdict"):
+        items = result._asdict().items()
+    elif isinstance(result, dict):
+        items = result.items()
+    else:
+        leaves = jax.tree_util.tree_leaves_with_path(result)
+        items = [(jax.tree_util.keystr(path).strip("[]'.") or "result", leaf) for path, leaf in leaves]
+    out: dict[str, np.ndarray] = {}
+    for name, value in items:
+        inner = named_arrays(value)
+        for key, array in inner.items():
+            out[str(name) if key == "result" else f"{name}.{key}"] = array
+    return out
+
+
+def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: str) -> None:
+    """Writes result.npz and summary.json atomically (temp file, then rename; any epath workdir).
+
+    Raises:
+      StorageError: the workdir refused a write; ``intact`` says what is still there.
+    """
+    arrays = named_arrays(result)
+    root, written = as_path(workdir), []
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for name, write in ((RESULT, lambda f: np.savez(f, **arrays)),
+                            (SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))):
+            tmp = root / f"{name}.tmp"
+            written.append(tmp)
+            with tmp.open("wb") as f:
+                write(f)
+            tmp.replace(root / name)
+    except OSError as e:
+        code = storage_reason(e)
+        if code is None:
+            raise
+        needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
+        raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
+    finally:
+        for tmp in written:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def finished(workdir: str, job: str) -> dict[str, Any] | None:
+    """The summary of the job of digest ``job`` when the workdir holds its result, else None (reads only)."""
+    root = as_path(workdir)
+    try:
+        summary = json.loads((root / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("job") != job:
+        return None
+    return summary if (root / RESULT).is_file() else None
+
+
+def load_result(workdir: str) -> dict[str, np.ndarray]:
+    """The arrays of ``workdir/result.npz`` by name."""
+    with (as_path(workdir) / RESULT).open("rb") as f, np.load(f) as arrays:
+        return {k: arrays[k] for k in arrays.files}
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message (and its cause's) folded into one line."""
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None else [])
+    lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):  # keep the heading and the error itself
+        lines = [lines[0], lines[-1]] if not lines[0].startswith("Traceback") else [lines[-1]]
+    return " ".join(dict.fromkeys(lines)) or type(e).__name__
+
+
+def exit_status(error: BaseException | None) -> int:
+    """The CLI's exit status for a job that ended with ``error`` (None: it finished).
+
+    0 done or preempted (a checkpoint was saved), 2 a usage error, 4 a lost peer (a
+    multi-process job), 5 a storage fault, 130 Ctrl-C before the run could save, 1
+    anything else. (3, a stalled job: the step watchdog ends the process itself,
+    :data:`sharded_scan.watchdog.EXIT_STALLED`.)
+    """
+    if error is None or isinstance(error, Preempted):
+        return EXIT_DONE
+    if isinstance(error, UsageError):
+        return EXIT_USAGE
+    if isinstance(error, StorageError):
+        return EXIT_STORAGE
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, Exception) and jax.process_count() > 1 and is_peer_lost(error):
+        return EXIT_PEER_LOST
+    return EXIT_ERROR
+
+
+@contextlib.contextmanager
+def exits() -> Iterator[None]:
+    """Ends the process as the CLI does when the block raises: :func:`exit_status`, one line.
+
+    A preemption prints its line on stdout (status 0); a usage error one ``error:`` line
+    on stderr. A storage fault, a lost peer or a Ctrl-C print one ``error:`` line and end
+    the process at once (no interpreter shutdown, where orbax's threads or
+    ``jax.distributed``'s barrier would add tracebacks or wait for the dead peer).
+    Anything else propagates (its traceback, status 1).
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        abort(f"interrupted before the run could save; {RESUME_HINT}.", EXIT_INTERRUPTED)
+    except Exception as e:
+        status = exit_status(e)
+        if status == EXIT_ERROR:
+            raise
+        if status == EXIT_DONE:
+            print(str(e), flush=True)
+        elif status == EXIT_USAGE:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        elif status == EXIT_STORAGE:
+            abort(str(e) if jax.process_count() == 1 else f"process {jax.process_index()}: {e}", status)
+        else:
+            abort(f"process {jax.process_index()} of {jax.process_count()} lost a peer ({one_line(e)[:160]}); "
+                  f"{RESUME_HINT}.", status)
+        sys.exit(status)

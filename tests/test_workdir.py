@@ -1,0 +1,129 @@
+"""A job in a workdir, called directly: outputs, "already done" (also read-only), one lease,
+and the CLI's exit statuses."""
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan import workdir
+from sharded_scan.distributed import Preempted
+from sharded_scan.identity import job_digest
+from sharded_scan.lease import LEASE_FILE, Lease
+from sharded_scan.program import build_program
+from sharded_scan.sources import as_source
+from tests.helpers import assert_usage_error
+from tests.test_storage_faults import remount, tmpfs
+
+X = np.random.default_rng(3).normal(size=(500, 5)).astype(np.float32)
+KW = {"mesh": "data:4", "microbatch": 8, "steps_per_call": 2}  # 64 rows a step: 8 steps
+
+
+def gram64():
+    x = X.astype(np.float64)
+    return x.T @ x
+
+
+def test_a_job_writes_its_outputs_then_is_already_done(tmp_path):
+    result, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint={"every_steps": 2}, **KW)
+    np.testing.assert_allclose(result, gram64(), rtol=1e-5, atol=1e-4)
+    assert summary["rows"] == len(X) and summary["rows_this_run"] == len(X) and summary["checkpoints_written"] >= 2
+    assert json.loads((tmp_path / workdir.SUMMARY).read_text()) == json.loads(json.dumps(summary))
+    np.testing.assert_array_equal(workdir.load_result(tmp_path)["result"], result)
+    program = build_program(ss.Gram(), as_source(X), ss.RunOptions(**KW))
+    assert summary["job"] == job_digest(program.fingerprint)  # the job's name, not the run's
+    assert LEASE_FILE not in os.listdir(tmp_path)  # released
+
+    again, done = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint={"every_steps": 2}, **KW)
+    assert done["already_done"] and done["job"] == summary["job"] and done["rows_this_run"] == len(X)
+    np.testing.assert_array_equal(again["result"], result)
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X[:400], tmp_path, **KW),  # another job's checkpoints
+                       ["belongs to a different job", "data.num_rows is 500 there but 400 here"])
+    other, ran = ss.run_in_workdir(ss.Gram(), X[:400], tmp_path, checkpoint=False, **KW)  # run, not read back
+    assert "already_done" not in ran and ran["rows"] == 400
+    np.testing.assert_allclose(other, X[:400].T.astype(np.float64) @ X[:400], rtol=1e-5, atol=1e-4)
+
+
+def test_one_lease_on_the_workdir_covers_its_checkpoints(tmp_path):
+    seen = []
+
+    def look(p):
+        seen.append(((tmp_path / LEASE_FILE).exists(), (tmp_path / workdir.CHECKPOINTS / LEASE_FILE).exists()))
+
+    ss.run_in_workdir(ss.Gram(), X, tmp_path, progress=look, checkpoint={"every_steps": 1}, **KW)
+    assert seen and set(seen) == {(True, False)}  # the workdir's lease held; no second one on checkpoints/
+
+
+def test_a_second_job_on_a_held_workdir_is_one_line_and_exit_2(tmp_path, capsys):
+    holder = Lease(str(tmp_path), "another job's digest")
+    holder.acquire()
+    try:
+        with pytest.raises(SystemExit) as end, workdir.exits():
+            ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)
+        assert end.value.code == workdir.EXIT_USAGE == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        for word in ("is in use by pid", str(os.getpid()), socket.gethostname(), "(another job)", "--force_unlock",
+                     "force_unlock=True"):
+            assert word in err[0], (word, err[0])
+        assert os.listdir(tmp_path) == [LEASE_FILE]  # nothing computed or written
+        got, _ = ss.run_in_workdir(ss.Gram(), X, tmp_path, force_unlock=True, checkpoint=False, **KW)
+        np.testing.assert_allclose(got, gram64(), rtol=1e-5, atol=1e-4)
+    finally:
+        holder.release()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_finished_job_reads_back_from_a_read_only_workdir(tmp_path):
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        want, summary = ss.run_in_workdir(ss.Gram(), X, disk / "w", **KW)
+        remount(disk, "ro")
+        got, again = ss.run_in_workdir(ss.Gram(), X, disk / "w", **KW)
+        assert again["already_done"] and again["job"] == summary["job"]
+        np.testing.assert_array_equal(got["result"], want)
+        assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X[:400], disk / "w", **KW),  # another job
+                           ["not a writable directory", "read-only file system"])
+
+
+def test_bad_workdir_arguments_are_one_line_before_any_write(tmp_path):
+    w = tmp_path / "w"
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, checkpoint={"every_step": 2}),
+                       ["every_steps", "every_step"])
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, checkpoint=str(tmp_path)),
+                       ["checkpoint must be True, False"])
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, options=ss.RunOptions(checkpoint=str(tmp_path))),
+                       ["checkpoints/", "run_in_workdir(checkpoint="])
+    assert not w.exists()
+
+
+def test_exit_statuses():
+    assert workdir.exit_status(None) == 0
+    assert workdir.exit_status(Preempted(10, 20, "/ck")) == 0
+    assert workdir.exit_status(ss.UsageError("x")) == 2
+    assert workdir.exit_status(ss.StorageError(28, "x")) == 5
+    assert workdir.exit_status(KeyboardInterrupt()) == 130
+    assert workdir.exit_status(RuntimeError("connection reset")) == 1  # a lost peer only in a multi-process job
+
+
+class CrashError(Exception):
+    pass
+
+
+class FullDiskWriter:
+    """A progress callback whose close fails, as a TensorBoard writer's flush on a full disk."""
+
+    def __call__(self, p):
+        if p.step == 2:
+            raise CrashError
+
+    def close(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_the_runs_own_error_is_reported_when_closing_the_callbacks_fails_too(tmp_path):
+    with pytest.raises(CrashError):
+        ss.run_in_workdir(ss.Gram(), X, tmp_path, progress=ss.progress.combine(FullDiskWriter()), **KW)
+    assert LEASE_FILE not in os.listdir(tmp_path)  # released
