@@ -35,11 +35,12 @@ MICROBATCH_RANGE = (256, 1 << 14)
 # logical shard (8 steps of 4 MiB; 16 of 2 MiB at d=32, 1.4x faster there than 8).
 MIN_STEPS_PER_CALL = 8
 STEP_BYTES_PER_SHARD = 32 << 20
-# XLA:CPU splits the contraction of a dot over more rows than this between its intra-op
-# threads, and how it splits depends on the process's device count: a (512, d) x (512, d)
-# product differs bitwise between processes of 1 and 8 devices, a 256-row one never
-# (tests/test_reproducible.py). So with logical_shards fixed a shard folds micro-batches
-# of at most this many rows, and its sums are a function of its rows alone.
+# With logical_shards fixed a shard folds micro-batches of at most this many rows (and
+# whitened.py merges in blocks of as many). The cap kept XLA:CPU's matmul library from
+# splitting a sum between threads (longer dots differed between processes of 1 and 8
+# devices); that guarantee now comes from fixed_order.py, which sums every product of such
+# a job in contraction order on CPU, and the cap stays so that those jobs' layout, and so
+# their checkpoints' fingerprint, stays what it was.
 REPRODUCIBLE_MICROBATCH = 256
 
 
