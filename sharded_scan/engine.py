@@ -206,9 +206,11 @@ def pass_checkpoint(checkpoint: Any, index: int) -> Any:
         return os.path.join(os.fspath(checkpoint), f"pass{index}")
     if isinstance(checkpoint, CheckpointOptions):
         return dataclasses.replace(checkpoint, directory=os.path.join(os.fspath(checkpoint.directory), f"pass{index}"))
+    if isinstance(checkpoint, Checkpointer):  # a workdir's: the pass's own, under the same lease
+        return Checkpointer(pass_checkpoint(checkpoint.options, index), leased=checkpoint.leased)
     raise UsageError(
         "a reduction of several passes checkpoints each pass in its own subdirectory: pass checkpoint= "
-        f"a directory or CheckpointOptions, not a {type(checkpoint).__name__}."
+        f"a directory, CheckpointOptions or a Checkpointer, not a {type(checkpoint).__name__}."
     )
 
 

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
+from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.distributed import Preempted, gather_json
-from sharded_scan.engine import RunReport, run_program
+from sharded_scan.engine import RunReport, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.identity import job_digest
 from sharded_scan.options import RunOptions
@@ -98,7 +99,10 @@ def run_in_workdir(
     lease = take_lease(workdir, job, force_unlock)
     try:
         with _entered(options.progress):
-            result, report = run_program(program, source)
+            if isinstance(combiner, MultiPass) and combiner.needs_passes:  # e.g. Quantiles(exact=True)
+                result, report = run_passes(combiner, source, program.options)
+            else:
+                result, report = run_program(program, source)
         summary = {**summary_of(report, source), **(record or {}), "job": job}
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
