@@ -24,7 +24,7 @@ import numpy as np
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.wrappers import NonFiniteError
+from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
@@ -242,23 +242,22 @@ def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
 
 
 class _Health:
-    """The combiner's per-step health value, read one step late so the devices never wait."""
+    """The ``nan_policy="raise"`` count of a step, read one step late so the devices never wait."""
 
     def __init__(self, combiner: Combiner):
-        self.combiner = combiner
+        self.guard = step_guard(combiner)
         self._pending: tuple[Any, int, int] | None = None
 
     def after_step(self, partials: PyTree, first_row: int, num_rows: int) -> None:
         self.check()
-        value = self.combiner.health(partials)
-        if value is not None:
-            self._pending = (value, first_row, num_rows)
+        if self.guard is not None:
+            self._pending = (self.guard.health(partials), first_row, num_rows)
 
     def check(self) -> None:
         if self._pending is not None:
             value, first_row, num_rows = self._pending
             self._pending = None
-            self.combiner.check_health(to_host(value), first_row, num_rows)
+            self.guard.check_health(to_host(value), first_row, num_rows)
 
 
 def fold_all(
@@ -350,9 +349,7 @@ def finalize(program: Program, merged: PyTree) -> Any:
     try:
         return program.finalize(merged)
     except np.linalg.LinAlgError as e:
-        inner = program.job
-        while hasattr(inner, "inner"):  # the policies' wrappers
-            inner = inner.inner
+        inner = innermost(program.job)
         raise UsageError(
             f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
             "rows, or NaN/inf rows (nan_policy='omit' skips them); check the data."

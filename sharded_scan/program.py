@@ -42,7 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.wrappers import apply_policies
+from sharded_scan.combiners.pca import PCA
+from sharded_scan.combiners.regression import LinearRegression
+from sharded_scan.combiners.wrappers import apply_policies, innermost
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order
 from sharded_scan.identity import job_fingerprint
@@ -118,6 +120,11 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) 
     )
 
 
+# Combiners whose add (a re-whitening fold) is slow to compile and cheap to mask: their steps
+# compile one scan, not a second, constant-mask copy for steps of real rows only.
+ONE_SCAN_PER_STEP = (LinearRegression, PCA)
+
+
 @cached
 def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
@@ -126,7 +133,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     first ``num_valid`` are real. Each logical shard folds its block of rows as
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
-    folds away (unless ``combiner.full_step_branch`` is False). ``fixed``: every float
+    folds away (except for :data:`ONE_SCAN_PER_STEP`). ``fixed``: every float
     product of ``add`` sums in contraction order (:func:`~sharded_scan.fixed_order.fixed_order`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
@@ -145,7 +152,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
         def full(acc, item):
             return add(acc, item[1], jnp.ones((mb,), bool)), None
 
-        if not combiner.full_step_branch:
+        if isinstance(innermost(combiner), ONE_SCAN_PER_STEP):
             return jax.lax.scan(ragged, acc, (offsets, micro))[0]
         return jax.lax.cond(
             valid == rows_per_shard,

@@ -41,11 +41,6 @@ class Combiner(abc.ABC):
 
     #: True when ``merge`` is leafwise addition (enables the ``psum`` fast path).
     additive: bool = False
-    #: False to compile one scan for every step: by default a step whose rows are all real
-    #: gets a second copy of the scan with a constant mask (XLA folds the masking away),
-    #: which doubles the compile of an ``add`` that is slow to compile and cheap to mask.
-    full_step_branch: bool = True
-
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
         """Returns the identity accumulator for data whose rows have ``spec``."""
@@ -113,19 +108,6 @@ class Combiner(abc.ABC):
             f"{type(self).__name__} cannot take an accumulator written for a mesh with other axes; "
             "resume on a mesh with the axes of the run that wrote the checkpoint."
         )
-
-    def health(self, partials: PyTree) -> jax.Array | None:
-        """A small device value computed after every step, read one step later (None: none).
-
-        ``partials`` carry a leading shard axis. The engine hands the host copy to
-        :meth:`check_health`, which may stop the run.
-        """
-        del partials
-        return None
-
-    def check_health(self, value: Any, first_row: int, num_rows: int) -> None:
-        """Raises when :meth:`health`'s ``value`` (host) for rows ``[first_row, first_row + num_rows)`` is bad."""
-        del value, first_row, num_rows
 
     def check_spec(self, spec: PyTree) -> None:
         """Raises :class:`UsageError` when the combiner cannot take data of ``spec``.

@@ -42,7 +42,6 @@ class PCA(Combiner):
       solver: the accumulator, as for :class:`~sharded_scan.LinearRegression`.
     """
 
-    full_step_branch = False  # its add (a re-whitening fold) is slow to compile; a mask costs nothing here
 
     k: int
     solver: str = DEFAULT_SOLVER

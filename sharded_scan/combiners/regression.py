@@ -63,7 +63,6 @@ class LinearRegression(Combiner):
         of the condition number).
     """
 
-    full_step_branch = False  # its add (a re-whitening fold) is slow to compile; a mask costs nothing here
 
     l2: float = 0.0
     fit_intercept: bool = True

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -25,32 +26,24 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+@dataclasses.dataclass(frozen=True)
 class Wrapper(Combiner):
-    """A combiner that changes how ``inner`` accumulates and forwards everything else.
+    """A combiner that changes how ``inner`` accumulates; its accumulator holds the inner one.
 
-    Its accumulator holds the inner one as ``value``. Subclasses list their own
-    parameters in :meth:`params` (for equality, hashing and the fingerprint) and
-    rebuild themselves around another inner combiner with :meth:`rewrap`.
+    A frozen dataclass: equality and hashing (what shares the engine's compiled programs)
+    cover ``inner`` and the subclass's own fields, and :meth:`rewrap` rebuilds it around
+    another inner combiner. The user's hooks reach the inner combiner through here.
     """
 
-    def __init__(self, inner: Combiner):
-        self.inner = inner
-        self.additive = inner.additive
-        self.full_step_branch = inner.full_step_branch
+    inner: Combiner
 
-    def params(self) -> dict[str, Any]:
-        """The wrapper's own parameters."""
-        return {}
+    @property
+    def additive(self) -> bool:
+        return self.inner.additive
 
     def rewrap(self, inner: Combiner) -> Wrapper:
         """The same wrapper around ``inner``."""
-        return type(self)(inner, **self.params())
-
-    def __eq__(self, other):  # equal wrappers share the engine's compiled programs
-        return type(other) is type(self) and (other.inner, other.params()) == (self.inner, self.params())
-
-    def __hash__(self):
-        return hash((type(self), self.inner, tuple(sorted(self.params().items()))))
+        return dataclasses.replace(self, inner=inner)
 
     def check_spec(self, spec):
         self.inner.check_spec(spec)
@@ -64,14 +57,12 @@ class Wrapper(Combiner):
     def bind(self, operands):
         return self.rewrap(self.inner.bind(operands))
 
-    def health(self, partials):
-        return self.inner.health(partials.value)
 
-    def check_health(self, value, first_row, num_rows):
-        self.inner.check_health(value, first_row, num_rows)
-
-    def fingerprint(self):
-        return {**self.inner.fingerprint(), **{k: repr(v) for k, v in self.params().items()}}
+def innermost(combiner: Combiner) -> Combiner:
+    """The user's combiner inside the policies' wrappers."""
+    while isinstance(combiner, Wrapper):
+        combiner = combiner.inner
+    return combiner
 
 
 class CompensatedAcc(NamedTuple):
@@ -81,6 +72,7 @@ class CompensatedAcc(NamedTuple):
     compensation: Any
 
 
+@dataclasses.dataclass(frozen=True)
 class Compensated(Wrapper):
     """Kahan-compensated accumulation for an additive combiner.
 
@@ -90,12 +82,11 @@ class Compensated(Wrapper):
     handing the accumulator to the inner combiner.
     """
 
-    additive = True
-
-    def __init__(self, inner: Combiner):
-        if not inner.additive:
-            raise UsageError(f"{type(inner).__name__} is not additive; compensated accumulation needs an additive one.")
-        super().__init__(inner)
+    def __post_init__(self):
+        if not self.inner.additive:
+            raise UsageError(
+                f"{type(self.inner).__name__} is not additive; compensated accumulation needs an additive one."
+            )
 
     def fingerprint(self):
         return {**self.inner.fingerprint(), "compensated": "True"}
@@ -152,6 +143,7 @@ class NonFiniteAcc(NamedTuple):
     bad_rows: wide.Wide
 
 
+@dataclasses.dataclass(frozen=True)
 class NonFinite(Wrapper):
     """Applies ``policy`` (``"omit"`` or ``"raise"``) to rows with a NaN or Inf in any leaf.
 
@@ -161,12 +153,7 @@ class NonFinite(Wrapper):
     the total too.
     """
 
-    def __init__(self, inner: Combiner, policy: str):
-        super().__init__(inner)
-        self.policy = policy
-
-    def params(self):
-        return {"policy": self.policy}
+    policy: str
 
     def fingerprint(self):
         return {**self.inner.fingerprint(), "nan_policy": self.policy}
@@ -192,20 +179,18 @@ class NonFinite(Wrapper):
     def merge(self, a, b):
         return NonFiniteAcc(self.inner.merge(a.value, b.value), wide.add(a.bad_rows, b.bad_rows))
 
-    def health(self, partials):
-        if self.policy != "raise":
-            return self.inner.health(partials.value)
+    def health(self, partials) -> jax.Array:
+        """How many rows of the shards' ``partials`` held NaN or Inf (a device value)."""
         return jnp.sum(wide.to_float(partials.bad_rows))
 
-    def check_health(self, value, first_row, num_rows):
-        if self.policy != "raise":
-            return self.inner.check_health(value, first_row, num_rows)
+    def check_health(self, value, first_row: int, num_rows: int) -> None:
+        """Raises :class:`NonFiniteError` when :meth:`health` (read back) for rows
+        ``[first_row, first_row + num_rows)`` counted any."""
         if float(value):  # the first step with any: all of them are in it
             raise NonFiniteError(
                 f"{round(float(value))} rows of rows {first_row}..{first_row + num_rows - 1} (the step starting at "
                 f"row {first_row}) hold NaN or Inf; clean the data, or pass nan_policy='omit' to skip such rows."
             )
-        return None
 
     def finalize(self, acc):
         bad = int(wide.to_int(acc.bad_rows))
@@ -216,6 +201,11 @@ class NonFinite(Wrapper):
 
 class NonFiniteError(UsageError):
     """Rows with NaN or Inf met ``nan_policy="raise"``."""
+
+
+def step_guard(combiner: Combiner) -> NonFinite | None:
+    """The policy the engine checks after every step (``nan_policy="raise"``), or None."""
+    return combiner if isinstance(combiner, NonFinite) and combiner.policy == "raise" else None
 
 
 def apply_policies(combiner: Combiner, *, nan_policy: str = "propagate", compensated: bool = True) -> Combiner:
