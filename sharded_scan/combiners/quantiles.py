@@ -18,10 +18,8 @@ runs the passes).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,47 +27,19 @@ from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import (
     MAX_KEY,
-    NAN_KEY,
     check_column_spec,
     columns,
-    decode,
     fold_if_any,
-    is_float,
     kind_code,
 )
 from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.quantiles_exact import exact_passes
+from sharded_scan.combiners.quantiles_result import QuantilesAcc, QuantilesResult, result_from_keys
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 8192
 MIN_K = 16
 CONFIDENCE = 0.99
-
-
-class QuantilesResult(NamedTuple):
-    """Per column, the value at each ``q`` and how far its rank may be from ``q (n - 1)``.
-
-    ``quantiles`` is ``(d, len(qs))`` float64 (``(len(qs),)`` for rows of one value),
-    NaN for a column that holds NaN (numpy's ``np.quantile`` does the same) or has no
-    rows; ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
-    probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data.
-    """
-
-    quantiles: np.ndarray
-    qs: np.ndarray
-    count: np.ndarray
-    rank_error: np.ndarray
-    passes: np.ndarray
-    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
-
-
-class QuantilesAcc(NamedTuple):
-    """The sketch, the row count, each column's smallest and largest key, the key kind."""
-
-    sketch: kll.Sketch
-    count: wide.Wide
-    low: jax.Array   # uint32 (d,) or (): smallest key (MAX_KEY with no rows)
-    high: jax.Array  # uint32 (d,) or (): largest key (NAN_KEY once a NaN was seen)
-    kind: jax.Array  # int32 (): keys.kind_code, so that finalize can turn keys back into values
 
 
 def check_qs(qs: Any, num_buckets: Any, who: str) -> tuple[float, ...]:
@@ -175,9 +145,7 @@ class Quantiles(Combiner, MultiPass):
         return bool(self.exact)
 
     def passes(self):
-        from sharded_scan.combiners.quantiles_exact import exact_passes
-
-        return exact_passes(self)
+        return exact_passes(self.qs, self.bits, dataclasses.replace(self, exact=False))
 
 
 def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray) -> QuantilesResult:
@@ -186,16 +154,3 @@ def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray) -> QuantilesResult:
     rows = int(wide.to_int(acc.count))
     bound = kll.rank_error_bound(float(acc.sketch.variance), rows, CONFIDENCE)
     return result_from_keys(acc, qs, keys, rows, bound, passes=1)
-
-
-def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, keys: np.ndarray, rows: int, bound: float, passes: int):
-    """Builds the result from per-column keys ``(d, len(qs))``: exact ends, NaN columns, shape."""
-    low, high = np.asarray(acc.low).reshape(-1), np.asarray(acc.high).reshape(-1)
-    keys = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], keys))
-    values = decode(keys, acc.kind)
-    nan = (high == NAN_KEY) & is_float(acc.kind)
-    values[nan | (rows == 0)] = np.nan
-    if np.ndim(acc.low) == 0:
-        values = values[0]
-    bound = 0.0 if math.isnan(bound) else bound
-    return QuantilesResult(values, qs.copy(), np.int64(rows), np.float64(bound), np.int64(passes))

@@ -1,6 +1,6 @@
 """Exact quantiles in a few passes: the sketch brackets each answer, counting passes narrow it.
 
-Pass 1 is the :class:`~sharded_scan.combiners.quantiles.Quantiles` sketch. For the
+Pass 1 is the one-pass ``Quantiles`` sketch. For the
 wanted rank ``r = floor(q (n - 1))`` of every column and ``q`` it gives keys ``lo <= hi``
 with at most ``r`` rows below ``lo`` and more than ``r`` rows at or below ``hi``, unless
 the sketch's rank error exceeds Hoeffding's bound at probability ``1e-9``. Each further
@@ -40,18 +40,29 @@ from sharded_scan.combiners.keys import (
     is_float,
     np_float_keys,
 )
-from sharded_scan.combiners.quantiles import Quantiles, result_from_keys
+from sharded_scan.combiners.quantiles_result import result_from_keys
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
 END = 1 << 32  # a boundary past every key
 
 
 @dataclasses.dataclass(frozen=True)
-class SketchPass(Quantiles):
-    """Pass 1: the sketch, returned whole (the merged host accumulator) for bracketing."""
+class SketchPass(Combiner):
+    """Pass 1: the one-pass ``sketch``, returned whole (the merged host accumulator) for bracketing."""
+
+    sketch: Combiner
 
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
+
+    def init(self, spec):
+        return self.sketch.init(spec)
+
+    def add(self, acc, batch, mask):
+        return self.sketch.add(acc, batch, mask)
+
+    def merge(self, a, b):
+        return self.sketch.merge(a, b)
 
     def finalize(self, acc):
         return acc
@@ -157,10 +168,12 @@ def narrowed(bounds: np.ndarray, counts: BinCounts, rank: int, low: int, high: i
     return smallest, largest
 
 
-def exact_passes(q: Quantiles):
-    """The passes of ``Quantiles(exact=True)`` (a generator :func:`sharded_scan.run` drives)."""
-    qs = np.asarray(q.qs, np.float64)
-    acc = yield SketchPass(qs=q.qs, k=q.k)
+def exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
+    """The passes of ``Quantiles(exact=True)`` for ``qs``, the first one ``sketch``'s (the
+    one-pass ``Quantiles``), each later one refining by ``bits`` bits of the keys: a generator
+    :func:`sharded_scan.run` drives."""
+    qs = np.asarray(qs, np.float64)
+    acc = yield SketchPass(sketch)
     rows = int(wide.to_int(acc.count))
     host = kll.to_host(acc.sketch)
     if rows == 0 or float(acc.sketch.variance) == 0.0:  # nothing compacted: the sketch holds every row
@@ -176,7 +189,7 @@ def exact_passes(q: Quantiles):
     hi = np.maximum(hi, lo)
     settled = (qs[None, :] == 0) | (qs[None, :] == 1) | ((high == NAN_KEY) & floats)[:, None]
     hi = np.where(settled, lo, hi)  # ends are exact already; NaN columns answer NaN
-    passes, bins = 1, 1 << q.bits
+    passes, bins = 1, 1 << bits
     while np.any(lo < hi):
         todo = list(zip(*np.nonzero(lo < hi), strict=True))
         bounds = np.zeros(lo.shape + (bins + 1,), np.int64)
