@@ -4,8 +4,10 @@
     python -m launch.main --config=custom_combiner:quick --workdir=/tmp/ss_runs/above_quick \
         --config.combiner.kwargs.threshold=1.5 --jax_num_cpu_devices=8
 
-A template for your own: ``ExceedanceRate`` is a ``Combiner`` (``init``, ``add``,
-``finalize``; ``AdditiveCombiner`` gives the ``merge``), and this config names it by
+A template for your own: ``ExceedanceRate`` is a ``Combiner``, and a Combiner is four
+functions, ``init``, ``add``, ``merge``, ``finalize`` (``AdditiveCombiner`` gives the
+``merge``); the hooks (``check_spec``, ``fingerprint``, ``for_mesh``/``partition``...)
+have defaults, and nothing of how the engine runs it is yours to write. This config names it by
 ``module:Class`` with its arguments in ``kwargs``, as ``--config.combiner.name=my_pkg.stats:MyCombiner
 --config.combiner.kwargs.NAME=VALUE`` names yours on any config. Its counts are exact
 ``wide`` integers, so they do not wrap at 2^31 rows.

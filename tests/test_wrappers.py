@@ -1,9 +1,12 @@
 """Compensated accumulation and nan_policy wrappers, against float64 references."""
 
+import jax
 import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan import program
+from sharded_scan.combiners import wrappers
 from sharded_scan.combiners.wrappers import Compensated, NonFinite, NonFiniteError, apply_policies
 from tests.helpers import f64, rel_err
 
@@ -86,3 +89,33 @@ def test_run_nan_policy_omit():
 def test_unknown_policy_is_one_line_error():
     with pytest.raises(ss.UsageError, match="nan_policy"):  # checked once, in RunOptions; apply_policies trusts it
         ss.RunOptions(nan_policy="ignore")
+
+
+def test_users_protocol_holds_no_engine_policy():
+    members = {name for name in dir(ss.Combiner) if not name.startswith("_")}
+    assert members == {
+        "init", "add", "merge", "finalize", "additive", "check_spec", "fingerprint", "for_mesh", "partition",
+        "convert", "operands", "bind",
+    }
+    raising = apply_policies(ss.Sum(), nan_policy="raise")
+    assert wrappers.innermost(raising) == ss.Sum() and wrappers.innermost(ss.Sum()) == ss.Sum()
+    assert wrappers.step_guard(ss.Sum()) is None  # a bare combiner has no per-step check
+    assert wrappers.step_guard(apply_policies(ss.Sum(), nan_policy="omit")) is None
+    spec = jax.ShapeDtypeStruct((2,), np.float32)
+    assert wrappers.step_guard(raising) is raising and float(raising.health(raising.init(spec))) == 0.0
+    with pytest.raises(NonFiniteError, match="rows 10..14"):
+        raising.check_health(1.0, 10, 5)
+    one_scan = [isinstance(wrappers.innermost(c), program.ONE_SCAN_PER_STEP) for c in (
+        raising, apply_policies(ss.PCA(2), nan_policy="omit"), ss.LinearRegression())]
+    assert one_scan == [False, True, True]
+
+
+def test_wrappers_rebuild_around_the_inner_combiner_and_compare_by_value():
+    job = NonFinite(Compensated(ss.Histogram(bins=4, range=(0.0, 1.0))), "omit")
+    bound = job.bind(job.operands(jax.ShapeDtypeStruct((3,), np.float32)))
+    assert type(bound) is NonFinite and bound.policy == "omit" and type(bound.inner) is Compensated
+    assert job == NonFinite(Compensated(ss.Histogram(bins=4, range=(0.0, 1.0))), "omit")
+    assert hash(job) == hash(NonFinite(Compensated(ss.Histogram(bins=4, range=(0.0, 1.0))), "omit"))
+    assert job != NonFinite(Compensated(ss.Histogram(bins=4, range=(0.0, 1.0))), "raise")
+    assert job.fingerprint() == {**ss.Histogram(bins=4, range=(0.0, 1.0)).fingerprint(), "compensated": "True",
+                                 "nan_policy": "omit"}
