@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sharded_scan.errors import UsageError
+
 
 class Factor(NamedTuple):
     """What a regression or PCA accumulator knows about the data ``Z`` (rows ``z``).
@@ -132,3 +134,12 @@ def principal_axes(factor: Factor) -> Axes:
     biggest = np.argmax(np.abs(vt), axis=1)
     vt = vt * np.sign(vt[np.arange(d), biggest])[:, None]
     return Axes(vt, s)
+
+
+def check_has_rows(factor: Factor, who: str) -> None:
+    """Raises :class:`UsageError` when ``factor`` holds no rows: there is nothing to fit."""
+    if factor.count == 0:
+        raise UsageError(
+            f"{who} has no rows to fit: every row was padding or skipped by nan_policy='omit' (a NaN or Inf "
+            "in any of its values); check the data, or run with nan_policy='propagate' to see them."
+        )

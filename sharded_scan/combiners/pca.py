@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype
-from sharded_scan.combiners.lstsq import principal_axes
+from sharded_scan.combiners.lstsq import check_has_rows, principal_axes
 from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
@@ -71,6 +71,7 @@ class PCA(Combiner):
 
     def finalize(self, acc):
         factor = self._solver().factor(acc)
+        check_has_rows(factor, "PCA")
         axes = principal_axes(factor)
         squares = axes.singular_values**2
         with np.errstate(divide="ignore", invalid="ignore"):

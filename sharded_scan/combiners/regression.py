@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
-from sharded_scan.combiners.lstsq import least_squares
+from sharded_scan.combiners.lstsq import check_has_rows, least_squares
 from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
 from sharded_scan.errors import UsageError
 
@@ -108,6 +108,7 @@ class LinearRegression(Combiner):
 
     def finalize(self, acc):
         factor = self._solver(np.shape(acc.targets)).factor(acc.rows)
+        check_has_rows(factor, "LinearRegression")
         t = int(np.prod(np.shape(acc.targets)))
         solution = least_squares(factor, factor.mean.size - t, self.l2, self.fit_intercept)
         if np.ndim(acc.targets) == 0:  # y of shape (n,): coef (d,), a scalar intercept

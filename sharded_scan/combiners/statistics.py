@@ -13,6 +13,7 @@ a sum of their squares.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -126,6 +127,17 @@ def host_mean(acc: CenteredAcc) -> np.ndarray:
     return np.asarray(acc.shift, np.float64) + np.asarray(acc.mean, np.float64)
 
 
+def no_rows(count: int, who: str) -> bool:
+    """True, with a warning, when ``count`` is 0: statistics of no rows are NaN (as numpy's)."""
+    if count:
+        return False
+    warnings.warn(
+        f"{who} of no rows (every row was padding or skipped by nan_policy='omit'): its statistics are NaN, "
+        "as numpy's mean of no values is.", RuntimeWarning, stacklevel=3,
+    )
+    return True
+
+
 def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
@@ -175,6 +187,8 @@ class Covariance(Combiner):
 
     def finalize(self, acc):
         count = wide.to_int(acc.count)
+        if no_rows(count, "Covariance"):
+            return CovarianceResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
         return CovarianceResult(count, host_mean(acc), _divide(host_m2(acc), count - self.ddof))
 
 
@@ -230,6 +244,8 @@ class Moments(Combiner):
 
     def finalize(self, acc):
         count = wide.to_int(acc.centered.count)
+        if no_rows(count, "Moments"):
+            return MomentsResult(count, *(np.full(np.shape(acc.min), np.nan) for _ in range(4)))
         return MomentsResult(
             count,
             host_mean(acc.centered),
