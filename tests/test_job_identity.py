@@ -77,3 +77,28 @@ def test_saves_scale_with_the_job():
     assert saves(ss.checkpoint.SavePolicy(1, None, per_job=4), 40) == 4
     assert saves(ss.checkpoint.SavePolicy(2, None, per_job=4), 8) == 4  # a small job keeps every_steps
     assert gram.get_config("quick").checkpoint.per_job == 4  # :quick writes a handful, whatever the data
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_a_parquet_or_csv_file_replaced_between_a_crash_and_the_resume_is_named(tmp_path, kind):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    rng = np.random.default_rng(1)
+    path = tmp_path / f"x.{kind}"
+
+    def write(seed_shift):
+        frame = pd.DataFrame(rng.normal(size=(700, 3)).astype(np.float32) + seed_shift, columns=["a", "b", "c"])
+        frame.to_parquet(path) if kind == "parquet" else frame.to_csv(path, index=False)
+
+    def source():
+        return (ss.sources.ParquetSource if kind == "parquet" else ss.sources.CsvSource)(path, dtype="float32")
+
+    write(0)
+    ck = str(tmp_path / "ck")
+    with pytest.raises(CrashError):
+        ss.run(ss.Gram(), source(), checkpoint=ss.CheckpointOptions(ck, every_steps=1), progress=crash_at_step_3, **KW)
+    assert str(path) in source().stamps()
+    write(100)  # other rows, the same layout: resuming would mix both files
+    os.utime(path, ns=(0, 10**9))
+    assert_usage_error(lambda: ss.run(ss.Gram(), source(), checkpoint=ck, **KW),
+                       ["the data changed since the checkpoint at row 128", f"x.{kind}"])

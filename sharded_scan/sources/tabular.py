@@ -24,7 +24,7 @@ import numpy as np
 
 from sharded_scan.dtypes import hash_strings
 from sharded_scan.errors import UsageError
-from sharded_scan.sources.base import PyTree, Source, aligned_empty, row_spec
+from sharded_scan.sources.base import PyTree, Source, aligned_empty, file_stamp, row_spec
 from sharded_scan.sources.memory import ArraySource
 
 Columns = Any  # a name, a list of names, or a pytree of those
@@ -35,6 +35,7 @@ def _pyarrow():
         import pyarrow
         import pyarrow.csv
         import pyarrow.dataset  # noqa: F401 - loads the submodule
+        import pyarrow.fs  # noqa: F401
     except ImportError:
         raise UsageError("reading Parquet, Arrow or CSV needs pyarrow: pip install 'sharded_scan[tabular]'.") from None
     return pyarrow
@@ -227,6 +228,7 @@ class ParquetSource(Source):
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
         self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings)
         _check_fragments(fragments, self._dataset.schema, _names(self._columns), self._dtype)
+        self._paths = [f.path for f in fragments]
         self._units = [u for u, n in units if n]
         self._starts = np.cumsum([0] + [n for _, n in units if n])
         self._cached: tuple[int, Any] | None = None
@@ -235,6 +237,15 @@ class ParquetSource(Source):
     @property
     def num_rows(self) -> int:
         return int(self._starts[-1])
+
+    def stamps(self) -> dict[str, str]:
+        """Size and modification time of every file of the dataset (local: to the nanosecond)."""
+        filesystem = self._dataset.filesystem
+        if isinstance(filesystem, _pyarrow().fs.LocalFileSystem):
+            return {os.path.abspath(p): file_stamp(os.stat(p)) for p in self._paths}
+        return {
+            info.path: f"{info.size} bytes, modified {info.mtime}" for info in filesystem.get_file_info(self._paths)
+        }
 
     @property
     def spec(self) -> PyTree:
@@ -370,6 +381,10 @@ class CsvSource(Source):
     @property
     def num_rows(self) -> int:
         return self._num_rows
+
+    def stamps(self) -> dict[str, str]:
+        """The file's size and modification time (to the nanosecond)."""
+        return {os.path.abspath(self._path): file_stamp(os.stat(self._path))}
 
     @property
     def spec(self) -> PyTree:
