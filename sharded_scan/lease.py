@@ -126,7 +126,7 @@ class Lease:
         self._since = _when(time.time())
         mode = os.O_RDONLY if mount_type(self.directory) in _LOCAL_FILE_SYSTEMS else os.O_RDWR
         for _ in range(5):
-            fd = os.open(self.path, mode | os.O_CREAT, 0o644)
+            fd = self._open(mode | os.O_CREAT)
             try:
                 locked = self._lock(fd)
                 try:
@@ -247,6 +247,18 @@ class Lease:
         return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
                 "since": self._since, "heartbeat": time.time(), "job": self.job}
 
+    def _open(self, flags: int) -> int:
+        """Opens the local lease file, never through a symbolic link (whoever can write into a
+        shared directory could otherwise point it at the job user's files)."""
+        try:
+            return os.open(self.path, flags | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EISDIR):
+                raise
+            what = "a symbolic link" if e.errno == errno.ELOOP else "a directory"
+            raise UsageError(f"{self.path} is {what}, not a lease file, and is never written through; remove it "
+                             f"(and check who can write into {self.directory}), then rerun.") from None
+
     @staticmethod
     def _read(fd: int) -> dict[str, Any]:
         try:
@@ -258,7 +270,7 @@ class Lease:
 
     def _write(self, fd: int, record: dict[str, Any]) -> None:
         """Writes ``record`` into the file ``fd`` (held read-only) names, through a short-lived writer."""
-        out = os.open(self.path, os.O_WRONLY)
+        out = self._open(os.O_WRONLY)
         try:
             if os.fstat(out).st_ino != os.fstat(fd).st_ino:
                 return  # taken over (forced): the file is another holder's now

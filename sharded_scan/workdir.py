@@ -23,7 +23,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from sharded_scan.engine import RunReport, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.identity import job_digest
 from sharded_scan.options import RunOptions
-from sharded_scan.paths import as_path, where
+from sharded_scan.paths import as_path, is_url, where
 from sharded_scan.program import build_program
 from sharded_scan.sources import Source, as_source
 from sharded_scan.storage import check_writable, storage_error, storage_reason
@@ -204,26 +205,46 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
       StorageError: the workdir refused a write; ``intact`` says what is still there.
     """
     arrays = named_arrays(result)
-    root, written = as_path(workdir), []
+    root = as_path(workdir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        for name, write in ((RESULT, lambda f: np.savez(f, **arrays)),
-                            (SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))):
-            tmp = root / f"{name}.tmp"
-            written.append(tmp)
-            with tmp.open("wb") as f:
-                write(f)
-            tmp.replace(root / name)
+        write_atomically(workdir, RESULT, lambda f: np.savez(f, **arrays))
+        write_atomically(workdir, SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))
     except OSError as e:
         code = storage_reason(e)
         if code is None:
             raise
         needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
         raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
-    finally:
-        for tmp in written:
+
+
+def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> None:
+    """Writes the file ``name`` of ``workdir`` by ``write(f)`` into a fresh temp file, then a rename.
+
+    Locally the temp file is created anew (``O_CREAT | O_EXCL``: never an existing file or a
+    symbolic link someone left there, mode 0644 whatever the umask) and the rename replaces
+    a link at ``name`` itself, never its target. On an object store there are no links.
+    """
+    root = as_path(workdir)
+    if is_url(workdir):
+        tmp = root / f"{name}.tmp"
+        try:
+            with tmp.open("wb") as f:
+                write(f)
+            tmp.replace(root / name)
+        finally:
             if tmp.exists():
                 tmp.unlink()
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=os.fspath(root))
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, os.path.join(os.fspath(root), name))
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def finished(workdir: str, job: str) -> dict[str, Any] | None:

@@ -139,3 +139,26 @@ def test_a_reduction_of_several_passes_runs_every_pass_in_the_workdir(tmp_path):
     again, done = ss.run_in_workdir(exact, x, tmp_path, mesh="data:4")
     assert done["already_done"]
     np.testing.assert_array_equal(again["quantiles"], result.quantiles)
+
+
+def test_links_in_the_workdir_are_never_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / LEASE_FILE).symlink_to(victim)
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Sum(), X, work, **KW), ["lock.json", "symbolic link", "remove it"])
+    (work / LEASE_FILE).unlink()
+    for name in (workdir.RESULT, workdir.SUMMARY, f"{workdir.RESULT}.tmp", f"{workdir.SUMMARY}.tmp"):
+        (work / name).symlink_to(victim)
+    old_umask = os.umask(0)
+    try:
+        result, _ = ss.run_in_workdir(ss.Sum(), X, work, **KW)
+    finally:
+        os.umask(old_umask)
+    assert victim.read_text() == "the user's own file"
+    for name in (workdir.RESULT, workdir.SUMMARY):
+        assert not (work / name).is_symlink() and (work / name).stat().st_mode & 0o777 == 0o644
+    np.testing.assert_allclose(workdir.load_result(work)["sum"], X.astype(np.float64).sum(0), rtol=1e-5)
+    (work / LEASE_FILE).mkdir()
+    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, work, **KW), ["lock.json", "a directory"])
