@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -108,7 +109,7 @@ def run_in_workdir(
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
                       else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
-            write_outputs(workdir, result, summary, intact)
+            summary = write_outputs(workdir, result, summary, intact)
             _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; wrote %s", summary["rows"],
                       summary["seconds"], summary["rows_per_second"], summary["devices"], root / RESULT)
     finally:
@@ -198,8 +199,11 @@ def named_arrays(result: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: str) -> None:
+def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: str) -> dict[str, Any]:
     """Writes result.npz and summary.json atomically (temp file, then rename; any epath workdir).
+
+    Returns the summary as written: with ``result_sha256``, the digest of result.npz that
+    "already done" checks.
 
     Raises:
       StorageError: the workdir refused a write; ``intact`` says what is still there.
@@ -209,6 +213,7 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
     try:
         root.mkdir(parents=True, exist_ok=True)
         write_atomically(workdir, RESULT, lambda f: np.savez(f, **arrays))
+        summary = {**summary, "result_sha256": result_digest(workdir)}
         write_atomically(workdir, SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))
     except OSError as e:
         code = storage_reason(e)
@@ -216,6 +221,16 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
             raise
         needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
         raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
+    return summary
+
+
+def result_digest(workdir: str) -> str:
+    """SHA-256 of ``workdir/result.npz``'s bytes."""
+    digest = hashlib.sha256()
+    with (as_path(workdir) / RESULT).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> None:
@@ -254,9 +269,13 @@ def finished(workdir: str, job: str) -> dict[str, Any] | None:
         summary = json.loads((root / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict) or summary.get("job") != job:
+    if not isinstance(summary, dict) or summary.get("job") != job or not (root / RESULT).is_file():
         return None
-    return summary if (root / RESULT).is_file() else None
+    if "result_sha256" in summary and result_digest(workdir) != summary["result_sha256"]:
+        _log.warning("%s is not the result %s was written with (replaced or damaged): running the job again, "
+                     "from its final checkpoint where there is one.", root / RESULT, root / SUMMARY)
+        return None
+    return summary
 
 
 def load_result(workdir: str) -> dict[str, np.ndarray]:

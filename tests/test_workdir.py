@@ -162,3 +162,19 @@ def test_links_in_the_workdir_are_never_written_through(tmp_path):
     np.testing.assert_allclose(workdir.load_result(work)["sum"], X.astype(np.float64).sum(0), rtol=1e-5)
     (work / LEASE_FILE).mkdir()
     assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, work, **KW), ["lock.json", "a directory"])
+
+
+@pytest.mark.parametrize("damage", ["another result", "truncated"])
+def test_a_replaced_or_damaged_result_is_rebuilt_from_the_final_checkpoint(tmp_path, damage):
+    want, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)
+    result = tmp_path / workdir.RESULT
+    assert summary["result_sha256"] == workdir.result_digest(tmp_path)
+    if damage == "another result":
+        np.savez(result, result=np.zeros_like(want))
+    else:
+        result.write_bytes(result.read_bytes()[:100])
+    got, again = ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)
+    assert "already_done" not in again and again["resumed_from_cursor"] == len(X) and again["rows_this_run"] == 0
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(workdir.load_result(tmp_path)["result"], want)
+    assert ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)[1]["already_done"]
