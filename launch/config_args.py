@@ -127,6 +127,8 @@ def command_line_error(e: BaseException) -> str:
         return one_line(e)
     if isinstance(e, (KeyError, AttributeError)):  # a locked config refuses an unknown field
         return not_a_field(e)
+    if isinstance(e, SyntaxError):  # the config file does not parse
+        return f"bad --config: {e.filename}, line {e.lineno}: {type(e).__name__}: {e.msg}"
     return f"bad --config: {one_line(e)}"
 
 

@@ -72,7 +72,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         argv, _EXTRA = split_args(argv)
         sys.argv[1:] = argv[1:]  # config_flags finds the --config.FIELD overrides in sys.argv
         return flags.FLAGS(argv)
-    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError, SyntaxError) as e:
         fail(command_line_error(e))
     return []
 

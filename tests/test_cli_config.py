@@ -220,3 +220,21 @@ def test_file_kinds_name_x_and_y_or_say_what_is_missing(user_files):
     data.target = "spend"
     assert_usage_error(lambda: make_source(data), ["config.data.target", "npy", "parquet"])
 
+
+
+def test_a_config_file_that_does_not_parse_is_one_line_with_its_file_and_line(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("def get_config(arg=None):\n    return (\n")
+    proc = cli.run(cli.main_cmd(f"--config={path}", f"--workdir={tmp_path / 'work'}"))
+    assert proc.returncode == 2, proc.stderr
+    assert cli.one_error_line(proc) == f"error: bad --config: {path}, line 2: SyntaxError: '(' was never closed"
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("ddof", [None, -1, 0.5, True])
+def test_a_ddof_that_is_not_a_count_is_one_line(ddof):
+    import sharded_scan as ss
+
+    for combiner in (ss.Moments(ddof=ddof), ss.Covariance(ddof=ddof)):
+        assert_usage_error(lambda c=combiner: ss.run(c, np.ones((10, 2), np.float32)),
+                           [f"{type(combiner).__name__} ddof must be a non-negative integer", repr(ddof)])

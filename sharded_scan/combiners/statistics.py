@@ -23,6 +23,7 @@ import numpy as np
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.errors import UsageError
 
 
 class CenteredAcc(NamedTuple):
@@ -127,6 +128,12 @@ def host_mean(acc: CenteredAcc) -> np.ndarray:
     return np.asarray(acc.shift, np.float64) + np.asarray(acc.mean, np.float64)
 
 
+def check_ddof(ddof, who: str) -> None:
+    """Raises :class:`UsageError` unless ``ddof`` is a non-negative integer."""
+    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)) or ddof < 0:
+        raise UsageError(f"{who} ddof must be a non-negative integer (0 like np.var, 1 like np.cov), got {ddof!r}.")
+
+
 def no_rows(count: int, who: str) -> bool:
     """True, with a warning, when ``count`` is 0: statistics of no rows are NaN (as numpy's)."""
     if count:
@@ -175,6 +182,7 @@ class Covariance(Combiner):
     def check_spec(self, spec):
         super().check_spec(spec)
         check_matrix_spec(spec, type(self).__name__)
+        check_ddof(self.ddof, type(self).__name__)
 
     def init(self, spec):
         return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
@@ -222,6 +230,7 @@ class Moments(Combiner):
     def check_spec(self, spec):
         super().check_spec(spec)
         check_matrix_spec(spec, type(self).__name__)
+        check_ddof(self.ddof, type(self).__name__)
 
     def init(self, spec):
         d, dtype = spec.shape[0], accumulator_dtype(spec.dtype)
