@@ -23,7 +23,7 @@ import numpy as np
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
 from sharded_scan.errors import StorageError, UsageError
@@ -104,7 +104,7 @@ def run_with_report(
 ) -> tuple[Any, RunReport]:
     """Like :func:`run`, also returning a :class:`RunReport` of what the run did."""
     options = RunOptions.make(options, **overrides)
-    if isinstance(combiner, MultiPass) and combiner.needs_passes:
+    if reads_several_times(combiner):
         return run_passes(combiner, data, options)
     started = time.perf_counter()
     source = as_source(data)
@@ -168,7 +168,7 @@ def run_passes(
       their number in ``passes``.
     """
     options = RunOptions.make(options, **overrides)
-    if not (isinstance(reduction, MultiPass) and reduction.needs_passes):
+    if not reads_several_times(reduction):
         return run_with_report(reduction, data, options)  # one pass
     pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
     source = as_source(data)  # once: each pass reads it from row 0

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
-from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.distributed import Preempted, gather_json
 from sharded_scan.engine import RunReport, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
@@ -101,7 +101,7 @@ def run_in_workdir(
     lease = take_lease(workdir, job, force_unlock)
     try:
         with _entered(options.progress):
-            if isinstance(combiner, MultiPass) and combiner.needs_passes:  # e.g. Quantiles(exact=True)
+            if reads_several_times(combiner):  # e.g. Quantiles(exact=True)
                 result, report = run_passes(combiner, source, program.options)
             else:
                 result, report = run_program(program, source)

@@ -26,3 +26,8 @@ class MultiPass:
     def passes(self) -> Generator[Any, Any, Any]:
         """Yields each pass's combiner, is sent its result, and returns the final result."""
         raise NotImplementedError
+
+
+def reads_several_times(reduction: Any) -> bool:
+    """Whether ``reduction`` is run pass by pass (a :class:`MultiPass` that needs its passes)."""
+    return isinstance(reduction, MultiPass) and reduction.needs_passes
