@@ -48,7 +48,7 @@ def _columns(data: Any) -> Any:
 
 def _tabular(data: Any) -> sources.Source:
     kind = sources.ParquetSource if data.kind == "parquet" else sources.CsvSource
-    return kind(_file(data), columns=_columns(data), dtype=data.dtype or None, strings=data.strings or "refuse")
+    return kind(_file(data), columns=_columns(data), dtype=data.dtype or None, strings=data.strings or "hash")
 
 
 # One factory per ``config.data.kind``: each builds the Source from the ``data`` section.
@@ -148,7 +148,7 @@ def data_config(num_rows: int, features: int, *, targets: bool = False, kind: st
             "columns": "",  # parquet, csv: X's columns, comma-separated; empty for every numeric one
             "target": "",  # parquet, csv: y's column: rows are (X, y)
             "dtype": "",  # synthetic: float32 when empty; parquet, csv: the columns' own type when empty
-            "strings": "",  # parquet, csv: "hash" reads string columns as stable int32 ids (TopK, DistinctCount)
+            "strings": "",  # parquet, csv: "hash" (when empty) reads string columns as int32 ids (TopK, DistinctCount)
             "zero_copy": False,  # npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)
             "zarr_driver": "",  # zarr: "zarr" or "zarr3"; empty to detect
             "zarr_fill_missing": False,  # zarr: read chunks that are not stored as the fill value

@@ -24,6 +24,7 @@ import numpy as np
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
+from sharded_scan.combiners.topk_strings import with_strings
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
 from sharded_scan.errors import StorageError, UsageError
@@ -333,10 +334,11 @@ def with_column_names(result: Any, source: Source) -> Any:
     if "columns" not in getattr(result, "_fields", ()):
         return result
     names = jax.tree.leaves(source.column_names, is_leaf=lambda x: isinstance(x, (list, str)))
-    if names and isinstance(names[0], list):
-        return result._replace(columns=np.asarray(names[0], str))
+    if names and isinstance(names[0], (list, str)):  # a name alone: rows of one value, one column
+        names = [names[0]] if isinstance(names[0], str) else names[0]
+        return with_strings(result._replace(columns=np.asarray(names, str)), names, source)
     shape = jax.tree.leaves(source.spec)[0].shape
-    return result._replace(columns=np.arange(shape[0] if shape else 0))
+    return result._replace(columns=np.arange(shape[0] if shape else 1))
 
 
 def finalize(program: Program, merged: PyTree) -> Any:

@@ -414,6 +414,7 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     if empty:
         raise UsageError(f"the data's rows hold no values (rows of {', '.join(empty)}); there is nothing to reduce "
                          "per row: check the data's columns.")
+    check_string_ids(innermost(job), source)
     job.check_spec(source.spec)
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
@@ -432,6 +433,17 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     )
     check_fits(program)
     return program
+
+
+def check_string_ids(combiner: Combiner, source: Source) -> None:
+    """One line when string columns, read as hash ids, would reach a combiner that reduces numbers."""
+    strings = source.string_columns
+    if strings and not combiner.takes_string_ids:
+        raise UsageError(
+            f"the string column(s) {', '.join(map(repr, strings))} are read as stable int32 ids, not as numbers: only "
+            f"combiners that count values take them (TopK, DistinctCount), and {type(combiner).__name__} reduces "
+            "numbers; leave them out of columns=, or encode them as numbers first."
+        )
 
 
 def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: RunOptions | None = None) -> Program:

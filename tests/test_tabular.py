@@ -139,18 +139,22 @@ def test_a_polars_frame_is_data_with_nulls_as_nan_and_its_column_names(frame):
     assert int(got.count) == len(want) and got.columns.tolist() == X
 
 
-def test_string_columns_hashed_when_asked_count_like_pandas(frame, files):
+def test_string_columns_are_counted_like_pandas_and_topk_lists_the_strings(frame, files):
     names = np.random.default_rng(1).choice(["Lyon", "Köln", "Oslo", "Porto"], N, p=[0.4, 0.3, 0.2, 0.1])
     cities = pd.DataFrame({"city": names, "kind": pd.Categorical(names)})
-    top = ss.run(ss.TopK(k=4), dataframe_source(cities, strings="hash", columns=["city", "kind"]), mesh="data:2")
+    top = ss.run(ss.TopK(k=5), dataframe_source(cities, columns=["city", "kind"]), mesh="data:2")  # no opt-in
     want = cities.city.value_counts()
-    np.testing.assert_array_equal(top.values, np.stack([ss.hash_strings(want.index)] * 2))  # categorical: same ids
-    np.testing.assert_array_equal(top.counts, np.stack([want.to_numpy()] * 2))
+    np.testing.assert_array_equal(top.values, np.stack([[*want.index, ""]] * 2))  # categorical: the same strings
+    np.testing.assert_array_equal(top.counts, np.stack([[*want.to_numpy(), 0]] * 2))
     assert top.columns.tolist() == ["city", "kind"]
-    distinct = ss.run(ss.DistinctCount(exact_up_to=2048), ParquetSource(files / "one.parquet", columns=["name"],
-                                                                       strings="hash"), mesh="data:2")
-    assert distinct.count.tolist() == [N] and distinct.exact.all()
-    assert_usage_error(lambda: dataframe_source(cities, columns=["city"]), ["'city'", "strings='hash'"])
+    hashed = ss.run(ss.TopK(k=4), dataframe_source(cities, strings="hash", columns=["city"]), mesh="data:2")
+    np.testing.assert_array_equal(hashed.values[0], want.index)
+    distinct = ss.run(ss.DistinctCount(exact_up_to=2048), ParquetSource(files / "one.parquet", columns=["name"]),
+                      mesh="data:2")
+    assert distinct.count.tolist() == [frame.name.nunique()] and distinct.exact.all()
+    assert_usage_error(lambda: ss.run(ss.Moments(), dataframe_source(cities, columns=["city"])),
+                       ["'city'", "not as numbers", "TopK", "Moments", "columns="])
+    assert_usage_error(lambda: dataframe_source(cities, columns=["city"], strings="refuse"), ["'city'", "not a number"])
     assert_usage_error(lambda: ParquetSource(files / "one.parquet", columns=["name", "age"], strings="hash"),
                        ["int32 ids", "only string columns"])
     assert_usage_error(lambda: CsvSource(files / "all.csv", columns=["name"], strings="yes"), ["strings must be"])
@@ -158,7 +162,8 @@ def test_string_columns_hashed_when_asked_count_like_pandas(frame, files):
 
 def test_bad_columns_are_one_line(files):
     one = files / "one.parquet"
-    assert_usage_error(lambda: ParquetSource(one, columns=["name"]), ["'name'", "not a number", "year"])
+    assert_usage_error(lambda: ParquetSource(one, columns=["name"], strings="refuse"),
+                       ["'name'", "not a number", "year"])
     assert_usage_error(lambda: ParquetSource(one, columns=["weight"]), ["no column 'weight'", "price"])
     assert_usage_error(lambda: ParquetSource(one, columns=[1, 2]), ["columns must be"])
     assert_usage_error(lambda: ParquetSource(files / "nope.parquet"), ["cannot read", "nope.parquet"])

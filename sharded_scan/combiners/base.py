@@ -41,6 +41,9 @@ class Combiner(abc.ABC):
 
     #: True when ``merge`` is leafwise addition (enables the ``psum`` fast path).
     additive: bool = False
+    #: True when the combiner counts values by key (TopK, DistinctCount), so string columns read
+    #: as :func:`~sharded_scan.hash_strings` ids may feed it; the others refuse them in one line.
+    takes_string_ids: bool = False
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
         """Returns the identity accumulator for data whose rows have ``spec``."""

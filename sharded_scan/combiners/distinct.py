@@ -134,6 +134,7 @@ class DistinctCount(Combiner):
 
     precision: int = DEFAULT_PRECISION
     exact_up_to: int = 0
+    takes_string_ids = True  # string columns: their hash ids count the distinct strings
 
     def __post_init__(self):
         p = self.precision

@@ -133,6 +133,7 @@ class TopK(Combiner):
 
     k: int = DEFAULT_K
     capacity: int = DEFAULT_CAPACITY
+    takes_string_ids = True  # a string column's values: the source maps the top ids back to strings
 
     def __post_init__(self):
         for name in ("k", "capacity"):

@@ -8,7 +8,7 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -118,6 +118,18 @@ class Source(abc.ABC):
         """The names of the row's columns, a pytree like ``spec`` (a list of names for a
         ``(d,)`` leaf, a name for a scalar one), or None when the data has none."""
         return None
+
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        """The columns read as :func:`~sharded_scan.hash_strings` ids (string and categorical
+        columns), which only a combiner with ``takes_string_ids`` may reduce; () for numbers."""
+        return ()
+
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+        """``{id: string}`` of the values of the string column ``column`` whose ids are ``ids``
+        (what ``TopK`` lists); read from the first row on, so the same on every process."""
+        del column, ids
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """What identifies the data for a checkpoint fingerprint: kind, rows, row spec."""

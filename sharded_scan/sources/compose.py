@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -60,6 +61,13 @@ class TreeSource(Source):
 
     def stamps(self) -> dict[str, str]:
         return {path: stamp for s in self._sources for path, stamp in s.stamps().items()}
+
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        return tuple(name for s in self._sources for name in s.string_columns)
+
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+        return next((s.strings(column, ids) for s in self._sources if column in s.string_columns), {})
 
 
 def as_source(data: Any) -> Source:

@@ -6,8 +6,23 @@ arrays, e.g. ``columns=(["year", "income", "age"], "price")`` for ``(X, y)``; No
 every numeric column not named elsewhere (``columns=(None, "price")``). Every value
 keeps its precision: the row dtype is the columns' common numpy type (float64 for
 doubles, which needs ``jax_enable_x64``) unless ``dtype=`` says otherwise. Nulls become
-NaN (so ``nan_policy`` applies) in float dtypes and are an error in integer ones;
-string and categorical columns are refused with the names of the numeric ones.
+NaN (so ``nan_policy`` applies) in float dtypes and are an error in integer ones.
+
+Vector columns: a ``fixed_size_list`` column of numbers, a ``list`` one whose lists all have
+one length (found from its first row), and a pandas column of equal-length arrays (a
+``list`` in Arrow) hold ``k`` values a row: one such name gives ``(rows, k)``, and in a list
+of names it takes ``k`` places (``["a", "vec"]``: ``(rows, 1 + k)``, named ``a``, ``vec[0]``,
+...). A list of another length is one line naming its row and file; a null list reads as
+``k`` NaNs and a null inside one as NaN (in integer dtypes both are one line, as nulls are).
+
+String and categorical columns are read as the stable int32 ids of
+:func:`~sharded_scan.hash_strings` (``strings="hash"``, the default; ``"refuse"`` refuses
+them in one line), in a source of their own (one source reads one dtype). Only combiners
+that count values by key take them (``takes_string_ids``: ``TopK``, ``DistinctCount``;
+the others refuse them in one line before any compute), and ``TopK`` lists the strings
+themselves: the source finds the top ids' strings afterwards (:meth:`ParquetSource.strings`).
+``columns=None`` reads the numeric columns (a frame of strings only: its string columns) and
+warns naming every column it leaves out.
 
 pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``.
 """
@@ -16,8 +31,9 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,6 +49,7 @@ Columns = Any  # a name, a list of names, or a pytree of those
 def _pyarrow():
     try:
         import pyarrow
+        import pyarrow.compute
         import pyarrow.csv
         import pyarrow.dataset  # noqa: F401 - loads the submodule
         import pyarrow.fs  # noqa: F401
@@ -50,9 +67,21 @@ def _leaves(columns: Columns) -> tuple[list, Any]:
     return jax.tree.flatten(columns, is_leaf=lambda x: x is None or _is_names(x))
 
 
+def _each(selection: str | list[str]) -> list[str]:
+    return [selection] if isinstance(selection, str) else selection
+
+
 def _numeric(arrow_type: Any) -> bool:
     pa = _pyarrow()
     return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or pa.types.is_boolean(arrow_type)
+
+
+def _vector(arrow_type: Any) -> bool:
+    """Whether ``arrow_type`` is a list (fixed-size or not) of numbers: a vector column."""
+    pa = _pyarrow()
+    lists = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(
+        arrow_type)
+    return lists and _numeric(arrow_type.value_type)
 
 
 def _text(arrow_type: Any) -> bool:
@@ -62,76 +91,139 @@ def _text(arrow_type: Any) -> bool:
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
-STRINGS = ("refuse", "hash")
+STRINGS = ("hash", "refuse")
 
 
-def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str,
-                    strings: str = "refuse") -> tuple[Columns, np.dtype]:
-    """Checks ``columns`` against an Arrow ``schema``; returns the selection and the row dtype.
+class Selection(NamedTuple):
+    """What a tabular source reads: ``columns`` (a pytree of names), the row ``dtype``, the
+    ``widths`` of its vector columns (name -> values a row) and its ``strings`` (read as ids)."""
 
-    ``columns=None`` selects every numeric column as one ``(rows, d)`` array; a None inside a
-    pytree every numeric column the others do not name (``(None, "y")``: y, and X of the rest).
-    ``strings="hash"`` reads selected string (or categorical) columns as the stable int32 ids
-    of :func:`sharded_scan.hash_strings`, for the sketches (``TopK``, ``DistinctCount``).
+    columns: Columns
+    dtype: np.dtype
+    widths: dict[str, int]
+    strings: tuple[str, ...]
+
+    def names(self) -> list[str]:
+        """Every column name selected, sorted, once each."""
+        return sorted({n for s in _leaves(self.columns)[0] for n in _each(s)})
+
+    def leaf_shape(self, selection: str | list[str]) -> tuple[int, ...]:
+        """One row of a selection: ``()`` for a scalar column, ``(k,)`` for a vector or a list."""
+        if isinstance(selection, str):
+            return (self.widths[selection],) if selection in self.widths else ()
+        return (sum(self.widths.get(n, 1) for n in selection),)
+
+    def spec(self) -> PyTree:
+        selections, tree = _leaves(self.columns)
+        return tree.unflatten([row_spec((0, *self.leaf_shape(s)), self.dtype) for s in selections])
+
+    def column_names(self) -> Columns:
+        """``columns`` with each vector column's name spelt out per value (``vec[0]``, ``vec[1]``, ...)."""
+
+        def spelt(name: str) -> list[str]:
+            return [f"{name}[{i}]" for i in range(self.widths[name])] if name in self.widths else [name]
+
+        selections, tree = _leaves(self.columns)
+        scalar = [isinstance(s, str) and s not in self.widths for s in selections]
+        return tree.unflatten([s if one else [m for n in _each(s) for m in spelt(n)]
+                               for s, one in zip(selections, scalar, strict=True)])
+
+    def empty(self, num_rows: int, real: int | None = None) -> list[np.ndarray]:
+        """One aligned array a selection, ``num_rows`` rows (on CPU devices placing it is zero-copy),
+        the rows from ``real`` on zeroed (the padding of a last step)."""
+        out = [aligned_empty((num_rows, *self.leaf_shape(s)), self.dtype) for s in _leaves(self.columns)[0]]
+        for leaf in out:
+            leaf[num_rows if real is None else real :] = 0
+        return out
+
+
+def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strings: str = "hash",
+                    sample: Callable[[list[str]], Any] | None = None) -> Selection:
+    """Checks ``columns`` against an Arrow ``schema``; returns what the source reads.
+
+    ``columns=None`` selects every numeric (or vector) column as one ``(rows, d)`` array, or,
+    when there is none, every string column; a None inside a pytree every such column the
+    others do not name (``(None, "y")``: y, and X of the rest). The columns it leaves out are
+    named in a warning. ``strings="hash"`` reads selected string (or categorical) columns as
+    the stable int32 ids of :func:`sharded_scan.hash_strings`, for the sketches (``TopK``,
+    ``DistinctCount``). ``sample(names)`` gives a table of the first rows of those ``list``
+    columns, whose length the schema does not say.
     """
     if strings not in STRINGS:
         raise UsageError(f"strings must be one of {', '.join(map(repr, STRINGS))}, got {strings!r}.")
     text = [f.name for f in schema if _text(f.type)] if strings == "hash" else []
-    numeric = [f.name for f in schema if _numeric(f.type)]
+    numeric = [f.name for f in schema if _numeric(f.type) or _vector(f.type)]
     selections, tree = _leaves(columns)
     if any(s is None for s in selections):
-        named = {n for s in selections if s is not None for n in ([s] if isinstance(s, str) else s)}
-        rest = [n for n in numeric if n not in named]
+        named = {n for s in selections if s is not None for n in _each(s)}
+        rest = [n for n in numeric if n not in named] or [n for n in text if n not in named]
+        left_out = [f"{f.name!r} ({f.type})" for f in schema if f.name not in named and f.name not in rest]
         if not rest:
             besides = f" besides {', '.join(sorted(named))}" if named else ""
             raise UsageError(f"{where} has no numeric column{besides} (its columns: {', '.join(schema.names)}).")
+        if left_out:
+            warnings.warn(
+                f"columns=None reads {', '.join(rest)} of {where} and leaves out {', '.join(left_out)}; count string "
+                "columns by naming them in columns= (TopK and DistinctCount read them as ids), or name the columns "
+                "you want to silence this.", stacklevel=3)
         columns = tree.unflatten([rest if s is None else s for s in selections])
         selections, _ = _leaves(columns)
     if not selections or not all(_is_names(s) for s in selections):
         raise UsageError(f"columns must be a column name, a list of names, or a pytree of those; got {columns!r}.")
     for selection in selections:
-        for name in [selection] if isinstance(selection, str) else selection:
+        for name in _each(selection):
             if name not in schema.names:
                 raise UsageError(f"{where} has no column {name!r}; its columns are: {', '.join(schema.names)}.")
             if name not in numeric and name not in text:
                 text_type = _text(schema.field(name).type)
-                hint = " or pass strings='hash' to count its values by stable ids" if text_type else ""
+                hint = " or drop strings='refuse' to count its values by stable ids" if text_type else ""
                 raise UsageError(
                     f"column {name!r} of {where} is {schema.field(name).type}, not a number; leave it out of "
                     f"columns= (the numeric ones: {', '.join(numeric)}){hint}, or encode it as integers first."
                 )
-    chosen = [n for s in selections for n in ([s] if isinstance(s, str) else s)]
-    if any(n in text for n in chosen):
-        if not all(n in text for n in chosen) or dtype not in (None, "int32", np.int32, np.dtype(np.int32)):
+    chosen = [n for s in selections for n in _each(s)]
+    chosen_text = tuple(n for n in chosen if n in text)
+    if chosen_text:
+        if len(chosen_text) < len(chosen):
             raise UsageError(
-                f"strings='hash' reads {', '.join(n for n in chosen if n in text)} as int32 ids; select only string "
-                "columns in that source (a numeric column would be narrowed to int32), and leave dtype unset."
+                f"columns= of {where} mixes the string column(s) {', '.join(map(repr, chosen_text))} (not a number: "
+                "read as int32 ids, for TopK and DistinctCount) with numeric ones, and a source reads one dtype; "
+                f"select only string columns in one source (e.g. columns={chosen_text[0]!r}), the numbers in another."
             )
+        if dtype not in (None, "int32", np.int32, np.dtype(np.int32)):
+            raise UsageError(f"string columns of {where} are read as int32 ids; leave dtype unset, got {dtype!r}.")
         dtype = np.int32
+    vectors = [n for n in dict.fromkeys(chosen) if _vector(schema.field(n).type)]
     if dtype is None:
-        types = [schema.field(n).type.to_pandas_dtype() for s in selections for n in ([s] if isinstance(s, str) else s)]
+        types = [(schema.field(n).type.value_type if n in vectors else schema.field(n).type).to_pandas_dtype()
+                 for n in chosen]
         dtype = np.result_type(*types)
     dtype = np.dtype(dtype)
     if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
         raise UsageError(f"dtype must be a numeric numpy dtype, got {dtype}.")
-    return columns, dtype
+    return Selection(columns, dtype, _widths(schema, vectors, where, sample), chosen_text)
 
 
-def table_rows(table: Any, columns: Columns, dtype: np.dtype, first_row: int, where: str) -> PyTree:
-    """The selected columns of an Arrow ``table`` as numpy arrays of ``dtype`` (nulls as NaN)."""
-    selections, tree = _leaves(columns)
-    out = _empty(selections, table.num_rows, dtype)
-    _fill(table, selections, dtype, first_row, where, out, 0)
-    return tree.unflatten(out)
+def _widths(schema: Any, vectors: list[str], where: str, sample: Callable[[list[str]], Any] | None) -> dict[str, int]:
+    """The values a row of each vector column: a fixed size, or the length of a list column's first list."""
+    pa = _pyarrow()
+    widths = {n: schema.field(n).type.list_size for n in vectors if pa.types.is_fixed_size_list(schema.field(n).type)}
+    lists = [n for n in vectors if n not in widths]
+    first = sample(lists) if lists and sample is not None else None
+    for name in lists:
+        lengths = pa.compute.list_value_length(first.column(name)).drop_null() if first is not None else []
+        if not len(lengths):
+            raise UsageError(f"list column {name!r} of {where} has no list in its first rows to tell its length; "
+                             "fill them, or write the column as a fixed_size_list.")
+        widths[name] = lengths[0].as_py()
+    return widths
 
 
-def _empty(selections: list, num_rows: int, dtype: np.dtype, real: int | None = None) -> list[np.ndarray]:
-    """One aligned array a selection, ``num_rows`` rows (on CPU devices placing it is zero-copy),
-    the rows from ``real`` on zeroed (the padding of a last step)."""
-    out = [aligned_empty((num_rows,) if isinstance(s, str) else (num_rows, len(s)), dtype) for s in selections]
-    for leaf in out:
-        leaf[num_rows if real is None else real :] = 0
-    return out
+def table_rows(table: Any, selection: Selection, first_row: int, where: str) -> PyTree:
+    """The selected columns of an Arrow ``table`` as numpy arrays (nulls as NaN)."""
+    out = selection.empty(table.num_rows)
+    _fill(table, selection, first_row, where, out, 0)
+    return _leaves(selection.columns)[1].unflatten(out)
 
 
 def check_nulls(values: Any, name: str, dtype: np.dtype, first_row: int, where: str) -> None:
@@ -146,38 +238,83 @@ def check_nulls(values: Any, name: str, dtype: np.dtype, first_row: int, where: 
         )
 
 
-def _fill(table: Any, selections: list, dtype: np.dtype, first_row: int, where: str, out: list[np.ndarray],
-          offset: int) -> None:
+def string_ids(chunk: Any) -> np.ndarray:
+    """The :func:`hash_strings` ids of an Arrow string (or dictionary) array, each distinct string hashed once."""
+    pa = _pyarrow()
+    encoded = chunk if pa.types.is_dictionary(chunk.type) else pa.compute.dictionary_encode(chunk)
+    return hash_strings(encoded.dictionary.to_pylist())[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
+def find_strings(chunks: Iterable[Any], ids: Iterable[int]) -> dict[int, str]:
+    """``{id: string}`` for the ``ids`` found in Arrow string ``chunks``, read in order until each is found."""
+    pa, wanted, found = _pyarrow(), set(ids), {}
+    for chunk in chunks:
+        if len(found) == len(wanted):
+            break
+        dictionary = (chunk.dictionary if pa.types.is_dictionary(chunk.type) else pa.compute.unique(chunk)).to_pylist()
+        for key, string in zip(hash_strings(dictionary).tolist(), dictionary, strict=True):
+            if key in wanted:
+                found.setdefault(key, string)
+    return found
+
+
+def _vector_values(chunk: Any, width: int, name: str, dtype: np.dtype, first_row: int, where: str) -> Any:
+    """The values of an Arrow list chunk, ``width`` a row, null lists left out; one line at a list of another length."""
+    pa = _pyarrow()
+    if not pa.types.is_fixed_size_list(chunk.type):
+        lengths = pa.compute.fill_null(pa.compute.list_value_length(chunk), width).to_numpy()
+        odd = np.flatnonzero(lengths != width)
+        if len(odd):
+            raise UsageError(
+                f"list column {name!r} of {where} holds {int(lengths[odd[0]])} values at row {first_row + int(odd[0])} "
+                f"and {width} in its first row: a vector column needs one length; pad or cut its lists, or leave it "
+                "out of columns=."
+            )
+    values = chunk.flatten()
+    check_nulls(values, name, dtype, first_row, where)
+    return values.to_numpy(zero_copy_only=False).reshape(-1, width)
+
+
+def _fill(table: Any, selection: Selection, first_row: int, where: str, out: list[np.ndarray], offset: int) -> None:
     """Writes the rows of an Arrow table or record batch into ``out[k][offset:]``, one pass a column.
 
     Each Arrow chunk is cast straight into its place (``np.copyto``), with no whole-column or
     whole-table copy in between; the values are those of ``np.asarray(column, dtype)``.
     """
+    dtype = selection.dtype
 
     def column(name: str, target: np.ndarray) -> None:
         values = table.column(name)
         check_nulls(values, name, dtype, first_row, where)
-        if _text(values.type):
-            target[:] = hash_strings(values.to_pylist())
-            return
         at = 0
         for chunk in getattr(values, "chunks", [values]):  # a table's column is chunked, a batch's is not
-            if len(chunk):
-                np.copyto(target[at : at + len(chunk)], chunk.to_numpy(zero_copy_only=False), casting="unsafe")
-                at += len(chunk)
+            if not len(chunk):
+                continue
+            place = target[at : at + len(chunk)]
+            if name in selection.strings:
+                place[:] = string_ids(chunk)
+            elif name in selection.widths:
+                vectors = _vector_values(chunk, selection.widths[name], name, dtype, first_row + at, where)
+                if chunk.null_count:  # a null list: NaN values (a float dtype: check_nulls said so)
+                    valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+                    place[~valid] = np.nan
+                    place[valid] = vectors
+                else:
+                    np.copyto(place, vectors, casting="unsafe")
+            else:
+                np.copyto(place, chunk.to_numpy(zero_copy_only=False), casting="unsafe")
+            at += len(chunk)
 
     rows = slice(offset, offset + table.num_rows)
-    for selection, leaf in zip(selections, out, strict=True):
-        if isinstance(selection, str):
-            column(selection, leaf[rows])
-        else:
-            for j, name in enumerate(selection):
-                column(name, leaf[rows, j])
-
-
-def _spec(columns: Columns, dtype: np.dtype) -> PyTree:
-    selections, tree = _leaves(columns)
-    return tree.unflatten([row_spec((0,) if isinstance(s, str) else (0, len(s)), dtype) for s in selections])
+    for chosen, leaf in zip(_leaves(selection.columns)[0], out, strict=True):
+        if isinstance(chosen, str):
+            column(chosen, leaf[rows])
+            continue
+        at = 0
+        for name in chosen:
+            k = selection.widths.get(name)
+            column(name, leaf[rows, at] if k is None else leaf[rows, at : at + k])
+            at += k or 1
 
 
 def _paths(path: str | os.PathLike | Sequence) -> list[str] | str:
@@ -206,12 +343,12 @@ class ParquetSource(Source):
       columns: see the module docstring; None for every numeric column.
       dtype: the row dtype; None for the columns' common type.
       format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
-      strings: ``"hash"`` reads selected string columns as stable int32 ids (see
-        :func:`resolve_columns`); ``"refuse"`` (default) refuses them in one line.
+      strings: ``"hash"`` (default) reads selected string columns as stable int32 ids (see
+        :func:`resolve_columns`); ``"refuse"`` refuses them in one line.
     """
 
     def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
-                 format: str = "parquet", strings: str = "refuse"):  # noqa: A002 - pyarrow's word
+                 format: str = "parquet", strings: str = "hash"):  # noqa: A002 - pyarrow's word
         pa = _pyarrow()
         self._where = str(path)
         try:
@@ -226,10 +363,11 @@ class ParquetSource(Source):
                     units.append((fragment, fragment.count_rows()))
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
-        self._columns, self._dtype = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings)
-        _check_fragments(fragments, self._dataset.schema, _names(self._columns), self._dtype)
-        self._paths = [f.path for f in fragments]
         self._units = [u for u, n in units if n]
+        self._selection = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings,
+                                          lambda names: self._units[0].head(16, columns=names) if self._units else None)
+        _check_fragments(fragments, self._dataset.schema, self._selection.names(), self._selection.dtype)
+        self._paths = [f.path for f in fragments]
         self._starts = np.cumsum([0] + [n for _, n in units if n])
         self._cached: tuple[int, Any] | None = None
         self._format = format
@@ -249,15 +387,26 @@ class ParquetSource(Source):
 
     @property
     def spec(self) -> PyTree:
-        return _spec(self._columns, self._dtype)
+        return self._selection.spec()
 
     @property
     def column_names(self) -> Columns:
-        return self._columns
+        return self._selection.column_names()
+
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        return self._selection.strings
+
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+        """The strings of ``column`` whose ids are ``ids``, the dataset read in order (that column
+        only) until each is found: the few values a ``TopK`` lists, found again after the run."""
+        scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
+                                                    self._dataset.filesystem)
+        return find_strings((batch.column(0) for batch in scan.to_batches(columns=[column])), ids)
 
     def _unit(self, i: int) -> Any:
         if self._cached is None or self._cached[0] != i:  # the reader asks for consecutive ranges
-            self._cached = (i, self._units[i].to_table(columns=_names(self._columns)))
+            self._cached = (i, self._units[i].to_table(columns=self._selection.names()))
         return self._cached[1]
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
@@ -266,13 +415,13 @@ class ParquetSource(Source):
         decodes the next ones on its threads while this one casts (1.3x the rate of decoding them
         one by one on 2 cores); the last one is kept, since the reader asks for consecutive ranges."""
         self._check_range(start, stop)
-        selections, tree = _leaves(self._columns)
-        out = _empty(selections, pad_to or stop - start, self._dtype, stop - start)
+        out = self._selection.empty(pad_to or stop - start, stop - start)
 
         def put(table: Any, at: int) -> None:  # the table's rows are rows at, at + 1, ...
             lo, hi = max(start, at), min(stop, at + table.num_rows)
             if lo < hi:
-                _fill(table.slice(lo - at, hi - lo), selections, self._dtype, lo, repr(self._where), out, lo - start)
+                path = self._units[int(np.searchsorted(self._starts, at, side="right")) - 1].path
+                _fill(table.slice(lo - at, hi - lo), self._selection, lo, path, out, lo - start)
 
         i = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
         last = min(int(np.searchsorted(self._starts, stop, side="left")) - 1, len(self._units) - 1)
@@ -285,21 +434,17 @@ class ParquetSource(Source):
                                                 self._dataset.filesystem)
             # In order, never across row groups; decoding about one row group ahead measured faster on
             # 2 cores than pyarrow's default (4 fragments, 16 batches ahead), and holds less memory.
-            for batch in scan.to_batches(columns=_names(self._columns), fragment_readahead=1, batch_readahead=4):
+            for batch in scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4):
                 if at >= self._starts[last]:
                     kept.append(batch)
                 put(batch, at)
                 at += batch.num_rows
             self._cached = (last, pa.Table.from_batches(kept))
-        return tree.unflatten(out)
+        return _leaves(self._selection.columns)[1].unflatten(out)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": self._where, "columns": repr(self._columns), "format": self._format}
-
-
-def _names(columns: Columns) -> list[str]:
-    """Every column name ``columns`` selects, sorted, once each."""
-    return sorted({n for s in _leaves(columns)[0] for n in ([s] if isinstance(s, str) else s)})
+        return {**super().describe(), "path": self._where, "columns": repr(self._selection.columns),
+                "format": self._format}
 
 
 def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.dtype) -> None:
@@ -350,7 +495,7 @@ class CsvSource(Source):
     """
 
     def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
-                 block_bytes: int = 1 << 20, strings: str = "refuse"):
+                 block_bytes: int = 1 << 20, strings: str = "hash"):
         pa = _pyarrow()
         self._path, self._block_bytes = os.fspath(path), int(block_bytes)
         if not os.path.isfile(self._path):
@@ -358,12 +503,12 @@ class CsvSource(Source):
         try:
             reader = pa.csv.open_csv(self._path, read_options=pa.csv.ReadOptions(block_size=self._block_bytes))
             self._schema = reader.schema  # the types inferred from the first block, kept for every read
-            self._columns, self._dtype = resolve_columns(reader.schema, columns, dtype, repr(self._path), strings)
+            self._selection = resolve_columns(reader.schema, columns, dtype, repr(self._path), strings)
             self._num_rows = 0
-            names = _names(self._columns)
+            names = self._selection.names()
             for batch in reader:  # one pass: counts the rows, finds ragged lines and nulls before any compute
                 for name in names:
-                    check_nulls(batch.column(name), name, self._dtype, self._num_rows, repr(self._path))
+                    check_nulls(batch.column(name), name, self._selection.dtype, self._num_rows, repr(self._path))
                 self._num_rows += batch.num_rows
         except pa.ArrowException as e:
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
@@ -376,7 +521,7 @@ class CsvSource(Source):
         pa = _pyarrow()
         csv = pa.dataset.CsvFileFormat(read_options=pa.csv.ReadOptions(block_size=self._block_bytes),
                                        convert_options=pa.csv.ConvertOptions(column_types=self._schema))
-        return iter(pa.dataset.dataset(self._path, format=csv).to_batches(columns=_names(self._columns)))
+        return iter(pa.dataset.dataset(self._path, format=csv).to_batches(columns=self._selection.names()))
 
     @property
     def num_rows(self) -> int:
@@ -388,7 +533,7 @@ class CsvSource(Source):
 
     @property
     def spec(self) -> PyTree:
-        return _spec(self._columns, self._dtype)
+        return self._selection.spec()
 
     @property
     def sequential(self) -> bool:
@@ -396,7 +541,15 @@ class CsvSource(Source):
 
     @property
     def column_names(self) -> Columns:
-        return self._columns
+        return self._selection.column_names()
+
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        return self._selection.strings
+
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+        """As :meth:`ParquetSource.strings`: the file parsed again from its start (not this reader's place)."""
+        return find_strings((batch.column(column) for batch in self._open()), ids)
 
     def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
         super().seek(cursor, state)
@@ -409,8 +562,7 @@ class CsvSource(Source):
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
         if self._reader is None:
             self._reader = self._open()
-        selections, tree = _leaves(self._columns)
-        out = _empty(selections, pad_to or stop - start, self._dtype, stop - start)
+        out = self._selection.empty(pad_to or stop - start, stop - start)
         while self._position < stop:
             if self._buffer is None or self._buffer.num_rows == 0:
                 self._buffer = next(self._reader)
@@ -418,40 +570,52 @@ class CsvSource(Source):
             take = min(self._buffer.num_rows, stop - self._position)
             if skip < take:
                 first = self._position + skip
-                _fill(self._buffer.slice(skip, take - skip), selections, self._dtype, first, repr(self._path), out,
+                _fill(self._buffer.slice(skip, take - skip), self._selection, first, repr(self._path), out,
                       first - start)
             self._buffer = self._buffer.slice(take)
             self._position += take
-        return tree.unflatten(out)
+        return _leaves(self._selection.columns)[1].unflatten(out)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._columns)}
+        return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._selection.columns)}
 
 
 class FrameSource(ArraySource):
-    """A DataFrame's selected columns in memory, with their names (``column_names``)."""
+    """A DataFrame's selected columns in memory, with their names (``column_names``) and, for
+    :meth:`strings`, its string columns as Arrow arrays."""
 
-    def __init__(self, data: PyTree, columns: Columns):
+    def __init__(self, data: PyTree, columns: Columns, strings: dict[str, Any] | None = None):
         super().__init__(data)
-        self._columns = columns
+        self._columns, self._strings = columns, strings or {}
 
     @property
     def column_names(self) -> Columns:
         return self._columns
 
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        return tuple(self._strings)
+
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+        """As :meth:`ParquetSource.strings`, from the frame's column."""
+        return find_strings(self._strings[column].chunks, ids)
+
 
 def dataframe_source(
-    frame: Any, columns: Columns = None, dtype: Any = None, strings: str = "refuse"
+    frame: Any, columns: Columns = None, dtype: Any = None, strings: str = "hash"
 ) -> FrameSource:
     """A pandas (or polars) DataFrame's columns as an in-memory source (see the module docstring).
 
-    Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes;
-    ``strings="hash"``: string or categorical columns as stable int32 ids.
+    Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes; columns of
+    equal-length arrays (or lists) are vector columns; ``strings="hash"`` (default): string or
+    categorical columns as stable int32 ids.
     """
     pa = _pyarrow()
+    where = f"the {type(frame).__name__}"
     try:
         table = pa.Table.from_pandas(frame, preserve_index=False) if hasattr(frame, "iloc") else frame.to_arrow()
     except (AttributeError, TypeError, pa.ArrowException) as e:
-        raise UsageError(f"cannot read the {type(frame).__name__} as columns: {str(e).splitlines()[0]}") from None
-    columns, dtype = resolve_columns(table.schema, columns, dtype, f"the {type(frame).__name__}", strings)
-    return FrameSource(table_rows(table, columns, dtype, 0, f"the {type(frame).__name__}"), columns)
+        raise UsageError(f"cannot read {where} as columns: {str(e).splitlines()[0]}") from None
+    selection = resolve_columns(table.schema, columns, dtype, where, strings, lambda names: table.select(names))
+    return FrameSource(table_rows(table, selection, 0, where), selection.column_names(),
+                       {name: table.column(name) for name in selection.strings})
