@@ -178,6 +178,8 @@ def test_columns_none_names_the_string_columns_it_leaves_out(words):
         dataframe_source(frame[["n"]])
         dataframe_source(frame[["word"]])
     assert_usage_error(lambda: ss.run(ss.Moments(), frame[["word"]]), ["'word'", "Moments", "not as numbers"])
+    x_and_y = (dataframe_source(frame, columns=["word"]), frame.n.to_numpy())  # a pytree of sources
+    assert_usage_error(lambda: ss.run(ss.LinearRegression(), x_and_y), ["'word'", "LinearRegression"])
 
 
 def test_topk_of_hash_ids_names_its_one_column():

@@ -16,7 +16,8 @@ so a value monitored from its first row, as frequent values are, has its exact c
 The top ``k`` are the monitored values with the largest ``count``; ``certain`` says the
 ``k``-th count is at least every other value's upper bound, so that they are a true top
 ``k``. Keys are the values' 32-bit keys (:mod:`~sharded_scan.combiners.keys`); strings
-can be counted by their :func:`hash_strings` ids.
+can be counted by their :func:`hash_strings` ids: a tabular source's string column is read so,
+and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
 """
 
 from __future__ import annotations

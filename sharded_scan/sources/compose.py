@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -65,9 +64,6 @@ class TreeSource(Source):
     @property
     def string_columns(self) -> tuple[str, ...]:
         return tuple(name for s in self._sources for name in s.string_columns)
-
-    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
-        return next((s.strings(column, ids) for s in self._sources if column in s.string_columns), {})
 
 
 def as_source(data: Any) -> Source:
