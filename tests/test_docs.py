@@ -7,8 +7,9 @@ What a fresh virtual environment would add is checked against ``setup.cfg``: eac
 are installed by the install line it names (``pip install -e ".[tabular]"`` in the block, else the
 base install), so a block that needs pandas says an extra that brings it. The blocks run in this
 environment, with ``sharded-scan`` / ``sharded-scan-local`` standing for ``python -m launch.main`` /
-``launch.local`` from this checkout. Consecutive python blocks share one process, each with its own
-names (a name one block leaves to another is an error); the two files run side by side.
+``launch.local`` from this checkout. Blocks that name the same ``/tmp`` path run in order in one
+chain (consecutive python blocks of a chain in one process, each with its own names: a name one
+block leaves to another is an error), and the chains side by side, to stay within a minute.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import configparser
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
@@ -151,8 +153,24 @@ def test_each_example_has_its_own_workdir():
     assert len(jobs) >= 6, jobs
 
 
-def script(doc: str, tmp: Path) -> str:
-    """One bash script running the doc's runnable blocks in order (/tmp -> ``tmp``)."""
+def chains() -> list[list[Block]]:
+    """The runnable blocks of every doc in chains that can run side by side: blocks that name the
+    same ``/tmp`` path (a file one writes and the next reads, a workdir run twice) share a chain,
+    in the docs' order."""
+    every = [b for doc in DOCS for b in runnable(doc)]
+    chain = list(range(len(every)))
+    seen: dict[str, int] = {}
+    for i, b in enumerate(every):
+        for path in set(re.findall(r"/tmp/[\w.-]+(?:/[\w.-]+)*", b.body)):
+            j = seen.setdefault(path, i)
+            old, new = chain[j], chain[i]
+            chain = [old if c == new else c for c in chain]
+    return [[b for b, c in zip(every, chain, strict=True) if c == first] for first in dict.fromkeys(chain)]
+
+
+def script(chain: list[Block], tmp: Path) -> str:
+    """One bash script running a chain's blocks in order (/tmp -> ``tmp``); consecutive python
+    blocks in one process."""
     lines = ["set -euo pipefail"]
     group: list[str] = []
 
@@ -161,10 +179,10 @@ def script(doc: str, tmp: Path) -> str:
             lines.append(" ".join([shlex.quote(sys.executable), shlex.quote(str(tmp / "runner.py")), *group]))
             group.clear()
 
-    for b in runnable(doc):
+    for b in chain:
         body = b.body.replace("/tmp/", f"{tmp}/")
         if b.lang == "python":
-            path = tmp / f"{b.doc}_{b.line}.py"
+            path = tmp / f"{b.doc}:{b.line}"
             path.write_text(body)
             group.append(shlex.quote(str(path)))
             continue
@@ -178,6 +196,7 @@ def script(doc: str, tmp: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every chain run to its end, at most one a core (2 to 4) at once: ``{chain's block names: process}``."""
     tmp = tmp_path_factory.mktemp("docs")
     (tmp / "runner.py").write_text(RUNNER)
     shims = tmp / "bin"
@@ -187,22 +206,32 @@ def runs(tmp_path_factory):
         (shims / name).chmod(0o755)
     env = cli.env()
     env["PATH"] = f"{shims}:{env['PATH']}"
-    scripts = {doc: script(doc, tmp) for doc in DOCS}
+    scripts = {tuple(b.name for b in chain): script(chain, tmp) for chain in sorted(chains(), key=len, reverse=True)}
 
-    def run(doc):
-        return subprocess.run(["bash", "-c", scripts[doc]], cwd=cli.ROOT, env=env, capture_output=True, text=True,
+    def run(text):
+        return subprocess.run(["bash", "-c", text], cwd=cli.ROOT, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT)
 
-    with concurrent.futures.ThreadPoolExecutor(len(DOCS)) as pool:
-        return dict(zip(DOCS, pool.map(run, DOCS), strict=True)), tmp
+    with concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 2))) as pool:
+        return dict(zip(scripts, pool.map(run, scripts.values()), strict=True))
+
+
+def test_blocks_in_chains():
+    found = chains()
+    names = [[b.name for b in chain] for chain in found]
+    together = next(chain for chain in names if "README.md:88" in chain)  # writes the files the CLI reads
+    assert any(name.startswith("README.md:1") and name != "README.md:88" for name in together), names
+    assert sum(len(chain) for chain in found) == sum(len(runnable(doc)) for doc in DOCS)
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_the_blocks_run_as_pasted(runs, doc):
-    procs, tmp = runs
-    proc = procs[doc]
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "Traceback" not in out and "\nerror:" not in out, out[-6000:]
-    ran = re.findall(r"^--- (\S+)", proc.stdout, re.M)
-    assert len(ran) == len(runnable(doc)), ran
+    ran = []
+    for names, proc in runs.items():
+        if not any(name.startswith(f"{doc}:") for name in names):
+            continue
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{names}: {out[-6000:]}"
+        assert "Traceback" not in out and "\nerror:" not in out, f"{names}: {out[-6000:]}"
+        ran += re.findall(rf"^--- ({re.escape(doc)}:\d+)", proc.stdout, re.M)
+    assert sorted(ran) == sorted(b.name for b in runnable(doc)), ran
