@@ -31,8 +31,8 @@ def argument_docs(obj: Any) -> dict[str, str]:
     """``{name: first sentence}`` from the ``Args:``/``Attributes:`` sections of ``obj``'s
     Google-style docstring (a class's own, then its ``__init__``'s)."""
     docs: dict[str, str] = {}
-    init = getattr(obj, "__init__", None) if isinstance(obj, type) else None
-    for doc in (inspect.getdoc(obj), inspect.getdoc(init) if init is not object.__init__ else None):
+    init = obj.__init__ if isinstance(obj, type) and obj.__init__ is not object.__init__ else None
+    for doc in (inspect.getdoc(obj), inspect.getdoc(init) if init is not None else None):
         found: dict[str, str] = {}
         in_section, entry_indent, name = False, None, None
         for line in (doc or "").splitlines():
@@ -141,11 +141,11 @@ def flag_lines(holders: list[Any], width: int = 100) -> str:
     return "\n".join(out)
 
 
-def help_text(flag_lines: str, config: Any = None, config_name: str = "") -> str:
+def help_text(flags_text: str, config: Any = None, config_name: str = "") -> str:
     """The whole ``--help``: usage, the launcher's flags, the config's fields (of ``config``, or
     the shipped configs and the fields every one has), and where JAX's flags are."""
     parts = [USAGE, "", "Runs one job and writes DIR/result.npz, result.json (and result.csv for a per-column result), "
-             "summary.json and checkpoints/; rerunning resumes, or says 'already done'.", "", "flags:", flag_lines, ""]
+             "summary.json and checkpoints/; rerunning resumes, or says 'already done'.", "", "flags:", flags_text, ""]
     if config is None:
         shipped = "\n".join(f"  {name:16s} {doc}" for name, doc in shipped_configs().items())
         parts += [f"shipped configs (--config=NAME, or NAME:quick for a tiny run):\n{shipped}", ""]
