@@ -1,7 +1,7 @@
 """sharded_scan against its peers, side by side in one process run.
 
     python bench/run.py            # 256 MiB per workload, best of 5, the tuning sweep (~10 min)
-    python bench/run.py --quick    # 24 MiB, best of 2, a small sweep (~1 min)
+    python bench/run.py --quick    # 24 MiB, best of 2, a small sweep (7 min in one run on 2 shared cores)
 
 Prints one table (rate, and sharded_scan's ratio to the best peer), then the analyzers'
 (quantiles, distinct counts, top-k: rows/s and error of every caller, ``bench/analyzers.py``)
@@ -99,7 +99,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small data, few repeats, small sweep (~1 min)")
+    parser.add_argument("--quick", action="store_true", help="small data, few repeats, small sweep (7 min in one run)")
     parser.add_argument("--megabytes", type=int, help="input size per workload (default 256, quick 24)")
     parser.add_argument("--analyzer-rows", type=int, help="rows per analyzer (4 columns; 2^22, quick 2^18)")
     parser.add_argument("--repeats", type=int, help="timed rounds per workload (default 5, quick 2)")

@@ -11,6 +11,12 @@ from launch.data import data_config
 from sharded_scan.options import config_fields
 
 VARIANTS = ("full", "quick")
+# What the fields below mean where neither RunOptions nor CheckpointOptions documents them (``--help`` prints them).
+FIELD_HELP = {
+    "x64": "jax_enable_x64: float64 and int64 data reduced in 64 bits (without it such data is refused in one line)",
+    "checkpoint.enabled": "save checkpoints in DIR/checkpoints and resume from them (false: a rerun starts afresh)",
+    "log_every_seconds": "seconds between progress lines in the log",
+}
 
 
 def base_config(
@@ -29,15 +35,15 @@ def base_config(
         c[name] = config_dict.placeholder(kind) if default is None else default
     if quick:
         c.microbatch, c.steps_per_call = 16, 2
-    c.x64 = False  # jax_enable_x64: float64 and int64 data reduced in 64 bits
+    c.x64 = False
     c.checkpoint = ml_collections.ConfigDict(
         {
             "enabled": True,
             "every_steps": config_dict.placeholder(int),
             "every_seconds": 600.0,
             "keep": 2,
-            "per_job": config_dict.placeholder(int),  # at most about this many step-based saves over the job
-            "ignore_changed_data": False,  # resume although a data file changed since the checkpoint
+            "per_job": config_dict.placeholder(int),
+            "ignore_changed_data": False,
         }
     )
     if quick:  # a save every 2 steps, but only a handful over the job, whatever its size

@@ -10,7 +10,8 @@ config file is used as it is.
 may name any argument of the combiner (or factory), also one the config file does not
 list: they are taken off the command line here, their values read as Python literals
 (``2``, ``0.5``, ``(0.1, 0.9)``, ``True``; anything else is a string), and merged into the
-config after it is loaded.
+config after it is loaded. One of two alternative arguments (``Quantiles``' ``num_buckets`` for
+its ``qs``) replaces the config's other.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from sharded_scan.workdir import one_line
 CONFIG_DIR = os.path.dirname(os.path.abspath(configs.__file__))
 NOT_JOBS = ("__init__", "common")  # modules of the configs package that are not job configs
 DICT_FIELDS = ("combiner.kwargs", "data.factory_kwargs")  # config dicts whose keys the command line adds
+# Arguments of a built-in that name the same thing in two ways (the combiner takes one of them): one
+# given on the command line replaces the config's other, so --config.combiner.kwargs.num_buckets=10 works alone.
+ALTERNATIVES = {"Quantiles": (("qs", "num_buckets"),)}
 
 
 def shipped_configs() -> dict[str, str]:
@@ -115,8 +119,13 @@ def merge_extra(config: Any, extra: dict[str, dict[str, Any]]) -> None:
         if not values:
             continue
         section, key = field.split(".")
+        merged = {**dict(config[section].get(key) or {}), **values}
+        if field == "combiner.kwargs":
+            for group in ALTERNATIVES.get(config.combiner.name, ()):
+                given = [name for name in group if name in values]
+                merged = {k: v for k, v in merged.items() if not (given and k in group and k not in given)}
         with config.unlocked():
-            config[section][key] = {**dict(config[section].get(key) or {}), **values}
+            config[section][key] = merged
 
 
 def command_line_error(e: BaseException) -> str:

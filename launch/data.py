@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,34 @@ def _columns(data: Any) -> Any:
     return (names, data.target)
 
 
+# The first bytes of the binary files a tabular kind may be pointed at.
+MAGIC = {b"PAR1": "a Parquet file", b"ARROW1": "an Arrow file", b"FEA1": "a Feather file", b"\x93NUMPY": "a .npy file"}
+
+
+def check_tabular_file(kind: str, path: str) -> None:
+    """Raises a one-line UsageError when the local file ``path`` is missing, or plainly not of
+    ``kind`` (``parquet`` or ``csv``), before the reader prints its bytes into the terminal."""
+    if "://" in path or any(c in path for c in "*?["):
+        return  # a URL or a glob: the source says what it finds
+    if not os.path.exists(path):
+        raise UsageError(f"config.data.path={path!r}: no such file or directory; check the path.")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    found = next((what for magic, what in MAGIC.items() if head.startswith(magic)), None)
+    if kind == "csv" and (found or b"\0" in head):
+        fix = "--config.data.kind=parquet" if found in ("a Parquet file", "an Arrow file", "a Feather file") else (
+            "--config.data.kind=npy" if found else "the path of a CSV file")
+        raise UsageError(f"config.data.path={path!r} is {found or 'a binary file'}, not CSV "
+                         f"(config.data.kind='csv'); pass {fix}.")
+    if kind == "parquet" and not found and head and b"\0" not in head:
+        raise UsageError(f"config.data.path={path!r} is text (a CSV file?), not Parquet or Arrow "
+                         "(config.data.kind='parquet'); pass --config.data.kind=csv for a CSV file.")
+
+
 def _tabular(data: Any) -> sources.Source:
+    check_tabular_file(data.kind, _file(data))
     kind = sources.ParquetSource if data.kind == "parquet" else sources.CsvSource
     return kind(_file(data), columns=_columns(data), dtype=data.dtype or None, strings=data.strings or "hash")
 
@@ -137,25 +165,48 @@ def imported(name: str, field: str) -> Any:
     return found
 
 
+# What each field of the ``data`` section means: ``--help`` prints it beside the field's default.
+DATA_FIELDS = {
+    "kind": f"where rows come from: {', '.join(SOURCES)}",
+    "path": "npy: a .npy file; npy_shards: a directory or glob of them; zarr: an array; parquet: a file, "
+            "directory or glob of Parquet/Arrow files; csv: a CSV file with a header row",
+    "target_path": "npy, npy_shards, zarr: y's file(s), read as (X, y) with X from path",
+    "columns": "parquet, csv: X's columns, comma-separated; empty for every numeric one",
+    "target": "parquet, csv: y's column: rows are (X, y)",
+    "dtype": "synthetic: float32 when empty; parquet, csv: the columns' own type when empty (e.g. float32)",
+    "strings": "parquet, csv: 'hash' (when empty) reads string columns as int32 ids (TopK, DistinctCount); 'refuse'",
+    "zero_copy": "npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)",
+    "zarr_driver": "zarr: 'zarr' or 'zarr3'; empty to detect",
+    "zarr_fill_missing": "zarr: read chunks that are not stored as the fill value",
+    "factory": "python: 'module:function' returning a Source (e.g. an IteratorSource) or arrays",
+    "factory_kwargs": "python: keyword arguments of the factory (--config.data.factory_kwargs.NAME=VALUE)",
+    "targets": "the job wants (X, y): synthetic makes y; file kinds need target or target_path",
+    "num_rows": "synthetic: rows",
+    "features": "synthetic: columns of X",
+    "seed": "synthetic: the random seed",
+    "distribution": "synthetic: 'normal' or 'uniform'",
+    "chunk_rows": "synthetic: rows generated per chunk (the same rows whatever the device count)",
+    "noise": "synthetic with targets: the standard deviation of y's noise",
+}
+
+
 def data_config(num_rows: int, features: int, *, targets: bool = False, kind: str = "synthetic") -> Any:
-    """The ``data`` section every config starts from: synthetic rows, no files needed."""
+    """The ``data`` section every config starts from: synthetic rows, no files needed (fields: ``DATA_FIELDS``)."""
     return ml_collections.ConfigDict(
         {
-            "kind": kind,  # one of SOURCES
-            "path": "",  # npy: a .npy file; npy_shards: a directory or glob; zarr: a zarr array;
-            # parquet: a file, directory or glob of Parquet files; csv: a CSV file with a header row
-            "target_path": "",  # npy, npy_shards, zarr: y's file(s), read as (X, y) with X from path
-            "columns": "",  # parquet, csv: X's columns, comma-separated; empty for every numeric one
-            "target": "",  # parquet, csv: y's column: rows are (X, y)
-            "dtype": "",  # synthetic: float32 when empty; parquet, csv: the columns' own type when empty
-            "strings": "",  # parquet, csv: "hash" (when empty) reads string columns as int32 ids (TopK, DistinctCount)
-            "zero_copy": False,  # npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)
-            "zarr_driver": "",  # zarr: "zarr" or "zarr3"; empty to detect
-            "zarr_fill_missing": False,  # zarr: read chunks that are not stored as the fill value
-            "factory": "",  # python: "module:function" returning a Source (e.g. an IteratorSource) or arrays
-            "factory_kwargs": {},  # python: keyword arguments of the factory
-            "targets": targets,  # the job wants (X, y): synthetic makes y; file kinds need target(_path)
-            # synthetic only:
+            "kind": kind,
+            "path": "",
+            "target_path": "",
+            "columns": "",
+            "target": "",
+            "dtype": "",
+            "strings": "",
+            "zero_copy": False,
+            "zarr_driver": "",
+            "zarr_fill_missing": False,
+            "factory": "",
+            "factory_kwargs": {},
+            "targets": targets,
             "num_rows": num_rows,
             "features": features,
             "seed": 0,

@@ -24,10 +24,12 @@ from ml_collections import config_flags
 
 from launch.config_args import command_line_error, merge_extra, shipped_configs, split_args
 from launch.data import make_combiner, make_source, run_options
+from launch.help import flag_lines, help_text
 from launch.logs import ProgressLog, set_up_logging
 from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
+from launch.outputs import JSON, write_result_files
 from sharded_scan import distributed
-from sharded_scan.errors import UsageError
+from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.paths import as_path, where
 from sharded_scan.workdir import EXIT_USAGE, exits, row_bytes, run_in_workdir
 
@@ -38,7 +40,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _LIST_CONFIGS = flags.DEFINE_bool("list_configs", False, "Print the shipped configs, one a line, and exit.")
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the job's config after the overrides, and exit.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where result.npz, summary.json and checkpoints/ go.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where result.npz, result.json, summary.json and checkpoints/ go.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
@@ -57,6 +59,7 @@ _PROFILE_STEPS = flags.DEFINE_string("profile_steps", None, "A:B traces steps A.
 _FORCE_UNLOCK = flags.DEFINE_bool("force_unlock", False, "Take the workdir even though its lock file names a "
                                   "running job (only when you know that job is gone).")
 _EXTRA: dict[str, dict[str, Any]] = {}  # the --config.combiner.kwargs.NAME=VALUE overrides (launch.config_args)
+HELP = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")  # ours; absl's --helpfull lists JAX's too
 
 
 def fail(message: str) -> None:
@@ -69,12 +72,24 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing that reports a bad flag or config override as one line."""
     global _EXTRA
     try:
+        if any(arg in HELP for arg in argv[1:]):
+            print_help([arg for arg in argv if arg not in HELP])
         argv, _EXTRA = split_args(argv)
         sys.argv[1:] = argv[1:]  # config_flags finds the --config.FIELD overrides in sys.argv
         return flags.FLAGS(argv)
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError, SyntaxError) as e:
         fail(command_line_error(e))
     return []
+
+
+def print_help(argv: list[str]) -> None:
+    """Prints ``--help`` (the flags, and the fields of ``--config`` when one is given) and exits 0."""
+    named = next((a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-config="))), "")
+    if named:
+        parse_flags(argv)  # a config that does not load is its one line and status 2
+    holders = [v for v in globals().values() if isinstance(v, flags.FlagHolder)]
+    print(help_text(flag_lines(holders), load_config() if named else None, named))
+    sys.exit(0)
 
 
 def load_config() -> Any:
@@ -94,7 +109,8 @@ def run_job(
     config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None,
     force_unlock: bool = False, tensorboard: bool = False, profile_steps: tuple[int, int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The job ``config`` describes, run in ``workdir`` (:func:`sharded_scan.run_in_workdir`).
+    """The job ``config`` describes, run in ``workdir`` (:func:`sharded_scan.run_in_workdir`), and its
+    result as ``result.json`` (and ``result.csv`` for a per-column result: :mod:`launch.outputs`).
 
     ``tensorboard`` writes TensorBoard scalars to ``workdir/tensorboard``; ``profile_steps``
     ``(A, B)`` traces steps A..B into ``workdir/profile``.
@@ -106,11 +122,19 @@ def run_job(
         ProfileWindow(*profile_steps, str(root / "profile")) if profile_steps else None,
     )
     ck = config.checkpoint
-    return run_in_workdir(
+    result, summary = run_in_workdir(
         combiner, source, workdir, run_options(config, progress=progress, step_timeout=step_timeout),
         checkpoint=ck.enabled and {k: v for k, v in ck.items() if k != "enabled"}, force_unlock=force_unlock,
         record={"distributed": started_as, "config": json.loads(json.dumps(config.to_dict(), default=repr))},
     )
+    if jax.process_index() == 0 and not (summary.get("already_done") and (root / JSON).exists()):
+        try:
+            write_result_files(workdir, result)
+        except StorageError as e:
+            if not summary.get("already_done"):
+                raise
+            logging.warning("%s", e)  # a read-only workdir holding an older job's result: it is still done
+    return result, summary
 
 
 def main(argv: list[str]) -> None:

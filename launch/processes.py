@@ -14,7 +14,17 @@ import threading
 import time
 
 from sharded_scan.checkpoint import COMMIT_MARKER
+from sharded_scan.errors import UsageError
 from sharded_scan.watchdog import EXIT_PEER_LOST
+
+# The launch.main flags every process gets from launch.local (commands()), and how to set each instead.
+SET_HERE = {
+    "coordinator_address": "--port=P (before --)",
+    "num_processes": "--num_processes=N before --",
+    "process_id": "nothing: each process gets its index",
+    "jax_num_cpu_devices": "--devices_per_process=N before --",
+    "jax_platforms": "nothing: launch.local runs CPU processes (run launch.main itself on other platforms)",
+}
 
 
 def free_port() -> int:
@@ -34,6 +44,16 @@ def commands(main_args: list[str], num_processes: int, devices: int, port: int) 
         ]
         for i in range(num_processes)
     ]
+
+
+def check_main_args(main_args: list[str]) -> None:
+    """Raises a one-line UsageError when ``main_args`` set a flag that launch.local sets itself
+    (it would be overridden silently)."""
+    for arg in main_args:
+        name = arg.lstrip("-").split("=", 1)[0]
+        if arg.startswith("-") and name in SET_HERE:
+            raise UsageError(f"{arg} after -- would be overridden: launch.local sets --{name} for every process; "
+                             f"pass {SET_HERE[name]}.")
 
 
 def resume_hint(main_args: list[str]) -> str:

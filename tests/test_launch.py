@@ -16,8 +16,8 @@ from tests.helpers import assert_usage_error
 from tests.tfrecords import read_scalars
 
 CONFIGS = [
-    "gram", "covariance", "moments", "pca", "ridge", "histogram", "seed_example", "quantiles", "distinct", "topk",
-    "custom_combiner",
+    "gram", "covariance", "moments", "pca", "ridge", "linreg", "histogram", "seed_example", "quantiles", "distinct",
+    "topk", "custom_combiner",
 ]
 
 
