@@ -72,7 +72,7 @@ class Quantiles(Combiner, MultiPass):
         result's ``rank_error`` bounds it; at the default the largest rank error over
         2001 quantiles of 10^7 rows was 1e-7 to 4.1e-4 (``python bench/sketches.py``).
       exact: return the exact order statistics (numpy's ``method="lower"``), in 2 or 3
-        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``), which
+        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``; 64 for 64-bit data), which
         :func:`sharded_scan.run` runs one after another.
       bits: with ``exact``, each pass after the first cuts every bracket into ``2^bits``
         bins (memory ``d * len(qs) * 2^bits`` counts).
