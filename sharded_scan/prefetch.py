@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from sharded_scan.dtypes import check_placeable  # noqa: F401 - importable here still
+from sharded_scan.dtypes import check_placeable
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
 from sharded_scan.sources import Source
@@ -63,7 +63,9 @@ def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
 
 
 def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
-    """Builds the global step arrays from this process's host rows."""
+    """Builds the global step arrays from this process's host rows (64-bit rows only with 64-bit
+    values on: outside a run's :func:`~sharded_scan.dtypes.x64_scope` they are refused, never narrowed)."""
+    check_placeable(rows)
     sharding = data_sharding(mesh)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(

@@ -129,3 +129,15 @@ def test_the_launcher_runs_float64_data_in_float64_with_no_flag(tmp_path):
     data = config.data
     x = SyntheticSource(data.num_rows, data.features, dtype="float64", seed=data.seed).read(0, data.num_rows)
     assert got.cov.dtype == np.float64 and rel_err(got.cov, np.cov(x, rowvar=False)) < 1e-12
+
+
+def test_placing_64_bit_rows_outside_a_run_is_refused_not_narrowed():
+    from sharded_scan.prefetch import device_batches
+
+    x = np.arange(64, dtype=np.float64).reshape(32, 2)
+    with jax.enable_x64(True):
+        program = build_program(ss.Sum(), ss.sources.as_source(x), ss.RunOptions(microbatch=8))
+        placed = next(device_batches(ss.sources.as_source(x), program.layout, program.mesh))
+    assert placed.batch.dtype == np.float64
+    assert_usage_error(lambda: next(device_batches(ss.sources.as_source(x), program.layout, program.mesh)),
+                       ["float64", "float32"])
