@@ -123,8 +123,8 @@ def run_x64(code: str, timeout: float = 600) -> dict:
     """Runs ``code`` in a fresh Python with ``jax_enable_x64`` and 8 CPU devices; returns
     the JSON object it prints on its last line (``emit(obj)`` prints one).
 
-    float64 needs a process of its own: the engine reads rows on a thread, which a
-    ``jax.enable_x64()`` context does not reach (its rows would be narrowed).
+    The global flag in a process of its own, as a user who sets it at start-up runs (a run of
+    64-bit data without it scopes ``jax.enable_x64`` itself, its reader thread included).
     """
     prelude = (
         "import json, jax\n"

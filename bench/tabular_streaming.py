@@ -6,7 +6,7 @@
     python -m bench.tabular_streaming --baseline /tmp/old_tabular.py   # also that version's source and run
 
 The files: 32 numeric columns (16 float32, 16 float64; normal values), read as float32
-(``dtype="float32"``, as a job without ``jax_enable_x64`` must). Parquet: snappy, no
+(``dtype="float32"``, the explicit opt-in to 32 bits). Parquet: snappy, no
 dictionary, 128Ki-row row groups, in 4 files of one directory. CSV: one file written by
 ``pyarrow.csv`` (float32 values print shorter than float64 ones). Both were just written,
 so they read from the page cache: this is decoding speed, not disk speed.

@@ -35,7 +35,7 @@ def base_config(
         c[name] = config_dict.placeholder(kind) if default is None else default
     if quick:
         c.microbatch, c.steps_per_call = 16, 2
-    c.x64 = False
+    c.x64 = False  # jax_enable_x64 for the whole process (64-bit data is reduced in 64 bits without it)
     c.checkpoint = ml_collections.ConfigDict(
         {
             "enabled": True,

@@ -12,10 +12,12 @@ process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -66,6 +68,16 @@ def fail(message: str) -> None:
     """Prints one line and exits with the usage status."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def cli_wording() -> Iterator[None]:
+    """A UsageError leaves as its command-line line (``UsageError.cli``: ``--config.FIELD=V`` fixes, not Python's)."""
+    try:
+        yield
+    except UsageError as e:
+        e.args = (e.cli,)
+        raise
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -156,7 +168,7 @@ def main(argv: list[str]) -> None:
         fail("--workdir is required: where result.npz, summary.json and checkpoints/ go.")
     if config.get("x64", False):
         jax.config.update("jax_enable_x64", True)  # before anything touches a backend
-    with exits():
+    with exits(), cli_wording():
         started_as = distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),

@@ -27,6 +27,7 @@ from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.topk_strings import with_strings
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
 from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
+from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
@@ -113,11 +114,17 @@ def run_with_report(
 
 
 def run_program(program: Program, source: Source, started: float | None = None) -> tuple[Any, RunReport]:
-    """Runs a built ``program`` over ``source`` (what :func:`run_with_report` does once it is built).
+    """Runs a built ``program`` over ``source`` (what :func:`run_with_report` does once it is built),
+    64-bit data under :func:`~sharded_scan.dtypes.x64_scope` (restore, reads, steps, merge, finalize).
 
     Raises:
       UsageError, StorageError, Preempted: as :func:`run`.
     """
+    with x64_scope(program.spec):
+        return _run_program(program, source, started)
+
+
+def _run_program(program: Program, source: Source, started: float | None) -> tuple[Any, RunReport]:
     started = time.perf_counter() if started is None else started
     ckpt = as_checkpointer(program.options.checkpoint)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
@@ -380,11 +387,10 @@ def check_overflow(program: Program, merged: PyTree) -> None:
         return
     policy = program.options.nan_policy
     if policy == "raise":
-        raise NonFiniteError(
-            f"the accumulator overflowed: {count} of its values are inf or NaN although every row is finite "
-            "(float32 holds at most 3.4e38); scale the data down, or reduce float64 data with jax_enable_x64 "
-            "(--config.x64=True)."
-        )
+        overflowed = (f"the accumulator overflowed: {count} of its values are inf or NaN although every row is "
+                      "finite (float32 holds at most 3.4e38); scale the data down, or")
+        raise NonFiniteError(f"{overflowed} pass it as float64 (x.astype(np.float64)), which is reduced in float64.",
+                             cli=f"{overflowed} read it as float64 (--config.data.dtype=float64).")
     cause = "rows holding NaN/Inf (nan_policy='propagate') or an overflow" if policy == "propagate" else "an overflow"
     _log.warning("the result may be wrong: %d accumulator values are inf or NaN, from %s; nan_policy='raise' "
                  "tells which.", count, cause)

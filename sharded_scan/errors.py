@@ -5,8 +5,14 @@ class UsageError(ValueError):
     """A mistake in the user's input: data, configuration, mesh or arguments.
 
     The message is one line that names the problem and what to do about it. The
-    launcher prints it without a traceback; library users can catch it.
+    launcher prints it without a traceback; library users can catch it. Where the fix
+    reads differently on the command line (``--config.data.dtype=float32`` rather than
+    ``x.astype(np.float32)``), ``cli`` is the line the launcher prints instead.
     """
+
+    def __init__(self, *args: object, cli: str | None = None):
+        super().__init__(*args)
+        self.cli = cli or str(self)
 
 
 class StorageError(OSError):

@@ -10,7 +10,9 @@ only when it is asked for, in the caller's thread.
 
 A reader error is raised in the caller: a :class:`UsageError` as it is, anything else
 as :class:`ReadError` chained to its cause. Closing the generator (end of loop, an
-exception or Ctrl-C in the caller) stops the reader and joins it.
+exception or Ctrl-C in the caller) stops the reader and joins it. The reader places
+under the caller's 64-bit setting (``jax.enable_x64`` is thread-local): a run scoped
+under :func:`sharded_scan.dtypes.x64_scope` places float64 rows as float64.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
+from sharded_scan.dtypes import check_placeable
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
 from sharded_scan.sources import Source
@@ -60,31 +62,10 @@ def read_local(source: Source, layout: Layout, cursor: int) -> PyTree:
     return source.read(lo, hi, pad_to=None if hi - lo == stop - start else stop - start)
 
 
-WIDE_DTYPES = tuple(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))
-
-
-def check_placeable(spec: PyTree) -> None:
-    """Raises a one-line UsageError when placing rows of ``spec`` would narrow a value.
-
-    Without ``jax_enable_x64`` JAX turns float64 into float32 and int64 into int32 on
-    the way to the devices, silently; such data needs x64 or an explicit cast.
-    """
-    if jax.config.jax_enable_x64:
-        return
-    for leaf in jax.tree.leaves(spec):
-        dtype = np.dtype(leaf.dtype)
-        if dtype in WIDE_DTYPES:
-            narrow = {"f": "float32", "i": "int32", "u": "uint32", "c": "complex64"}[dtype.kind]
-            raise UsageError(
-                f"the data is {dtype.name}, which JAX would narrow to {narrow} on its way to the devices "
-                "(jax_enable_x64 is off); enable 64-bit with jax.config.update('jax_enable_x64', True) at start-up "
-                f"(--config.x64=True on the command line), or pass the data as {narrow} (x.astype(np.{narrow}), "
-                f"or a source's dtype='{narrow}') to accept the rounding."
-            )
-
-
 def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
-    """Builds the global step arrays from this process's host rows."""
+    """Builds the global step arrays from this process's host rows (64-bit rows only with 64-bit
+    values on: outside a run's :func:`~sharded_scan.dtypes.x64_scope` they are refused, never narrowed)."""
+    check_placeable(rows)
     sharding = data_sharding(mesh)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(
@@ -143,12 +124,15 @@ def device_batches(
                 pass
         return False
 
+    x64 = jax.config.jax_enable_x64  # the caller's, maybe scoped: the reader thread starts without it
+
     def reader() -> None:
         c = cursor
         try:
-            for c in _cursors(layout, cursor):
-                if stop.is_set() or not put(_step(source, layout, mesh, c)):
-                    return
+            with jax.enable_x64(x64):
+                for c in _cursors(layout, cursor):
+                    if stop.is_set() or not put(_step(source, layout, mesh, c)):
+                        return
             put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
             put(_Failed(c, e))

@@ -45,13 +45,13 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA
 from sharded_scan.combiners.regression import LinearRegression
 from sharded_scan.combiners.wrappers import apply_policies, innermost
+from sharded_scan.dtypes import check_placeable, x64_scope
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order
 from sharded_scan.identity import job_fingerprint
 from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
 from sharded_scan.options import RunOptions
-from sharded_scan.prefetch import check_placeable
 from sharded_scan.sources import ArraySource, Source
 
 PyTree = Any
@@ -59,9 +59,10 @@ _log = logging.getLogger(__name__)
 
 
 def cached(build: Callable) -> Callable:
-    """Memoizes a program builder on its (hashable) arguments, so repeated runs of the
-    same job reuse the compiled program instead of tracing and compiling it again."""
-    memo = functools.lru_cache(maxsize=32)(build)
+    """Memoizes a program builder on its (hashable) arguments and whether 64-bit values are
+    on (:func:`~sharded_scan.dtypes.x64_scope`), so repeated runs of the same job reuse the
+    compiled program instead of tracing and compiling it again."""
+    memo = functools.lru_cache(maxsize=32)(lambda x64, *args, **kwargs: build(*args, **kwargs))
 
     @functools.wraps(build)
     def lookup(*args, **kwargs):
@@ -69,7 +70,7 @@ def cached(build: Callable) -> Callable:
             hash((args, tuple(kwargs.items())))
         except TypeError:  # an unhashable user combiner: build afresh
             return build(*args, **kwargs)
-        return memo(*args, **kwargs)
+        return memo(bool(jax.config.jax_enable_x64), *args, **kwargs)
 
     lookup.cache_clear, lookup.cache_info = memo.cache_clear, memo.cache_info
     return lookup
@@ -402,9 +403,17 @@ def warn_if_not_reproducible(platform: str, xla_flags: str) -> None:
 def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Program:
     """Checks and resolves the job ``combiner`` over ``source`` with ``options``; no compute yet.
 
+    64-bit data is resolved under :func:`~sharded_scan.dtypes.x64_scope` (its accumulators,
+    fingerprint and memory estimate in 64 bits), as :func:`~sharded_scan.engine.run_program` runs it.
+
     Raises:
       UsageError: a bad combiner, data, mesh or option.
     """
+    with x64_scope(source.spec):
+        return _build_program(combiner, source, options)
+
+
+def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> Program:
     if not isinstance(combiner, Combiner):
         raise UsageError(f"combiner must be a sharded_scan Combiner, got {type(combiner).__name__}.")
     job = apply_policies(combiner, nan_policy=options.nan_policy, compensated=options.compensated)

@@ -1,9 +1,16 @@
-"""No value is narrowed on its way to the devices: 64-bit data needs x64, and runs in 64 bits with it."""
+"""No value is narrowed on its way to the devices: 64-bit data runs in 64 bits with no flag (and
+under the global x64 flag); on a backend without float64 it is one line naming dtype='float32'."""
 
+import importlib
+
+import jax
 import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan import dtypes
+from sharded_scan.engine import run_program
+from sharded_scan.program import build_program
 from sharded_scan.sources import SyntheticSource
 from tests import cli
 from tests.helpers import assert_usage_error, f64, rel_err
@@ -12,16 +19,83 @@ from tests.helpers import assert_usage_error, f64, rel_err
 @pytest.mark.parametrize(
     "data, words",
     [
-        (np.full((100, 2), 1e4, np.float64), ["float64", "float32", "jax_enable_x64", "--config.x64=True"]),
-        (np.arange(100, dtype=np.int64) + 2**40, ["int64", "int32", "jax_enable_x64"]),
+        (np.full((100, 2), 1e4, np.float64), ["float64", "float32", "no float64", "dtype='float32'"]),
+        (np.arange(100, dtype=np.int64) + 2**40, ["int64", "int32", "x.astype(np.int32)"]),
         (np.arange(100, dtype=np.uint64), ["uint64", "uint32"]),
         ((np.ones((100, 2), np.float32), np.ones(100, np.float64)), ["float64"]),
     ],
 )
-def test_64_bit_data_without_x64_is_one_line_before_compute(data, words, tmp_path):
+def test_64_bit_data_on_a_backend_without_float64_is_one_line_before_compute(data, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(dtypes, "NO_FLOAT64", (jax.default_backend(),))  # as on a TPU
     combiner = ss.LinearRegression() if isinstance(data, tuple) else ss.Sum()
     assert_usage_error(lambda: ss.run(combiner, data, checkpoint=str(tmp_path / "c")), words)
     assert not (tmp_path / "c").exists()
+    with pytest.raises(ss.UsageError) as err:
+        ss.run(combiner, data)
+    assert "--config.data.dtype=" in err.value.cli and "astype" not in err.value.cli  # what the launcher prints
+
+
+def test_the_launcher_prints_the_command_line_fix(tmp_path, monkeypatch):
+    from launch.main import cli_wording, run_job
+
+    monkeypatch.setattr(dtypes, "NO_FLOAT64", (jax.default_backend(),))
+    config = importlib.import_module("configs.covariance").get_config("quick")
+    config.data.dtype = "float64"
+    with pytest.raises(ss.UsageError) as err, cli_wording():
+        run_job(config, str(tmp_path / "w"))
+    line = str(err.value)
+    assert "--config.data.dtype=float32" in line and "astype" not in line and "\n" not in line, line
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_64_bit_data_runs_in_64_bits_with_no_flag(prefetch, tmp_path):
+    rng = np.random.default_rng(0)
+    y = rng.normal(1e4, 1e-3, size=(3000, 3))  # float32 would be ~1e-7 relative off (the variances: all of them)
+    cov = ss.run(ss.Covariance(), y, mesh="data:3", microbatch=64, prefetch=prefetch)
+    assert cov.cov.dtype == np.float64 and rel_err(cov.cov, np.cov(y, rowvar=False)) < 1e-9
+    ids = (np.int64(2**40) + np.arange(30_000, dtype=np.int64) % 1000).reshape(-1, 1)
+    s = ss.run(ss.Sum(), ids, microbatch=1000, prefetch=prefetch)
+    assert int(s.sum[0]) == int(ids.sum()) and int(s.count) == len(ids)
+    big = (np.uint64(2**63) + np.arange(1000, dtype=np.uint64)).reshape(-1, 1)
+    assert ss.run(ss.Moments(), big, prefetch=prefetch).max[0] == float(big.max())
+    directory = str(tmp_path / "c")  # resumed from a checkpoint, on another mesh
+    ss.run(ss.Moments(), y, mesh="data:8", microbatch=64, checkpoint=ss.CheckpointOptions(directory, every_steps=1))
+    again = ss.run(ss.Moments(), y, mesh="data:2", microbatch=64, checkpoint=directory, prefetch=prefetch)
+    assert rel_err(again.var, y.var(0)) < 1e-9 and int(again.count) == len(y)
+    assert not jax.config.jax_enable_x64  # scoped to the runs: the process's setting is untouched
+    assert ss.run(ss.Sum(), np.ones((10, 2), np.float32)).sum.dtype == np.float32
+
+
+def test_a_pandas_frame_of_default_dtypes_runs_with_no_flag():
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(1)
+    df = pd.DataFrame({"f": rng.normal(1e6, 1e-4, 500), "i": rng.integers(2**40, 2**41, 500), "b": rng.random(500) < .3,
+                       "j": rng.integers(0, 100, 500).astype(np.int32)})
+    got = ss.run(ss.Moments(), df)
+    want = df.to_numpy(np.float64)
+    assert list(got.columns) == ["f", "i", "b", "j"]
+    assert rel_err(got.mean, want.mean(0)) < 1e-14 and rel_err(got.var, want.var(0)) < 1e-9
+
+
+def test_a_float64_job_is_not_a_float32_one(tmp_path):
+    x = np.random.default_rng(2).normal(size=(200, 2))
+    directory = str(tmp_path / "c")
+    ss.run(ss.Moments(), x.astype(np.float32), microbatch=16, checkpoint=directory)
+    assert_usage_error(lambda: ss.run(ss.Moments(), x, microbatch=16, checkpoint=directory), ["different job"])
+
+
+def test_compiled_programs_are_not_shared_between_32_and_64_bit_runs():
+    x = (np.arange(4000, dtype=np.int32) % 3 + 2**30).reshape(-1, 1)
+    accumulators = []
+    for x64 in (True, False, True):  # int32 data under x64 accumulates in float64, else in float32
+        with jax.enable_x64(x64):
+            program = build_program(ss.Moments(), ss.sources.as_source(x), ss.RunOptions())
+            got = run_program(program, ss.sources.as_source(x))[0]
+            accumulators.append({leaf.dtype for leaf in jax.tree.leaves(program.init())})
+        assert rel_err(got.mean, x.mean(0)) < 1e-7 and int(got.count) == len(x)
+    assert np.dtype(np.float64) in accumulators[0] and np.dtype(np.float64) not in accumulators[1]
+    assert accumulators[0] == accumulators[2]
 
 
 def test_narrower_dtypes_are_placed_as_they_are():
@@ -45,15 +119,25 @@ def test_the_cli_runs_float64_data_in_float64_under_config_x64(tmp_path):
     assert rel_err(got["cov"], np.cov(f64(x), rowvar=False)) < 1e-12
 
 
-@pytest.mark.parametrize("combiner", [ss.Quantiles(qs=[0.5]), ss.DistinctCount(), ss.TopK(k=3)])
-def test_sketches_refuse_64_bit_values_under_x64_instead_of_merging_them(combiner, tmp_path):
-    # Keyed in 32 bits, 100,000 distinct float64 values near 1e9 were counted as 3 ("exact").
-    import jax
+def test_the_launcher_runs_float64_data_in_float64_with_no_flag(tmp_path):
+    from launch.main import run_job
 
+    config = importlib.import_module("configs.covariance").get_config("quick")
+    config.data.dtype = "float64"
+    assert config.x64 is False
+    got, _ = run_job(config, str(tmp_path / "w"))
+    data = config.data
+    x = SyntheticSource(data.num_rows, data.features, dtype="float64", seed=data.seed).read(0, data.num_rows)
+    assert got.cov.dtype == np.float64 and rel_err(got.cov, np.cov(x, rowvar=False)) < 1e-12
+
+
+def test_placing_64_bit_rows_outside_a_run_is_refused_not_narrowed():
+    from sharded_scan.prefetch import device_batches
+
+    x = np.arange(64, dtype=np.float64).reshape(32, 2)
     with jax.enable_x64(True):
-        for data, words in (
-            (1e9 + np.arange(1000.0)[:, None] * 1e-3, ["float64", "32 bits", "float32"]),
-            (np.arange(1000, dtype=np.int64)[:, None] + 2**40, ["64-bit integers", "int32"]),
-        ):
-            assert_usage_error(lambda data=data: ss.run(combiner, data, checkpoint=str(tmp_path / "c")), words)
-    assert not (tmp_path / "c").exists()
+        program = build_program(ss.Sum(), ss.sources.as_source(x), ss.RunOptions(microbatch=8))
+        placed = next(device_batches(ss.sources.as_source(x), program.layout, program.mesh))
+    assert placed.batch.dtype == np.float64
+    assert_usage_error(lambda: next(device_batches(ss.sources.as_source(x), program.layout, program.mesh)),
+                       ["float64", "float32"])

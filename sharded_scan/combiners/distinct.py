@@ -3,8 +3,10 @@
 Every value's 32-bit key (:mod:`~sharded_scan.combiners.keys`) is hashed twice by a
 bijective mixer: the top ``precision`` bits of the first hash pick one of
 ``m = 2^precision`` registers, and the leading zeros of the second (plus one, 1..33)
-are what the register keeps the maximum of. Distinct keys give distinct hashes, so
-no two distinct values collide in the 46 bits used. Partials merge by elementwise
+are what the register keeps the maximum of. A 64-bit value's 64-bit key is hashed once
+by a bijective 64-bit mixer, whose top bits pick the register and whose low 32 bits
+give the leading zeros. Distinct keys give distinct hashes, so no two distinct values
+collide in the bits used. Partials merge by elementwise
 maximum, so the merge and therefore the result do not depend on how rows are split.
 ``finalize`` applies Ertl's improved estimator ("New cardinality estimation algorithms
 for HyperLogLog sketches", 2017), which needs no bias tables and holds its standard
@@ -26,7 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, check_column_spec, columns, fold_if_any, mix32
+from sharded_scan.combiners.keys import (
+    GOLDEN,
+    check_column_spec,
+    columns,
+    fill,
+    fold_if_any,
+    key_dtype,
+    mix32,
+    mix64,
+)
 from sharded_scan.errors import UsageError
 
 DEFAULT_PRECISION = 14
@@ -51,15 +62,20 @@ class DistinctAcc(NamedTuple):
     """HLL registers and, while there are few, the distinct keys themselves."""
 
     registers: jax.Array  # uint8 (d, m)
-    keys: jax.Array       # uint32 (d, max(E, 1)): sorted distinct keys, MAX_KEY past the last
+    keys: jax.Array       # uint32 or uint64 (d, max(E, 1)): sorted distinct keys, the filler past the last
     held: jax.Array       # int32 (d,): distinct keys held; E + 1 once there were more than E
 
 
 def register_updates(keys: jax.Array, mask: jax.Array, precision: int) -> tuple[jax.Array, jax.Array]:
     """Each key's register index and value (0 for masked rows): ``(d, mb)`` each."""
-    first = mix32(keys)
-    second = mix32(first ^ jnp.uint32(GOLDEN))
-    index = (first >> (32 - precision)).astype(jnp.int32)
+    if keys.dtype == jnp.uint64:
+        first = mix64(keys)
+        second = first.astype(jnp.uint32)  # the low half: bits the index (the top ones) does not use
+        index = (first >> (64 - precision)).astype(jnp.int32)
+    else:
+        first = mix32(keys)
+        second = mix32(first ^ jnp.uint32(GOLDEN))
+        index = (first >> (32 - precision)).astype(jnp.int32)
     rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
     return index, jnp.where(mask[None, :], rank, jnp.uint8(0))
 
@@ -67,15 +83,15 @@ def register_updates(keys: jax.Array, mask: jax.Array, precision: int) -> tuple[
 def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """The sorted distinct values among each row's first ``valid`` keys, and how many.
 
-    ``keys`` ``(d, n)``: valid entries anywhere, the others ``MAX_KEY``. Returns the first
-    ``capacity`` distinct keys per row (``MAX_KEY`` filled) and the distinct count.
+    ``keys`` ``(d, n)``: valid entries anywhere, the others the filler. Returns the first
+    ``capacity`` distinct keys per row (the filler after them) and the distinct count.
     """
     s = jnp.sort(keys, axis=1)
     pos = jnp.arange(s.shape[1], dtype=jnp.int32)
     fresh = (pos < valid[:, None]) & jnp.concatenate([jnp.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], axis=1)
     slot = jnp.where(fresh, jnp.cumsum(fresh, axis=1) - 1, capacity)
     rows = jnp.arange(s.shape[0])[:, None]
-    kept = jnp.full((s.shape[0], capacity + 1), MAX_KEY, jnp.uint32).at[rows, jnp.minimum(slot, capacity)].set(s)
+    kept = jnp.full((s.shape[0], capacity + 1), fill(s.dtype), s.dtype).at[rows, jnp.minimum(slot, capacity)].set(s)
     return kept[:, :capacity], jnp.sum(fresh, axis=1, dtype=jnp.int32)
 
 
@@ -129,7 +145,8 @@ class DistinctCount(Combiner):
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
     ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
-    skipped. 64-bit floats are rounded to float32 first.
+    skipped. float64 and int64 values are compared exactly, by 64-bit keys: no two
+    distinct values are counted as one.
     """
 
     precision: int = DEFAULT_PRECISION
@@ -148,10 +165,10 @@ class DistinctCount(Combiner):
         check_column_spec(spec, "DistinctCount")
 
     def init(self, spec):
-        d = spec.shape[0] if spec.shape else 1
+        d, keys = (spec.shape[0] if spec.shape else 1), key_dtype(spec.dtype)
         slots = max(self.exact_up_to, 1)  # orbax cannot save an empty array: one unused slot when off
         return DistinctAcc(
-            jnp.zeros((d, 1 << self.precision), jnp.uint8), jnp.full((d, slots), MAX_KEY, jnp.uint32),
+            jnp.zeros((d, 1 << self.precision), jnp.uint8), jnp.full((d, slots), fill(keys), keys),
             jnp.zeros(spec.shape, jnp.int32),
         )
 
@@ -166,7 +183,7 @@ class DistinctCount(Combiner):
         registers = acc.registers.at[rows, index].max(rank)
         if not self.exact_up_to:
             return acc._replace(registers=registers)
-        batch_keys = jnp.where(mask[None, :], keys, jnp.uint32(MAX_KEY))
+        batch_keys = jnp.where(mask[None, :], keys, fill(keys.dtype))
         valid = acc.held.reshape(-1) + jnp.sum(mask, dtype=jnp.int32)
         return self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held)
 

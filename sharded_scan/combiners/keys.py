@@ -1,21 +1,24 @@
-"""Values as order-preserving 32-bit keys, and a 32-bit hash: what the sketches compare and count.
+"""Values as order-preserving integer keys, and their hashes: what the sketches compare and count.
 
-The order statistics, distinct-count and frequency sketches work on ``uint32`` keys, one
-per value, so that sorting, comparing and hashing are integer operations that every
-backend does the same way (no float comparison, no flushing of subnormal values):
+The order statistics, distinct-count and frequency sketches work on unsigned integer
+keys, one per value, so that sorting, comparing and hashing are integer operations that
+every backend does the same way (no float comparison, no flushing of subnormal values).
+Values of 64 bits (float64, int64, uint64) get ``uint64`` keys, exactly (such data runs
+with 64-bit values on, :func:`sharded_scan.dtypes.x64_scope`); every other type ``uint32``
+keys, as before:
 
-- floats (float32, and bfloat16/float16/float64 rounded to float32 first): the IEEE bits
+- floats (float32, and bfloat16/float16 widened to float32 first; float64): the IEEE bits
   turned so that unsigned key order is numeric order (``-inf < ... < -0 < +0 < ... < +inf``),
   with ``-0.0`` folded onto ``+0.0`` and every NaN onto one NaN, which sorts above ``+inf``;
-- signed integers (bool, int8..int32): the two's complement bits with the sign bit flipped;
-- unsigned integers (uint8..uint32): the value itself.
+- signed integers (bool, int8..int32; int64): the two's complement bits with the sign bit flipped;
+- unsigned integers (uint32; uint64): the value itself (uint8 and uint16 key as signed).
 
-64-bit data needs ``jax_enable_x64`` to reach the devices at all, and under it 64-bit
-integers and float64 are refused in one line (:func:`check_keyable`): rounding them to 32-bit
-keys would merge distinct values silently.
+So no two distinct values share a key, and none is rounded.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,77 +27,116 @@ import numpy as np
 from sharded_scan.dtypes import check_keyable
 from sharded_scan.errors import UsageError
 
-SIGN = 0x80000000
-ABS = 0x7FFFFFFF
-INF_BITS = 0x7F800000
-NAN_BITS = 0x7FC00000
-MAX_KEY = 0xFFFFFFFF  # also the filler of unused slots: it sorts last
+
+class Bits(NamedTuple):
+    """The key type of one width and the float bit patterns its keys are made from."""
+
+    key: type     # the key dtype
+    sign: int     # the sign bit
+    abs: int      # every bit but the sign
+    inf: int      # the bits of +inf
+    nan: int      # the bits of the one NaN every NaN becomes
+
+
+BITS32 = Bits(np.uint32, 0x80000000, 0x7FFFFFFF, 0x7F800000, 0x7FC00000)
+BITS64 = Bits(np.uint64, 1 << 63, (1 << 63) - 1, 0x7FF0000000000000, 0x7FF8000000000000)
 GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: an odd constant to tell hashes apart
 
-FLOAT, SIGNED, UNSIGNED = "float", "signed", "unsigned"
-KINDS = (FLOAT, SIGNED, UNSIGNED)
-KIND_DTYPES = {FLOAT: np.float32, SIGNED: np.int32, UNSIGNED: np.uint32}
-NAN_KEY = NAN_BITS | SIGN  # the key of every NaN: above +inf
+# What values are keyed as, by kind code (what accumulators carry to finalize): the 32-bit
+# kinds first, so that their codes are what they were before 64-bit keys.
+KIND_DTYPES = tuple(np.dtype(t) for t in ("float32", "int32", "uint32", "float64", "int64", "uint64"))
 
 
-def key_kind(dtype) -> str:
-    """How values of ``dtype`` become keys: ``"float"``, ``"signed"`` or ``"unsigned"``."""
+def keyed_as(dtype) -> np.dtype:
+    """The dtype whose bits make the keys of values of ``dtype`` (one of :data:`KIND_DTYPES`)."""
     dtype = np.dtype(dtype)
+    wide = dtype.itemsize == 8
     if jnp.issubdtype(dtype, jnp.floating):
-        return FLOAT
-    if jnp.issubdtype(dtype, jnp.unsignedinteger) and dtype.itemsize == 4:
-        return UNSIGNED
-    return SIGNED
+        return np.dtype(np.float64 if wide else np.float32)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger) and dtype.itemsize >= 4:
+        return np.dtype(np.uint64 if wide else np.uint32)
+    return np.dtype(np.int64 if wide else np.int32)
+
+
+def bits(dtype) -> Bits:
+    """The key width of values of ``dtype``: 64 bits for 64-bit values, else 32."""
+    return BITS64 if keyed_as(dtype).itemsize == 8 else BITS32
+
+
+def key_dtype(dtype) -> np.dtype:
+    """The key dtype of values of ``dtype``: ``uint64`` for 64-bit values, else ``uint32``."""
+    return np.dtype(bits(dtype).key)
+
+
+def fill(key_type) -> np.generic:
+    """The largest key of ``key_type`` (``uint32`` or ``uint64``): the filler of unused slots, sorting last."""
+    key_type = np.dtype(key_type)
+    return key_type.type(np.iinfo(key_type).max)
+
+
+def nan_key(key_type) -> np.generic:
+    """The key of every NaN among float keys of ``key_type``: above +inf."""
+    b = BITS64 if np.dtype(key_type).itemsize == 8 else BITS32
+    return b.key(b.nan | b.sign)
 
 
 def kind_code(dtype) -> jax.Array:
     """The kind of ``dtype``'s keys as an int32 scalar, for accumulators to carry to ``finalize``."""
-    return jnp.int32(KINDS.index(key_kind(dtype)))
+    return jnp.int32(KIND_DTYPES.index(keyed_as(dtype)))
 
 
 def decode(keys: np.ndarray, code) -> np.ndarray:
-    """The values (float64) of host keys whose kind is ``code`` (from :func:`kind_code`)."""
-    return from_keys(keys, KIND_DTYPES[KINDS[int(code)]])
+    """The values of host keys whose kind is ``code`` (from :func:`kind_code`), as :func:`from_keys`."""
+    return from_keys(keys, KIND_DTYPES[int(code)])
 
 
 def is_float(code) -> bool:
     """Whether keys of kind ``code`` stand for floats (and so may be NaN)."""
-    return KINDS[int(code)] == FLOAT
+    return KIND_DTYPES[int(code)].kind == "f"
 
 
 def to_keys(x: jax.Array) -> jax.Array:
-    """The ``uint32`` key of every value of ``x`` (any shape), order-preserving."""
-    kind = key_kind(x.dtype)
-    if kind == UNSIGNED:
-        return x.astype(jnp.uint32)
-    if kind == SIGNED:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(SIGN)
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    magnitude = bits & jnp.uint32(ABS)
-    bits = jnp.where(magnitude == 0, jnp.uint32(0), bits)  # -0.0 -> +0.0 (integer test: no flushing)
-    bits = jnp.where(magnitude > jnp.uint32(INF_BITS), jnp.uint32(NAN_BITS), bits)
-    return jnp.where(bits >= jnp.uint32(SIGN), ~bits, bits | jnp.uint32(SIGN))
+    """The key of every value of ``x`` (any shape), order-preserving: ``uint64`` for 64-bit values, else ``uint32``."""
+    t, b = keyed_as(x.dtype), bits(x.dtype)
+    if t.kind == "u":
+        return x.astype(b.key)
+    if t.kind == "i":
+        return jax.lax.bitcast_convert_type(x.astype(t), b.key) ^ b.key(b.sign)
+    raw = jax.lax.bitcast_convert_type(x.astype(t), b.key)
+    magnitude = raw & b.key(b.abs)
+    raw = jnp.where(magnitude == 0, b.key(0), raw)  # -0.0 -> +0.0 (integer test: no flushing)
+    raw = jnp.where(magnitude > b.key(b.inf), b.key(b.nan), raw)
+    return jnp.where(raw >= b.key(b.sign), ~raw, raw | b.key(b.sign))
 
 
 def from_keys(keys: np.ndarray, dtype) -> np.ndarray:
-    """The values (float64, exact) that host ``uint32`` keys of data of ``dtype`` stand for."""
-    keys = np.asarray(keys, np.uint32)
-    kind = key_kind(dtype)
-    if kind == UNSIGNED:
-        return keys.astype(np.float64)
-    if kind == SIGNED:
-        return (keys ^ np.uint32(SIGN)).view(np.int32).astype(np.float64)
-    bits = np.where(keys >= SIGN, keys & np.uint32(ABS), ~keys).astype(np.uint32)
-    return bits.view(np.float32).astype(np.float64)
+    """The values, exactly, that host keys of data of ``dtype`` stand for: float64 for floats,
+    int64 for signed integers, uint64 for unsigned ones (uint32 keys: int64)."""
+    t, b = keyed_as(dtype), bits(dtype)
+    keys = np.asarray(keys).astype(b.key)
+    if t.kind == "u":
+        return keys.astype(np.uint64 if t.itemsize == 8 else np.int64)
+    if t.kind == "i":
+        return (keys ^ b.key(b.sign)).view(t).astype(np.int64)
+    raw = np.where(keys >= b.sign, keys & b.key(b.abs), ~keys).astype(b.key)
+    return raw.view(t).astype(np.float64)
 
 
-def np_float_keys(values) -> np.ndarray:
-    """The keys (``uint32``) of host float values, rounded to float32 first; like :func:`to_keys`."""
-    bits = np.asarray(values, np.float32).view(np.uint32)
-    magnitude = bits & np.uint32(ABS)
-    bits = np.where(magnitude == 0, np.uint32(0), bits)
-    bits = np.where(magnitude > INF_BITS, np.uint32(NAN_BITS), bits).astype(np.uint32)
-    return np.where(bits >= SIGN, ~bits, bits | np.uint32(SIGN)).astype(np.uint32)
+def np_float_keys(values, dtype=np.float32) -> np.ndarray:
+    """The keys of host float values, rounded to ``dtype`` (float32 or float64) first; like :func:`to_keys`."""
+    b = bits(dtype)
+    raw = np.asarray(values, dtype).view(b.key)
+    magnitude = raw & b.key(b.abs)
+    raw = np.where(magnitude == 0, b.key(0), raw)
+    raw = np.where(magnitude > b.inf, b.key(b.nan), raw).astype(b.key)
+    return np.where(raw >= b.sign, ~raw, raw | b.key(b.sign)).astype(b.key)
+
+
+def fold32(x: jax.Array) -> jax.Array:
+    """``uint32`` keys as they are; ``uint64`` keys with their high half xor-ed onto the low one, as ``uint32``."""
+    if x.dtype == jnp.uint32:
+        return x
+    return (x ^ (x >> 32)).astype(jnp.uint32)
 
 
 def mix32(x: jax.Array) -> jax.Array:
@@ -105,6 +147,15 @@ def mix32(x: jax.Array) -> jax.Array:
     x ^= x >> 15
     x *= jnp.uint32(0x846CA68B)
     return x ^ (x >> 16)
+
+
+def mix64(x: jax.Array) -> jax.Array:
+    """A bijective 64-bit mixer (SplitMix64's finalizer) of ``uint64`` keys."""
+    x ^= x >> 30
+    x *= jnp.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> 27
+    x *= jnp.uint64(0x94D049BB133111EB)
+    return x ^ (x >> 31)
 
 
 def check_column_spec(spec, who: str) -> None:
@@ -133,3 +184,9 @@ def columns(batch: jax.Array) -> jax.Array:
     """A micro-batch ``(mb,)`` or ``(mb, d)`` as keys by column: ``(d, mb)``."""
     keys = to_keys(batch)
     return keys[None, :] if keys.ndim == 1 else keys.T
+
+
+def masked_columns(batch: jax.Array, mask: jax.Array) -> jax.Array:
+    """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last."""
+    keys = columns(batch)
+    return jnp.where(mask[None, :], keys, fill(keys.dtype))

@@ -9,13 +9,13 @@ or not at all, with mean zero. Capacities shrink geometrically below the top lev
 whatever the row count, and its rank error is about ``1/k`` (measured in
 ``bench/sketches.py``).
 
-Static shapes: every column's items live in one flat ``(d, S)`` array of ``uint32`` keys
-(:mod:`sharded_scan.combiners.keys`), the levels contiguous from level 0 up, each
-sorted, unused slots ``MAX_KEY``. Every column sees the same rows, so how many items
-each level holds (``sizes``) is one vector shared by all columns, and so is every
-decision of *which* level to compact; only which item of each pair survives is
-chosen per column. Inserting a sorted run or compacting a level rewrites a window of
-static size with one sort and splices it back with one gather.
+Static shapes: every column's items live in one flat ``(d, S)`` array of keys (``uint32``,
+``uint64`` for 64-bit values: :mod:`sharded_scan.combiners.keys`), the levels contiguous
+from level 0 up, each sorted, unused slots the filler (the largest key). Every column
+sees the same rows, so how many items each level holds (``sizes``) is one vector shared
+by all columns, and so is every decision of *which* level to compact; only which item
+of each pair survives is chosen per column. Inserting a sorted run or compacting a level
+rewrites a window of static size with one sort and splices it back with one gather.
 
 A micro-batch is inserted as a run: its sorted keys sampled every ``2^j``-th from a
 random offset, at the lowest level ``j`` whose capacity holds them. Like a compaction,
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.keys import GOLDEN, MAX_KEY, mix32
+from sharded_scan.combiners.keys import GOLDEN, fill, fold32, mix32
 
 LEVELS = 48          # level h weighs 2^h: room for far more than 2^60 rows
 SHRINK = 2.0 / 3.0   # KLL's capacity ratio c between a level and the one above it
@@ -48,7 +48,7 @@ MIN_CAPACITY = 8     # the capacity of the lowest levels
 class Sketch(NamedTuple):
     """One shard's KLL sketch of ``d`` columns."""
 
-    items: jax.Array     # uint32 (d, S): level 0 first, each level sorted; MAX_KEY past the last item
+    items: jax.Array     # uint32 or uint64 keys (d, S): level 0 first, each level sorted; filler past the last item
     sizes: jax.Array     # int32 (LEVELS,): items per level, the same in every column
     variance: jax.Array  # float32 (): sum of w^2 over every rounding (compaction or sampled insert) of weight w
     salt: jax.Array      # uint32 (): seed of the next random bits
@@ -76,10 +76,10 @@ def window_size(k: int) -> int:
     return 3 * k
 
 
-def empty(d: int, k: int) -> Sketch:
-    """The sketch of no rows."""
+def empty(d: int, k: int, key_type=np.uint32) -> Sketch:
+    """The sketch of no rows, of keys of ``key_type``."""
     return Sketch(
-        jnp.full((d, flat_size(k)), MAX_KEY, jnp.uint32), jnp.zeros((LEVELS,), jnp.int32),
+        jnp.full((d, flat_size(k)), fill(key_type), key_type), jnp.zeros((LEVELS,), jnp.int32),
         jnp.zeros((), jnp.float32), jnp.uint32(GOLDEN), jnp.zeros((), bool),
     )
 
@@ -102,13 +102,12 @@ def _starts(sizes: jax.Array) -> jax.Array:
 
 
 def _padded(x: jax.Array, before: int, after: int) -> jax.Array:
-    d = x.shape[0]
-    fill = jnp.uint32(MAX_KEY)
-    return jnp.concatenate([jnp.full((d, before), fill), x, jnp.full((d, after), fill)], axis=1)
+    d, filler = x.shape[0], fill(x.dtype)
+    return jnp.concatenate([jnp.full((d, before), filler, x.dtype), x, jnp.full((d, after), filler, x.dtype)], axis=1)
 
 
 def _window(items: jax.Array, start: jax.Array, size: int) -> jax.Array:
-    """``items[:, start:start + size]`` (``0 <= start <= S``), ``MAX_KEY`` past the end."""
+    """``items[:, start:start + size]`` (``0 <= start <= S``), the filler past the end."""
     return jax.lax.dynamic_slice_in_dim(_padded(items, 0, size), start, size, axis=1)
 
 
@@ -123,7 +122,7 @@ def _splice(items: jax.Array, total: jax.Array, start, old_len, new: jax.Array, 
     placed = jax.lax.dynamic_update_slice_in_dim(_padded(items, 0, width), new, start, axis=1)[:, :slots]
     moved = jax.lax.dynamic_slice_in_dim(_padded(items, width, width), width - shift, slots, axis=1)
     out = jnp.where(pos < start + new_len, placed, moved)
-    return jnp.where(pos < total + shift, out, jnp.uint32(MAX_KEY))
+    return jnp.where(pos < total + shift, out, fill(items.dtype))
 
 
 def window_sizes(k: int) -> tuple[int, ...]:
@@ -168,12 +167,13 @@ def _move(s: Sketch, level, low_level, low, up, run, run_len, inserting, *, size
     win = _window(s.items, start, size)
     pairs, odd = low // 2, low % 2
     salt = mix32(s.salt ^ (level.astype(jnp.uint32) + 1) * jnp.uint32(GOLDEN))
-    column_sum = jnp.sum(jnp.where(pos < low, win, 0), axis=1, dtype=jnp.uint32)
+    column_sum = fold32(jnp.sum(jnp.where(pos < low, win, 0), axis=1, dtype=win.dtype))
     choice = (mix32(salt ^ column_sum) & 1).astype(jnp.int32)[:, None]  # per column: keep pairs' 1st or 2nd
     promoted = (pos < 2 * pairs) & ((pos & 1) == choice)
-    moving = jnp.where(promoted | ((pos >= low) & (pos < low + up)), win, jnp.uint32(MAX_KEY))
-    run = jnp.where((jnp.arange(run.shape[1]) < run_len) & inserting, run, jnp.uint32(MAX_KEY))
-    after_level = jnp.full((run.shape[0], size + run.shape[1]), MAX_KEY, jnp.uint32)
+    filler = fill(win.dtype)
+    moving = jnp.where(promoted | ((pos >= low) & (pos < low + up)), win, filler)
+    run = jnp.where((jnp.arange(run.shape[1]) < run_len) & inserting, run, filler)
+    after_level = jnp.full((run.shape[0], size + run.shape[1]), filler, win.dtype)
     from_run = jax.lax.dynamic_update_slice_in_dim(after_level, run, up, axis=1)[:, :size]  # slots [up, up + R)
     merged = jnp.sort(jnp.minimum(moving, from_run), axis=1)
     leftover = jax.lax.dynamic_slice_in_dim(win, jnp.maximum(low - 1, 0), 1, axis=1)
@@ -207,13 +207,13 @@ def insert_sorted_rows(s: Sketch, keys: jax.Array, count: jax.Array, k: int) -> 
     sample = -((-count) >> levels)  # ceil(count / 2^j)
     caps = jnp.asarray(capacities(k))[jnp.clip(_top(s.sizes) - levels, 0, LEVELS - 1)]
     level = jnp.argmax(sample <= caps).astype(jnp.int32)
-    salt = mix32(s.salt ^ jnp.sum(keys, dtype=jnp.uint32) ^ count.astype(jnp.uint32))
+    salt = mix32(s.salt ^ fold32(jnp.sum(keys, dtype=keys.dtype)) ^ count.astype(jnp.uint32))
     offset = (salt & ((jnp.uint32(1) << level.astype(jnp.uint32)) - 1)).astype(jnp.int32)
     length = jnp.where(count > offset, -((offset - count) >> level), 0)
     i = jnp.arange(min(k, mb), dtype=jnp.int32)
     taken = i < length
     rows = jnp.where(taken, offset + (i << level), 0)
-    run = jnp.where(taken, jnp.take(keys, jnp.clip(rows, 0, mb - 1), axis=1), jnp.uint32(MAX_KEY))
+    run = jnp.where(taken, jnp.take(keys, jnp.clip(rows, 0, mb - 1), axis=1), fill(keys.dtype))
     weight = jnp.exp2(level.astype(jnp.float32))
     s = s._replace(salt=salt, variance=s.variance + jnp.where(level > 0, weight * weight, 0.0))
 
@@ -256,7 +256,7 @@ def merge(a: Sketch, b: Sketch, k: int) -> Sketch:
 class HostSketch(NamedTuple):
     """A finished sketch on the host: per column, the items sorted and their cumulative weights."""
 
-    keys: np.ndarray        # uint32 (d, n_items), sorted per column
+    keys: np.ndarray        # uint32 or uint64 (d, n_items), sorted per column
     cumulative: np.ndarray  # float64 (d, n_items): total weight of the items up to and including each
 
 
@@ -276,8 +276,8 @@ def keys_at(host: HostSketch, ranks: np.ndarray) -> np.ndarray:
     """Per column, the key of the item covering each rank (``ranks`` ``(d, m)``, 0-based, in rows)."""
     d, n_items = host.keys.shape
     if n_items == 0:
-        return np.full(ranks.shape, MAX_KEY, np.uint32)
-    out = np.empty(ranks.shape, np.uint32)
+        return np.full(ranks.shape, fill(host.keys.dtype), host.keys.dtype)
+    out = np.empty(ranks.shape, host.keys.dtype)
     for j in range(d):
         at = np.searchsorted(host.cumulative[j], ranks[j], side="right")
         out[j] = host.keys[j, np.minimum(at, n_items - 1)]

@@ -25,13 +25,7 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import (
-    MAX_KEY,
-    check_column_spec,
-    columns,
-    fold_if_any,
-    kind_code,
-)
+from sharded_scan.combiners.keys import check_column_spec, fill, fold_if_any, key_dtype, kind_code, masked_columns
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles_exact import exact_passes
 from sharded_scan.combiners.quantiles_result import QuantilesAcc, QuantilesResult, result_from_keys
@@ -78,7 +72,7 @@ class Quantiles(Combiner, MultiPass):
         result's ``rank_error`` bounds it; at the default the largest rank error over
         2001 quantiles of 10^7 rows was 1e-7 to 4.1e-4 (``python bench/sketches.py``).
       exact: return the exact order statistics (numpy's ``method="lower"``), in 2 or 3
-        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``), which
+        passes over typical data (at most ``1 + ceil(32 / (bits - 1))``; 64 for 64-bit data), which
         :func:`sharded_scan.run` runs one after another.
       bits: with ``exact``, each pass after the first cuts every bracket into ``2^bits``
         bins (memory ``d * len(qs) * 2^bits`` counts).
@@ -86,7 +80,7 @@ class Quantiles(Combiner, MultiPass):
     NaN and infinities: with ``nan_policy="propagate"`` a column holding NaN gives NaN
     (like ``np.quantile``) and infinities rank as the largest and smallest values; with
     ``"omit"`` rows holding NaN or Inf are skipped. ``-0.0`` and ``0.0`` count as one value.
-    64-bit floats are rounded to float32 first.
+    float64 and int64 values are ranked exactly, by 64-bit keys.
     """
 
     # qs are read on the host only: sketches that differ in qs alone compare equal and
@@ -113,17 +107,17 @@ class Quantiles(Combiner, MultiPass):
 
     def init(self, spec):
         shape = spec.shape
-        d = shape[0] if shape else 1
+        d, keys = (shape[0] if shape else 1), key_dtype(spec.dtype)
         return QuantilesAcc(
-            kll.empty(d, self.k), wide.zeros(limbs=3), jnp.full(shape, MAX_KEY, jnp.uint32),
-            jnp.zeros(shape, jnp.uint32), kind_code(spec.dtype),
+            kll.empty(d, self.k, keys), wide.zeros(limbs=3), jnp.full(shape, fill(keys), keys),
+            jnp.zeros(shape, keys), kind_code(spec.dtype),
         )
 
     def add(self, acc, batch, mask):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        keys = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)
+        keys = jnp.sort(masked_columns(batch, mask), axis=1)
         count = jnp.sum(mask, dtype=jnp.int32)
         sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
         largest = jnp.take(keys, count - 1, axis=1)

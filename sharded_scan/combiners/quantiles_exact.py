@@ -11,7 +11,8 @@ are equal; otherwise its smallest and largest keys are the next bracket. A brack
 rank fell outside of (the sketch's rare miss) is replaced by the keys on that side.
 
 Half of the boundaries cut the bracket into equal key ranges, so each pass shrinks it
-by ``2^(bits-1)`` and at most ``ceil(32 / (bits - 1))`` passes follow the sketch; for
+by ``2^(bits-1)`` and at most ``ceil(32 / (bits - 1))`` passes follow the sketch
+(``ceil(64 / (bits - 1))`` for 64-bit keys, whose host keys are Python ints); for
 floats the other half cut it into equal value ranges, which splits smooth data into
 bins of nearly equal row counts (two or three passes in all on 10^7 normal rows).
 Memory is ``d * len(qs) * 2^bits`` counts and keys, whatever the row count.
@@ -31,19 +32,27 @@ import numpy as np
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import (
-    MAX_KEY,
-    NAN_KEY,
+    KIND_DTYPES,
     check_column_spec,
-    columns,
+    fill,
     fold_if_any,
     from_keys,
     is_float,
+    key_dtype,
+    masked_columns,
+    nan_key,
     np_float_keys,
 )
 from sharded_scan.combiners.quantiles_result import result_from_keys
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
-END = 1 << 32  # a boundary past every key
+
+
+def host_ints(keys: np.ndarray) -> np.ndarray:
+    """Host keys as integers that hold one past the largest key: int64 for ``uint32`` keys,
+    Python ints (an object array) for ``uint64`` ones."""
+    keys = np.asarray(keys)
+    return keys.astype(np.int64 if keys.dtype == np.uint32 else object)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +81,8 @@ class BinCounts(NamedTuple):
     """Per column, q and boundary: rows below it; per bin: its smallest and largest key."""
 
     below: wide.Wide  # (d, nq, bins + 1)
-    min: jax.Array    # uint32 (d, nq, bins), MAX_KEY for an empty bin
-    max: jax.Array    # uint32 (d, nq, bins), 0 for an empty bin
+    min: jax.Array    # keys (d, nq, bins), the filler for an empty bin
+    max: jax.Array    # keys (d, nq, bins), 0 for an empty bin
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,9 +90,9 @@ class RefinePass(Combiner):
     """Counts rows below every boundary and the key range of every bin, per column and q.
 
     Attributes:
-      bounds: int64 ``(d, nq, bins + 1)``, increasing along the last axis, values in
-        ``[0, 2^32]`` (``2^32``: past every key). Bin ``i`` holds keys in
-        ``[bounds[i], bounds[i + 1])``.
+      bounds: ``(d, nq, bins + 1)`` (:func:`host_ints`), increasing along the last axis,
+        values in ``[0, 2^32]`` (``2^32``: past every key; ``2^64`` for 64-bit keys). Bin
+        ``i`` holds keys in ``[bounds[i], bounds[i + 1])``.
     """
 
     bounds: np.ndarray
@@ -92,24 +101,28 @@ class RefinePass(Combiner):
         check_column_spec(spec, "Quantiles")
 
     def fingerprint(self):
-        digest = hashlib.sha256(np.ascontiguousarray(self.bounds, np.int64).tobytes()).hexdigest()
+        raw = (np.ascontiguousarray(self.bounds, np.int64).tobytes() if self.bounds.dtype != object
+               else repr(self.bounds.tolist()).encode())  # 64-bit keys: up to 2^64, past int64
+        digest = hashlib.sha256(raw).hexdigest()
         return {"combiner": "RefinePass", "bounds": f"{self.bounds.shape} sha256:{digest}"}
 
     def init(self, spec):
         d, nq, edges = self.bounds.shape
+        keys = key_dtype(spec.dtype)
         return BinCounts(
-            wide.zeros((d, nq, edges), limbs=3), jnp.full((d, nq, edges - 1), MAX_KEY, jnp.uint32),
-            jnp.zeros((d, nq, edges - 1), jnp.uint32),
+            wide.zeros((d, nq, edges), limbs=3), jnp.full((d, nq, edges - 1), fill(keys), keys),
+            jnp.zeros((d, nq, edges - 1), keys),
         )
 
     def add(self, acc, batch, mask):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        keys = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)  # (d, mb)
+        keys = jnp.sort(masked_columns(batch, mask), axis=1)  # (d, mb)
         real = jnp.sum(mask, dtype=jnp.int32)
-        bounds = jnp.asarray(np.minimum(self.bounds, MAX_KEY).astype(np.uint32))
-        past_all = jnp.asarray(self.bounds == END)
+        largest = int(fill(keys.dtype))
+        bounds = jnp.asarray(np.minimum(self.bounds, largest).astype(keys.dtype))
+        past_all = jnp.asarray(np.asarray(self.bounds == largest + 1, bool))
 
         def below(col, b):
             return jnp.searchsorted(col, b.reshape(-1)).reshape(b.shape).astype(jnp.int32)
@@ -121,8 +134,8 @@ class RefinePass(Combiner):
         def at(col, i):
             return jnp.take(col, jnp.clip(i, 0, col.shape[0] - 1).reshape(-1)).reshape(i.shape)
 
-        low = jnp.where(empty, jnp.uint32(MAX_KEY), jax.vmap(at)(keys, first))
-        high = jnp.where(empty, jnp.uint32(0), jax.vmap(at)(keys, last))
+        low = jnp.where(empty, fill(keys.dtype), jax.vmap(at)(keys, first))
+        high = jnp.where(empty, keys.dtype.type(0), jax.vmap(at)(keys, last))
         return BinCounts(
             wide.add(acc.below, wide.of_int32(counts, limbs=3)), jnp.minimum(acc.min, low), jnp.maximum(acc.max, high)
         )
@@ -134,22 +147,24 @@ class RefinePass(Combiner):
         return BinCounts(np.asarray(wide.to_int(acc.below), np.int64), np.asarray(acc.min), np.asarray(acc.max))
 
 
-def boundaries(lo: int, hi: int, bins: int, floats: bool) -> np.ndarray:
-    """``bins + 1`` boundaries over the bracket ``[lo, hi]`` of keys (``lo < hi``), the last ``hi + 1``.
+def boundaries(lo: int, hi: int, bins: int, dtype) -> np.ndarray:
+    """``bins + 1`` boundaries over the bracket ``[lo, hi]`` of keys of values of ``dtype``
+    (``lo < hi``), the last ``hi + 1``, as :func:`host_ints` of their keys.
 
     They cut the keys into equal ranges; for floats half of them cut the values instead.
     """
+    floats, keys = np.dtype(dtype).kind == "f", key_dtype(dtype)
     by_key = bins // 2 if floats else bins
-    shift = max(0, math.ceil(math.log2(hi - lo + 1)) - int(math.log2(by_key)))
-    cuts = [lo + (np.arange(by_key, dtype=np.int64) << shift)]
+    shift = max(0, (hi - lo).bit_length() - int(math.log2(by_key)))  # ceil(log2(hi - lo + 1)), exactly
+    cuts = [lo + (host_ints(np.arange(by_key, dtype=keys)) << shift)]
     if floats:
-        ends = from_keys(np.array([lo, hi], np.uint32), np.float32)
+        ends = from_keys(np.array([lo, hi], keys), dtype)
         with np.errstate(invalid="ignore", over="ignore"):
             values = np.linspace(ends[0], ends[1], bins - by_key + 1)[1:-1]
-        cuts.append(np_float_keys(values[np.isfinite(values)]).astype(np.int64))
+        cuts.append(host_ints(np_float_keys(values[np.isfinite(values)], dtype)))
     inside = np.unique(np.concatenate(cuts))
-    inside = inside[(inside >= lo) & (inside <= hi)]
-    return np.concatenate([inside, np.full(bins + 1 - len(inside), hi + 1, np.int64)])
+    inside = inside[np.asarray((inside >= lo) & (inside <= hi), bool)]
+    return np.concatenate([inside, host_ints(np.zeros(bins + 1 - len(inside), keys)) + (hi + 1)])
 
 
 def narrowed(bounds: np.ndarray, counts: BinCounts, rank: int, low: int, high: int) -> tuple[int, int]:
@@ -178,26 +193,28 @@ def exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
     host = kll.to_host(acc.sketch)
     if rows == 0 or float(acc.sketch.variance) == 0.0:  # nothing compacted: the sketch holds every row
         return result_from_keys(acc, qs, kll.lower_ranks(host, qs), rows, 0.0, passes=1)
-    low, high = np.asarray(acc.low).reshape(-1).astype(np.int64), np.asarray(acc.high).reshape(-1).astype(np.int64)
-    floats = is_float(acc.kind)
+    keys = np.asarray(acc.low).dtype
+    low, high = host_ints(np.asarray(acc.low).reshape(-1)), host_ints(np.asarray(acc.high).reshape(-1))
+    floats, dtype = is_float(acc.kind), KIND_DTYPES[int(acc.kind)]
     ranks = np.broadcast_to(np.floor(qs * (rows - 1)).astype(np.int64), (len(low), len(qs)))
     margin = kll.rank_error_bound(float(acc.sketch.variance), rows, BRACKET_CONFIDENCE) * rows + 1
     # Past either end of the sketch's items only the true extremes bracket safely.
     total = host.cumulative[:, -1:]
-    lo = np.where(ranks < margin, low[:, None], kll.keys_at(host, np.maximum(ranks - margin, 0)).astype(np.int64))
-    hi = np.where(ranks + margin >= total, high[:, None], kll.keys_at(host, ranks + margin).astype(np.int64))
+    lo = np.where(ranks < margin, low[:, None], host_ints(kll.keys_at(host, np.maximum(ranks - margin, 0))))
+    hi = np.where(ranks + margin >= total, high[:, None], host_ints(kll.keys_at(host, ranks + margin)))
     hi = np.maximum(hi, lo)
-    settled = (qs[None, :] == 0) | (qs[None, :] == 1) | ((high == NAN_KEY) & floats)[:, None]
+    nan = np.asarray(high == int(nan_key(keys)), bool) & floats
+    settled = (qs[None, :] == 0) | (qs[None, :] == 1) | nan[:, None]
     hi = np.where(settled, lo, hi)  # ends are exact already; NaN columns answer NaN
     passes, bins = 1, 1 << bits
-    while np.any(lo < hi):
-        todo = list(zip(*np.nonzero(lo < hi), strict=True))
-        bounds = np.zeros(lo.shape + (bins + 1,), np.int64)
+    while np.any(np.asarray(lo < hi, bool)):
+        todo = list(zip(*np.nonzero(np.asarray(lo < hi, bool)), strict=True))
+        bounds = np.zeros(lo.shape + (bins + 1,), lo.dtype)
         for j, i in todo:
-            bounds[j, i] = boundaries(int(lo[j, i]), int(hi[j, i]), bins, floats)
+            bounds[j, i] = boundaries(int(lo[j, i]), int(hi[j, i]), bins, dtype)
         counts = yield RefinePass(bounds)
         passes += 1
         for j, i in todo:
             cell = BinCounts(counts.below[j, i], counts.min[j, i], counts.max[j, i])
             lo[j, i], hi[j, i] = narrowed(bounds[j, i], cell, int(ranks[j, i]), int(low[j]), int(high[j]))
-    return result_from_keys(acc, qs, lo.astype(np.uint32), rows, 0.0, passes)
+    return result_from_keys(acc, qs, lo.astype(keys), rows, 0.0, passes)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from sharded_scan.combiners import kll, wide
-from sharded_scan.combiners.keys import NAN_KEY, decode, is_float
+from sharded_scan.combiners.keys import decode, is_float, nan_key
 
 
 class QuantilesResult(NamedTuple):
@@ -37,8 +37,8 @@ class QuantilesAcc(NamedTuple):
 
     sketch: kll.Sketch
     count: wide.Wide
-    low: jax.Array   # uint32 (d,) or (): smallest key (MAX_KEY with no rows)
-    high: jax.Array  # uint32 (d,) or (): largest key (NAN_KEY once a NaN was seen)
+    low: jax.Array   # uint32 or uint64 keys (d,) or (): the smallest key (the filler with no rows)
+    high: jax.Array  # the same: the largest key (keys.nan_key once a NaN was seen)
     kind: jax.Array  # int32 (): keys.kind_code, so that finalize can turn keys back into values
 
 
@@ -46,8 +46,8 @@ def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, keys: np.ndarray, rows: 
     """Builds the result from per-column keys ``(d, len(qs))``: exact ends, NaN columns, shape."""
     low, high = np.asarray(acc.low).reshape(-1), np.asarray(acc.high).reshape(-1)
     keys = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], keys))
-    values = decode(keys, acc.kind)
-    nan = (high == NAN_KEY) & is_float(acc.kind)
+    values = decode(keys, acc.kind).astype(np.float64)
+    nan = (high == nan_key(high.dtype)) & is_float(acc.kind)
     values[nan | (rows == 0)] = np.nan
     if np.ndim(acc.low) == 0:
         values = values[0]

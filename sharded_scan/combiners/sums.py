@@ -51,7 +51,7 @@ class Sum(AdditiveCombiner):
 
     Integer and bool leaves sum exactly (as :class:`~sharded_scan.combiners.wide.Wide`
     integers: int64 in the result, Python ints past 2^63); float leaves sum in their
-    accumulator dtype (float32, or float64 under ``jax_enable_x64``).
+    accumulator dtype (float32; float64 for float64 data, and under ``jax_enable_x64``).
     """
 
     def init(self, spec):

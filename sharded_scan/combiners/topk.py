@@ -15,7 +15,8 @@ so a value monitored from its first row, as frequent values are, has its exact c
 
 The top ``k`` are the monitored values with the largest ``count``; ``certain`` says the
 ``k``-th count is at least every other value's upper bound, so that they are a true top
-``k``. Keys are the values' 32-bit keys (:mod:`~sharded_scan.combiners.keys`); strings
+``k``. Keys are the values' 32-bit keys, 64-bit ones for 64-bit values
+(:mod:`~sharded_scan.combiners.keys`: exact, so int64 ids are never merged); strings
 can be counted by their :func:`hash_strings` ids: a tabular source's string column is read so,
 and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
 """
@@ -31,7 +32,15 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import MAX_KEY, check_column_spec, columns, decode, fold_if_any, kind_code
+from sharded_scan.combiners.keys import (
+    check_column_spec,
+    decode,
+    fill,
+    fold_if_any,
+    key_dtype,
+    kind_code,
+    masked_columns,
+)
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
 from sharded_scan.dtypes import hash_strings  # noqa: F401 - importable here still
@@ -63,7 +72,7 @@ class TopKResult(NamedTuple):
 class TopKAcc(NamedTuple):
     """Monitored keys (the first ``held`` of each column valid), their counts and slacks, and ``D``."""
 
-    keys: jax.Array   # uint32 (d, capacity)
+    keys: jax.Array   # uint32 or uint64 (d, capacity)
     count: Wide       # (d, capacity)
     slack: Wide       # (d, capacity)
     held: jax.Array   # int32 (d,) or (): monitored values
@@ -111,7 +120,7 @@ def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: i
     bound = maximum(bound, masked_max(high, valid & ~chosen))
     zero = wide.zeros(kept.shape, LIMBS)
     return (
-        jnp.where(kept, jnp.take_along_axis(keys, index, axis=1), jnp.uint32(MAX_KEY)),
+        jnp.where(kept, jnp.take_along_axis(keys, index, axis=1), fill(keys.dtype)),
         _where(kept, _take(count, index), zero), _where(kept, _take(slack, index), zero),
         jnp.sum(kept, axis=1, dtype=jnp.int32), bound,
     )
@@ -148,9 +157,9 @@ class TopK(Combiner):
         check_column_spec(spec, "TopK")
 
     def init(self, spec):
-        d, c = (spec.shape[0] if spec.shape else 1), self.capacity
+        d, c, keys = (spec.shape[0] if spec.shape else 1), self.capacity, key_dtype(spec.dtype)
         return TopKAcc(
-            jnp.full((d, c), MAX_KEY, jnp.uint32), wide.zeros((d, c), LIMBS), wide.zeros((d, c), LIMBS),
+            jnp.full((d, c), fill(keys), keys), wide.zeros((d, c), LIMBS), wide.zeros((d, c), LIMBS),
             jnp.zeros(spec.shape, jnp.int32), wide.zeros((d,), LIMBS), kind_code(spec.dtype),
         )
 
@@ -158,7 +167,7 @@ class TopK(Combiner):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        s = jnp.sort(jnp.where(mask[None, :], columns(batch), jnp.uint32(MAX_KEY)), axis=1)  # (d, mb)
+        s = jnp.sort(masked_columns(batch, mask), axis=1)  # (d, mb)
         d, mb = s.shape
         real = jnp.sum(mask, dtype=jnp.int32)
         pos = jnp.arange(mb, dtype=jnp.int32)

@@ -129,8 +129,8 @@ def sum_rows(x: jax.Array, mask: jax.Array, limbs: int | None = None) -> Wide:
     total = jnp.zeros((*x.shape[1:], limbs), jnp.int32)
     for k, piece in enumerate(_pieces(x)):
         sums = _column_sums(jnp.where(keep, piece, 0))
-        low = jnp.sum(jnp.bitwise_and(sums, _MASK), axis=0)   # < 2^16 per group
-        high = jnp.sum(jnp.right_shift(sums, LIMB_BITS), axis=0)
+        low = jnp.sum(jnp.bitwise_and(sums, _MASK), axis=0, dtype=jnp.int32)  # < 2^16 per group
+        high = jnp.sum(jnp.right_shift(sums, LIMB_BITS), axis=0, dtype=jnp.int32)  # int32 under x64 too
         total = total.at[..., k].add(low).at[..., k + 1].add(high)
     return normalize(Wide(total))
 

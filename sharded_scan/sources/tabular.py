@@ -5,7 +5,7 @@ Columns are chosen by name and laid out as the combiner wants its rows: one name
 arrays, e.g. ``columns=(["year", "income", "age"], "price")`` for ``(X, y)``; None stands for
 every numeric column not named elsewhere (``columns=(None, "price")``). Every value
 keeps its precision: the row dtype is the columns' common numpy type (float64 for
-doubles, which needs ``jax_enable_x64``) unless ``dtype=`` says otherwise. Nulls become
+doubles, reduced in 64 bits: :func:`sharded_scan.dtypes.x64_scope`) unless ``dtype=`` says otherwise. Nulls become
 NaN (so ``nan_policy`` applies) in float dtypes and are an error in integer ones.
 
 Vector columns: a ``fixed_size_list`` column of numbers, a ``list`` one whose lists all have

@@ -1,0 +1,112 @@
+"""64-bit values keyed exactly: Quantiles, DistinctCount and TopK of float64, int64 and uint64 data
+with no flag, against numpy; values float32 cannot tell apart and ids equal in their low 32 bits."""
+
+import jax
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+
+QS = [0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]
+
+
+def lower(x, qs=QS):
+    """numpy's answer: ``(d, len(qs))`` float64."""
+    return np.quantile(x, qs, axis=0, method="lower").T.astype(np.float64)
+
+
+def floats_past_float32(n, rng):
+    """Columns whose values differ only past float32's precision, and across the whole float64 range."""
+    close = 1.0 + rng.permutation(n) * 2.0**-40  # float32 rounds every one of them to 1.0
+    wide = rng.choice([-1e300, -3.5, -5e-324, -0.0, 0.0, 5e-324, 1e-310, 2.5, 1e300], n) * (1 + rng.random(n) * 1e-12)
+    return np.stack([close, wide], axis=1)
+
+
+def test_quantiles_of_float64_values_that_float32_would_merge():
+    x = floats_past_float32(3000, np.random.default_rng(0))
+    got = ss.run(ss.Quantiles(qs=QS), x, microbatch=256)
+    assert float(got.rank_error) == 0.0  # nothing compacted: the sketch holds every row
+    np.testing.assert_array_equal(got.quantiles, lower(x))
+
+
+def test_exact_quantiles_of_float64_int64_and_uint64_after_compaction():
+    rng = np.random.default_rng(1)
+    n = 20_000
+    cases = {
+        "float64": 1.0 + rng.normal(size=(n, 1)) * 2.0**-30,
+        "int64": (rng.integers(0, 1000, (n, 1)) << 33) - (1 << 40) + rng.integers(0, 3, (n, 1)),  # equal low halves
+        "uint64": np.uint64(1 << 63) + rng.integers(0, 1 << 20, (n, 1)).astype(np.uint64) * np.uint64(3 << 40),
+    }
+    for name, x in cases.items():
+        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8), x, microbatch=512)
+        assert int(got.passes) > 1, name  # the sketch compacted: refining passes ran
+        np.testing.assert_array_equal(got.quantiles, lower(x), err_msg=name)
+
+
+def test_distinct_count_of_int64_ids_past_two_to_the_32():
+    ids = (np.arange(5000, dtype=np.int64) << 33) | 12345  # one value in their low 32 bits
+    x = np.stack([ids, ids % 7], axis=1)
+    got = ss.run(ss.DistinctCount(exact_up_to=8000), x, microbatch=512)
+    np.testing.assert_array_equal(got.count, [5000, 7])
+    assert got.exact.all()
+
+
+def test_distinct_count_estimates_64_bit_values_within_its_error():
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1 << 40, 1 << 62, 200_000)
+    floats = 1e9 + np.arange(100_000) * 1e-3  # keyed in 32 bits these were counted as 3
+    for x in (ids, floats, ids.astype(np.uint64) << np.uint64(1)):
+        want = len(np.unique(x))
+        got = ss.run(ss.DistinctCount(), x, microbatch=4096)
+        assert not got.exact
+        assert abs(int(got.count) / want - 1) < 5 * float(got.relative_error), (x.dtype, int(got.count), want)
+
+
+def test_distinct_count_compares_float64_as_np_unique():
+    x = np.array([0.0, -0.0, np.nan, np.nan, 1.0, 1.0 + 2.0**-52, 1.0, -np.inf, np.inf])
+    got = ss.run(ss.DistinctCount(exact_up_to=16), x)
+    assert int(got.count) == len(np.unique(x)) == 6 and bool(got.exact)
+
+
+def test_topk_of_int64_ids_equal_in_their_low_32_bits():
+    rng = np.random.default_rng(3)
+    ids = (rng.zipf(1.5, 30_000).astype(np.int64) << 35) + 7
+    x = np.stack([ids, -ids], axis=1)
+    got = ss.run(ss.TopK(k=5, capacity=4096), x, microbatch=1024)
+    for j in range(2):
+        values, counts = np.unique(x[:, j], return_counts=True)
+        order = np.lexsort((values, -counts))[:5]  # most frequent first, ties: smaller value first
+        np.testing.assert_array_equal(got.values[j], values[order].astype(np.float64))
+        np.testing.assert_array_equal(got.counts[j], counts[order])
+    assert got.certain.all()
+
+
+def test_topk_of_float64_values_float32_would_merge():
+    x = np.repeat(1.0 + np.arange(6) * 2.0**-40, [1, 50, 2, 40, 3, 30])
+    got = ss.run(ss.TopK(k=3), np.random.default_rng(4).permutation(x), microbatch=16)
+    np.testing.assert_array_equal(got.values, 1.0 + np.array([1, 3, 5]) * 2.0**-40)
+    np.testing.assert_array_equal(got.counts, [50, 40, 30])
+
+
+def test_under_the_global_flag_the_sketches_give_the_same_answers():
+    rng = np.random.default_rng(5)
+    x = floats_past_float32(5000, rng)
+    combiners = [ss.Quantiles(qs=QS, k=32), ss.DistinctCount(exact_up_to=64), ss.TopK(k=4, capacity=64)]
+    scoped = [ss.run(c, x, microbatch=256) for c in combiners]
+    with jax.enable_x64(True):  # what jax_enable_x64 set at start-up gives, in this thread
+        flagged = [ss.run(c, x, microbatch=256) for c in combiners]
+    for a, b in zip(scoped, flagged, strict=True):
+        for field in a._fields:
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+
+@pytest.mark.parametrize("dtype, keys", [(np.float32, np.uint32), (np.int32, np.uint32), (np.bool_, np.uint32),
+                                         (np.float64, np.uint64), (np.int64, np.uint64), (np.uint64, np.uint64)])
+def test_only_64_bit_values_take_64_bit_keys(dtype, keys):
+    spec = jax.ShapeDtypeStruct((3,), dtype)
+    with jax.enable_x64(np.dtype(dtype).itemsize == 8):  # as a run scopes it
+        quantiles = jax.eval_shape(ss.Quantiles(qs=[0.5]).init, spec)
+        distinct = jax.eval_shape(ss.DistinctCount(exact_up_to=4).init, spec)
+        topk = jax.eval_shape(ss.TopK().init, spec)
+    for held in (quantiles.sketch.items, quantiles.low, quantiles.high, distinct.keys, topk.keys):
+        assert held.dtype == keys
