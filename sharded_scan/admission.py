@@ -1,17 +1,25 @@
 """Memory admission: a job that cannot fit is refused in one line before anything compiles.
 
 :func:`memory_estimate` works out, from shapes alone, what one device of a built
-:class:`~sharded_scan.program.Program` holds at its peak; :func:`check_fits` compares it
-with the device's memory (or, for CPU devices, the host's available memory) and raises
-a :class:`~sharded_scan.errors.UsageError` naming the parts and what to shrink.
+:class:`~sharded_scan.program.Program` holds at its peak; :func:`memory_need` adds what the
+host holds beside it where the devices are the host's (CPU); :func:`check_fits` compares
+that with the memory there is and raises a :class:`~sharded_scan.errors.UsageError` naming
+the parts and what to shrink. The memory there is: an accelerator's free memory
+(``memory_stats()``: limit less in use), or for CPU devices the least of the host's
+available memory and the room left in this process's memory cgroup (v1 or v2, the
+process's own group and every group above it), so a job in a container is refused, not
+killed by the kernel. ``bench/admission.py`` measures the estimate against real peaks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import pathlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.extend import core as jax_core
 
 from sharded_scan.errors import UsageError
 
@@ -20,35 +28,80 @@ if TYPE_CHECKING:  # program.py calls check_fits as it builds a Program
 
 
 GIB = 1 << 30
+MIB = 1 << 20
+# Where /proc and /sys are read from; tests and bench/admission.py point it at a fake tree.
+FS_ROOT = "/"
+# XLA's compiler and runtime in the host's memory, whatever the job's shapes (CPU devices):
+# bench/admission.py measured 70..170 MiB for the smallest jobs.
+RUNTIME = 192 * MIB
+# cgroup v1 writes "no limit" as 2^63 - 1 rounded down to a page; v2 writes "max".
+NO_LIMIT = 1 << 62
 
 
-def _largest_temporary(program: Program) -> int:
-    """Bytes of the largest value one ``add`` of a micro-batch makes (0 when it cannot be traced alone)."""
+def _nbytes(var: Any) -> int:
+    aval = getattr(var, "aval", None)
+    return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
+
+
+def _inner_jaxprs(eqn: Any) -> Iterator[Any]:
+    for param in eqn.params.values():
+        for value in param if isinstance(param, (tuple, list)) else (param,):
+            if isinstance(value, jax_core.ClosedJaxpr):
+                yield value.jaxpr
+            elif isinstance(value, jax_core.Jaxpr):
+                yield value
+
+
+def live_peak(jaxpr: Any) -> int:
+    """Bytes of the values ``jaxpr`` makes that are alive at once, at the most (its inputs not
+    counted; an inner jaxpr's own peak counted while it runs). XLA fuses some of them away,
+    so this is the most an ``add`` or ``merge`` needs beside its inputs."""
+    last_use = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for var in eqn.invars:
+            if isinstance(var, jax_core.Var):
+                last_use[var] = i
+    outputs = {var for var in jaxpr.outvars if isinstance(var, jax_core.Var)}
+    live, total, peak = {}, 0, 0
+    for i, eqn in enumerate(jaxpr.eqns):
+        inner = max((live_peak(j) for j in _inner_jaxprs(eqn)), default=0)
+        made = sum(_nbytes(var) for var in eqn.outvars)
+        peak = max(peak, total + inner + made)
+        for var in eqn.outvars:
+            live[var] = _nbytes(var)
+        total += made
+        for var in eqn.invars:
+            if isinstance(var, jax_core.Var) and last_use.get(var) == i and var in live and var not in outputs:
+                total -= live.pop(var)
+    return peak
+
+
+def _temporaries(program: Program) -> tuple[int, int]:
+    """Bytes one micro-batch's ``add``, and one ``merge`` of two accumulators, make beside
+    their inputs (0, 0 when they cannot be traced alone)."""
     mb = program.layout.microbatch
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mb, *s.shape), s.dtype), program.spec)
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
         acc = jax.eval_shape(program.combiner.init, program.spec)
-        jaxpr = jax.make_jaxpr(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m))(
+        add = jax.make_jaxpr(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m))(
             operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
+        merge = jax.make_jaxpr(lambda ops, a, b: program.combiner.bind(ops).merge(a, b))(operands, acc, acc)
     except Exception:  # noqa: BLE001 - e.g. an add that needs the mesh's axes: no estimate
-        return 0
-    sizes = [0]
-    for eqn in jaxpr.jaxpr.eqns:
-        sizes += [int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize for v in eqn.outvars
-                  if hasattr(v.aval, "shape")]
-    return max(sizes)
+        return 0, 0
+    return live_peak(add.jaxpr), live_peak(merge.jaxpr)
 
 
 def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int]:
     """Bytes one device of ``program`` holds at its peak, by part; worked out before compiling.
 
     ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
-    ``rows``: the step's rows in flight (``prefetch`` steps ahead, one folding, one read);
-    ``merge``: the partials the merge gathers (all shards, unless one ``psum`` sums them in
-    place); ``temporary`` (with ``temporaries``; it needs the combiner's operands): the
-    largest value one micro-batch's ``add`` makes.
+    ``rows``: the steps' rows in flight (``prefetch`` steps ahead, one folding, one placed; no
+    more steps than the data has);
+    ``merge``: the partials the merge gathers (all shards, and what merging two of them
+    makes; one, when a ``psum`` sums them in place); ``temporary`` (with ``temporaries``; it needs
+    the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once.
     """
     layout = program.layout
     leaves = jax.tree.leaves(program.like)
@@ -56,53 +109,173 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     per_shard = accumulator // max(layout.shards_per_device, 1)
     gathered = not program.combiner.additive or program.options.logical_shards is not None
     rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
+    add, merge = _temporaries(program) if temporaries else (0, 0)
     return {
         "accumulator": accumulator,
-        "rows": layout.rows_per_device * rows * (program.options.prefetch + 2),
-        "merge": per_shard * (layout.num_shards if gathered else 1),
-        "temporary": _largest_temporary(program) if temporaries else 0,
+        "rows": layout.rows_per_device * rows * min(program.options.prefetch + 2, layout.num_steps()),
+        "merge": per_shard * layout.num_shards + merge if gathered else per_shard,
+        "temporary": add,
     }
 
 
-def _available(device: Any) -> tuple[int | None, str]:
-    """Memory one device may use, and what it is: an accelerator's limit, or the host's free memory."""
+class Need(NamedTuple):
+    """What :func:`memory_need` worked out, in bytes."""
+
+    total: int                # what the memory there is must hold
+    device_peak: int          # one device's peak (``memory_estimate``'s parts at once)
+    devices: int              # devices sharing that memory (the local CPU devices; else 1)
+    parts: dict[str, int]     # ``memory_estimate``'s parts, and ``reads``, ``host``, ``runtime`` on CPU
+
+
+def memory_need(program: Program, temporaries: bool = True) -> Need:
+    """Bytes ``program`` needs of the memory :func:`check_fits` compares with.
+
+    One device's peak (:func:`memory_estimate`: its partials, with the rows in flight and
+    a step's temporaries, or with the merge); CPU devices share the host's memory, so it
+    counts once for every local device, with the host's parts on top: ``reads``, the rows in
+    flight as read before they are placed (a second copy); ``host``, the merged accumulator
+    copied to the host and ``finalize``'s work on it (as much again); and ``runtime``, XLA's
+    compiler and runtime (:data:`RUNTIME`).
+    """
+    device = program.mesh.devices.flat[0]
+    parts = memory_estimate(program, temporaries)
+    peak = max(parts["accumulator"] + parts["rows"] + parts["temporary"], parts["accumulator"] + parts["merge"])
+    if device.platform != "cpu":
+        return Need(peak, peak, 1, parts)
+    local = len(program.mesh.local_devices)
+    per_shard = parts["accumulator"] // max(program.layout.shards_per_device, 1)
+    parts = {**parts, "reads": parts["rows"] * local, "host": 2 * per_shard, "runtime": RUNTIME}
+    return Need(peak * local + parts["reads"] + parts["host"] + parts["runtime"], peak, local, parts)
+
+
+class CgroupDir(NamedTuple):
+    """A memory cgroup of this process: ``version`` 1 or 2, its ``path``, the hierarchy's ``mount``."""
+
+    version: int
+    path: pathlib.Path
+    mount: pathlib.Path
+
+
+def cgroup_dirs(root: str | pathlib.Path | None = None) -> list[CgroupDir]:
+    """This process's memory cgroups (v2 and/or v1), from ``/proc/self/cgroup`` and
+    ``/proc/self/mountinfo`` under ``root`` (default :data:`FS_ROOT`)."""
+    root = pathlib.Path(FS_ROOT if root is None else root)
     try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        limit = None
-    if limit:
-        return int(limit), f"{device.platform.upper()} memory"
+        groups = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = [line.split() for line in (root / "proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return []
+    found = []
+    for line in groups:
+        number, controllers, path = line.split(":", 2)
+        version = 2 if number == "0" and not controllers else 1 if "memory" in controllers.split(",") else 0
+        for fields in mounts:
+            if "-" not in fields or not version:
+                continue
+            kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+            if (version, kind) == (2, "cgroup2") or ((version, kind) == (1, "cgroup") and "memory" in options):
+                top, mount = fields[3].rstrip("/"), root / fields[4].lstrip("/")
+                inside = path[len(top):] if path == top or path.startswith(top + "/") else ""
+                found.append(CgroupDir(version, mount / inside.lstrip("/"), mount))
+                break
+    return found
+
+
+def _number(path: pathlib.Path) -> int | None:
+    """The integer a cgroup file holds; None for ``max``, huge values, or no file."""
     try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024, "available host memory"
+        value = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return value if value < NO_LIMIT else None
+
+
+def _stat(path: pathlib.Path, key: str) -> int:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(v) for k, v in (line.split() for line in lines if line.count(" ") == 1) if k == key), 0)
+
+
+def cgroup_room(root: str | pathlib.Path | None = None) -> tuple[int, int] | None:
+    """``(room, limit)`` in bytes: the least, over this process's memory cgroups and every
+    group above them, of the limit less the usage (page cache the kernel can drop,
+    ``inactive_file``, not counted as used); None when no group has a limit.
+
+    cgroup v2: ``memory.max`` and ``memory.current``; v1: ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes``. Files are read under ``root`` (default :data:`FS_ROOT`).
+    """
+    names = {2: ("memory.max", "memory.current", "inactive_file"),
+             1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+    best = None
+    for group in cgroup_dirs(root):
+        limit_file, usage_file, cache = names[group.version]
+        directory = group.path
+        while True:
+            limit = _number(directory / limit_file)
+            if limit is not None:
+                used = max((_number(directory / usage_file) or 0) - _stat(directory / "memory.stat", cache), 0)
+                if best is None or limit - used < best[0]:
+                    best = (max(limit - used, 0), limit)
+            if directory == group.mount or directory == directory.parent:
+                break
+            directory = directory.parent
+    return best
+
+
+def host_available(root: str | pathlib.Path | None = None) -> tuple[int | None, str]:
+    """Memory this process may still take on the host, and what it is: the least of
+    ``/proc/meminfo``'s ``MemAvailable`` and :func:`cgroup_room`; ``(None, "")`` when
+    neither can be read."""
+    root = pathlib.Path(FS_ROOT if root is None else root)
+    try:
+        info = dict(line.split(":", 1) for line in (root / "proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
+        available = None
+    room = cgroup_room(root)
+    if room is not None and (available is None or room[0] < available):
+        return room[0], f"memory left in this process's cgroup (limit {room[1] / GIB:.1f} GiB)"
+    return available, "available host memory" if available is not None else ""
+
+
+def device_available(device: Any) -> tuple[int | None, str]:
+    """Memory one accelerator may still take (``memory_stats()``: ``bytes_limit`` less
+    ``bytes_in_use``), and what it is; ``(None, "")`` where the device reports no limit (CPU)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        stats = {}
+    if not stats.get("bytes_limit"):
         return None, ""
+    limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    return limit - used, f"free {device.platform.upper()} memory ({limit / GIB:.1f} GiB, {used / GIB:.1f} GiB in use)"
 
 
 def check_fits(program: Program) -> None:
     """Raises a one-line UsageError when the job cannot fit in memory (before anything compiles).
 
-    On an accelerator each device's peak is compared with its limit; CPU devices share the
-    host's available memory, with the merged accumulator's host copies on top. The parts
-    known from shapes alone are checked first, so a hopeless accumulator is refused before
-    the combiner's operands are made.
+    On an accelerator each device's peak is compared with its free memory; CPU devices
+    share the host's (:func:`host_available`: a cgroup's limit counts), with the host's
+    part on top (:func:`memory_need`). The parts known from shapes alone are checked
+    first, so a hopeless accumulator is refused before the combiner's operands are made.
     """
     device = program.mesh.devices.flat[0]
-    limit, what = _available(device)
+    limit, what = device_available(device)
+    if limit is None:
+        limit, what = host_available()
     if limit is None:
         return
     for temporaries in (False, True):
-        parts = memory_estimate(program, temporaries)
-        peak = max(parts["accumulator"] + parts["rows"] + parts["temporary"], parts["accumulator"] + parts["merge"])
-        local = len(program.mesh.local_devices) if device.platform == "cpu" else 1
-        need = peak * local + (2 * parts["merge"] if device.platform == "cpu" else 0)
-        if need > limit:
-            shown = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts.items() if value)
-            devices = f"{local} devices x " if local > 1 else ""
+        need = memory_need(program, temporaries)
+        if need.total > limit:
+            shown = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in need.parts.items()
+                              if round(value / GIB, 2))
+            devices = f"{need.devices} devices x " if need.devices > 1 else ""
             raise UsageError(
-                f"this job needs about {need / GIB:.1f} GiB ({devices}{peak / GIB:.2f} GiB at the peak: {shown}), more "
-                f"than the {limit / GIB:.1f} GiB of {what}; make the accumulator smaller (fewer bins or columns), "
-                "split it over a 'model' mesh axis where the combiner can (Gram), or lower logical_shards, "
-                "microbatch, steps_per_call or prefetch."
+                f"this job needs about {need.total / GIB:.1f} GiB ({devices}{need.device_peak / GIB:.2f} GiB at the "
+                f"peak; {shown}), more than the {limit / GIB:.1f} GiB of {what}; make the accumulator smaller (fewer "
+                "bins or columns), split it over a 'model' mesh axis where the combiner can (Gram), or lower "
+                "logical_shards, microbatch, steps_per_call or prefetch."
             )

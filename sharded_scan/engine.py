@@ -351,18 +351,50 @@ def with_column_names(result: Any, source: Source) -> Any:
 def finalize(program: Program, merged: PyTree) -> Any:
     """``program.finalize(merged)``; a linear solve that fails on the data is one line, not a traceback.
 
+    The line tells what it knows: an accumulator still finite (too few rows), one that
+    overflowed on finite rows (``nan_policy`` ``"omit"`` or ``"raise"`` let only finite rows
+    in), or, under ``"propagate"``, either NaN/inf rows or an overflow.
+
     Raises:
-      UsageError: the combiner's solve failed (too few rows, NaN or inf values); the merged
-        state is saved, so nothing is lost.
+      UsageError: the combiner's solve failed; the merged state is saved, so nothing is lost.
     """
     try:
         return program.finalize(merged)
     except np.linalg.LinAlgError as e:
-        inner = innermost(program.job)
-        raise UsageError(
-            f"{type(inner).__name__} could not finish on this data ({e}; rows: {program.layout.num_rows}): too few "
-            "rows, or NaN/inf rows (nan_policy='omit' skips them); check the data."
-        ) from None
+        inner = type(innermost(program.job)).__name__
+        start = f"{inner} could not finish on this data ({e}; rows: {program.layout.num_rows})"
+        count = nonfinite_values(program, merged)
+        if not count:
+            raise UsageError(f"{start}: too few rows, or rows the solve cannot use; check the data.") from None
+        accumulator, fix = overflow_words(merged)
+        if program.options.nan_policy != "propagate":  # the NaN/inf rows were skipped: every row folded was finite
+            raise UsageError(f"{start}: {count} accumulator values are inf or NaN, yet every row it folded is finite: "
+                             f"the rows overflowed {accumulator}; {fix}.") from None
+        raise UsageError(f"{start}: {count} accumulator values are inf or NaN: rows hold NaN/inf (nan_policy='omit' "
+                         f"skips them), or finite rows overflowed {accumulator}: {fix}; nan_policy='raise' tells "
+                         "which.") from None
+
+
+def nonfinite_values(program: Program, merged: PyTree) -> int:
+    """How many values of the merged accumulator are NaN or infinite where its identity is finite."""
+    bad = [np.asarray(x) for x in jax.tree.leaves(merged)]
+    bad = [int(np.sum(~np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else 0 for x in bad]
+    if not any(bad):
+        return 0
+    identity = jax.tree.leaves(jax.device_get(program.combiner.init(program.spec)))
+    return sum(
+        int(np.sum(~np.isfinite(np.asarray(x)) & np.isfinite(np.asarray(i))))
+        for x, i, b in zip(jax.tree.leaves(merged), identity, bad, strict=True) if b
+    )
+
+
+def overflow_words(merged: PyTree) -> tuple[str, str]:
+    """The accumulator's narrowest float type and its limit, and what to do when rows overflow it."""
+    floats = [np.asarray(x).dtype for x in jax.tree.leaves(merged) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    dtype = min(floats or [np.dtype(np.float64)], key=lambda t: np.finfo(t).max)
+    wider = np.finfo(dtype).max < np.finfo(np.float64).max
+    return (f"the {dtype.name} accumulator (it holds at most {np.finfo(dtype).max:.1e})",
+            "scale the data down" + (", or use float64 data with jax_enable_x64 (--config.x64=True)" if wider else ""))
 
 
 def check_overflow(program: Program, merged: PyTree) -> None:
@@ -374,15 +406,7 @@ def check_overflow(program: Program, merged: PyTree) -> None:
     Raises:
       NonFiniteError: under ``nan_policy="raise"``.
     """
-    bad = [np.asarray(x) for x in jax.tree.leaves(merged)]
-    bad = [int(np.sum(~np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else 0 for x in bad]
-    if not any(bad):
-        return
-    identity = jax.tree.leaves(jax.device_get(program.combiner.init(program.spec)))
-    count = sum(
-        int(np.sum(~np.isfinite(np.asarray(x)) & np.isfinite(np.asarray(i))))
-        for x, i, b in zip(jax.tree.leaves(merged), identity, bad, strict=True) if b
-    )
+    count = nonfinite_values(program, merged)
     if not count:
         return
     policy = program.options.nan_policy

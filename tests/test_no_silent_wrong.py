@@ -51,8 +51,24 @@ def test_an_accumulator_overflowing_on_finite_rows_raises_or_warns(caplog):
 def test_a_solve_that_fails_on_the_data_is_one_line():
     x = np.random.default_rng(0).normal(size=(100, 3)).astype(np.float32)
     x[5] = np.nan  # reaches the solve under the default nan_policy="propagate"
-    with pytest.raises(ss.UsageError, match="LinearRegression could not finish on this data .*nan_policy='omit'"):
+    could_not = "LinearRegression could not finish on this data .*nan_policy='omit'"
+    with pytest.raises(ss.UsageError, match=could_not) as err:
         ss.run(ss.LinearRegression(), (x, x.sum(1)), **KW)
+    assert "rows hold NaN/inf" in str(err.value) and "every row it folded is finite" not in str(err.value)
+
+
+def test_a_solve_on_finite_rows_that_overflowed_says_so():
+    rng = np.random.default_rng(0)
+    x = np.clip(rng.normal(size=(256, 3)) * 1e38, -3e38, 3e38).astype(np.float32)  # every row finite
+    assert np.isfinite(x).all()
+    overflowed = r"the rows overflowed the float32 accumulator \(it holds at most 3.4e\+38\); scale the data down"
+    with pytest.raises(ss.UsageError, match=r"every row it folded is finite: " + overflowed) as err:
+        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), nan_policy="omit", **KW)
+    assert "rows hold NaN" not in str(err.value)
+    # Under "propagate" NaN/inf rows would reach the accumulator too: both causes, and how to tell.
+    with pytest.raises(ss.UsageError, match=r"rows hold NaN/inf \(nan_policy='omit' skips them\), or finite rows "
+                                            r"overflowed the float32 accumulator .*nan_policy='raise' tells which"):
+        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), **KW)
 
 
 def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
