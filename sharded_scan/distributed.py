@@ -6,8 +6,9 @@ cluster (Cloud TPU pod, SLURM, Open MPI, Kubernetes), or stays single-process.
 
 :class:`PreemptionWatch` turns SIGTERM and Ctrl-C into a clean stop at a step boundary
 that every process agrees on (:func:`any_process`); the engine then saves a checkpoint
-and raises :class:`Preempted`. :func:`all_processes`, :func:`gather_json` and
-:func:`barrier` are the other small agreements the checkpointer needs.
+and raises :class:`Preempted`. :func:`agree` checks that every process runs the same
+job before any compute; :func:`all_processes`, :func:`gather_json` and :func:`barrier`
+are the other small agreements the checkpointer needs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from sharded_scan.digest import json_digest
 from sharded_scan.errors import UsageError
+from sharded_scan.identity import processes_difference
 
 _log = logging.getLogger(__name__)
 
@@ -264,6 +267,22 @@ def gather_json(value: Any) -> list[Any]:
     padded[: len(data)] = data
     everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [json.loads(bytes(everyone[i, : lengths[i]]).decode()) for i in range(len(lengths))]
+
+
+def agree(terms: dict[str, Any], what: str, fix: str) -> None:
+    """Returns when every process passed the same ``terms`` (JSON); else raises on every process.
+
+    Cheap: one small gather of the terms' digest; the terms themselves are gathered only
+    when the digests differ, to name the field. Every process must call it at the same point.
+
+    Raises:
+      UsageError: on every process, naming the first field that differs, its values and
+        the processes that hold each: ``processes disagree on {what}: {field} differs
+        (process 0: ..., process 1: ...); {fix}.``
+    """
+    if jax.process_count() == 1 or len(set(gather_json(json_digest(terms)))) == 1:
+        return
+    raise UsageError(f"processes disagree on {what}: {processes_difference(gather_json(terms))}; {fix}.")
 
 
 def barrier(name: str) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, a
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
-from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
+from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
@@ -119,6 +120,7 @@ def run_program(program: Program, source: Source, started: float | None = None) 
     """
     started = time.perf_counter() if started is None else started
     ckpt = as_checkpointer(program.options.checkpoint)
+    agree_on_job(program)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         try:
             start = _start(program, ckpt)
@@ -149,6 +151,46 @@ def run_program(program: Program, source: Source, started: float | None = None) 
         mesh=dict(program.mesh.shape),
     )
     return result, report
+
+
+# The checkpoint options that decide when the processes save together (and what they resume).
+SAVE_TERMS = ("every_steps", "every_seconds", "keep", "per_job", "ignore_changed_data")
+
+
+def job_terms(program: Program, workdir: str | None = None) -> dict[str, Any]:
+    """What every process of a job must run alike: the fingerprint (combiner, data, micro-batch,
+    accumulator, code, file stamps), the layout, the options that shape the steps and saves, the
+    workdir and the checkpoint directory (JSON)."""
+    layout, options = program.layout, program.options
+    ckpt = as_checkpointer(options.checkpoint)
+    terms = {
+        **program.fingerprint,
+        "num_rows": layout.num_rows,
+        "steps_per_call": layout.steps_per_call,
+        "shards": layout.num_shards,
+        "steps": layout.num_steps(),
+        "mesh": dict(program.mesh.shape),
+        "precision": options.precision,
+        "workdir": workdir,
+        "checkpoint": None if ckpt is None else {
+            "directory": ckpt.directory, **{name: getattr(ckpt.options, name) for name in SAVE_TERMS}},
+    }
+    return json.loads(json.dumps(terms, default=repr))
+
+
+def agree_on_job(program: Program, workdir: str | None = None) -> None:
+    """Refuses to start unless every process runs the same job (:func:`job_terms`); nothing with one process.
+
+    Before anything that would hang or abort on a difference (other micro-batches wait for
+    each other's collectives, other row counts end in a gloo abort, other directories in
+    another lease).
+
+    Raises:
+      UsageError: on every process, naming the field and the processes that differ.
+    """
+    agree(job_terms(program, workdir), "the job",
+          "start every process with the same flags, reading the same files (a copy keeps its modification time "
+          "with cp -p or rsync -a)")
 
 
 def run_passes(

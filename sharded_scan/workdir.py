@@ -34,7 +34,7 @@ import numpy as np
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.distributed import Preempted, gather_json
-from sharded_scan.engine import RunReport, run_passes, run_program
+from sharded_scan.engine import RunReport, agree_on_job, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.identity import job_digest
 from sharded_scan.options import RunOptions
@@ -92,6 +92,7 @@ def run_in_workdir(
     source = as_source(data)
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     job = job_digest(program.fingerprint)
+    agree_on_job(program, workdir)  # every process the same job and workdir, before any read or write there
     done = gather_json(finished(workdir, job))[0]
     if done is not None:
         _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again).",
