@@ -12,9 +12,22 @@ process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 
 from __future__ import annotations
 
+import signal
+
+# ruff: noqa: E402 - as a program, SIGTERM is noted from here on, not left to end the process unseen (status 143,
+# nothing printed) while JAX is imported; main() hands it to sharded_scan (distributed.stop_on_sigterm).
+_EARLY_SIGTERM: list[int] = []
+
+
+def _note_sigterm(signum, frame) -> None:
+    _EARLY_SIGTERM.append(signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _note_sigterm)
+
 import json
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -133,6 +146,7 @@ def main(argv: list[str]) -> None:
     if config.get("x64", False):
         jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     with exits():
+        distributed.stop_on_sigterm(already=bool(_EARLY_SIGTERM))
         started_as = distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),
@@ -147,6 +161,8 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the installed entry point: noted from here on
+        signal.signal(signal.SIGTERM, _note_sigterm)
     set_up_logging()
     app.run(main, flags_parser=parse_flags)
 

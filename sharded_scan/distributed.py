@@ -48,6 +48,77 @@ class Preempted(Exception):  # noqa: N818 - an outcome, not a failure
         )
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived before the run's first step: nothing was computed, so nothing needed saving.
+
+    Raised by :func:`stop_on_sigterm`'s handler (a ``BaseException``, like
+    ``KeyboardInterrupt``: no ``except Exception`` on the way takes it for a failure); the
+    CLI prints it on stdout and exits 0, as for :class:`Preempted`.
+    """
+
+    def __init__(self, saved: bool = True):
+        self.saved = saved
+        super().__init__(
+            "preempted (SIGTERM) before the first step: nothing was computed yet, so nothing needed saving; rerun the "
+            "same command to resume." if saved else
+            "terminated (SIGTERM) while folding with checkpoints off: nothing was saved; rerun the same command to "
+            "start again."
+        )
+
+
+class _Stop:
+    """The process's SIGTERM state outside a run's steps (see :func:`stop_on_sigterm`)."""
+
+    pending = False               # a SIGTERM deferred to the processes' next agreement (multi-process start-up)
+    finishing: str | None = None  # set while the run saves and stops, or after its last step: a SIGTERM only logs it
+    unsaved = False               # a run without checkpoints folds: a SIGTERM ends it at once
+
+
+def stop_on_sigterm(already: bool = False) -> None:
+    """Makes SIGTERM outside a run's steps end the job with one line (the launcher calls it first).
+
+    Inside a run :class:`PreemptionWatch` saves at the next step boundary. Outside it, a
+    SIGTERM used to end the process with status 143 and nothing printed; now:
+
+    - before the first step, in one process: :class:`Terminated` at once;
+    - before the first step, with ``jax.distributed`` running: deferred to the processes'
+      next agreement on the job (:func:`agree`), where all of them raise
+      :class:`Terminated` together (one process leaving alone would leave the others
+      waiting in a collective);
+    - while the run saves and stops, or after its last step (the final merge, the
+      result's write): logged, and the job goes on to its end (its final checkpoint is
+      already saved, and the result is moments away);
+    - while a run without checkpoints folds: :class:`Terminated` (nothing saved; the CLI
+      exits 143).
+
+    Args:
+      already: a SIGTERM arrived before this was called (the launcher notes one while
+        it imports): raise :class:`Terminated` now.
+    """
+    _Stop.pending, _Stop.finishing = False, None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if already:
+        raise Terminated()
+
+
+def _on_sigterm(signum, frame) -> None:
+    del signum, frame
+    if _Stop.finishing is not None:
+        _log.warning("SIGTERM: already %s; it goes on.", _Stop.finishing)
+    elif _Stop.unsaved:
+        raise Terminated(saved=False)
+    elif jax.distributed.is_initialized():
+        _Stop.pending = True
+        _log.warning("SIGTERM: every process stops together before the first step, when they next agree.")
+    else:
+        raise Terminated()
+
+
+def finishing(what: str) -> None:
+    """From now on a SIGTERM outside a run's steps only logs ``what`` (e.g. "past the last step: ...")."""
+    _Stop.finishing = what
+
+
 class Timeouts(NamedTuple):
     """``jax.distributed`` timeouts, in seconds."""
 
@@ -219,12 +290,14 @@ class PreemptionWatch:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionWatch:
+        _Stop.finishing, _Stop.unsaved = None, not self.enabled  # a new run: a SIGTERM stops it again
         if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
+        _Stop.unsaved = False
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
@@ -238,7 +311,10 @@ class PreemptionWatch:
                          "press Ctrl-C again to abort at once without saving.")
         elif self.signal_name is None:
             _log.warning("SIGTERM: saving a checkpoint after the current step, then stopping.")
+        else:
+            _log.warning("SIGTERM again: already saving a checkpoint after the current step, then stopping.")
         self.signal_name = self.signal_name or name
+        finishing("saving a checkpoint and stopping")
 
 
 def any_process(*flags: bool) -> tuple[bool, ...]:
@@ -269,20 +345,29 @@ def gather_json(value: Any) -> list[Any]:
     return [json.loads(bytes(everyone[i, : lengths[i]]).decode()) for i in range(len(lengths))]
 
 
-def agree(terms: dict[str, Any], what: str, fix: str) -> None:
+def agree(terms: dict[str, Any], what: str, fix: str, stop: bool = False) -> None:
     """Returns when every process passed the same ``terms`` (JSON); else raises on every process.
 
-    Cheap: one small gather of the terms' digest; the terms themselves are gathered only
-    when the digests differ, to name the field. Every process must call it at the same point.
+    Cheap: one small gather of the terms' digest (and of whether a process was told to
+    stop); the terms themselves are gathered only when the digests differ, to name the
+    field. Every process must call it at the same point.
+
+    Args:
+      terms, what, fix: what must be the same, its name and the fix, for the message.
+      stop: this process caught a SIGTERM (a deferred one counts too, :func:`stop_on_sigterm`).
 
     Raises:
       UsageError: on every process, naming the first field that differs, its values and
         the processes that hold each: ``processes disagree on {what}: {field} differs
         (process 0: ..., process 1: ...); {fix}.``
+      Terminated: some process was told to stop (on every process).
     """
-    if jax.process_count() == 1 or len(set(gather_json(json_digest(terms)))) == 1:
-        return
-    raise UsageError(f"processes disagree on {what}: {processes_difference(gather_json(terms))}; {fix}.")
+    stop = stop or _Stop.pending
+    answers = [[json_digest(terms), stop]] if jax.process_count() == 1 else gather_json([json_digest(terms), stop])
+    if len({digest for digest, _ in answers}) > 1:
+        raise UsageError(f"processes disagree on {what}: {processes_difference(gather_json(terms))}; {fix}.")
+    if any(stopped for _, stopped in answers):
+        raise Terminated()
 
 
 def barrier(name: str) -> None:

@@ -26,7 +26,7 @@ from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, a
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
-from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process
+from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
@@ -120,8 +120,8 @@ def run_program(program: Program, source: Source, started: float | None = None) 
     """
     started = time.perf_counter() if started is None else started
     ckpt = as_checkpointer(program.options.checkpoint)
-    agree_on_job(program)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
+        agree_on_job(program, stop=watch.signal_name is not None)  # stop: a SIGTERM since the watch began
         try:
             start = _start(program, ckpt)
             partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
@@ -133,6 +133,8 @@ def run_program(program: Program, source: Source, started: float | None = None) 
             raise
         if ckpt is not None:
             ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+    finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
+                                        f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
     check_overflow(program, merged)
     result = with_column_names(finalize(program, merged), source)
@@ -178,19 +180,21 @@ def job_terms(program: Program, workdir: str | None = None) -> dict[str, Any]:
     return json.loads(json.dumps(terms, default=repr))
 
 
-def agree_on_job(program: Program, workdir: str | None = None) -> None:
+def agree_on_job(program: Program, workdir: str | None = None, stop: bool = False) -> None:
     """Refuses to start unless every process runs the same job (:func:`job_terms`); nothing with one process.
 
     Before anything that would hang or abort on a difference (other micro-batches wait for
     each other's collectives, other row counts end in a gloo abort, other directories in
-    another lease).
+    another lease). Also where every process stops together on a SIGTERM caught before
+    the first step (``stop``, or one :func:`~sharded_scan.distributed.stop_on_sigterm` deferred).
 
     Raises:
       UsageError: on every process, naming the field and the processes that differ.
+      sharded_scan.distributed.Terminated: some process caught a SIGTERM (on every process).
     """
     agree(job_terms(program, workdir), "the job",
           "start every process with the same flags, reading the same files (a copy keeps its modification time "
-          "with cp -p or rsync -a)")
+          "with cp -p or rsync -a)", stop)
 
 
 def run_passes(
