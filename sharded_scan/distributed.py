@@ -13,6 +13,7 @@ are the other small agreements the checkpointer needs.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -28,6 +29,7 @@ from jax.experimental import multihost_utils
 from sharded_scan.digest import json_digest
 from sharded_scan.errors import UsageError
 from sharded_scan.identity import processes_difference
+from sharded_scan.watchdog import PeerWatch
 
 _log = logging.getLogger(__name__)
 
@@ -246,7 +248,7 @@ def initialize(
 
 
 def _start_runtime(*args: Any, **kwargs: Any) -> None:
-    """``jax.distributed.initialize`` without JAX's preemption service.
+    """``jax.distributed.initialize`` without JAX's preemption service, with :func:`watch_peers`.
 
     The engine catches SIGTERM itself (:class:`PreemptionWatch`) and agrees on the step
     after every step; the service's own SIGTERM handler and sync point are not needed.
@@ -259,6 +261,24 @@ def _start_runtime(*args: Any, **kwargs: Any) -> None:
     except BaseException:
         jax.config.update("jax_enable_preemption_service", previous)
         raise
+    watch_peers(kwargs.get("heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_TIMEOUT))
+
+
+def watch_peers(heartbeat: float) -> PeerWatch | None:
+    """Starts a :class:`~sharded_scan.watchdog.PeerWatch` (a peer silent for a third of ``heartbeat``
+    seconds ends this process in one line, before JAX's heartbeat aborts it), stopped at exit.
+
+    None when ``jax.distributed`` runs one process, or its client is not where JAX 0.10 keeps
+    it (``jax._src.distributed.global_state.client``, as orbax reads it too: JAX has no public
+    accessor); then JAX's heartbeat ends a job whose peer stopped (WORKSPACE.md).
+    """
+    state = getattr(getattr(getattr(jax, "_src", None), "distributed", None), "global_state", None)
+    client = getattr(state, "client", None)
+    if client is None or getattr(state, "num_processes", 1) == 1:  # not jax.process_count(): no backend yet
+        return None
+    peers = PeerWatch(client, state.process_id, state.num_processes, heartbeat).start()
+    atexit.register(peers.stop)  # runs before JAX's own atexit shutdown (registered when jax was imported)
+    return peers
 
 
 def check_address(address: str) -> None:
