@@ -344,8 +344,10 @@ def exits() -> Iterator[None]:
             raise
         if status == EXIT_DONE:
             print(str(e), flush=True)
-        elif status == EXIT_USAGE:
+        elif status == EXIT_USAGE and jax.process_count() == 1:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif status == EXIT_USAGE:  # the peers are told (and end too, where they met no such error)
+            abort(str(e), status)
         elif status == EXIT_STORAGE:
             abort(str(e) if jax.process_count() == 1 else f"process {jax.process_index()}: {e}", status)
         else:

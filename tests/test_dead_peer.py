@@ -160,8 +160,15 @@ def test_peer_watch_names_the_silent_peer_and_not_one_that_ended():
     store.key_value_set(f"{PeerWatch.PREFIX}/done/2", "1")  # process 2 ended on purpose; process 1 never pulses
     lost = watch_until_lost(store, 0, 3)
     assert len(lost) == 1 and lost[0].startswith("process 0 of 3 lost a peer: process 1 gave no sign of life"), lost
-    assert store.values[f"{PeerWatch.PREFIX}/done/0"] == "1"  # stopping says so to the peers
+    assert json.loads(store.values[f"{PeerWatch.PREFIX}/done/0"]) == [0, ""]  # stopping says so to the peers
     assert f"{PeerWatch.PREFIX}/alive/0" in store.values  # it pulsed meanwhile
+
+
+def test_peer_watch_ends_with_the_line_of_a_peer_that_ended_with_an_error():
+    store = Store()
+    store.key_value_set(f"{PeerWatch.PREFIX}/done/1", json.dumps([2, "bad flag; fix it."]))  # PeerWatch.farewell
+    lost = watch_until_lost(store, 0, 2)
+    assert lost == ["process 0 of 2 lost a peer: process 1 ended (status 2): bad flag; fix it."], lost
 
 
 def test_peer_watch_names_a_coordinator_that_does_not_answer():

@@ -27,23 +27,27 @@ def test_the_difference_names_the_first_field_and_who_holds_each_value():
 def test_agree_raises_on_every_process_with_the_gathered_terms(monkeypatch):
     mine = {"data": {"seed": 0}, "steps": 4}
     distributed.agree(mine, "the job", "fix it")  # one process: nothing to compare
-    theirs = {"data": {"seed": 7}, "steps": 4}
     gathered = []
 
-    def gather(value):  # process 0 of 2; the peer sends its own digest, then its terms
-        gathered.append(value)
-        return [value, distributed.json_digest(theirs) if isinstance(value, str) else theirs]
+    def peer_sends(theirs, stop=False):
+        def gather(value):  # process 0 of 2: the peer sends its digest and stop flag, then its terms
+            gathered.append(value)
+            return [value, [distributed.json_digest(theirs), stop] if isinstance(value, list) else theirs]
+        return gather
 
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(distributed, "gather_json", gather)
+    monkeypatch.setattr(distributed, "gather_json", peer_sends({"data": {"seed": 7}, "steps": 4}))
     with pytest.raises(UsageError, match=r"^processes disagree on the job: data\.seed differs \(process 0: 0, "
                                          r"process 1: 7\); fix it\.$"):
         distributed.agree(mine, "the job", "fix it")
-    assert gathered == [distributed.json_digest(mine), mine]  # the terms only after the digests differed
+    assert gathered == [[distributed.json_digest(mine), False], mine]  # the terms only after the digests differed
     gathered.clear()
-    monkeypatch.setattr(distributed, "gather_json", lambda value: (gathered.append(value), [value, value])[1])
+    monkeypatch.setattr(distributed, "gather_json", peer_sends(mine))
     distributed.agree(mine, "the job", "fix it")
-    assert gathered == [distributed.json_digest(mine)]  # agreeing costs one gather of a digest
+    assert gathered == [[distributed.json_digest(mine), False]]  # agreeing costs one gather of a digest
+    monkeypatch.setattr(distributed, "gather_json", peer_sends(mine, stop=True))
+    with pytest.raises(distributed.Terminated):  # the peer caught a SIGTERM before the first step: both stop
+        distributed.agree(mine, "the job", "fix it")
 
 
 @pytest.mark.parametrize("flag, field, values", [
@@ -87,3 +91,20 @@ def test_run_refuses_processes_that_differ_before_any_step():
         "processes disagree on the job: microbatch differs (process 0: 8, process 1: 16"), results
     assert multiprocess.run_processes("tests.test_job_agreement:library_worker", 2, 1,
                                       kwargs={"microbatch": (8, 8)}, timeout=90) == [None, None]
+
+
+@pytest.mark.parametrize("failing", [1, 0])  # 0: the coordinator, whose store the other reads the news from
+def test_a_process_that_fails_alone_ends_the_others_in_one_line(tmp_path, failing):
+    cmds = commands([*ARGS, f"--workdir={tmp_path / 'w'}"], 2, 1, free_port())
+    cmds[failing].append("--config.combiner.kwargs.bogus=1")  # its error comes before the processes agree
+    ends = cli.run_all(cmds, at_once=2)
+    own = cli.one_error_line(ends[failing])  # status 2, one line
+    assert "takes no argument 'bogus'" in own
+    other = ends[1 - failing]
+    out = other.stdout + other.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    # It used to wait 30 s in gloo, then "lost a peer (... Gloo context initialization failed ...)", while the
+    # failing process ended in JAX's C++ abort at its shutdown.
+    assert other.returncode == 4 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert errors[0] == f"error: process {1 - failing} of 2 lost a peer: process {failing} ended (status 2): {own[7:]}"
+    assert "Terminating process" not in out + ends[failing].stderr
