@@ -385,7 +385,8 @@ def agree(terms: dict[str, Any], what: str, fix: str, stop: bool = False) -> Non
     stop = stop or _Stop.pending
     answers = [[json_digest(terms), stop]] if jax.process_count() == 1 else gather_json([json_digest(terms), stop])
     if len({digest for digest, _ in answers}) > 1:
-        raise UsageError(f"processes disagree on {what}: {processes_difference(gather_json(terms))}; {fix}.")
+        difference = processes_difference(gather_json(terms)) or "their digests differ"
+        raise UsageError(f"processes disagree on {what}: {difference}; {fix}.")
     if any(stopped for _, stopped in answers):
         raise Terminated()
 

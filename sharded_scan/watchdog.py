@@ -118,7 +118,7 @@ class PeerWatch:
         """Stops watching and tells the peers how this process ends (``status``, its one ``line``).
 
         The coordinator (process 0) ending with an error then waits, at most ``2 * timeout``
-        seconds, until every peer has ended too: the store they read it from lives in it.
+        seconds, until every peer still alive has ended too: the store they read it from lives in it.
         """
         if self._stop.is_set():
             return
@@ -132,8 +132,11 @@ class PeerWatch:
                                       allow_overwrite=True)
             deadline = time.monotonic() + 2 * self.timeout
             while status and self.process == 0 and time.monotonic() < deadline:
-                if len(self.client.key_value_dir_get(f"{self.PREFIX}/done/")) >= self.processes:
-                    return
+                now = self._look()
+                with self._lock:
+                    if all(now - seen > self.timeout for peer, seen in self._seen.items()
+                           if peer != self.process and peer not in self._done):
+                        return  # every peer ended, or is lost itself (waiting would meet JAX's heartbeat abort)
                 time.sleep(self._interval)
         except Exception:  # noqa: BLE001 - the coordinator is gone: nobody is left to tell
             return
@@ -144,24 +147,28 @@ class PeerWatch:
             count += 1
             try:
                 self.client.key_value_set(f"{self.PREFIX}/alive/{self.process}", str(count), allow_overwrite=True)
-                alive = self.client.key_value_dir_get(f"{self.PREFIX}/alive/")
-                done = self.client.key_value_dir_get(f"{self.PREFIX}/done/")
+                self._look()
             except Exception:  # noqa: BLE001 - the coordinator did not answer: _check counts the time
-                self._stop.wait(self._interval)
-                continue
-            now = time.monotonic()
-            with self._lock:
-                self._answered = now
-                self._done = {int(key.rsplit("/", 1)[-1]) for key, _ in done}
-                for key, value in done:
-                    peer, (status, line) = int(key.rsplit("/", 1)[-1]), _ending(value)
-                    if status and peer != self.process and peer not in self._failed:
-                        self._failed[peer] = (status, line, now)
-                for key, value in alive:
-                    peer = int(key.rsplit("/", 1)[-1])
-                    if self._counts.get(peer) != value:
-                        self._counts[peer], self._seen[peer] = value, now
+                pass
             self._stop.wait(self._interval)
+
+    def _look(self) -> float:
+        """Reads the peers' counters and farewells from the store; returns when."""
+        alive = self.client.key_value_dir_get(f"{self.PREFIX}/alive/")
+        done = self.client.key_value_dir_get(f"{self.PREFIX}/done/")
+        now = time.monotonic()
+        with self._lock:
+            self._answered = now
+            self._done = {int(key.rsplit("/", 1)[-1]) for key, _ in done}
+            for key, value in done:
+                peer, (status, line) = int(key.rsplit("/", 1)[-1]), _ending(value)
+                if status and peer != self.process and peer not in self._failed:
+                    self._failed[peer] = (status, line, now)
+            for key, value in alive:
+                peer = int(key.rsplit("/", 1)[-1])
+                if self._counts.get(peer) != value:
+                    self._counts[peer], self._seen[peer] = value, now
+        return now
 
     def _check(self) -> None:
         while not self._stop.wait(self._interval):
