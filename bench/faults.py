@@ -23,6 +23,9 @@
 - ``disagree``: 2 processes started with different flags (``data.seed``, ``microbatch``,
   ``data.num_rows``, ``checkpoint.every_steps``, ``--workdir``): both must stop with status 2
   and the same one line naming the field, before anything is written.
+- ``stopped``: SIGSTOP one of 2 processes at a random moment and leave it stopped past
+  ``--heartbeat_timeout``: the other must end with status 4 and one line naming it, never
+  JAX's fatal log and SIGABRT.
 - ``early_sigterm``: SIGTERM to the CLI job at a random moment of its first 8 s (imports,
   start-up, compiling): a line and status 0 (143 only while Python itself starts), then a
   rerun bitwise equal to an uninterrupted run.
@@ -59,7 +62,7 @@ JOB = {"microbatch": 64, "steps_per_call": 2}  # 512 rows per step: ~390 steps
 EVERY_STEPS, KEEP = 5, 2
 TMP_MARK = ".orbax-checkpoint-tmp"
 FAULTS = ("kill", "flip", "disk_full", "erofs", "concurrent", "set_aside", "sigterm", "coordinator", "disagree",
-          "early_sigterm")
+          "early_sigterm", "stopped")
 ROOT_ONLY = ("disk_full", "erofs")
 TIMEOUT = 300.0
 
@@ -418,6 +421,28 @@ def disagree_episode(base: pathlib.Path, i: int, flag: str, field: str) -> dict:
             "nothing_written": not workdir.exists() and not other.exists()}
 
 
+def stopped_episode(base: pathlib.Path, i: int, rng: random.Random) -> dict:
+    workdir = base / f"stopped-{i}"
+    procs, logs = multi_run(workdir, "p", "--step_timeout=600")
+    target = rng.randrange(2)
+    try:
+        wait_for(lambda: (workdir / "lock.json").exists(), procs[0], poll=0.01)
+        time.sleep(rng.uniform(0.3, 3.0))
+        procs[target].send_signal(signal.SIGSTOP)
+        survivor = ended(procs[1 - target], logs[1 - target], 120)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text, error = logs[1 - target].read_text(errors="replace"), survivor["error"] or ""
+    named = f"process {target} gave no sign of life" in error or "the coordinator (process 0) has not answered" in error
+    return {"kind": "stopped", "target": target, **survivor, "jax_abort": "Terminating process" in text,
+            "status_4_one_line_named": survivor["status"] == 4 and survivor["one_line"] and named
+            and "Terminating process" not in text}
+
+
 def early_sigterm_episode(base: pathlib.Path, i: int, rng: random.Random, want: dict) -> dict:
     workdir, log = base / f"early-sigterm-{i}", base / f"early-sigterm-{i}.log"
     proc = launch(cli_cmd(workdir), log)
@@ -594,6 +619,13 @@ def run_cli_faults(faults: list[str], trials: int, sigterms: int, coordinators: 
                 "python_start_143": sum(e["status"] == 143 for e in episodes),
                 "said": {w: sum(e["said"] == w for e in episodes) for w in ("before the first step", "saved", "done")},
                 "bitwise_equal": sum(e["bitwise_equal"] for e in episodes), "episodes": episodes}
+        if "stopped" in faults:
+            episodes = [stopped_episode(base, i, rng) for i in range(trials)]
+            for e in episodes:
+                print(f"stopped: {json.dumps(e)}", flush=True)
+            out["stopped"] = {"trials": trials, "jax_abort": sum(e["jax_abort"] for e in episodes),
+                              "status_4_one_line_named": sum(e["status_4_one_line_named"] for e in episodes),
+                              "episodes": episodes}
         if "disagree" in faults:
             episodes = [disagree_episode(base, i, flag, field) for i, (flag, field) in enumerate(DISAGREEMENTS)]
             for e in episodes:
@@ -690,6 +722,7 @@ def _passed(name: str, t: dict) -> bool:
         "set_aside": t.get("bitwise_equal") == n,
         "sigterm": t.get("saved_and_exit_0") == n and t.get("reruns_bitwise_equal") == t.get("reruns"),
         "coordinator": t.get("bitwise_equal") == n,
+        "stopped": t.get("status_4_one_line_named") == n,
         "disagree": t.get("status_2_one_line") == t.get("field_named") == t.get("nothing_written") == n,
         "early_sigterm": t.get("line_and_status_0", 0) + t.get("python_start_143", 0) == t.get("bitwise_equal") == n,
     }[name]
