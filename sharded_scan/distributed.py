@@ -51,11 +51,12 @@ class Preempted(Exception):  # noqa: N818 - an outcome, not a failure
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived before the run's first step: nothing was computed, so nothing needed saving.
+    """SIGTERM arrived before the run's first step (nothing was computed, so nothing needed
+    saving), or while a run without checkpoints folded (``saved`` False: nothing was saved).
 
     Raised by :func:`stop_on_sigterm`'s handler (a ``BaseException``, like
     ``KeyboardInterrupt``: no ``except Exception`` on the way takes it for a failure); the
-    CLI prints it on stdout and exits 0, as for :class:`Preempted`.
+    CLI prints it on stdout and exits 0, as for :class:`Preempted` (143 when not ``saved``).
     """
 
     def __init__(self, saved: bool = True):
@@ -383,7 +384,11 @@ def agree(terms: dict[str, Any], what: str, fix: str, stop: bool = False) -> Non
       Terminated: some process was told to stop (on every process).
     """
     stop = stop or _Stop.pending
-    answers = [[json_digest(terms), stop]] if jax.process_count() == 1 else gather_json([json_digest(terms), stop])
+    if jax.process_count() == 1:
+        if stop:
+            raise Terminated()
+        return
+    answers = gather_json([json_digest(terms), stop])
     if len({digest for digest, _ in answers}) > 1:
         difference = processes_difference(gather_json(terms)) or "their digests differ"
         raise UsageError(f"processes disagree on {what}: {difference}; {fix}.")
