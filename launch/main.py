@@ -5,7 +5,8 @@ r"""Runs one sharded_scan job from a config: ``python -m launch.main``. Intentio
 Flags and the config, then one library call, :func:`sharded_scan.run_in_workdir` (writes
 ``WORKDIR/result.npz``, ``summary.json`` and ``checkpoints/``; resumes; or says "already done"),
 then its exit status: 0 done or preempted (saved; rerun to resume), 2 a usage error (one
-line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save.
+line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save, 143 SIGTERM
+with checkpoints off (one line: nothing saved).
 Multi-host: ``--coordinator_address``, ``--num_processes`` and ``--process_id`` on every
 process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 """
