@@ -20,6 +20,15 @@
   moment: both must save at the same row and exit 0; every 10th is rerun to the end.
 - ``coordinator``: SIGKILL process 0 of 2 while a save is in flight: how the survivor
   ends (one line, status 4?), then a rerun of both.
+- ``disagree``: 2 processes started with different flags (``data.seed``, ``microbatch``,
+  ``data.num_rows``, ``checkpoint.every_steps``, ``--workdir``): both must stop with status 2
+  and the same one line naming the field, before anything is written.
+- ``stopped``: SIGSTOP one of 2 processes at a random moment and leave it stopped past
+  ``--heartbeat_timeout``: the other must end with status 4 and one line naming it, never
+  JAX's fatal log and SIGABRT.
+- ``early_sigterm``: SIGTERM to the CLI job at a random moment of its first 8 s (imports,
+  start-up, compiling): a line and status 0 (143 only while Python itself starts), then a
+  rerun bitwise equal to an uninterrupted run.
 
 A run that ends must end with status 0 (done, or preempted and saved), 2 (usage) or 5
 (storage) and at most one ``error:`` line and no traceback. Prints a tally per fault and
@@ -52,7 +61,8 @@ ROWS, FEATURES, DEVICES = 200_000, 8, 4
 JOB = {"microbatch": 64, "steps_per_call": 2}  # 512 rows per step: ~390 steps
 EVERY_STEPS, KEEP = 5, 2
 TMP_MARK = ".orbax-checkpoint-tmp"
-FAULTS = ("kill", "flip", "disk_full", "erofs", "concurrent", "set_aside", "sigterm", "coordinator")
+FAULTS = ("kill", "flip", "disk_full", "erofs", "concurrent", "set_aside", "sigterm", "coordinator", "disagree",
+          "early_sigterm", "stopped")
 ROOT_ONLY = ("disk_full", "erofs")
 TIMEOUT = 300.0
 
@@ -389,6 +399,65 @@ def concurrent_episode(base: pathlib.Path, i: int, rng: random.Random, want: dic
             "seconds_refused": sum(refused), "bitwise_equal": end["status"] == 0 and same(got, want)}
 
 
+# What process 1 of 2 is given otherwise, and the field its line must name.
+DISAGREEMENTS = (
+    ("--config.data.seed=7", "data.seed"), ("--config.microbatch=128", "microbatch"),
+    ("--config.data.num_rows=999999", "data.num_rows"), ("--config.checkpoint.every_steps=3", "checkpoint.every_steps"),
+    ("--workdir={other}", "workdir"),
+)
+
+
+def disagree_episode(base: pathlib.Path, i: int, flag: str, field: str) -> dict:
+    workdir, other = base / f"disagree-{i}", base / f"disagree-{i}-other"
+    cmds = multi_cmds(workdir)
+    cmds[1].append(flag.format(other=other))
+    logs = [base / f"disagree-{i}-p{j}.log" for j in range(2)]
+    ends = [ended(p, log, 120) for p, log in zip([launch(c, log) for c, log in zip(cmds, logs, strict=True)], logs,
+                                                    strict=True)]
+    line = f"error: processes disagree on the job: {field} differs (process 0: "
+    return {"kind": "disagree", "field": field, "statuses": [e["status"] for e in ends], "error": ends[0]["error"],
+            "status_2_one_line": all(e["status"] == 2 and e["one_line"] for e in ends),
+            "field_named": ends[0]["error"] == ends[1]["error"] and (ends[0]["error"] or "").startswith(line),
+            "nothing_written": not workdir.exists() and not other.exists()}
+
+
+def stopped_episode(base: pathlib.Path, i: int, rng: random.Random) -> dict:
+    workdir = base / f"stopped-{i}"
+    procs, logs = multi_run(workdir, "p", "--step_timeout=600")
+    target = rng.randrange(2)
+    try:
+        wait_for(lambda: (workdir / "lock.json").exists(), procs[0], poll=0.01)
+        time.sleep(rng.uniform(0.3, 3.0))
+        procs[target].send_signal(signal.SIGSTOP)
+        survivor = ended(procs[1 - target], logs[1 - target], 120)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text, error = logs[1 - target].read_text(errors="replace"), survivor["error"] or ""
+    named = f"process {target} gave no sign of life" in error or "the coordinator (process 0) has not answered" in error
+    return {"kind": "stopped", "target": target, **survivor, "jax_abort": "Terminating process" in text,
+            "status_4_one_line_named": survivor["status"] == 4 and survivor["one_line"] and named
+            and "Terminating process" not in text}
+
+
+def early_sigterm_episode(base: pathlib.Path, i: int, rng: random.Random, want: dict) -> dict:
+    workdir, log = base / f"early-sigterm-{i}", base / f"early-sigterm-{i}.log"
+    proc = launch(cli_cmd(workdir), log)
+    at = rng.uniform(0.3, 8.0)
+    time.sleep(at)
+    proc.send_signal(signal.SIGTERM)
+    end = ended(proc, log, 120)
+    text = log.read_text(errors="replace")
+    said = ("before the first step" if "preempted (SIGTERM) before the first step" in text else
+            "saved" if "preempted: saved a checkpoint" in text else "done" if "done:" in text else None)
+    return {"kind": "early_sigterm", "at": round(at, 2), **end, "said": said,
+            "line_and_status_0": end["status"] == 0 and end["one_line"] and said is not None,
+            "bitwise_equal": same(cli_result(workdir)[0], want)}
+
+
 def set_aside_episode(base: pathlib.Path, i: int, rng: random.Random, want: dict) -> dict:
     """A killed job's latest checkpoint damaged; its rerun SIGKILLed just before or after the set-aside."""
     workdir = base / f"set_aside-{i}"
@@ -513,7 +582,7 @@ def run_cli_faults(faults: list[str], trials: int, sigterms: int, coordinators: 
     with tempfile.TemporaryDirectory(prefix="cli-faults-") as tmp:
         base = pathlib.Path(tmp)
         want = None
-        if set(faults) & {"disk_full", "erofs", "concurrent", "set_aside"}:
+        if set(faults) & {"disk_full", "erofs", "concurrent", "set_aside", "early_sigterm"}:
             want, _ = cli_result(base / "reference")
         for kind in ("disk_full", "erofs"):
             if kind in faults and os.geteuid() != 0:
@@ -541,6 +610,28 @@ def run_cli_faults(faults: list[str], trials: int, sigterms: int, coordinators: 
                 print(f"set_aside: {json.dumps(e)}", flush=True)
             out["set_aside"] = {"trials": trials, "killed": sum(e["killed_status"] == -9 for e in episodes),
                                 "bitwise_equal": sum(e["bitwise_equal"] for e in episodes), "episodes": episodes}
+        if "early_sigterm" in faults:
+            episodes = [early_sigterm_episode(base, i, rng, want) for i in range(trials)]
+            for e in episodes:
+                print(f"early_sigterm: {json.dumps(e)}", flush=True)
+            out["early_sigterm"] = {
+                "trials": trials, "line_and_status_0": sum(e["line_and_status_0"] for e in episodes),
+                "python_start_143": sum(e["status"] == 143 for e in episodes),
+                "said": {w: sum(e["said"] == w for e in episodes) for w in ("before the first step", "saved", "done")},
+                "bitwise_equal": sum(e["bitwise_equal"] for e in episodes), "episodes": episodes}
+        if "stopped" in faults:
+            episodes = [stopped_episode(base, i, rng) for i in range(trials)]
+            for e in episodes:
+                print(f"stopped: {json.dumps(e)}", flush=True)
+            out["stopped"] = {"trials": trials, "jax_abort": sum(e["jax_abort"] for e in episodes),
+                              "status_4_one_line_named": sum(e["status_4_one_line_named"] for e in episodes),
+                              "episodes": episodes}
+        if "disagree" in faults:
+            episodes = [disagree_episode(base, i, flag, field) for i, (flag, field) in enumerate(DISAGREEMENTS)]
+            for e in episodes:
+                print(f"disagree: {json.dumps(e)}", flush=True)
+            out["disagree"] = {"trials": len(episodes), **{k: sum(e[k] for e in episodes) for k in (
+                "status_2_one_line", "field_named", "nothing_written")}, "episodes": episodes}
         if set(faults) & {"sigterm", "coordinator"}:
             procs, logs = multi_run(base / "reference-2x2", "p")
             if any(ended(p, log)["status"] for p, log in zip(procs, logs, strict=True)):
@@ -631,6 +722,9 @@ def _passed(name: str, t: dict) -> bool:
         "set_aside": t.get("bitwise_equal") == n,
         "sigterm": t.get("saved_and_exit_0") == n and t.get("reruns_bitwise_equal") == t.get("reruns"),
         "coordinator": t.get("bitwise_equal") == n,
+        "stopped": t.get("status_4_one_line_named") == n,
+        "disagree": t.get("status_2_one_line") == t.get("field_named") == t.get("nothing_written") == n,
+        "early_sigterm": t.get("line_and_status_0", 0) + t.get("python_start_143", 0) == t.get("bitwise_equal") == n,
     }[name]
 
 

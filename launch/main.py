@@ -5,7 +5,8 @@ r"""Runs one sharded_scan job from a config: ``python -m launch.main``. Intentio
 Flags and the config, then one library call, :func:`sharded_scan.run_in_workdir` (writes
 ``WORKDIR/result.npz``, ``summary.json`` and ``checkpoints/``; resumes; or says "already done"),
 then its exit status: 0 done or preempted (saved; rerun to resume), 2 a usage error (one
-line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save.
+line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save, 143 SIGTERM
+with checkpoints off (one line: nothing saved).
 Multi-host: ``--coordinator_address``, ``--num_processes`` and ``--process_id`` on every
 process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 """
@@ -13,9 +14,22 @@ process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 from __future__ import annotations
 
 import contextlib
+import signal
+
+# ruff: noqa: E402 - as a program, SIGTERM is noted from here on, not left to end the process unseen (status 143,
+# nothing printed) while JAX is imported; main() hands it to sharded_scan (distributed.stop_on_sigterm).
+_EARLY_SIGTERM: list[int] = []
+
+
+def _note_sigterm(signum, frame) -> None:
+    _EARLY_SIGTERM.append(signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _note_sigterm)
+
 import json
 import logging
-import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -169,6 +183,7 @@ def main(argv: list[str]) -> None:
     if config.get("x64", False):
         jax.config.update("jax_enable_x64", True)  # before anything touches a backend
     with exits(), cli_wording():
+        distributed.stop_on_sigterm(already=bool(_EARLY_SIGTERM))
         started_as = distributed.initialize(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
             timeouts=distributed.Timeouts(_INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, _SHUTDOWN_TIMEOUT.value),
@@ -183,6 +198,8 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the installed entry point: noted from here on
+        signal.signal(signal.SIGTERM, _note_sigterm)
     set_up_logging()
     app.run(main, flags_parser=parse_flags)
 

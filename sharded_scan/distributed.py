@@ -6,12 +6,14 @@ cluster (Cloud TPU pod, SLURM, Open MPI, Kubernetes), or stays single-process.
 
 :class:`PreemptionWatch` turns SIGTERM and Ctrl-C into a clean stop at a step boundary
 that every process agrees on (:func:`any_process`); the engine then saves a checkpoint
-and raises :class:`Preempted`. :func:`all_processes`, :func:`gather_json` and
-:func:`barrier` are the other small agreements the checkpointer needs.
+and raises :class:`Preempted`. :func:`agree` checks that every process runs the same
+job before any compute; :func:`all_processes`, :func:`gather_json` and :func:`barrier`
+are the other small agreements the checkpointer needs.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -24,7 +26,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from sharded_scan.digest import json_digest
 from sharded_scan.errors import UsageError
+from sharded_scan.identity import processes_difference
+from sharded_scan.watchdog import PeerWatch
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +48,78 @@ class Preempted(Exception):  # noqa: N818 - an outcome, not a failure
             f"{how}: saved a checkpoint at row {cursor} of {num_rows} in {directory}; "
             "rerun the same command to resume."
         )
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived before the run's first step (nothing was computed, so nothing needed
+    saving), or while a run without checkpoints folded (``saved`` False: nothing was saved).
+
+    Raised by :func:`stop_on_sigterm`'s handler (a ``BaseException``, like
+    ``KeyboardInterrupt``: no ``except Exception`` on the way takes it for a failure); the
+    CLI prints it on stdout and exits 0, as for :class:`Preempted` (143 when not ``saved``).
+    """
+
+    def __init__(self, saved: bool = True):
+        self.saved = saved
+        super().__init__(
+            "preempted (SIGTERM) before the first step: nothing was computed yet, so nothing needed saving; rerun the "
+            "same command to resume." if saved else
+            "terminated (SIGTERM) while folding with checkpoints off: nothing was saved; rerun the same command to "
+            "start again."
+        )
+
+
+class _Stop:
+    """The process's SIGTERM state outside a run's steps (see :func:`stop_on_sigterm`)."""
+
+    pending = False               # a SIGTERM deferred to the processes' next agreement (multi-process start-up)
+    finishing: str | None = None  # set while the run saves and stops, or after its last step: a SIGTERM only logs it
+    unsaved = False               # a run without checkpoints folds: a SIGTERM ends it at once
+
+
+def stop_on_sigterm(already: bool = False) -> None:
+    """Makes SIGTERM outside a run's steps end the job with one line (the launcher calls it first).
+
+    Inside a run :class:`PreemptionWatch` saves at the next step boundary. Outside it, a
+    SIGTERM used to end the process with status 143 and nothing printed; now:
+
+    - before the first step, in one process: :class:`Terminated` at once;
+    - before the first step, with ``jax.distributed`` running: deferred to the processes'
+      next agreement on the job (:func:`agree`), where all of them raise
+      :class:`Terminated` together (one process leaving alone would leave the others
+      waiting in a collective);
+    - while the run saves and stops, or after its last step (the final merge, the
+      result's write): logged, and the job goes on to its end (its final checkpoint is
+      already saved, and the result is moments away);
+    - while a run without checkpoints folds: :class:`Terminated` (nothing saved; the CLI
+      exits 143).
+
+    Args:
+      already: a SIGTERM arrived before this was called (the launcher notes one while
+        it imports): raise :class:`Terminated` now.
+    """
+    _Stop.pending, _Stop.finishing = False, None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if already:
+        raise Terminated()
+
+
+def _on_sigterm(signum, frame) -> None:
+    del signum, frame
+    if _Stop.finishing is not None:
+        _log.warning("SIGTERM: already %s; it goes on.", _Stop.finishing)
+    elif _Stop.unsaved:
+        raise Terminated(saved=False)
+    elif jax.distributed.is_initialized():
+        _Stop.pending = True
+        _log.warning("SIGTERM: every process stops together before the first step, when they next agree.")
+    else:
+        raise Terminated()
+
+
+def finishing(what: str) -> None:
+    """From now on a SIGTERM outside a run's steps only logs ``what`` (e.g. "past the last step: ...")."""
+    _Stop.finishing = what
 
 
 class Timeouts(NamedTuple):
@@ -172,7 +249,7 @@ def initialize(
 
 
 def _start_runtime(*args: Any, **kwargs: Any) -> None:
-    """``jax.distributed.initialize`` without JAX's preemption service.
+    """``jax.distributed.initialize`` without JAX's preemption service, with :func:`watch_peers`.
 
     The engine catches SIGTERM itself (:class:`PreemptionWatch`) and agrees on the step
     after every step; the service's own SIGTERM handler and sync point are not needed.
@@ -185,6 +262,24 @@ def _start_runtime(*args: Any, **kwargs: Any) -> None:
     except BaseException:
         jax.config.update("jax_enable_preemption_service", previous)
         raise
+    watch_peers(kwargs.get("heartbeat_timeout_seconds", DEFAULT_HEARTBEAT_TIMEOUT))
+
+
+def watch_peers(heartbeat: float) -> PeerWatch | None:
+    """Starts a :class:`~sharded_scan.watchdog.PeerWatch` (a peer silent for a third of ``heartbeat``
+    seconds ends this process in one line, before JAX's heartbeat aborts it), stopped at exit.
+
+    None when ``jax.distributed`` runs one process, or its client is not where JAX 0.10 keeps
+    it (``jax._src.distributed.global_state.client``, as orbax reads it too: JAX has no public
+    accessor); then JAX's heartbeat ends a job whose peer stopped (WORKSPACE.md).
+    """
+    state = getattr(getattr(getattr(jax, "_src", None), "distributed", None), "global_state", None)
+    client = getattr(state, "client", None)
+    if client is None or getattr(state, "num_processes", 1) == 1:  # not jax.process_count(): no backend yet
+        return None
+    peers = PeerWatch(client, state.process_id, state.num_processes, heartbeat).start()
+    atexit.register(peers.stop)  # runs before JAX's own atexit shutdown (registered when jax was imported)
+    return peers
 
 
 def check_address(address: str) -> None:
@@ -216,12 +311,14 @@ class PreemptionWatch:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionWatch:
+        _Stop.finishing, _Stop.unsaved = None, not self.enabled  # a new run: a SIGTERM stops it again
         if self.enabled and threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
+        _Stop.unsaved = False
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
@@ -235,7 +332,10 @@ class PreemptionWatch:
                          "press Ctrl-C again to abort at once without saving.")
         elif self.signal_name is None:
             _log.warning("SIGTERM: saving a checkpoint after the current step, then stopping.")
+        else:
+            _log.warning("SIGTERM again: already saving a checkpoint after the current step, then stopping.")
         self.signal_name = self.signal_name or name
+        finishing("saving a checkpoint and stopping")
 
 
 def any_process(*flags: bool) -> tuple[bool, ...]:
@@ -264,6 +364,36 @@ def gather_json(value: Any) -> list[Any]:
     padded[: len(data)] = data
     everyone = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [json.loads(bytes(everyone[i, : lengths[i]]).decode()) for i in range(len(lengths))]
+
+
+def agree(terms: dict[str, Any], what: str, fix: str, stop: bool = False) -> None:
+    """Returns when every process passed the same ``terms`` (JSON); else raises on every process.
+
+    Cheap: one small gather of the terms' digest (and of whether a process was told to
+    stop); the terms themselves are gathered only when the digests differ, to name the
+    field. Every process must call it at the same point.
+
+    Args:
+      terms, what, fix: what must be the same, its name and the fix, for the message.
+      stop: this process caught a SIGTERM (a deferred one counts too, :func:`stop_on_sigterm`).
+
+    Raises:
+      UsageError: on every process, naming the first field that differs, its values and
+        the processes that hold each: ``processes disagree on {what}: {field} differs
+        (process 0: ..., process 1: ...); {fix}.``
+      Terminated: some process was told to stop (on every process).
+    """
+    stop = stop or _Stop.pending
+    if jax.process_count() == 1:
+        if stop:
+            raise Terminated()
+        return
+    answers = gather_json([json_digest(terms), stop])
+    if len({digest for digest, _ in answers}) > 1:
+        difference = processes_difference(gather_json(terms)) or "their digests differ"
+        raise UsageError(f"processes disagree on {what}: {difference}; {fix}.")
+    if any(stopped for _, stopped in answers):
+        raise Terminated()
 
 
 def barrier(name: str) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.topk_strings import with_strings
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
-from sharded_scan.distributed import Preempted, PreemptionWatch, any_process
+from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.options import RunOptions
@@ -128,6 +129,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
     started = time.perf_counter() if started is None else started
     ckpt = as_checkpointer(program.options.checkpoint)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
+        agree_on_job(program, stop=watch.signal_name is not None)  # stop: a SIGTERM since the watch began
         try:
             start = _start(program, ckpt)
             partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
@@ -139,6 +141,8 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
             raise
         if ckpt is not None:
             ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+    finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
+                                        f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
     check_overflow(program, merged)
     result = with_column_names(finalize(program, merged), source)
@@ -157,6 +161,48 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
         mesh=dict(program.mesh.shape),
     )
     return result, report
+
+
+# The checkpoint options that decide when the processes save together (and what they resume).
+SAVE_TERMS = ("every_steps", "every_seconds", "keep", "per_job", "ignore_changed_data")
+
+
+def job_terms(program: Program, workdir: str | None = None) -> dict[str, Any]:
+    """What every process of a job must run alike: the fingerprint (combiner, data, micro-batch,
+    accumulator, code, file stamps), the layout, the options that shape the steps and saves, the
+    workdir and the checkpoint directory (JSON)."""
+    layout, options = program.layout, program.options
+    ckpt = as_checkpointer(options.checkpoint)
+    terms = {
+        **program.fingerprint,
+        "num_rows": layout.num_rows,
+        "steps_per_call": layout.steps_per_call,
+        "shards": layout.num_shards,
+        "steps": layout.num_steps(),
+        "mesh": dict(program.mesh.shape),
+        "precision": options.precision,
+        "workdir": workdir,
+        "checkpoint": None if ckpt is None else {
+            "directory": ckpt.directory, **{name: getattr(ckpt.options, name) for name in SAVE_TERMS}},
+    }
+    return json.loads(json.dumps(terms, default=repr))
+
+
+def agree_on_job(program: Program, workdir: str | None = None, stop: bool = False) -> None:
+    """Refuses to start unless every process runs the same job (:func:`job_terms`); nothing with one process.
+
+    Before anything that would hang or abort on a difference (other micro-batches wait for
+    each other's collectives, other row counts end in a gloo abort, other directories in
+    another lease). Also where every process stops together on a SIGTERM caught before
+    the first step (``stop``, or one :func:`~sharded_scan.distributed.stop_on_sigterm` deferred).
+
+    Raises:
+      UsageError: on every process, naming the field and the processes that differ.
+      sharded_scan.distributed.Terminated: some process caught a SIGTERM (on every process).
+    """
+    agree(job_terms(program, workdir), "the job",
+          "start every process with the same flags, reading the same files (a copy keeps its modification time "
+          "with cp -p or rsync -a)", stop)
 
 
 def run_passes(

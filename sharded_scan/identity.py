@@ -195,6 +195,23 @@ def fingerprint_difference(saved: dict[str, Any], current: dict[str, Any]) -> st
     return None
 
 
+def processes_difference(terms: list[dict[str, Any]]) -> str | None:
+    """The first field where the processes' ``terms`` (one dict each, in process order) differ,
+    with each value and the processes that hold it, as a phrase; None when all are equal."""
+    flats = [_flat(t) for t in terms]
+    keys = list(dict.fromkeys(k for flat in flats for k in flat))
+    differing = [k for k in keys if len({repr(flat.get(k, "<absent>")) for flat in flats}) > 1]
+    if not differing:
+        return None
+    key, holders = differing[0], {}
+    for i, flat in enumerate(flats):
+        holders.setdefault(repr(flat.get(key, "<absent>")), []).append(i)
+    groups = [f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: "
+              f"{value if len(value) <= 120 else value[:117] + '...'}" for value, ids in holders.items()]
+    more = {0: "", 1: "; 1 more field differs"}.get(len(differing) - 1, f"; {len(differing) - 1} more fields differ")
+    return f"{key} differs ({', '.join(groups)}{more})"
+
+
 # Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
 NEWER_SECTIONS = ("code", "files")
 

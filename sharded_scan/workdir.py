@@ -33,8 +33,8 @@ import numpy as np
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
 from sharded_scan.combiners.passes import reads_several_times
-from sharded_scan.distributed import Preempted, gather_json
-from sharded_scan.engine import RunReport, run_passes, run_program
+from sharded_scan.distributed import Preempted, Terminated, gather_json
+from sharded_scan.engine import RunReport, agree_on_job, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.identity import job_digest
 from sharded_scan.options import RunOptions
@@ -51,6 +51,7 @@ EXIT_DONE = 0          # done, or preempted / interrupted with a checkpoint save
 EXIT_ERROR = 1         # an unexpected error (its traceback)
 EXIT_USAGE = 2         # a usage error: one line, nothing computed or written; also another job holding the workdir
 EXIT_INTERRUPTED = 130  # Ctrl-C before the run could save (128 + SIGINT)
+EXIT_TERMINATED = 143   # SIGTERM while a run without checkpoints folded: nothing saved (128 + SIGTERM)
 
 
 def run_in_workdir(
@@ -92,6 +93,7 @@ def run_in_workdir(
     source = as_source(data)
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     job = job_digest(program.fingerprint)
+    agree_on_job(program, workdir)  # every process the same job and workdir, before any read or write there
     done = gather_json(finished(workdir, job))[0]
     if done is not None:
         _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again).",
@@ -296,13 +298,16 @@ def one_line(e: BaseException) -> str:
 def exit_status(error: BaseException | None) -> int:
     """The CLI's exit status for a job that ended with ``error`` (None: it finished).
 
-    0 done or preempted (a checkpoint was saved), 2 a usage error, 4 a lost peer (a
-    multi-process job), 5 a storage fault, 130 Ctrl-C before the run could save, 1
-    anything else. (3, a stalled job: the step watchdog ends the process itself,
+    0 done or preempted (a checkpoint was saved, or SIGTERM before the first step), 2 a
+    usage error, 4 a lost peer (a multi-process job), 5 a storage fault, 130 Ctrl-C before
+    the run could save, 143 SIGTERM while a run without checkpoints folded, 1 anything else.
+    (3, a stalled job: the step watchdog ends the process itself,
     :data:`sharded_scan.watchdog.EXIT_STALLED`.)
     """
     if error is None or isinstance(error, Preempted):
         return EXIT_DONE
+    if isinstance(error, Terminated):  # SIGTERM before the first step: 0; with checkpoints off, mid-run: 143
+        return EXIT_DONE if error.saved else EXIT_TERMINATED
     if isinstance(error, UsageError):
         return EXIT_USAGE
     if isinstance(error, StorageError):
@@ -328,14 +333,21 @@ def exits() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         abort(f"interrupted before the run could save; {RESUME_HINT}.", EXIT_INTERRUPTED)
+    except Terminated as e:  # every process raised it together, unless nothing was saved
+        if not e.saved:
+            abort(str(e), EXIT_TERMINATED)
+        print(str(e), flush=True)
+        sys.exit(EXIT_DONE)
     except Exception as e:
         status = exit_status(e)
         if status == EXIT_ERROR:
             raise
         if status == EXIT_DONE:
             print(str(e), flush=True)
-        elif status == EXIT_USAGE:
+        elif status == EXIT_USAGE and jax.process_count() == 1:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif status == EXIT_USAGE:  # the peers are told (and end too, where they met no such error)
+            abort(str(e), status)
         elif status == EXIT_STORAGE:
             abort(str(e) if jax.process_count() == 1 else f"process {jax.process_index()}: {e}", status)
         else:

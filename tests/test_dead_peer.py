@@ -14,7 +14,7 @@ from configs import gram
 from launch.data import make_source
 from launch.processes import commands, free_port
 from sharded_scan import watchdog
-from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, Watchdog
+from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, PeerWatch, Watchdog
 from tests import cli
 
 ROWS = 60000  # 64 rows per step on 2 devices: ~940 steps, a checkpoint every 50
@@ -110,6 +110,70 @@ def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
     one_line(tmp_path / "log0", ["process 0 of 2", "no step finished", f"step_timeout {timeout} s", "stuck",
                                  "rerun the same command"])
     assert cli.checkpoints(workdir)  # the last complete checkpoint is there to resume from
+
+
+def test_a_peer_stopped_past_the_heartbeat_is_our_line_not_jax_abort(tmp_path):
+    workdir = tmp_path / "w"
+    # JAX's heartbeat used to end the survivor with a fatal C++ log, a stack and SIGABRT (status 134).
+    with two_processes(tmp_path, workdir, "--heartbeat_timeout=6", "--step_timeout=600") as (survivor, stopped):
+        cli.wait_for_checkpoint(workdir, survivor)
+        stopped.send_signal(signal.SIGSTOP)  # alive, holds its connections, sends no heartbeat
+        survivor.wait(timeout=cli.TIMEOUT)
+        stopped.send_signal(signal.SIGCONT)
+    log = (tmp_path / "log0").read_text()
+    assert survivor.returncode == EXIT_PEER_LOST, log[-3000:]
+    one_line(tmp_path / "log0", ["process 0 of 2 lost a peer: process 1 gave no sign of life", "heartbeat",
+                                 "rerun the same command"])
+    assert "Terminating process" not in log and "Check failure" not in log
+
+
+class Store:
+    """The coordination service's key-value store, in memory (``fail``: the coordinator does not answer)."""
+
+    def __init__(self, fail=False):
+        self.values, self.fail = {}, fail
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.fail:
+            raise RuntimeError("DEADLINE_EXCEEDED")
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        if self.fail:
+            raise RuntimeError("DEADLINE_EXCEEDED")
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def watch_until_lost(store, process, processes):
+    lost, fired = [], threading.Event()
+    peers = PeerWatch(store, process, processes, heartbeat=0.3, on_lost=lambda m: (lost.append(m), fired.set()))
+    peers.start()
+    try:
+        assert fired.wait(cli.TIMEOUT)
+    finally:
+        peers.stop()
+    return lost
+
+
+def test_peer_watch_names_the_silent_peer_and_not_one_that_ended():
+    store = Store()
+    store.key_value_set(f"{PeerWatch.PREFIX}/done/2", "1")  # process 2 ended on purpose; process 1 never pulses
+    lost = watch_until_lost(store, 0, 3)
+    assert len(lost) == 1 and lost[0].startswith("process 0 of 3 lost a peer: process 1 gave no sign of life"), lost
+    assert json.loads(store.values[f"{PeerWatch.PREFIX}/done/0"]) == [0, ""]  # stopping says so to the peers
+    assert f"{PeerWatch.PREFIX}/alive/0" in store.values  # it pulsed meanwhile
+
+
+def test_peer_watch_ends_with_the_line_of_a_peer_that_ended_with_an_error():
+    store = Store()
+    store.key_value_set(f"{PeerWatch.PREFIX}/done/1", json.dumps([2, "bad flag; fix it."]))  # PeerWatch.farewell
+    lost = watch_until_lost(store, 0, 2)
+    assert lost == ["process 0 of 2 lost a peer: process 1 ended (status 2): bad flag; fix it."], lost
+
+
+def test_peer_watch_names_a_coordinator_that_does_not_answer():
+    lost = watch_until_lost(Store(fail=True), 1, 2)
+    assert lost[0].startswith("process 1 of 2 lost a peer: the coordinator (process 0) has not answered"), lost
 
 
 class Clock:

@@ -1,0 +1,110 @@
+"""The processes of one job agree on it before any compute: a difference is one line on every process."""
+
+import numpy as np
+import pytest
+
+from launch.processes import commands, free_port
+from sharded_scan import distributed
+from sharded_scan.errors import UsageError
+from sharded_scan.identity import processes_difference
+from tests import cli, multiprocess
+
+ARGS = ("--config=configs/gram.py:quick", "--config.data.num_rows=3000", "--heartbeat_timeout=10")
+
+
+def test_the_difference_names_the_first_field_and_who_holds_each_value():
+    same = {"data": {"path": "/a.npy", "num_rows": 10}, "microbatch": 64}
+    assert processes_difference([same, same, same]) is None
+    other = {"data": {"path": "/b.npy", "num_rows": 10}, "microbatch": 32}
+    assert processes_difference([same, other, same]) == (
+        "data.path differs (processes 0, 2: '/a.npy', process 1: '/b.npy'; 1 more field differs)")
+    assert processes_difference([same, {"data": {"path": "/a.npy"}, "microbatch": 64}]) == (
+        "data.num_rows differs (process 0: 10, process 1: '<absent>')")
+    long = processes_difference([{"x": "a" * 500}, {"x": "b"}])
+    assert len(long) < 200 and long.startswith("x differs (process 0: 'aaa") and "..." in long
+
+
+def test_agree_raises_on_every_process_with_the_gathered_terms(monkeypatch):
+    mine = {"data": {"seed": 0}, "steps": 4}
+    distributed.agree(mine, "the job", "fix it")  # one process: nothing to compare
+    gathered = []
+
+    def peer_sends(theirs, stop=False):
+        def gather(value):  # process 0 of 2: the peer sends its digest and stop flag, then its terms
+            gathered.append(value)
+            return [value, [distributed.json_digest(theirs), stop] if isinstance(value, list) else theirs]
+        return gather
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "gather_json", peer_sends({"data": {"seed": 7}, "steps": 4}))
+    with pytest.raises(UsageError, match=r"^processes disagree on the job: data\.seed differs \(process 0: 0, "
+                                         r"process 1: 7\); fix it\.$"):
+        distributed.agree(mine, "the job", "fix it")
+    assert gathered == [[distributed.json_digest(mine), False], mine]  # the terms only after the digests differed
+    gathered.clear()
+    monkeypatch.setattr(distributed, "gather_json", peer_sends(mine))
+    distributed.agree(mine, "the job", "fix it")
+    assert gathered == [[distributed.json_digest(mine), False]]  # agreeing costs one gather of a digest
+    monkeypatch.setattr(distributed, "gather_json", peer_sends(mine, stop=True))
+    with pytest.raises(distributed.Terminated):  # the peer caught a SIGTERM before the first step: both stop
+        distributed.agree(mine, "the job", "fix it")
+
+
+@pytest.mark.parametrize("flag, field, values", [
+    ("--config.data.seed=7", "data.seed", ("0", "7")),  # both used to exit 0 with a mix of two datasets
+    ("--config.microbatch=8", "microbatch", ("16", "8")),  # used to wait for --step_timeout
+    ("--config.data.num_rows=3001", "data.num_rows", ("3000", "3001")),  # used to end in a gloo C++ abort
+    ("--workdir=OTHER", "workdir", None),  # used to end in "permission denied" (one lease, two directories)
+])
+def test_processes_started_with_different_flags_stop_in_one_line(tmp_path, flag, field, values):
+    workdir, other = tmp_path / "w", tmp_path / "other"
+    cmds = commands([*ARGS, f"--workdir={workdir}"], 2, 1, free_port())
+    cmds[1].append(flag.replace("OTHER", str(other)))  # process 1 given something else
+    ends = cli.run_all(cmds, at_once=2)
+    lines = {cli.one_error_line(end) for end in ends}  # status 2, one line, no traceback, on both
+    assert len(lines) == 1, lines
+    line = lines.pop()
+    assert line.startswith(f"error: processes disagree on the job: {field} differs (process 0: ")
+    values = values or (repr(str(workdir)), repr(str(other)))
+    assert f"(process 0: {values[0]}, process 1: {values[1]}" in line, line
+    assert "start every process with the same flags" in line
+    assert not workdir.exists() and not other.exists()  # before anything was written
+
+
+def library_worker(microbatch: tuple[int, int]):
+    import jax
+
+    import sharded_scan as ss
+
+    x = np.ones((100, 3), np.float32)
+    try:
+        ss.run(ss.Sum(), x, mesh="data:-1", microbatch=microbatch[jax.process_index()])
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def test_run_refuses_processes_that_differ_before_any_step():
+    results = multiprocess.run_processes("tests.test_job_agreement:library_worker", 2, 1,
+                                         kwargs={"microbatch": (8, 16)}, timeout=90)
+    assert results[0] == results[1] and results[0].startswith(
+        "processes disagree on the job: microbatch differs (process 0: 8, process 1: 16"), results
+    assert multiprocess.run_processes("tests.test_job_agreement:library_worker", 2, 1,
+                                      kwargs={"microbatch": (8, 8)}, timeout=90) == [None, None]
+
+
+@pytest.mark.parametrize("failing", [1, 0])  # 0: the coordinator, whose store the other reads the news from
+def test_a_process_that_fails_alone_ends_the_others_in_one_line(tmp_path, failing):
+    cmds = commands([*ARGS, f"--workdir={tmp_path / 'w'}"], 2, 1, free_port())
+    cmds[failing].append("--config.combiner.kwargs.bogus=1")  # its error comes before the processes agree
+    ends = cli.run_all(cmds, at_once=2)
+    own = cli.one_error_line(ends[failing])  # status 2, one line
+    assert "takes no argument 'bogus'" in own
+    other = ends[1 - failing]
+    out = other.stdout + other.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    # It used to wait 30 s in gloo, then "lost a peer (... Gloo context initialization failed ...)", while the
+    # failing process ended in JAX's C++ abort at its shutdown.
+    assert other.returncode == 4 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert errors[0] == f"error: process {1 - failing} of 2 lost a peer: process {failing} ended (status 2): {own[7:]}"
+    assert "Terminating process" not in out + ends[failing].stderr
