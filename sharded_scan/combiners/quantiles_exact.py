@@ -49,12 +49,13 @@ END = 1 << 32  # a boundary past every key
 
 @dataclasses.dataclass(frozen=True)
 class SketchPass(Combiner):
-    """Pass 1: the one-pass ``sketch``, returned whole (the merged host accumulator) for bracketing."""
+    """Pass 1: the one-pass ``sketch`` (``Quantiles``, ``Describe``), returned whole (the merged host
+    accumulator) for bracketing."""
 
     sketch: Combiner
 
     def check_spec(self, spec):
-        check_column_spec(spec, "Quantiles")
+        self.sketch.check_spec(spec)
 
     def init(self, spec):
         return self.sketch.init(spec)
