@@ -27,6 +27,7 @@ from launch.data import make_combiner, make_source, run_options
 from launch.logs import ProgressLog, set_up_logging
 from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
 from sharded_scan import distributed
+from sharded_scan.combiners.describe import DESCRIBE_JSON
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, where
 from sharded_scan.workdir import EXIT_USAGE, exits, row_bytes, run_in_workdir
@@ -106,11 +107,14 @@ def run_job(
         ProfileWindow(*profile_steps, str(root / "profile")) if profile_steps else None,
     )
     ck = config.checkpoint
-    return run_in_workdir(
+    result, summary = run_in_workdir(
         combiner, source, workdir, run_options(config, progress=progress, step_timeout=step_timeout),
         checkpoint=ck.enabled and {k: v for k, v in ck.items() if k != "enabled"}, force_unlock=force_unlock,
         record={"distributed": started_as, "config": json.loads(json.dumps(config.to_dict(), default=repr))},
     )
+    if hasattr(result, "to_json") and jax.process_index() == 0:  # Describe: the per-feature statistics
+        result.to_json(root / DESCRIBE_JSON)
+    return result, summary
 
 
 def main(argv: list[str]) -> None:

@@ -1,12 +1,16 @@
 """Describe: df.describe() in one pass (or exactly), against pandas' float64 answers; to_pandas, to_json."""
 
+import importlib
 import json
+import os
 
 import numpy as np
 import pandas as pd
 import pytest
 
 import sharded_scan as ss
+from launch.data import make_source
+from launch.main import run_job
 from tests.helpers import assert_usage_error
 
 KW = {"microbatch": 16, "steps_per_call": 2}
@@ -122,3 +126,20 @@ def test_integer_columns_and_infinities():
 )
 def test_bad_arguments_are_one_line(make, words):
     assert_usage_error(make, words)
+
+
+def test_the_describe_config_writes_the_json_next_to_the_result(tmp_path):
+    config = importlib.import_module("configs.describe").get_config("quick")
+    config.data.features = 3
+    result, summary = run_job(config, str(tmp_path))
+    stats = json.loads((tmp_path / "describe.json").read_text())
+    assert {"describe.json", "result.npz", "summary.json"} <= set(os.listdir(tmp_path))
+    x = make_source(config.data).read(0, 1000).astype(np.float64)
+    for j, name in enumerate(["0", "1", "2"]):
+        row = stats["features"][name]
+        assert row["count"] == 1000 and row["min"] == x[:, j].min() and row["max"] == x[:, j].max()
+        np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q99"]],
+                                   [x[:, j].mean(), x[:, j].std(ddof=1), *np.quantile(x[:, j], [0.01, 0.99])],
+                                   rtol=1e-5)
+    again, done = run_job(config, str(tmp_path))
+    assert done["already_done"] and json.loads((tmp_path / "describe.json").read_text()) == stats

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from sharded_scan.errors import UsageError
 COLUMN = Moments(ddof=1)  # one column's count, mean, variance (pandas' ddof=1), min and max
 METHOD = "linear"  # pandas' percentiles
 FORMAT = "sharded_scan.describe/1"
+DESCRIBE_JSON = "describe.json"  # what the CLI's Describe job writes next to result.npz
 
 
 class DescribeResult(NamedTuple):
@@ -70,7 +72,8 @@ class DescribeResult(NamedTuple):
         return frame(self, fields, spread={"percentiles": [percent(q) for q in self.qs]}).T
 
     def to_json(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Writes the per-feature statistics a training pipeline normalizes with to ``path`` (JSON).
+        """Writes the per-feature statistics a training pipeline normalizes with to ``path`` (JSON;
+        a local path, or an ``etils.epath.Path`` for a URL).
 
         The file (also returned)::
 
@@ -83,9 +86,8 @@ class DescribeResult(NamedTuple):
         (``q01``, ``q50``, ``q99``, ``q99.9``); NaN (a column of no values) is written as null.
         """
         table = as_json(self)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1, allow_nan=False)
-            f.write("\n")
+        target = path if hasattr(path, "write_text") else pathlib.Path(path)
+        target.write_text(json.dumps(table, indent=1, allow_nan=False) + "\n")
         return table
 
 
