@@ -12,6 +12,7 @@ import sharded_scan as ss
 from launch.data import make_source
 from launch.main import run_job
 from tests.helpers import assert_usage_error
+from tests.test_checkpoint import CrashError, crash_at
 
 KW = {"microbatch": 16, "steps_per_call": 2}
 
@@ -143,3 +144,15 @@ def test_the_describe_config_writes_the_json_next_to_the_result(tmp_path):
                                    rtol=1e-5)
     again, done = run_job(config, str(tmp_path))
     assert done["already_done"] and json.loads((tmp_path / "describe.json").read_text()) == stats
+
+
+def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
+    frame, kw = data(997), dict(KW, logical_shards=2)
+    want = ss.run(ss.Describe(), frame, mesh="data:2", **kw)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    with pytest.raises(CrashError):
+        ss.run(ss.Describe(), frame, mesh="data:2", checkpoint=options, progress=crash_at(5), **kw)
+    got, report = ss.run_with_report(ss.Describe(), frame, mesh="data:2", checkpoint=options, **kw)
+    assert report.resumed_from_step == 4
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
