@@ -241,7 +241,7 @@ class Describe(Combiner, MultiPass):
         qs = np.asarray(self.percentiles)
         sketch = acc.sketch
         rows = int(wide.to_int(sketch.count))
-        lo_rank, _, weight = method_ranks(qs, count[:, None], METHOD)
+        weight = method_ranks(qs, count[:, None], METHOD)[2]  # (d, len(qs))
         if keys is None:
             keys = sketch_picks(kll.to_host(sketch.sketch), qs, count[:, None], METHOD)[:2]
             bound = kll.rank_error_bound(float(sketch.sketch.variance), rows, CONFIDENCE)
@@ -249,7 +249,7 @@ class Describe(Combiner, MultiPass):
                 error = np.where(count > 0, bound * rows / np.maximum(count, 1), 0.0)
         else:
             error = np.zeros(len(count))
-        values = values_from_keys(sketch, qs, keys[0], keys[1], np.broadcast_to(weight, lo_rank.shape))
+        values = values_from_keys(sketch, qs, keys[0], keys[1], weight)
         values = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], values))
         values[count == 0] = np.nan
         return DescribeResult(count, rows - count, mean, np.sqrt(var), low, high, values, qs.copy(), error,
