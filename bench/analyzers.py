@@ -94,7 +94,7 @@ def distinct(rows: int) -> Analyzer:
     want = np.array([len(np.unique(x[:, j])) for j in range(COLUMNS)])
 
     calls = {
-        "sharded_scan": lambda x: ss.run(ss.DistinctCount(), x).count,
+        "sharded_scan": lambda x: ss.run(ss.DistinctCount(exact_up_to=0), x).count,  # the estimate alone
         "pandas": lambda x: pd.DataFrame(x).nunique().to_numpy(),
         "np.unique": lambda x: np.array([len(np.unique(x[:, j])) for j in range(x.shape[1])]),
     }

@@ -79,8 +79,8 @@ def interrupt_after(steps: int):
 
 def quantiles(n: int, k: int) -> list[dict]:
     rows = []
-    sketch = ss.Quantiles(qs=QS, k=k)
-    exact = ss.Quantiles(qs=np.linspace(0, 1, 11), k=k, exact=True)
+    sketch = ss.Quantiles(qs=QS, k=k, method="lower")
+    exact = ss.Quantiles(qs=np.linspace(0, 1, 11), k=k, exact=True, method="lower")
     kw = {"steps_per_call": 8}  # ~10 steps on 8 devices at 10^7 rows, so that a run can be cut short
     for name, x in quantile_datasets(n):
         sorted_x = np.sort(x.astype(np.float64))
@@ -121,7 +121,7 @@ def distinct_ids(count: int, seed: int) -> np.ndarray:
 
 def distinct(largest: int) -> list[dict]:
     rows = []
-    counter = ss.DistinctCount()
+    counter = ss.DistinctCount(exact_up_to=0)  # the HyperLogLog estimate alone
     for exponent in range(3, int(np.log10(largest)) + 1):
         count = 10**exponent
         seeds = 20 if exponent <= 5 else (10 if exponent == 6 else (3 if exponent == 7 else 1))

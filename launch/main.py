@@ -45,6 +45,7 @@ from launch.logs import ProgressLog, set_up_logging
 from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
 from launch.outputs import JSON, write_result_files
 from sharded_scan import distributed
+from sharded_scan.combiners.describe import DESCRIBE_JSON
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.paths import as_path, where
 from sharded_scan.workdir import EXIT_USAGE, exits, row_bytes, run_in_workdir
@@ -160,6 +161,8 @@ def run_job(
             if not summary.get("already_done"):
                 raise
             logging.warning("%s", e)  # a read-only workdir holding an older job's result: it is still done
+    if hasattr(result, "to_json") and jax.process_index() == 0:  # Describe: the per-feature statistics
+        result.to_json(root / DESCRIBE_JSON)
     return result, summary
 
 

@@ -380,12 +380,24 @@ def fold_all(
     return partials, steps
 
 
+def _has_columns(result: Any) -> bool:
+    return "columns" in getattr(result, "_fields", ())
+
+
 def with_column_names(result: Any, source: Source) -> Any:
     """``result`` with ``columns`` set, when it has that field: the names of X's columns (the
     source's first leaf) as a numpy string array when the source names them, else their
-    positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array."""
-    if "columns" not in getattr(result, "_fields", ()):
-        return result
+    positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array.
+    A pytree of such results shaped like the data (``Describe``'s) names each by its leaf."""
+    if not _has_columns(result):
+        leaves, tree = jax.tree.flatten(result, is_leaf=_has_columns)
+        if not leaves or not all(map(_has_columns, leaves)) or tree != jax.tree.structure(source.spec):
+            return result
+        names = [None] * len(leaves) if source.column_names is None else tree.flatten_up_to(source.column_names)
+        return tree.unflatten([
+            r._replace(columns=np.arange(s.shape[0] if s.shape else 1) if n is None else np.asarray(n, str).reshape(-1))
+            for r, n, s in zip(leaves, names, tree.flatten_up_to(source.spec), strict=True)
+        ])
     names = jax.tree.leaves(source.column_names, is_leaf=lambda x: isinstance(x, (list, str)))
     if names and isinstance(names[0], (list, str)):  # a name alone: rows of one value, one column
         names = [names[0]] if isinstance(names[0], str) else names[0]

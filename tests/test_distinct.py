@@ -59,7 +59,7 @@ def test_estimate_is_within_the_standard_error_on_ints_and_floats(distinct):
     ints = r.permutation(np.arange(distinct, dtype=np.int32) * 7919)
     floats = r.normal(size=distinct).astype(np.float32)
     x = np.concatenate([np.stack([ints, floats.view(np.int32)], 1)] * 2)  # every value twice
-    got = ss.run(ss.DistinctCount(), x, mesh="data:2")
+    got = ss.run(ss.DistinctCount(exact_up_to=0), x, mesh="data:2")  # the estimate alone (default: exact first)
     sigma = 1.04 / np.sqrt(1 << 14)
     assert not got.exact.any() and got.relative_error[0] == sigma
     assert np.all(np.abs(got.count - distinct) <= 2.5 * sigma * distinct + 1), got.count  # +1: a rare collision
@@ -97,3 +97,14 @@ def test_estimator_matches_known_register_states():
 )
 def test_bad_arguments_are_one_clear_line(make, words):
     assert_usage_error(make, words)
+
+
+def test_few_values_are_exact_by_default_and_many_are_estimated():
+    r = np.random.default_rng(7)
+    few = r.choice(np.arange(163, dtype=np.float32) / 10, 442)  # the diabetes data's bmi: 163 values in 442 rows
+    many = r.permutation(np.arange(5000, dtype=np.int32))
+    got = ss.run(ss.DistinctCount(precision=12), np.stack([few.view(np.int32), many[:442]], 1), mesh="data:2", **KW)
+    np.testing.assert_array_equal(got.count, [len(np.unique(few)), 442])
+    assert got.exact.all() and ss.DistinctCount().exact_up_to == 1 << 14
+    over = ss.run(ss.DistinctCount(precision=12), many, mesh="data:2", **KW)  # 5000 > 2^12 kept keys
+    assert not over.exact and abs(over.count - 5000) <= 2.5 * over.relative_error * 5000

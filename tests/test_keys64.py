@@ -24,7 +24,7 @@ def floats_past_float32(n, rng):
 
 def test_quantiles_of_float64_values_that_float32_would_merge():
     x = floats_past_float32(3000, np.random.default_rng(0))
-    got = ss.run(ss.Quantiles(qs=QS), x, microbatch=256)
+    got = ss.run(ss.Quantiles(qs=QS, method="lower"), x, microbatch=256)
     assert float(got.rank_error) == 0.0  # nothing compacted: the sketch holds every row
     np.testing.assert_array_equal(got.quantiles, lower(x))
 
@@ -38,9 +38,19 @@ def test_exact_quantiles_of_float64_int64_and_uint64_after_compaction():
         "uint64": np.uint64(1 << 63) + rng.integers(0, 1 << 20, (n, 1)).astype(np.uint64) * np.uint64(3 << 40),
     }
     for name, x in cases.items():
-        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8), x, microbatch=512)
+        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8, method="lower"), x, microbatch=512)
         assert int(got.passes) > 1, name  # the sketch compacted: refining passes ran
         np.testing.assert_array_equal(got.quantiles, lower(x), err_msg=name)
+
+
+def test_exact_linear_quantiles_of_float64_values_that_float32_would_merge():
+    x = floats_past_float32(3002, np.random.default_rng(6))
+    qs = [0.0, 0.001, 0.1, 0.3, 0.5, 0.77, 0.999, 1.0]  # h = q (n - 1) mostly between two ranks
+    got = ss.run(ss.Quantiles(qs=qs, k=16, exact=True, bits=8, method="linear"), x, microbatch=256)
+    assert int(got.passes) > 1  # the sketch compacted: refining passes ran
+    want = np.quantile(x, qs, axis=0, method="linear").T
+    assert not np.array_equal(want, lower(x, qs))  # the weights matter: not the lower ranks' values
+    np.testing.assert_array_equal(got.quantiles, want)
 
 
 def test_distinct_count_of_int64_ids_past_two_to_the_32():

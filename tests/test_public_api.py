@@ -9,7 +9,7 @@ CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
-    "run_in_workdir",
+    "run_in_workdir", "Describe",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
@@ -22,6 +22,8 @@ RESULT_FIELDS = {
     "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "columns"),
     "DistinctCountResult": ("count", "exact", "relative_error", "columns"),
     "TopKResult": ("values", "counts", "errors", "bound", "certain", "columns"),
+    "DescribeResult": ("count", "nan_count", "mean", "std", "min", "max", "percentiles", "qs", "rank_error", "passes",
+                       "columns"),
 }
 
 
@@ -46,6 +48,7 @@ def test_builtins_are_combiners_and_the_additive_ones_say_so():
         "Gradient": ss.Gradient(lambda p, x: x @ p, np.ones(2, np.float32)),
         "from_fn": ss.from_fn(lambda c, b: c + b.sum(0), np.zeros(2, np.float32)),
         "Quantiles": ss.Quantiles(qs=[0.5]), "DistinctCount": ss.DistinctCount(), "TopK": ss.TopK(),
+        "Describe": ss.Describe(),
     }
     additive = {"Sum", "Gram", "Histogram", "Gradient", "from_fn"}
     for name, combiner in built.items():

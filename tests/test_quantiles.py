@@ -15,7 +15,7 @@ from tests.test_checkpoint import CrashError, crash_at
 QS = np.linspace(0, 1, 101)
 K = 64
 KW = {"microbatch": 16, "steps_per_call": 2}
-SKETCH = ss.Quantiles(qs=QS, k=K)
+SKETCH = ss.Quantiles(qs=QS, k=K, method="lower")  # numpy's default is "linear" (tested below)
 NAMES = ("normal", "lognormal", "poisson", "sorted", "reversed", "blocks")
 
 
@@ -101,7 +101,7 @@ def test_nothing_compacted_is_numpy_lower_exactly(mesh, n):
 
 def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     x, qs = shaped(3001), np.array([0, 0.001, 0.01, 0.25, 0.5, 0.9, 0.999, 1])
-    exact, kw = ss.Quantiles(qs=qs, k=K, exact=True), {"microbatch": 64, "steps_per_call": 2}
+    exact, kw = ss.Quantiles(qs=qs, k=K, exact=True, method="lower"), {"microbatch": 64, "steps_per_call": 2}
     got, report = ss.run_passes(exact, x, mesh="data:2", **kw)
     np.testing.assert_array_equal(got.quantiles, lower(x, qs))
     assert 2 <= got.passes <= 4 and got.rank_error == 0
@@ -143,14 +143,14 @@ def test_nan_propagates_or_is_omitted_and_signed_zeros_and_infinities_rank_like_
     ids=["int32", "uint32", "bfloat16", "int8"],
 )
 def test_integer_and_narrow_float_columns(values):
-    got = ss.run(ss.Quantiles(qs=QS), values, mesh="data:1", microbatch=64)
+    got = ss.run(ss.Quantiles(qs=QS, method="lower"), values, mesh="data:1", microbatch=64)
     assert got.quantiles.shape == (len(QS),)  # a vector of rows gives one column, unnested
     np.testing.assert_array_equal(got.quantiles, lower(values.astype(np.float64)[:, None], QS)[0])
 
 
 def test_num_buckets_are_tf_transform_boundaries():
     x = shaped()
-    got = ss.run(ss.Quantiles(num_buckets=4, k=K), x, mesh="data:1", **KW)  # shares SKETCH's compiled step
+    got = ss.run(ss.Quantiles(num_buckets=4, k=K, method="lower"), x, mesh="data:1", **KW)  # SKETCH's step
     np.testing.assert_array_equal(got.qs, [0.25, 0.5, 0.75])
     assert np.all(rank_errors(x, got.quantiles, got.qs) <= got.rank_error)
     assert ss.Quantiles(num_buckets=4).qs == (0.25, 0.5, 0.75) and ss.Quantiles(num_buckets=1).qs == ()
@@ -190,3 +190,24 @@ def test_merge_has_the_empty_sketch_as_identity():
 )
 def test_bad_arguments_are_one_clear_line(make, words):
     assert_usage_error(make, words)
+
+
+METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_numpy_method_one_pass_and_exact(method):
+    x = shaped(60)  # one pass: nothing is compacted, so numpy's answers
+    want = np.quantile(x.astype(np.float64), QS, axis=0, method=method).T
+    got = ss.run(ss.Quantiles(qs=QS, k=K, method=method), x, mesh="data:2", **KW)
+    np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
+    x, qs = shaped(3001), np.array([0, 0.001, 0.3, 0.5, 0.75, 0.999, 1])  # exact: compacted, then refined
+    want = np.quantile(x.astype(np.float64), qs, axis=0, method=method).T
+    got = ss.run(ss.Quantiles(qs=qs, k=K, exact=True, method=method), x, mesh="data:2", microbatch=64)
+    np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
+    assert got.passes > 1 and got.rank_error == 0
+
+
+def test_linear_is_the_default_and_a_bad_method_is_one_line():
+    assert ss.Quantiles(qs=[0.5]).method == "linear"
+    assert_usage_error(lambda: ss.Quantiles(qs=[0.5], method="inverted_cdf"), ["method", "'linear'"])

@@ -377,7 +377,7 @@ def test_only_an_iterator_without_state_is_read_once_and_a_reduction_of_several_
     one_shot = IteratorSource(iter(np.split(x, [1000, 2000])), len(x))
     assert not one_shot.rereadable and not TreeSource((one_shot, ArraySource(x[:, 0]))).rereadable
     assert IteratorSource(Batches(rows(), SIZES), N).rereadable and TreeSource((ArraySource(x),)).rereadable
-    exact = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64, exact=True)
+    exact = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64, exact=True, method="lower")
     with pytest.raises(ss.UsageError, match="one-shot") as info:
         ss.run(exact, one_shot, microbatch=64, steps_per_call=2)
     assert "\n" not in str(info.value)

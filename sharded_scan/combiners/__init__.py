@@ -1,6 +1,7 @@
 """The Combiner protocol and the built-in reductions."""
 
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner
+from sharded_scan.combiners.describe import Describe, DescribeResult
 from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
@@ -19,6 +20,8 @@ __all__ = [
     "Combiner",
     "Covariance",
     "CovarianceResult",
+    "Describe",
+    "DescribeResult",
     "DistinctCount",
     "DistinctCountResult",
     "Gradient",

@@ -13,8 +13,10 @@ for HyperLogLog sketches", 2017), which needs no bias tables and holds its stand
 error of about ``1.04 / sqrt(m)`` (0.81% at the default ``m = 16384``) from a handful of
 values to billions (measured in ``bench/sketches.py``).
 
-``exact_up_to=E`` also keeps each column's distinct keys while there are at most ``E`` of
-them (sorted, ``E`` slots per column): such columns get their exact count.
+Each column's distinct keys are also kept while there are at most ``E = exact_up_to`` of
+them (sorted, ``E`` slots per column; by default ``2^precision``, the registers' count):
+such columns get their exact count, like ``pandas.Series.nunique``. Once every column has
+more, a micro-batch only updates the registers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sharded_scan.combiners.keys import (
     mix32,
     mix64,
 )
+from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
 
 DEFAULT_PRECISION = 14
@@ -48,7 +51,7 @@ class DistinctCountResult(NamedTuple):
     """Per column: the number of distinct values, whether it is exact, and its standard error.
 
     ``count`` is int64 ``(d,)`` (``()`` for rows of one value); ``exact`` marks columns
-    counted exactly (``exact_up_to``); ``relative_error`` is the estimate's standard
+    counted exactly (at most ``exact_up_to`` values); ``relative_error`` is the estimate's standard
     error ``1.04 / sqrt(m)`` (0 where exact).
     """
 
@@ -56,6 +59,10 @@ class DistinctCountResult(NamedTuple):
     exact: np.ndarray
     relative_error: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame: a row per column, ``count`` (``df.nunique(dropna=False)``), ``exact``, ``relative_error``."""
+        return frame(self, ("count", "exact", "relative_error"))
 
 
 class DistinctAcc(NamedTuple):
@@ -139,8 +146,10 @@ class DistinctCount(Combiner):
     Args:
       precision: ``m = 2^precision`` one-byte registers per column, standard error
         ``1.04 / sqrt(m)``: 14 (the default) gives 0.81%, 16 gives 0.41%; 4 to 18.
-      exact_up_to: count columns with at most this many distinct values exactly
-        (keeps that many keys per column; 0, the default, turns it off).
+      exact_up_to: count columns with at most this many distinct values exactly (keeps that
+        many keys per column, 4 bytes each); None, the default: ``2^precision`` (64 KiB a
+        column at the default precision); 0 turns it off (the estimate alone, which was the
+        default before).
 
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
@@ -150,13 +159,15 @@ class DistinctCount(Combiner):
     """
 
     precision: int = DEFAULT_PRECISION
-    exact_up_to: int = 0
+    exact_up_to: int | None = None
     takes_string_ids = True  # string columns: their hash ids count the distinct strings
 
     def __post_init__(self):
         p = self.precision
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 4 <= p <= 18:
             raise UsageError(f"DistinctCount precision must be an integer in [4, 18] (2^p registers), got {p!r}.")
+        if self.exact_up_to is None:
+            object.__setattr__(self, "exact_up_to", 1 << int(p))
         e = self.exact_up_to
         if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 0:
             raise UsageError(f"DistinctCount exact_up_to must be an integer >= 0, got {e!r}.")
@@ -185,7 +196,9 @@ class DistinctCount(Combiner):
             return acc._replace(registers=registers)
         batch_keys = jnp.where(mask[None, :], keys, fill(keys.dtype))
         valid = acc.held.reshape(-1) + jnp.sum(mask, dtype=jnp.int32)
-        return self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held)
+        return jax.lax.cond(  # once every column has more values than it keeps, the registers alone
+            jnp.all(acc.held > self.exact_up_to), lambda: acc._replace(registers=registers),
+            lambda: self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held))
 
     def merge(self, a, b):
         registers = jnp.maximum(a.registers, b.registers)

@@ -11,6 +11,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, masked
+from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 
@@ -21,6 +22,12 @@ class HistogramResult(NamedTuple):
     counts: np.ndarray
     edges: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame indexed by ``(column, bin)``: each bin's ``count`` and its edges ``left``, ``right``."""
+        edges = np.broadcast_to(self.edges, (*np.shape(self.counts)[:-1], np.shape(self.edges)[-1]))
+        return frame(self, (("count", self.counts), ("left", edges[..., :-1]), ("right", edges[..., 1:])),
+                     long=("bin", ("count", "left", "right")))
 
 
 def _float32_at_least(edges: np.ndarray) -> np.ndarray:

@@ -284,12 +284,6 @@ def keys_at(host: HostSketch, ranks: np.ndarray) -> np.ndarray:
     return out
 
 
-def lower_ranks(host: HostSketch, qs: np.ndarray) -> np.ndarray:
-    """Per column and q, the key at estimated rank ``q (W - 1)`` (numpy's ``method="lower"``), ``(d, len(qs))``."""
-    total = host.cumulative[:, -1:] if host.keys.shape[1] else np.ones((host.keys.shape[0], 1))
-    return keys_at(host, qs[None, :] * (total - 1))
-
-
 def rank_error_bound(variance: float, rows: int, confidence: float = 0.99) -> float:
     """Hoeffding's bound on one quantile's normalized rank error from the sketch's roundings.
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype
 from sharded_scan.combiners.lstsq import check_has_rows, principal_axes
+from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
@@ -24,6 +25,11 @@ class PCAResult(NamedTuple):
     mean: np.ndarray
     singular_values: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """The loadings as a DataFrame: a row per column, ``PC1..PCk`` (each axis's weights), ``mean``."""
+        names = [f"PC{i + 1}" for i in range(len(self.explained_variance))]
+        return frame(self, (("components", np.transpose(self.components)), "mean"), spread={"components": names})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,10 +3,12 @@
 ``Quantiles(qs=...)`` or ``Quantiles(num_buckets=...)`` (tf.Transform's ``quantiles``
 boundaries: ``q = 1/B, ..., (B-1)/B``). One pass folds every column into a
 :mod:`~sharded_scan.combiners.kll` sketch of about ``3k`` items; the answer for ``q`` is
-the item at estimated rank ``q (n - 1)``, numpy's ``method="lower"``, so every answer is
-a value of the data (the exact minimum for ``q = 0`` and maximum for ``q = 1``). While
-nothing has been compacted (about ``k`` rows per shard or fewer) the answer is exactly
-``np.quantile(x, qs, axis=0, method="lower")``.
+read at the estimated ranks around ``q (n - 1)`` that ``method`` names, numpy's methods
+(``"linear"``, the default of numpy and pandas, interpolates between the items at ranks
+``floor`` and ``ceil`` of it; ``"lower"``, the default before, answers a value of the data);
+``q = 0`` and ``q = 1`` are the exact minimum and maximum. While nothing has been compacted
+(about ``k`` rows per shard or fewer) the answer is exactly
+``np.quantile(x, qs, axis=0, method=method)``.
 
 ``Quantiles(exact=True)`` returns exactly that for any row count: the sketch brackets
 every answer by keys, then each further pass counts the rows below and in ``2^bits``
@@ -28,7 +30,13 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import check_column_spec, fill, fold_if_any, key_dtype, kind_code, masked_columns
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles_exact import exact_passes
-from sharded_scan.combiners.quantiles_result import QuantilesAcc, QuantilesResult, result_from_keys
+from sharded_scan.combiners.quantiles_result import (
+    QuantilesAcc,
+    QuantilesResult,
+    check_method,
+    method_ranks,
+    result_from_keys,
+)
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 8192
@@ -71,7 +79,11 @@ class Quantiles(Combiner, MultiPass):
         (128 KiB at the default 8192), and a normalized rank error of a few ``1/k``: the
         result's ``rank_error`` bounds it; at the default the largest rank error over
         2001 quantiles of 10^7 rows was 1e-7 to 4.1e-4 (``python bench/sketches.py``).
-      exact: return the exact order statistics (numpy's ``method="lower"``), in 2 or 3
+      method: how an answer between two ranks is read, as ``np.quantile``'s: ``"linear"``
+        (the default, numpy's and pandas'), ``"lower"`` (the default before: every answer a
+        value of the data, as tf.Transform's boundaries), ``"higher"``, ``"nearest"``,
+        ``"midpoint"``.
+      exact: return exactly ``np.quantile(X, qs, axis=0, method=method)``, in 2 or 3
         passes over typical data (at most ``1 + ceil(32 / (bits - 1))``; 64 for 64-bit data), which
         :func:`sharded_scan.run` runs one after another.
       bits: with ``exact``, each pass after the first cuts every bracket into ``2^bits``
@@ -90,12 +102,14 @@ class Quantiles(Combiner, MultiPass):
     k: int = DEFAULT_K
     exact: bool = False
     bits: int = 10
+    method: str = dataclasses.field(default="linear", compare=False)  # read on the host only, like qs
 
     def __post_init__(self):
         object.__setattr__(self, "qs", check_qs(self.qs, self.num_buckets, "Quantiles"))
         if self.num_buckets is not None:
             object.__setattr__(self, "num_buckets", None)  # qs now says it; one spelling per job
         check_k(self.k, "Quantiles")
+        check_method(self.method, "Quantiles")
         if not isinstance(self.exact, (bool, np.bool_)):
             raise UsageError(f"Quantiles exact must be True or False, got exact={self.exact!r}.")
         bits = self.bits
@@ -132,19 +146,29 @@ class Quantiles(Combiner, MultiPass):
         )
 
     def finalize(self, acc):
-        return sketch_quantiles(acc, np.asarray(self.qs))
+        return sketch_quantiles(acc, np.asarray(self.qs), self.method)
 
     @property
     def needs_passes(self) -> bool:
         return bool(self.exact)
 
     def passes(self):
-        return exact_passes(self.qs, self.bits, dataclasses.replace(self, exact=False))
+        return exact_passes(self.qs, self.bits, self.method, dataclasses.replace(self, exact=False))
 
 
-def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray) -> QuantilesResult:
+def sketch_picks(host: kll.HostSketch, qs: np.ndarray, rows, method: str):
+    """The sketch's keys at the ranks ``method`` reads for ``qs`` over ``rows`` values (``(d, 1)`` or
+    a number), and their weights: what :func:`~.quantiles_result.result_from_keys` takes."""
+    low, high, weight = method_ranks(qs, rows, method)
+    shape = (host.keys.shape[0], len(qs))
+    low, high = np.broadcast_to(low, shape), np.broadcast_to(high, shape)
+    return kll.keys_at(host, low), kll.keys_at(host, high), weight
+
+
+def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray, method: str) -> QuantilesResult:
     """The sketch's answers for ``qs`` from a merged host accumulator."""
-    keys = kll.lower_ranks(kll.to_host(acc.sketch), qs)
+    host = kll.to_host(acc.sketch)
+    total = host.cumulative[:, -1:] if host.keys.shape[1] else np.ones((host.keys.shape[0], 1))
     rows = int(wide.to_int(acc.count))
     bound = kll.rank_error_bound(float(acc.sketch.variance), rows, CONFIDENCE)
-    return result_from_keys(acc, qs, keys, rows, bound, passes=1)
+    return result_from_keys(acc, qs, sketch_picks(host, qs, total, method), rows, bound, passes=1)

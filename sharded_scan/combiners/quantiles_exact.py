@@ -1,7 +1,8 @@
 """Exact quantiles in a few passes: the sketch brackets each answer, counting passes narrow it.
 
-Pass 1 is the one-pass ``Quantiles`` sketch. For the
-wanted rank ``r = floor(q (n - 1))`` of every column and ``q`` it gives keys ``lo <= hi``
+Pass 1 is the one-pass ``Quantiles`` sketch. For each
+wanted rank ``r`` of every column and ``q`` (``floor`` and/or ``ceil`` of ``q (n - 1)``, as
+``method`` reads them) it gives keys ``lo <= hi``
 with at most ``r`` rows below ``lo`` and more than ``r`` rows at or below ``hi``, unless
 the sketch's rank error exceeds Hoeffding's bound at probability ``1e-9``. Each further
 pass (:class:`RefinePass`) counts, exactly, the rows below each of ``2^bits + 1``
@@ -43,7 +44,7 @@ from sharded_scan.combiners.keys import (
     nan_key,
     np_float_keys,
 )
-from sharded_scan.combiners.quantiles_result import result_from_keys
+from sharded_scan.combiners.quantiles_result import method_ranks, result_from_keys
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
 
@@ -57,12 +58,13 @@ def host_ints(keys: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class SketchPass(Combiner):
-    """Pass 1: the one-pass ``sketch``, returned whole (the merged host accumulator) for bracketing."""
+    """Pass 1: the one-pass ``sketch`` (``Quantiles``, ``Describe``), returned whole (the merged host
+    accumulator) for bracketing."""
 
     sketch: Combiner
 
     def check_spec(self, spec):
-        check_column_spec(spec, "Quantiles")
+        self.sketch.check_spec(spec)
 
     def init(self, spec):
         return self.sketch.init(spec)
@@ -183,38 +185,82 @@ def narrowed(bounds: np.ndarray, counts: BinCounts, rank: int, low: int, high: i
     return smallest, largest
 
 
-def exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
+class Brackets:
+    """Per column and wanted rank, a bracket ``[lo, hi]`` of keys that every pass narrows.
+
+    Made from the merged sketch pass ``acc`` and ``ranks`` ``(d, m)`` (0-based, in rows, each
+    below the column's rows: NaN, whose keys sort last, may follow them); ``settled``
+    ``(d, m)`` marks answers the caller has already (ends, NaN columns). ``keys`` holds
+    the answers once :attr:`open` is False. Brackets are :func:`host_ints` of the keys.
+    """
+
+    def __init__(self, acc, ranks: np.ndarray, settled: np.ndarray, bits: int):
+        rows = int(wide.to_int(acc.count))
+        host = kll.to_host(acc.sketch)
+        self.ranks, self.bins, self.dtype = ranks, 1 << bits, KIND_DTYPES[int(acc.kind)]
+        self.key_type = np.asarray(acc.low).dtype
+        self.low = host_ints(np.asarray(acc.low).reshape(-1))
+        self.high = host_ints(np.asarray(acc.high).reshape(-1))
+        if rows == 0 or float(acc.sketch.variance) == 0.0:  # nothing compacted: the sketch holds every row
+            self.lo = self.hi = host_ints(kll.keys_at(host, ranks))
+            return
+        margin = kll.rank_error_bound(float(acc.sketch.variance), rows, BRACKET_CONFIDENCE) * rows + 1
+        # Past either end of the sketch's items only the true extremes bracket safely.
+        total = host.cumulative[:, -1:]
+        low, high = self.low[:, None], self.high[:, None]
+        lo = np.where(ranks < margin, low, host_ints(kll.keys_at(host, np.maximum(ranks - margin, 0))))
+        hi = np.where(ranks + margin >= total, high, host_ints(kll.keys_at(host, ranks + margin)))
+        self.lo, self.hi = lo, np.where(settled, lo, np.maximum(hi, lo))
+
+    def _unsettled(self) -> np.ndarray:
+        """Where an answer is still a bracket (bool: object arrays of 64-bit keys compare to objects)."""
+        return np.asarray(self.lo < self.hi, bool)
+
+    @property
+    def open(self) -> bool:
+        """Whether an answer is still a bracket (another pass is needed)."""
+        return bool(np.any(self._unsettled()))
+
+    def bounds(self) -> np.ndarray:
+        """The next pass's boundaries for every open bracket (``RefinePass.bounds``)."""
+        bounds = np.zeros(self.lo.shape + (self.bins + 1,), self.lo.dtype)
+        for j, i in zip(*np.nonzero(self._unsettled()), strict=True):
+            bounds[j, i] = boundaries(int(self.lo[j, i]), int(self.hi[j, i]), self.bins, self.dtype)
+        return bounds
+
+    def narrow(self, bounds: np.ndarray, counts: BinCounts) -> None:
+        """Narrows every open bracket by the pass that counted rows at ``bounds``."""
+        for j, i in zip(*np.nonzero(self._unsettled()), strict=True):
+            cell = BinCounts(counts.below[j, i], counts.min[j, i], counts.max[j, i])
+            self.lo[j, i], self.hi[j, i] = narrowed(bounds[j, i], cell, int(self.ranks[j, i]), int(self.low[j]),
+                                                    int(self.high[j]))
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The answers' keys ``(d, m)``, in the accumulator's key dtype (``uint32`` or ``uint64``)."""
+        return self.lo.astype(self.key_type)
+
+
+def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner):
     """The passes of ``Quantiles(exact=True)`` for ``qs``, the first one ``sketch``'s (the
     one-pass ``Quantiles``), each later one refining by ``bits`` bits of the keys: a generator
     :func:`sharded_scan.run` drives."""
     qs = np.asarray(qs, np.float64)
     acc = yield SketchPass(sketch)
     rows = int(wide.to_int(acc.count))
-    host = kll.to_host(acc.sketch)
-    if rows == 0 or float(acc.sketch.variance) == 0.0:  # nothing compacted: the sketch holds every row
-        return result_from_keys(acc, qs, kll.lower_ranks(host, qs), rows, 0.0, passes=1)
-    keys = np.asarray(acc.low).dtype
-    low, high = host_ints(np.asarray(acc.low).reshape(-1)), host_ints(np.asarray(acc.high).reshape(-1))
-    floats, dtype = is_float(acc.kind), KIND_DTYPES[int(acc.kind)]
-    ranks = np.broadcast_to(np.floor(qs * (rows - 1)).astype(np.int64), (len(low), len(qs)))
-    margin = kll.rank_error_bound(float(acc.sketch.variance), rows, BRACKET_CONFIDENCE) * rows + 1
-    # Past either end of the sketch's items only the true extremes bracket safely.
-    total = host.cumulative[:, -1:]
-    lo = np.where(ranks < margin, low[:, None], host_ints(kll.keys_at(host, np.maximum(ranks - margin, 0))))
-    hi = np.where(ranks + margin >= total, high[:, None], host_ints(kll.keys_at(host, ranks + margin)))
-    hi = np.maximum(hi, lo)
-    nan = np.asarray(high == int(nan_key(keys)), bool) & floats
-    settled = (qs[None, :] == 0) | (qs[None, :] == 1) | nan[:, None]
-    hi = np.where(settled, lo, hi)  # ends are exact already; NaN columns answer NaN
-    passes, bins = 1, 1 << bits
-    while np.any(np.asarray(lo < hi, bool)):
-        todo = list(zip(*np.nonzero(np.asarray(lo < hi, bool)), strict=True))
-        bounds = np.zeros(lo.shape + (bins + 1,), lo.dtype)
-        for j, i in todo:
-            bounds[j, i] = boundaries(int(lo[j, i]), int(hi[j, i]), bins, dtype)
-        counts = yield RefinePass(bounds)
+    d = np.asarray(acc.low).size
+    low, high, weight = (np.broadcast_to(a, (d, len(qs))) for a in method_ranks(qs, rows, method))
+    both = not np.array_equal(low, high)  # linear and midpoint read two ranks, the others one
+    high_keys = np.asarray(acc.high).reshape(-1)
+    nan = ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
+    ranks = np.concatenate([low, high], axis=1) if both else low
+    ends = np.tile(qs, 2 if both else 1)[None, :]
+    brackets = Brackets(acc, ranks, (ends == 0) | (ends == 1) | nan, bits)
+    passes = 1
+    while brackets.open:
+        bounds = brackets.bounds()
+        brackets.narrow(bounds, (yield RefinePass(bounds)))
         passes += 1
-        for j, i in todo:
-            cell = BinCounts(counts.below[j, i], counts.min[j, i], counts.max[j, i])
-            lo[j, i], hi[j, i] = narrowed(bounds[j, i], cell, int(ranks[j, i]), int(low[j]), int(high[j]))
-    return result_from_keys(acc, qs, lo.astype(keys), rows, 0.0, passes)
+    keys = brackets.keys
+    picks = (keys[:, : len(qs)], keys[:, len(qs):] if both else keys, weight)
+    return result_from_keys(acc, qs, picks, rows, 0.0, passes)

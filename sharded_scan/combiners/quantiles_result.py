@@ -1,6 +1,11 @@
 """What a quantile sketch holds and answers: its accumulator, its result, the result from keys.
 
-Shared by the one-pass sketch (``quantiles.py``) and the exact passes (``quantiles_exact.py``).
+Shared by the one-pass sketch (``quantiles.py``), the exact passes (``quantiles_exact.py``)
+and ``Describe``. ``method`` is numpy's: the answer for ``q`` over ``n`` values sits at the
+virtual index ``h = q (n - 1)`` of the sorted values ``v``; ``"linear"`` (numpy's and pandas'
+default) is ``v[floor h] + (h - floor h) (v[ceil h] - v[floor h])``, ``"lower"`` ``v[floor h]``,
+``"higher"`` ``v[ceil h]``, ``"nearest"`` ``v[round h]`` (halves to even, as ``np.around``),
+``"midpoint"`` the mean of ``v[floor h]`` and ``v[ceil h]``.
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.keys import decode, is_float, nan_key
+from sharded_scan.combiners.results import frame
+from sharded_scan.errors import UsageError
+
+METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
 
 
 class QuantilesResult(NamedTuple):
     """Per column, the value at each ``q`` and how far its rank may be from ``q (n - 1)``.
 
-    ``quantiles`` is ``(d, len(qs))`` float64 (``(len(qs),)`` for rows of one value),
+    ``quantiles`` is ``(d, len(qs))`` float64 (``(len(qs),)`` for rows of one value), each
+    answer read at the ranks ``method`` names (``np.quantile``'s; see the module docstring),
     NaN for a column that holds NaN (numpy's ``np.quantile`` does the same) or has no
     rows; ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
     probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data.
@@ -31,6 +41,10 @@ class QuantilesResult(NamedTuple):
     passes: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
+    def to_pandas(self):
+        """A DataFrame like ``df.quantile(qs).T``: a row per column, a column per ``q``."""
+        return frame(self, ("quantiles",), spread={"quantiles": self.qs})
+
 
 class QuantilesAcc(NamedTuple):
     """The sketch, the row count, each column's smallest and largest key, the key kind."""
@@ -42,11 +56,59 @@ class QuantilesAcc(NamedTuple):
     kind: jax.Array  # int32 (): keys.kind_code, so that finalize can turn keys back into values
 
 
-def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, keys: np.ndarray, rows: int, bound: float, passes: int):
-    """Builds the result from per-column keys ``(d, len(qs))``: exact ends, NaN columns, shape."""
-    low, high = np.asarray(acc.low).reshape(-1), np.asarray(acc.high).reshape(-1)
-    keys = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], keys))
-    values = decode(keys, acc.kind).astype(np.float64)
+def check_method(method, who: str) -> str:
+    """``method`` when it is one of numpy's :data:`METHODS`, else one line naming them."""
+    if method not in METHODS:
+        raise UsageError(f"{who} method must be one of {', '.join(map(repr, METHODS))} (as np.quantile), "
+                         f"got method={method!r}.")
+    return method
+
+
+def method_ranks(qs: np.ndarray, n, method: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranks ``(low, high)`` (int64) whose values ``method`` mixes for each ``q`` over ``n`` values,
+    and the weight of the high one; ``n`` may be an array ``(d, 1)`` (per column)."""
+    h = np.asarray(qs, np.float64) * (np.maximum(np.asarray(n, np.float64), 1) - 1)
+    low, high = np.floor(h), np.ceil(h)
+    weight = np.zeros_like(h)
+    if method == "linear":
+        weight = h - low
+    elif method == "lower":
+        high = low
+    elif method == "higher":
+        low = high
+    elif method == "nearest":
+        low = high = np.around(h)
+    else:  # midpoint
+        weight = np.where(high > low, 0.5, 0.0)
+    return low.astype(np.int64), high.astype(np.int64), weight
+
+
+def interpolate(low: np.ndarray, high: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``low + weight (high - low)`` as numpy's quantiles compute it (from ``high`` for weights of
+    one half or more); exactly ``low`` where the weight is 0 or the values are equal (infinities too)."""
+    with np.errstate(invalid="ignore"):
+        diff = high - low
+        mixed = np.where(weight >= 0.5, high - diff * (1 - weight), low + diff * weight)
+    return np.where((weight == 0) | (low == high), low, mixed)
+
+
+def values_from_keys(acc: QuantilesAcc, qs: np.ndarray, low: np.ndarray, high: np.ndarray,
+                     weight: np.ndarray) -> np.ndarray:
+    """Per column and q (``(d, len(qs))``), the value between the keys ``low`` and ``high`` at
+    ``weight``; ``q = 0`` and ``q = 1`` are the column's exact smallest and largest keys."""
+    first, last = np.asarray(acc.low).reshape(-1)[:, None], np.asarray(acc.high).reshape(-1)[:, None]
+    ends = [(np.where(qs[None, :] == 0, first, np.where(qs[None, :] == 1, last, k))) for k in (low, high)]
+    return interpolate(decode(ends[0], acc.kind), decode(ends[1], acc.kind), weight)
+
+
+def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, picks: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     rows: int, bound: float, passes: int):
+    """Builds the result from per-column keys ``(d, len(qs))`` at the ranks ``method_ranks`` gave and
+    its weights (``picks``: the keys at the low ranks, at the high ones, the weights): exact ends,
+    NaN columns, shape."""
+    low, high, weight = picks
+    values = values_from_keys(acc, qs, low, high, np.broadcast_to(weight, low.shape))
+    high = np.asarray(acc.high).reshape(-1)
     nan = (high == nan_key(high.dtype)) & is_float(acc.kind)
     values[nan | (rows == 0)] = np.nan
     if np.ndim(acc.low) == 0:

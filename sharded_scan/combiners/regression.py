@@ -11,6 +11,7 @@ import numpy as np
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
 from sharded_scan.combiners.lstsq import check_has_rows, least_squares
+from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
 from sharded_scan.errors import UsageError
 
@@ -30,6 +31,14 @@ class LinearRegressionResult(NamedTuple):
     rank: np.ndarray
     cond: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame: a row per column of X, its ``coef`` (``coef_0..`` per target), and the
+        ``intercept`` (one target), ``rank`` and ``cond`` repeated."""
+        if np.ndim(self.coef) == 1:
+            return frame(self, ("coef", "intercept", "rank", "cond"))
+        names = [f"coef_{i}" for i in range(np.shape(self.coef)[0])]
+        return frame(self, (("coef", np.transpose(self.coef)), "rank", "cond"), spread={"coef": names})
 
 
 class RegressionAcc(NamedTuple):

@@ -22,6 +22,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
+from sharded_scan.combiners.results import frame, labels
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 
@@ -168,13 +169,19 @@ class CovarianceResult(NamedTuple):
     cov: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
+    def to_pandas(self):
+        """The covariance matrix as a DataFrame named by the columns both ways, like ``df.cov()``."""
+        return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
+
 
 @dataclasses.dataclass(frozen=True)
 class Covariance(Combiner):
     """The covariance matrix of rows X (n, d), stable for data far from zero.
 
     Args:
-      ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1 like ``np.cov``).
+      ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
+        ``np.cov`` and ``df.cov()``; each built-in takes the default of the function it
+        mirrors: ``Moments`` 0 like ``np.var``, ``Describe`` 1 like pandas).
     """
 
     ddof: int = 1
@@ -210,6 +217,10 @@ class MomentsResult(NamedTuple):
     max: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
+    def to_pandas(self):
+        """A DataFrame: a row per column, ``count, mean, var, min, max`` (``df.agg([...]).T``)."""
+        return frame(self, ("count", "mean", "var", "min", "max"))
+
 
 class MomentsAcc(NamedTuple):
     centered: CenteredAcc
@@ -222,7 +233,8 @@ class Moments(Combiner):
     """Per-column count, mean, variance, min and max of rows X (n, d).
 
     Args:
-      ddof: delta degrees of freedom of the variance (0 like ``np.var``).
+      ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like
+        pandas' ``var()`` and ``Covariance``'s default).
     """
 
     ddof: int = 0

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, masked
+from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -31,6 +32,10 @@ class SumResult(NamedTuple):
     sum: np.ndarray
     count: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame: a row per column, its ``sum`` and the ``count`` of rows."""
+        return frame(self, ("sum", "count"))
 
 
 def _is_integer(dtype) -> bool:

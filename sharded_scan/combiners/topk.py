@@ -37,10 +37,12 @@ from sharded_scan.combiners.keys import (
     decode,
     fill,
     fold_if_any,
+    is_float,
     key_dtype,
     kind_code,
     masked_columns,
 )
+from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
 from sharded_scan.dtypes import hash_strings  # noqa: F401 - importable here still
@@ -54,8 +56,9 @@ LIMBS = 3
 class TopKResult(NamedTuple):
     """Per column, the ``k`` most frequent values, most frequent first (ties: smaller value first).
 
-    ``values`` float64 ``(d, k)`` (``(k,)`` for rows of one value; NaN-padded when a
-    column has fewer values), ``counts`` int64 (rows counted: at most the true count),
+    ``values`` ``(d, k)`` (``(k,)`` for rows of one value): int64 for integer columns, float64
+    for float ones; a column with fewer than ``k`` values has empty slots last, with
+    ``counts`` 0 (and value 0, or NaN for floats). ``counts`` int64 (rows counted: at most the true count),
     ``errors`` int64 (the true count is at most ``counts + errors``), ``bound`` int64
     ``(d,)``: no value left out has more rows, and ``certain``: the values listed are a
     true top ``k`` (their smallest count is at least ``bound``).
@@ -67,6 +70,13 @@ class TopKResult(NamedTuple):
     bound: np.ndarray
     certain: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame indexed by ``(column, rank)``, rank 0 the most frequent: ``values``,
+        ``counts``, ``errors`` and the column's ``bound`` and ``certain``; no empty slots."""
+        table = frame(self, ("values", "counts", "errors", "bound", "certain"),
+                      long=("rank", ("values", "counts", "errors")))
+        return table[table["counts"] > 0]
 
 
 class TopKAcc(NamedTuple):
@@ -213,7 +223,8 @@ class TopK(Combiner):
         count, slack = wide.to_int(acc.count).astype(np.int64), wide.to_int(acc.slack).astype(np.int64)
         held, bound = np.asarray(acc.held).reshape(-1), wide.to_int(acc.bound).astype(np.int64).reshape(-1)
         d, k = keys.shape[0], self.k
-        values, counts, errors = np.full((d, k), np.nan), np.zeros((d, k), np.int64), np.zeros((d, k), np.int64)
+        values = np.full((d, k), np.nan) if is_float(acc.kind) else np.zeros((d, k), np.int64)  # integers stay
+        counts, errors = np.zeros((d, k), np.int64), np.zeros((d, k), np.int64)
         bounds, certain = np.zeros(d, np.int64), np.zeros(d, bool)
         for j in range(d):
             n = int(held[j])

@@ -65,25 +65,51 @@ class TreeSource(Source):
     def string_columns(self) -> tuple[str, ...]:
         return tuple(name for s in self._sources for name in s.string_columns)
 
+    @property
+    def column_names(self) -> Any:
+        names = [s.column_names for s in self._sources]
+        return None if all(n is None for n in names) else self._treedef.unflatten(names)
+
+
+def _tabular(data: Any) -> bool:
+    """Whether ``data`` is a pandas or polars DataFrame or Series."""
+    return type(data).__module__.split(".")[0] in ("pandas", "polars") and (
+        hasattr(data, "columns") or hasattr(data, "to_frame"))
+
+
+def _tabular_source(data: Any, alone: bool) -> Source:
+    """A DataFrame's numeric columns; a Series as one named column: ``(rows, 1)`` when it is the
+    whole data, ``(rows,)`` (e.g. ``y`` in ``(X, y)``) inside a pytree."""
+    from sharded_scan.sources.tabular import dataframe_source
+
+    if hasattr(data, "columns"):
+        return dataframe_source(data)
+    name = str(data.name) if getattr(data, "name", None) not in (None, "") else "0"
+    frame = data.to_frame(name=name) if hasattr(data, "iloc") else data.rename(name).to_frame()
+    return dataframe_source(frame, columns=[name] if alone else name)
+
 
 def as_source(data: Any) -> Source:
     """Wraps ``data`` as a Source.
 
     Args:
-      data: a Source, a pandas or polars DataFrame (its numeric columns), a numpy array, a
-        pytree of arrays, or a pytree of Sources (arrays may stand among them); every leaf
-        needs the same number of rows.
+      data: a Source, a pandas or polars DataFrame (its numeric columns, named), a Series
+        (one named column), a numpy array, a pytree of arrays, or a pytree of Sources
+        (arrays, DataFrames and Series may stand among them: ``(df, series)`` keeps their
+        names, the Series as ``y`` of shape ``(rows,)``); every leaf needs the same number of rows.
     """
     if isinstance(data, Source):
         return data
-    if type(data).__module__.split(".")[0] in ("pandas", "polars") and hasattr(data, "columns"):
-        from sharded_scan.sources.tabular import dataframe_source
-
-        return dataframe_source(data)
+    if _tabular(data):
+        return _tabular_source(data, alone=True)
     if not_rows(data, [data]) is not None:
         return ArraySource(data)  # which says what the data is and what to pass instead
-    leaves = jax.tree.leaves(data, is_leaf=lambda s: isinstance(s, Source))
-    if not any(isinstance(s, Source) for s in leaves):
+
+    def is_leaf(s):
+        return isinstance(s, Source) or _tabular(s)
+
+    if not any(map(is_leaf, jax.tree.leaves(data, is_leaf=is_leaf))):
         return ArraySource(data)
-    return TreeSource(jax.tree.map(lambda s: s if isinstance(s, Source) else ArraySource(s), data,
-                                   is_leaf=lambda s: isinstance(s, Source)))
+    return TreeSource(jax.tree.map(
+        lambda s: s if isinstance(s, Source) else _tabular_source(s, alone=False) if _tabular(s) else ArraySource(s),
+        data, is_leaf=is_leaf))

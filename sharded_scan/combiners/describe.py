@@ -1,0 +1,300 @@
+"""``Describe``: pandas' ``df.describe()`` of every column in one pass, mergeable and resumable.
+
+Per column: the values that are not NaN (``count``), the NaNs (``nan_count``), their mean,
+standard deviation (``ddof=1``, as pandas), min, max and percentiles, NaN skipped column by
+column as pandas does (a NaN in one column does not hide the row's other values).
+
+Built from the existing accumulators: each column is a one-column :class:`Moments` whose
+rows are masked where that column is NaN (``jax.vmap`` over the columns), and the
+percentiles come from one :class:`Quantiles` sketch of all the columns, in which NaN's key
+sorts after every value: with ``count`` values in a column, its percentile ``q`` is read at
+ranks around ``q (count - 1)`` (numpy's ``"linear"``, as pandas), below every NaN.
+``exact=True`` refines the sketch's answers in further passes like ``Quantiles(exact=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.keys import check_column_spec
+from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks
+from sharded_scan.combiners.quantiles_exact import Brackets, RefinePass, SketchPass
+from sharded_scan.combiners.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
+from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.statistics import Moments, MomentsAcc
+from sharded_scan.errors import UsageError
+
+COLUMN = Moments(ddof=1)  # one column's count, mean, variance (pandas' ddof=1), min and max
+METHOD = "linear"  # pandas' percentiles
+FORMAT = "sharded_scan.describe/1"
+DESCRIBE_JSON = "describe.json"  # what the CLI's Describe job writes next to result.npz
+
+
+class DescribeResult(NamedTuple):
+    """One array of rows' ``df.describe()``: per column (``(d,)``; ``(d, len(qs))`` for the percentiles).
+
+    ``count`` (int64) counts the values that are not NaN and ``nan_count`` the NaNs; ``mean``,
+    ``std`` (``ddof=1``), ``min``, ``max`` and ``percentiles`` (float64) skip the NaNs and are
+    NaN for a column of none (``count`` 0). ``percentiles[:, i]`` is the column's ``qs[i]``
+    quantile (numpy's ``"linear"``, as pandas); ``rank_error`` bounds each one's
+    ``|rank - q (count - 1)| / count`` with probability 0.99 (0: exact); ``passes`` counts the
+    passes over the data.
+    """
+
+    count: np.ndarray
+    nan_count: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    percentiles: np.ndarray
+    qs: np.ndarray
+    rank_error: np.ndarray
+    passes: np.ndarray
+    columns: np.ndarray | None = None  # the columns' names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """``df.describe()``'s table: rows ``count, mean, std, min, <percentiles>, max``, a column per column."""
+        fields = (("count", self.count.astype(np.float64)), "mean", "std", "min", "percentiles", "max")
+        return frame(self, fields, spread={"percentiles": [percent(q) for q in self.qs]}).T
+
+    def to_json(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Writes the per-feature statistics a training pipeline normalizes with to ``path`` (JSON;
+        a local path, or an ``etils.epath.Path`` for a URL).
+
+        The file (also returned)::
+
+            {"format": "sharded_scan.describe/1",
+             "features": {NAME: {"count": int, "nan_count": int, "mean": float, "std": float,
+                                 "min": float, "max": float, "q25": float, ...}},
+             "qs": [0.25, ...], "rank_error": {NAME: float}, "passes": int}
+
+        ``q<P>`` is the ``P`` percent quantile, named as :func:`percentile_key` writes it
+        (``q01``, ``q50``, ``q99``, ``q99.9``); NaN (a column of no values) is written as null.
+        """
+        table = as_json(self)
+        target = path if hasattr(path, "write_text") else pathlib.Path(path)
+        target.write_text(json.dumps(table, indent=1, allow_nan=False) + "\n")
+        return table
+
+
+def percent(q: float) -> str:
+    """pandas' label of the ``q`` quantile in ``describe()``: ``0.25`` -> ``"25%"``."""
+    return f"{float(np.round(q * 100, 10)):g}%"
+
+
+def percentile_key(q: float) -> str:
+    """The JSON key of the ``q`` quantile: ``q`` and its percent, two digits at least (``q01``, ``q99.9``)."""
+    value = float(np.round(q * 100, 10))
+    whole = f"{value:g}"
+    return f"q{int(value):02d}" if value == int(value) else f"q{whole}"
+
+
+def _number(x) -> float | int | None:
+    x = x.item()
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def as_json(result: DescribeResult) -> dict[str, Any]:
+    """The content :meth:`DescribeResult.to_json` writes (plain Python values)."""
+    names = [str(n) for n in (result.columns if result.columns is not None and len(result.columns)
+                              else range(len(result.count)))]
+    features = {}
+    for j, name in enumerate(names):
+        row = {f: _number(getattr(result, f)[j]) for f in ("count", "nan_count", "mean", "std", "min", "max")}
+        row.update({percentile_key(q): _number(result.percentiles[j, i]) for i, q in enumerate(result.qs)})
+        features[name] = row
+    return {
+        "format": FORMAT, "features": features, "qs": [float(q) for q in result.qs],
+        "rank_error": {name: float(result.rank_error[j]) for j, name in enumerate(names)},
+        "passes": int(result.passes),
+    }
+
+
+class DescribeAcc(NamedTuple):
+    """One array of rows: a one-column Moments per column (stacked), one sketch of every column."""
+
+    moments: MomentsAcc
+    sketch: QuantilesAcc
+
+
+def _is_acc(x) -> bool:
+    return isinstance(x, DescribeAcc)
+
+
+def _columns(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0], -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Describe(Combiner, MultiPass):
+    """pandas' ``df.describe()`` per column: count, NaNs, mean, std, min, max and percentiles.
+
+    Takes an array of rows ``(n, d)`` or ``(n,)`` (one column), or a pytree of them such as
+    ``(X, y)``, and returns a :class:`DescribeResult` per array (a pytree of them, shaped
+    like the data). ``result.to_pandas()`` is ``df.describe()``'s table, ``result.to_json(path)``
+    writes the per-feature statistics (its docstring gives the format).
+
+    Args:
+      percentiles: the quantiles to report, each in ``[0, 1]`` (sorted, as pandas reports
+        them; pandas before 3.0 also added the median).
+      exact: the exact percentiles (``np.nanquantile``'s), in a few more passes over the data,
+        like ``Quantiles(exact=True)``; else the sketch's, with their ``rank_error``.
+      k: the sketch size (``Quantiles``' accuracy knob).
+      bits: with ``exact``, bits each further pass narrows by (``Quantiles``').
+
+    NaN is skipped column by column, as pandas does; infinities count as values (in
+    ``count``, ``min``, ``max`` and the percentiles; a column holding one has a NaN mean and
+    std, as ``Moments``, where pandas gives an infinite mean).
+    """
+
+    percentiles: Any = (0.25, 0.5, 0.75)
+    exact: bool = False
+    k: int = DEFAULT_K
+    bits: int = 10
+
+    def __post_init__(self):
+        qs = check_qs(self.percentiles, None, "Describe")
+        object.__setattr__(self, "percentiles", tuple(sorted(set(qs))))
+        Quantiles(qs=self.percentiles, k=self.k, exact=self.exact, bits=self.bits)  # checks them as Quantiles does
+
+    @property
+    def sketch(self) -> Quantiles:
+        """The one-pass sketch of every column's keys (a NaN's key sorts last)."""
+        return Quantiles(qs=self.percentiles, k=self.k, method=METHOD)
+
+    def check_spec(self, spec):
+        for leaf in jax.tree.leaves(spec):
+            check_column_spec(leaf, "Describe")
+
+    def init(self, spec):
+        def leaf(s):
+            d = s.shape[0] if s.shape else 1
+            one = COLUMN.init(jax.ShapeDtypeStruct((1,), s.dtype))
+            moments = jax.tree.map(lambda a: jnp.broadcast_to(a, (d, *a.shape)), one)
+            return DescribeAcc(moments, self.sketch.init(s))
+
+        return jax.tree.map(leaf, spec)
+
+    def add(self, acc, batch, mask):
+        def leaf(x, a):
+            x = _columns(x)
+            valid = mask[None, :] & ~jnp.isnan(x.T)
+            moments = jax.vmap(lambda m, col, ok: COLUMN.add(m, col[:, None], ok))(a.moments, x.T, valid)
+            return DescribeAcc(moments, self.sketch.add(a.sketch, x, mask))
+
+        return jax.tree.map(leaf, batch, acc)
+
+    def merge(self, a, b):
+        def leaf(x, y):
+            return DescribeAcc(jax.vmap(COLUMN.merge)(x.moments, y.moments), self.sketch.merge(x.sketch, y.sketch))
+
+        return jax.tree.map(leaf, a, b, is_leaf=_is_acc)
+
+    def finalize(self, acc):
+        return jax.tree.map(lambda a: self._result(a, None, 1), acc, is_leaf=_is_acc)
+
+    @property
+    def needs_passes(self) -> bool:
+        return bool(self.exact)
+
+    def passes(self):
+        one_pass = dataclasses.replace(self, exact=False)
+        acc = yield SketchPass(one_pass)
+        leaves, tree = jax.tree.flatten(acc, is_leaf=_is_acc)
+        qs, nq = np.asarray(self.percentiles), len(self.percentiles)
+        brackets = []
+        for a in leaves:
+            count = _moments(a)[0]
+            low, high, _ = method_ranks(qs, count[:, None], METHOD)
+            ends = np.tile(qs, 2)[None, :]
+            settled = (ends == 0) | (ends == 1) | (count[:, None] == 0)
+            brackets.append(Brackets(a.sketch, np.concatenate([low, high], axis=1), settled, self.bits))
+        passes = 1
+        while any(b.open for b in brackets):
+            bounds = [b.bounds() for b in brackets]
+            counts = yield Each(tuple(RefinePass(x) for x in bounds), tree)
+            for b, x, c in zip(brackets, bounds, tree.flatten_up_to(counts), strict=True):
+                b.narrow(x, c)
+            passes += 1
+        results = [self._result(a, (b.keys[:, :nq], b.keys[:, nq:]), passes)
+                   for a, b in zip(leaves, brackets, strict=True)]
+        return tree.unflatten(results)
+
+    def _result(self, acc: DescribeAcc, keys, passes: int) -> DescribeResult:
+        """The result of one array of rows from its merged accumulator; ``keys``: the exact
+        passes' keys at the low and high ranks (None: read the sketch)."""
+        count, mean, var, low, high = _moments(acc)
+        qs = np.asarray(self.percentiles)
+        sketch = acc.sketch
+        rows = int(wide.to_int(sketch.count))
+        weight = method_ranks(qs, count[:, None], METHOD)[2]  # (d, len(qs))
+        if keys is None:
+            keys = sketch_picks(kll.to_host(sketch.sketch), qs, count[:, None], METHOD)[:2]
+            bound = kll.rank_error_bound(float(sketch.sketch.variance), rows, CONFIDENCE)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                error = np.where(count > 0, bound * rows / np.maximum(count, 1), 0.0)
+        else:
+            error = np.zeros(len(count))
+        values = values_from_keys(sketch, qs, keys[0], keys[1], weight)
+        values = np.where(qs[None, :] == 0, low[:, None], np.where(qs[None, :] == 1, high[:, None], values))
+        values[count == 0] = np.nan
+        return DescribeResult(count, rows - count, mean, np.sqrt(var), low, high, values, qs.copy(), error,
+                              np.int64(passes))
+
+
+def _moments(acc: DescribeAcc) -> tuple[np.ndarray, ...]:
+    """Per column (float64 ``(d,)``; count int64): count, mean, variance, min, max."""
+    d = np.shape(acc.moments.min)[0]
+    with warnings.catch_warnings():  # a column of no values is NaN, reported by its count of 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        parts = [COLUMN.finalize(jax.tree.map(lambda x, j=j: np.asarray(x)[j], acc.moments)) for j in range(d)]
+    count = np.array([int(p.count) for p in parts], np.int64)
+    return (count, *(np.array([np.float64(getattr(p, f)[0]) for p in parts]) for f in ("mean", "var", "min", "max")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Each(Combiner):
+    """A combiner per leaf of the data (``parts`` in the order of ``tree``'s leaves): their
+    accumulators and results a pytree shaped like the data."""
+
+    parts: tuple[Combiner, ...]
+    tree: Any  # the data's treedef
+
+    def check_spec(self, spec):
+        if jax.tree.structure(spec) != self.tree:
+            raise UsageError(f"Each needs data shaped like {self.tree}, got {jax.tree.structure(spec)}.")
+        for part, leaf in zip(self.parts, jax.tree.leaves(spec), strict=True):
+            part.check_spec(leaf)
+
+    def fingerprint(self):
+        return {"combiner": "Each", "parts": [p.fingerprint() for p in self.parts], "tree": str(self.tree)}
+
+    def _each(self, fn, *trees):
+        leaves = [self.tree.flatten_up_to(t) for t in trees]
+        return self.tree.unflatten([fn(p, *xs) for p, *xs in zip(self.parts, *leaves, strict=True)])
+
+    def init(self, spec):
+        return self._each(lambda p, s: p.init(s), spec)
+
+    def add(self, acc, batch, mask):
+        return self._each(lambda p, a, x: p.add(a, x, mask), acc, batch)
+
+    def merge(self, a, b):
+        return self._each(lambda p, x, y: p.merge(x, y), a, b)
+
+    def finalize(self, acc):
+        return self._each(lambda p, a: p.finalize(a), acc)

@@ -1,0 +1,158 @@
+"""Describe: df.describe() in one pass (or exactly), against pandas' float64 answers; to_pandas, to_json."""
+
+import importlib
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import sharded_scan as ss
+from launch.data import make_source
+from launch.main import run_job
+from tests.helpers import assert_usage_error
+from tests.test_checkpoint import CrashError, crash_at
+
+KW = {"microbatch": 16, "steps_per_call": 2}
+
+
+def data(n, seed=0):
+    """float32 columns users have: normal with NaNs here and there, lognormal, small integers with
+    a run of NaN, a column of one NaN row, and a constant one."""
+    r = np.random.default_rng(seed)
+    x = np.stack([r.normal(3, 2, n), r.lognormal(0, 1.5, n), r.integers(0, 5, n), r.normal(size=n),
+                  np.full(n, 7.25)], 1).astype(np.float32)
+    x[r.random(n) < 0.2, 0] = np.nan
+    x[n // 3: n // 2, 2] = np.nan
+    x[n // 2, 3] = np.nan
+    return pd.DataFrame(x, columns=["height", "income", "kids", "noise", "constant"])
+
+
+def check_like_pandas(got, frame, percentiles=None, rtol=1e-5):
+    want = frame.astype(np.float64).describe(percentiles=percentiles)
+    table = got.to_pandas()
+    assert table.index.tolist() == want.index.tolist() and table.columns.tolist() == want.columns.tolist()
+    exact_rows = ["count", "min", "max"]
+    pd.testing.assert_frame_equal(table.loc[exact_rows], want.loc[exact_rows])
+    pd.testing.assert_frame_equal(table, want, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh, n", [("data:1", 1), ("data:3", 101), ("data:8", 997)])
+def test_one_pass_is_pandas_describe_with_nans_on_any_device_count(mesh, n):
+    frame = data(n)
+    got = ss.run(ss.Describe(), frame, mesh=mesh, **KW)  # nothing compacted: the percentiles exactly
+    check_like_pandas(got, frame)
+    np.testing.assert_array_equal(got.nan_count, frame.isna().sum().to_numpy())
+    np.testing.assert_array_equal(got.rank_error, 0)
+    assert got.count.dtype == np.int64 and got.passes == 1
+
+
+def test_compacted_sketch_percentiles_are_within_their_rank_error_and_exact_mode_is_nanquantile():
+    frame = data(3001)
+    x = frame.to_numpy(np.float64)
+    qs = [0.01, 0.99]
+    got = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16), frame, mesh="data:4", **KW)
+    np.testing.assert_array_equal(got.qs, qs)
+    assert np.all(got.rank_error[:4] > 0)
+    for j in range(4):
+        values = np.sort(x[:, j][~np.isnan(x[:, j])])
+        n = len(values)
+        for q, value in zip(qs, got.percentiles[j], strict=True):
+            below, upto = np.searchsorted(values, value), np.searchsorted(values, value, "right")
+            slack = got.rank_error[j] * n + 1  # an interpolated value sits between two ranks
+            assert below - slack <= q * (n - 1) <= upto - 1 + slack, (j, q)
+    exact = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16, exact=True), frame, mesh="data:4", **KW)
+    assert exact.passes > 1
+    np.testing.assert_array_equal(exact.rank_error, 0)
+    np.testing.assert_allclose(exact.percentiles, np.nanquantile(x, qs, axis=0).T, rtol=1e-12)
+    check_like_pandas(exact, frame, percentiles=[0.01, 0.99])
+
+
+def test_a_pytree_of_columns_gives_a_pytree_of_results_with_their_names():
+    frame = data(300)
+    features, y = frame[["height", "income"]], frame["kids"].rename("target")
+    got = ss.run(ss.Describe(), (features, y), mesh="data:2", **KW)
+    assert isinstance(got, tuple) and len(got) == 2
+    check_like_pandas(got[0], features)
+    check_like_pandas(got[1], y.to_frame())
+    assert got[1].columns.tolist() == ["target"]
+    vector = ss.run(ss.Describe(), frame["noise"].to_numpy(), mesh="data:2", **KW)  # one unnamed column
+    assert vector.to_pandas().columns.tolist() == [0]
+    np.testing.assert_allclose(vector.to_pandas()[0], frame[["noise"]].astype(np.float64).describe()["noise"],
+                               rtol=1e-5)
+
+
+def test_to_json_writes_the_features_a_pipeline_normalizes_with(tmp_path):
+    frame = data(500)
+    frame["empty"] = np.float32(np.nan)
+    got = ss.run(ss.Describe(percentiles=(0.99, 0.01)), frame, mesh="data:2", **KW)
+    path = tmp_path / "stats.json"
+    written = got.to_json(path)
+    back = json.loads(path.read_text())
+    assert back == written and back["format"] == "sharded_scan.describe/1" and back["passes"] == 1
+    assert list(back["features"]) == frame.columns.tolist()
+    want = frame.astype(np.float64)
+    for name, row in back["features"].items():
+        assert set(row) == {"count", "nan_count", "mean", "std", "min", "max", "q01", "q99"}
+        if name == "empty":
+            assert row["count"] == 0 and row["nan_count"] == 500 and row["mean"] is None and row["q99"] is None
+            continue
+        column = want[name].dropna()
+        assert row["count"] == len(column) and row["min"] == column.min() and row["max"] == column.max()
+        np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q99"]],
+                                   [column.mean(), column.std(), column.quantile(0.01), column.quantile(0.99)],
+                                   rtol=1e-5)
+
+
+def test_integer_columns_and_infinities():
+    r = np.random.default_rng(2)
+    ints = pd.DataFrame({"a": r.integers(-50, 50, 400), "b": r.integers(0, 3, 400)}).astype(np.int32)
+    got = ss.run(ss.Describe(), ints, mesh="data:2", **KW)
+    pd.testing.assert_frame_equal(got.to_pandas(), ints.astype(np.float64).describe(), rtol=1e-6)
+    x = r.normal(size=(400, 2)).astype(np.float32)
+    x[3, 1] = np.inf
+    got = ss.run(ss.Describe(), x, mesh="data:2", **KW)
+    assert got.max[1] == np.inf and got.count[1] == 400 and np.isnan(got.mean[1])  # pandas: inf, then NaN std
+    np.testing.assert_array_equal(got.percentiles[1], np.quantile(x[:, 1].astype(np.float64), [0.25, 0.5, 0.75]))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: ss.Describe(percentiles=(0.5, 2)), ["Describe", "[0, 1]"]),
+        (lambda: ss.Describe(k=2), ["k", ">= 16"]),
+        (lambda: ss.run(ss.Describe(), np.zeros((4, 2, 2), np.float32)), ["Describe", "(d,)"]),
+    ],
+)
+def test_bad_arguments_are_one_line(make, words):
+    assert_usage_error(make, words)
+
+
+def test_the_describe_config_writes_the_json_next_to_the_result(tmp_path):
+    config = importlib.import_module("configs.describe").get_config("quick")
+    config.data.features = 3
+    result, summary = run_job(config, str(tmp_path))
+    stats = json.loads((tmp_path / "describe.json").read_text())
+    assert {"describe.json", "result.npz", "summary.json"} <= set(os.listdir(tmp_path))
+    x = make_source(config.data).read(0, 1000).astype(np.float64)
+    for j, name in enumerate(["0", "1", "2"]):
+        row = stats["features"][name]
+        assert row["count"] == 1000 and row["min"] == x[:, j].min() and row["max"] == x[:, j].max()
+        np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q99"]],
+                                   [x[:, j].mean(), x[:, j].std(ddof=1), *np.quantile(x[:, j], [0.01, 0.99])],
+                                   rtol=1e-5)
+    again, done = run_job(config, str(tmp_path))
+    assert done["already_done"] and json.loads((tmp_path / "describe.json").read_text()) == stats
+
+
+def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
+    frame, kw = data(997), dict(KW, logical_shards=2)
+    want = ss.run(ss.Describe(), frame, mesh="data:2", **kw)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    with pytest.raises(CrashError):
+        ss.run(ss.Describe(), frame, mesh="data:2", checkpoint=options, progress=crash_at(5), **kw)
+    got, report = ss.run_with_report(ss.Describe(), frame, mesh="data:2", checkpoint=options, **kw)
+    assert report.resumed_from_step == 4
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
