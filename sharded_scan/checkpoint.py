@@ -101,7 +101,8 @@ class CheckpointOptions:
       verify_data: how the job tells that a file it reads is the one a checkpoint (or a
         finished job's result) was made from. ``"stamps"`` (default): its size and
         modification time, one ``stat`` a file; a file rewritten with the same size and its
-        time put back passes. ``"digest"``: also the SHA-256 of its bytes, which costs one
+        time put back passes. ``"digest"``: the SHA-256 of its bytes (a copy that lost its
+        time is then the same file, a same-size rewrite is not), which costs one
         more read of every input file, in full, by every process, before the job starts
         (and before a finished job answers "already done"): about the time of one pass over
         the data at the disk's or network's rate (SHA-256 itself runs near 1-2 GB/s a core).

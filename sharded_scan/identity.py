@@ -253,17 +253,19 @@ def _stamp_part(files: dict[str, str]) -> dict[str, str]:
 
 
 def files_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """Which file the job reads changed since ``saved`` (size or modification time, or its bytes when
-    both hold their digests) (a phrase), or None (also when ``saved`` is of an older format, without
-    ``files``). When only one of them holds digests (``verify_data`` changed), stamps are compared."""
+    """Which file the job reads changed since ``saved`` (a phrase), or None (also when ``saved`` is of
+    an older format, without ``files``). Files are compared by size and modification time, or, when
+    both hold their digests (``verify_data="digest"``), by their bytes (a copy that lost its time is
+    the same file); when only one of them holds digests (``verify_data`` changed), by their stamps."""
     if "files" not in saved:
         return None
     old, new = dict(saved["files"]), dict(current.get("files", {}))
-    if any(CONTENT in s for s in old.values()) != any(CONTENT in s for s in new.values()):
+    digests = [any(CONTENT in s for s in files.values()) for files in (old, new)]
+    if digests[0] != digests[1]:
         old, new = _stamp_part(old), _stamp_part(new)
     for path in dict.fromkeys([*new, *old]):
         was, now = old.get(path, "<absent>"), new.get(path, "<absent>")
-        if was == now:
+        if was == now or all(digests) and CONTENT in was and was.split(CONTENT)[1] == now.split(CONTENT)[-1]:
             continue
         if CONTENT in was and CONTENT in now and _stamp_part({path: was}) == _stamp_part({path: now}):
             return (f"{path} holds other bytes than then (SHA-256 {was.split(CONTENT)[1][:16]}... there, "
