@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from sharded_scan.digest import json_digest, stream_digest
+from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path
 
 LIBRARIES = ("sharded_scan", "jax", "jaxlib", "numpy", "builtins", "functools")
@@ -234,8 +235,13 @@ def with_contents(fingerprint: dict[str, Any]) -> dict[str, Any]:
         return fingerprint
     folders = [p for p in files if as_path(p).is_dir()]
     for path, stamp in files.items():
-        if not any(path.startswith(folder.rstrip("/") + "/") for folder in folders):
+        if any(path.startswith(folder.rstrip("/") + "/") for folder in folders):
+            continue
+        try:
             files[path] = f"{stamp}{CONTENT}{_content_digest(path)}"
+        except OSError as e:
+            raise UsageError(f"verify_data='digest' cannot read {path!r} to hash it ({e.strerror or e}); "
+                             "use verify_data='stamps' for this data.") from None
     return {**fingerprint, "files": files}
 
 

@@ -108,6 +108,8 @@ def test_digests_cover_every_file_of_npy_shards_and_a_zarr_directory(tmp_path):
     assert ", sha256 " in digested[str(zarr)] and digested[str(zarr / "c")] == "chunks"  # the directory covers it
     (zarr / "c" / "0").write_bytes(b"chunK")
     assert ss.identity.with_contents({"files": stamps})["files"] != digested
+    assert_usage_error(lambda: ss.identity.with_contents({"files": {str(tmp_path / "gone.npy"): "8 bytes"}}),
+                       ["verify_data='digest' cannot read", "gone.npy", "verify_data='stamps'"])
 
 
 @pytest.mark.parametrize("verify", ["stamps", "digest"])

@@ -17,9 +17,10 @@ import pytest
 import sharded_scan as ss
 from sharded_scan import fs
 from sharded_scan.checkpoint import DAMAGED, KEY_ENV, damaged_steps
-from sharded_scan.digest import json_digest
+from sharded_scan.digest import json_digest, keyed_digest
 from sharded_scan.errors import StorageError
 from tests import cli
+from tests.helpers import assert_usage_error
 
 KW = {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # 128 rows per step
 X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
@@ -281,3 +282,14 @@ def test_a_checkpoint_the_key_does_not_sign_is_set_aside(tmp_path, crashed, sign
         assert report.resumed_from_cursor is None
         assert sorted(p.split("-")[0] for p in os.listdir(directory / DAMAGED)) == ["256", "384", "512"]
         assert ("does not verify" if case == "another key" else "has no HMAC") in caplog.text
+
+
+def test_processes_holding_different_keys_stop_in_one_line(tmp_path, monkeypatch):
+    from sharded_scan import checkpoint
+
+    mine, gather = keyed_digest(KEY.encode(), "sharded_scan checkpoint key"), checkpoint.gather_json
+    monkeypatch.setattr(checkpoint, "gather_json", lambda v: [v, None] if v == mine else gather(v))  # a peer without
+    options = ss.CheckpointOptions(str(tmp_path / "ck"), hmac_key=KEY)
+    assert_usage_error(lambda: ss.run(ss.Gram(), X, checkpoint=options, **KW),
+                       ["processes of this job hold different checkpoint keys", KEY_ENV, "the same one"])
+    assert not (tmp_path / "ck").exists()  # refused before anything was written
