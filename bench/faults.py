@@ -551,30 +551,39 @@ def input_cmd(workdir: pathlib.Path, kind: str, path: pathlib.Path, *extra: str)
             "--jax_platforms=cpu"]
 
 
-def replace_input(kind: str, path: pathlib.Path, rng: random.Random, same_size: bool = False) -> str:
-    """Other rows at ``path``: written in place or renamed over it, or (``same_size``) its rows in
-    reverse order with its size and modification time put back; returns how."""
+def replace_input(kind: str, path: pathlib.Path, rng: random.Random, others: dict, same_size: bool = False) -> str:
+    """Other rows at ``path``, copied from files written beforehand (so the change is instant): in
+    place or renamed over it, or (``same_size``) its rows in reverse order with its size and
+    modification time put back; returns how."""
     before = path.stat()
-    if same_size and kind == "csv":
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text(lines[0] + "".join(reversed(lines[1:])))
-    elif same_size:
-        write_input(kind, path, input_rows(0)[::-1].copy())
-    elif rng.random() < 0.5:
-        write_input(kind, path, input_rows(1))
+    if same_size:
+        shutil.copyfile(others[kind, "reversed"], path)
+        assert path.stat().st_size == before.st_size, (kind, path.stat().st_size, before.st_size)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        return "same size and time"
+    if rng.random() < 0.5:
+        shutil.copyfile(others[kind, "other"], path)
         return "rewritten"
+    fresh = path.with_name(f"new-{path.name}")
+    shutil.copyfile(others[kind, "other"], fresh)
+    os.replace(fresh, path)
+    return "renamed over"
+
+
+def other_inputs(kind: str, original: pathlib.Path) -> dict:
+    """The replacements of ``original``: other rows, and its rows reversed (the same size)."""
+    other, reversed_ = original.with_name(f"other.{kind}"), original.with_name(f"reversed.{kind}")
+    write_input(kind, other, input_rows(1))
+    if kind == "csv":
+        lines = original.read_text().splitlines(keepends=True)
+        reversed_.write_text(lines[0] + "".join(reversed(lines[1:])))
     else:
-        fresh = path.with_name(f"new-{path.name}")
-        write_input(kind, fresh, input_rows(1))
-        os.replace(fresh, path)
-        return "renamed over"
-    assert path.stat().st_size == before.st_size, (kind, path.stat().st_size, before.st_size)
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    return "same size and time"
+        write_input(kind, reversed_, input_rows(0)[::-1].copy())
+    return {(kind, "other"): other, (kind, "reversed"): reversed_}
 
 
 def input_episode(base: pathlib.Path, i: int, kind: str, case: str, rng: random.Random, originals: dict,
-                  wants: dict) -> dict:
+                  others: dict, wants: dict) -> dict:
     """One replaced input: the run that meets it must stop in one line naming the file; with the
     original back (``cp -p``) the same command resumes (or is already done) and is bitwise right."""
     name = f"inputs-{kind}-{case}-{i}"
@@ -582,25 +591,27 @@ def input_episode(base: pathlib.Path, i: int, kind: str, case: str, rng: random.
     shutil.copy2(originals[kind], data)
     cmd = input_cmd(workdir, kind, data, *(("--config.checkpoint.verify_data=digest",) if case == "same_size" else ()))
     proc = launch(cmd, log)
-    how = None
+    how, finished_first = None, False
     if case == "finished":
         first = ended(proc, log)
     else:
         wait_for(lambda: len(complete(workdir / "checkpoints")) >= 1, proc, poll=0.001)
         if case == "mid_run":
-            how = replace_input(kind, data, rng)
+            finished_first = proc.poll() is not None  # too late to change anything under it
+            how = replace_input(kind, data, rng, others)
             first = ended(proc, log)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
             first = {"status": proc.wait()}
     if case != "mid_run":
-        how = replace_input(kind, data, rng, same_size=case == "same_size")
+        how = replace_input(kind, data, rng, others, same_size=case == "same_size")
         log = base / f"{name}-changed.log"
         first = ended(launch(cmd, log), log)
     named = first["error"] is not None and data.name in first["error"]
     shutil.copy2(originals[kind], data)  # the original back, with its time
     got, summary = cli_result(workdir, cmd=cmd)
-    return {"kind": kind, "case": case, "how": how, "status": first["status"], "error": first["error"],
+    return {"kind": kind, "case": case, "how": how, "finished_first": finished_first, "status": first["status"],
+            "error": first["error"],
             "one_line_named": first["status"] == 2 and first["one_line"] and named,
             "resumed_from_cursor": summary.get("resumed_from_cursor"), "bitwise_equal": same(got, wants[kind])}
 
@@ -648,19 +659,21 @@ def run_input_faults(faults: list[str], trials: int, rng: random.Random) -> dict
     with tempfile.TemporaryDirectory(prefix="input-faults-") as tmp:
         base = pathlib.Path(tmp)
         kinds = INPUT_KINDS if "inputs" in faults else ("npy",)
-        originals, wants = {}, {}
+        originals, others, wants = {}, {}, {}
         for kind in kinds:
             originals[kind] = base / f"original.{kind}"
             write_input(kind, originals[kind], input_rows(0))
+            others.update(other_inputs(kind, originals[kind]))
             wants[kind], _ = cli_result(base / f"reference-{kind}", cmd=input_cmd(base / f"reference-{kind}", kind,
                                                                                      originals[kind]))
         if "inputs" in faults:
-            episodes = [input_episode(base, i, kind, case, rng, originals, wants)
+            episodes = [input_episode(base, i, kind, case, rng, originals, others, wants)
                         for i in range(trials) for kind in INPUT_KINDS for case in INPUT_CASES]
             for e in episodes:
                 print(f"inputs: {json.dumps(e)}", flush=True)
             out["inputs"] = {"trials": len(episodes),
                              "one_line_named": sum(e["one_line_named"] for e in episodes),
+                             "job_finished_before_the_change": sum(e["finished_first"] for e in episodes),
                              "resumed_after_the_original_was_back": sum(e["resumed_from_cursor"] is not None
                                                                         for e in episodes if e["case"] != "finished"),
                              "bitwise_equal": sum(e["bitwise_equal"] for e in episodes),
