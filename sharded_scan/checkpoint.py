@@ -95,7 +95,8 @@ class CheckpointOptions:
         least ``total_steps / per_job`` steps apart, whatever ``every_steps`` says
         (None: no such limit).
       ignore_changed_data: resume even though a file the job reads changed (size or
-        modification time) since the checkpoint was written.
+        modification time; its bytes under ``verify_data="digest"``) since the checkpoint
+        was written, and serve a finished job's result although its files changed since.
       force_unlock: take the directory even when the lease says another process holds
         it (only when you know that process is gone).
       verify_data: how the job tells that a file it reads is the one a checkpoint (or a
