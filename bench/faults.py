@@ -29,6 +29,16 @@
 - ``early_sigterm``: SIGTERM to the CLI job at a random moment of its first 8 s (imports,
   start-up, compiling): a line and status 0 (143 only while Python itself starts), then a
   rerun bitwise equal to an uninterrupted run.
+- ``inputs``: a job reading a ``.npy``, Parquet or CSV file whose file is replaced by other
+  rows: while it runs, between a SIGKILL and the rerun (a new modification time), the same
+  with the same size and the time put back (under ``verify_data=digest``), and after it
+  finished. Every such run must stop in one line naming the file (status 2), never resume
+  onto the other rows; with the original put back (``cp -p``) the rerun resumes, bitwise.
+- ``result``: a finished job's ``result.npz`` truncated, replaced by another valid npz, or
+  deleted: the rerun rebuilds it from the final checkpoint, bitwise, without folding a row.
+- ``symlinks``: symbolic links left in a workdir (``lock.json``; ``result.npz``,
+  ``summary.json``) pointing at a file of the user's: a link at the lock is one line; the
+  others are replaced, never written through.
 
 A run that ends must end with status 0 (done, or preempted and saved), 2 (usage) or 5
 (storage) and at most one ``error:`` line and no traceback. Prints a tally per fault and
@@ -62,7 +72,7 @@ JOB = {"microbatch": 64, "steps_per_call": 2}  # 512 rows per step: ~390 steps
 EVERY_STEPS, KEEP = 5, 2
 TMP_MARK = ".orbax-checkpoint-tmp"
 FAULTS = ("kill", "flip", "disk_full", "erofs", "concurrent", "set_aside", "sigterm", "coordinator", "disagree",
-          "early_sigterm", "stopped")
+          "early_sigterm", "stopped", "inputs", "result", "symlinks")
 ROOT_ONLY = ("disk_full", "erofs")
 TIMEOUT = 300.0
 
@@ -302,10 +312,10 @@ def ended(proc: subprocess.Popen, log: pathlib.Path, timeout: float = TIMEOUT) -
             "one_line": len(errors) <= 1 and "Traceback" not in text and "Fatal Python error" not in text}
 
 
-def cli_result(workdir: pathlib.Path, timeout: float = TIMEOUT) -> tuple[dict, dict]:
-    """Reruns the CLI job in ``workdir`` to its end; its result arrays and summary."""
+def cli_result(workdir: pathlib.Path, timeout: float = TIMEOUT, cmd: list[str] | None = None) -> tuple[dict, dict]:
+    """Reruns the CLI job (or ``cmd``) in ``workdir`` to its end; its result arrays and summary."""
     log = workdir.parent / f"{workdir.name}-rerun.log"
-    end = ended(launch(cli_cmd(workdir), log), log, timeout)
+    end = ended(launch(cmd or cli_cmd(workdir), log), log, timeout)
     if end["status"] != 0:
         raise RuntimeError(f"the rerun failed: {end} {log.read_text()[-2000:]}")
     with np.load(workdir / "result.npz") as f:
@@ -576,6 +586,188 @@ def coordinator_episode(base: pathlib.Path, i: int, want: dict) -> dict:
             "bitwise_equal": same(multi_result(workdir), want)}
 
 
+# ---------------------------------------------------------------- input files, results, links
+
+INPUT_KINDS, INPUT_CASES = ("npy", "parquet", "csv"), ("mid_run", "between", "same_size", "finished")
+INPUT_ROWS = 100_000  # x 8 float32 columns, 512 rows a step: ~200 steps, a save every 10
+
+
+def write_input(kind: str, path: pathlib.Path, x: np.ndarray) -> None:
+    """``x`` as a ``kind`` file (Parquet plain and uncompressed: the same values in another order, the same bytes)."""
+    if kind == "npy":
+        np.save(path, x)
+        return
+    import pandas as pd
+
+    frame = pd.DataFrame(x, columns=[f"c{j}" for j in range(x.shape[1])])
+    if kind == "parquet":
+        frame.to_parquet(path, row_group_size=4096, compression=None, use_dictionary=False)
+    else:
+        frame.to_csv(path, index=False)
+
+
+def input_rows(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(1.0, 2.0, size=(INPUT_ROWS, FEATURES)).astype(np.float32)
+
+
+def input_cmd(workdir: pathlib.Path, kind: str, path: pathlib.Path, *extra: str) -> list[str]:
+    dtype = () if kind == "npy" else ("--config.data.dtype=float32",)
+    return [sys.executable, "-m", "launch.main", "--config=configs/covariance.py:quick", f"--config.data.kind={kind}",
+            f"--config.data.path={path}", *dtype, "--config.microbatch=64", "--config.steps_per_call=2",
+            "--config.checkpoint.every_steps=10", "--config.checkpoint.per_job=100000",
+            "--config.log_every_seconds=600", f"--workdir={workdir}", *extra, f"--jax_num_cpu_devices={DEVICES}",
+            "--jax_platforms=cpu"]
+
+
+def replace_input(kind: str, path: pathlib.Path, rng: random.Random, others: dict, same_size: bool = False) -> str:
+    """Other rows at ``path``, copied from files written beforehand (so the change is instant): in
+    place or renamed over it, or (``same_size``) its rows in reverse order with its size and
+    modification time put back; returns how."""
+    before = path.stat()
+    if same_size:
+        shutil.copyfile(others[kind, "reversed"], path)
+        assert path.stat().st_size == before.st_size, (kind, path.stat().st_size, before.st_size)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        return "same size and time"
+    if rng.random() < 0.5:
+        shutil.copyfile(others[kind, "other"], path)
+        return "rewritten"
+    fresh = path.with_name(f"new-{path.name}")
+    shutil.copyfile(others[kind, "other"], fresh)
+    os.replace(fresh, path)
+    return "renamed over"
+
+
+def other_inputs(kind: str, original: pathlib.Path) -> dict:
+    """The replacements of ``original``: other rows, and its rows reversed (the same size)."""
+    other, reversed_ = original.with_name(f"other.{kind}"), original.with_name(f"reversed.{kind}")
+    write_input(kind, other, input_rows(1))
+    if kind == "csv":
+        lines = original.read_text().splitlines(keepends=True)
+        reversed_.write_text(lines[0] + "".join(reversed(lines[1:])))
+    else:
+        write_input(kind, reversed_, input_rows(0)[::-1].copy())
+    return {(kind, "other"): other, (kind, "reversed"): reversed_}
+
+
+def input_episode(base: pathlib.Path, i: int, kind: str, case: str, rng: random.Random, originals: dict,
+                  others: dict, wants: dict) -> dict:
+    """One replaced input: the run that meets it must stop in one line naming the file; with the
+    original back (``cp -p``) the same command resumes (or is already done) and is bitwise right."""
+    name = f"inputs-{kind}-{case}-{i}"
+    workdir, data, log = base / name, base / f"{name}.{kind}", base / f"{name}.log"
+    shutil.copy2(originals[kind], data)
+    cmd = input_cmd(workdir, kind, data, *(("--config.checkpoint.verify_data=digest",) if case == "same_size" else ()))
+    proc = launch(cmd, log)
+    how, finished_first = None, False
+    if case == "finished":
+        first = ended(proc, log)
+    else:
+        wait_for(lambda: len(complete(workdir / "checkpoints")) >= 1, proc, poll=0.001)
+        if case == "mid_run":
+            finished_first = proc.poll() is not None  # too late to change anything under it
+            how = replace_input(kind, data, rng, others)
+            first = ended(proc, log)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            first = {"status": proc.wait()}
+    if case != "mid_run":
+        how = replace_input(kind, data, rng, others, same_size=case == "same_size")
+        log = base / f"{name}-changed.log"
+        first = ended(launch(cmd, log), log)
+    named = first["error"] is not None and data.name in first["error"]
+    shutil.copy2(originals[kind], data)  # the original back, with its time
+    got, summary = cli_result(workdir, cmd=cmd)
+    return {"kind": kind, "case": case, "how": how, "finished_first": finished_first, "status": first["status"],
+            "error": first["error"],
+            "one_line_named": first["status"] == 2 and first["one_line"] and named,
+            "resumed_from_cursor": summary.get("resumed_from_cursor"), "bitwise_equal": same(got, wants[kind])}
+
+
+def result_episode(base: pathlib.Path, i: int, damage: str, original: pathlib.Path, want: dict) -> dict:
+    """A finished job's result.npz damaged; the rerun must rebuild it from the final checkpoint."""
+    workdir = base / f"result-{damage}-{i}"
+    cmd = input_cmd(workdir, "npy", original)
+    cli_result(workdir, cmd=cmd)
+    result = workdir / "result.npz"
+    if damage == "truncated":
+        result.write_bytes(result.read_bytes()[: result.stat().st_size // 2])
+    elif damage == "another_result":
+        np.savez(result, **{k: np.zeros_like(v) for k, v in want.items()})
+    else:
+        result.unlink()
+    got, summary = cli_result(workdir, cmd=cmd)
+    return {"kind": "result", "damage": damage, "rebuilt_without_folding": summary["rows_this_run"] == 0,
+            "bitwise_equal": same(got, want)}
+
+
+def symlink_episode(base: pathlib.Path, i: int, original: pathlib.Path, want: dict) -> dict:
+    """Links to the user's own file left at the workdir's names: never written through."""
+    workdir, log = base / f"symlinks-{i}", base / f"symlinks-{i}.log"
+    victim = base / f"victim-{i}.txt"
+    victim.write_text("the user's own file")
+    workdir.mkdir()
+    (workdir / "lock.json").symlink_to(victim)
+    cmd = input_cmd(workdir, "npy", original)
+    lock = ended(launch(cmd, log), log)
+    (workdir / "lock.json").unlink()
+    for name in ("result.npz", "summary.json", "result.npz.tmp", "summary.json.tmp"):
+        (workdir / name).symlink_to(victim)
+    got, _ = cli_result(workdir, cmd=cmd)
+    return {"kind": "symlinks", "lock_status": lock["status"], "lock_error": lock["error"],
+            "lock_one_line": lock["status"] == 2 and lock["one_line"] and "symbolic link" in (lock["error"] or ""),
+            "victim_untouched": victim.read_text() == "the user's own file",
+            "outputs_not_links": not any((workdir / n).is_symlink() for n in ("result.npz", "summary.json")),
+            "bitwise_equal": same(got, want)}
+
+
+def run_input_faults(faults: list[str], trials: int, rng: random.Random) -> dict:
+    """The input, result and symlink faults; one tally per fault."""
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="input-faults-") as tmp:
+        base = pathlib.Path(tmp)
+        kinds = INPUT_KINDS if "inputs" in faults else ("npy",)
+        originals, others, wants = {}, {}, {}
+        for kind in kinds:
+            originals[kind] = base / f"original.{kind}"
+            write_input(kind, originals[kind], input_rows(0))
+            others.update(other_inputs(kind, originals[kind]))
+            wants[kind], _ = cli_result(base / f"reference-{kind}", cmd=input_cmd(base / f"reference-{kind}", kind,
+                                                                                     originals[kind]))
+        if "inputs" in faults:
+            episodes = [input_episode(base, i, kind, case, rng, originals, others, wants)
+                        for i in range(trials) for kind in INPUT_KINDS for case in INPUT_CASES]
+            for e in episodes:
+                print(f"inputs: {json.dumps(e)}", flush=True)
+            out["inputs"] = {"trials": len(episodes),
+                             "one_line_named": sum(e["one_line_named"] for e in episodes),
+                             "job_finished_before_the_change": sum(e["finished_first"] for e in episodes),
+                             "resumed_after_the_original_was_back": sum(e["resumed_from_cursor"] is not None
+                                                                        for e in episodes if e["case"] != "finished"),
+                             "bitwise_equal": sum(e["bitwise_equal"] for e in episodes),
+                             "by_case": {f"{k} {c}": sum(e["one_line_named"] for e in episodes
+                                                         if (e["kind"], e["case"]) == (k, c))
+                                         for k in INPUT_KINDS for c in INPUT_CASES},
+                             "episodes": episodes}
+        if "result" in faults:
+            episodes = [result_episode(base, i, damage, originals["npy"], wants["npy"])
+                        for i in range(trials) for damage in ("truncated", "another_result", "deleted")]
+            for e in episodes:
+                print(f"result: {json.dumps(e)}", flush=True)
+            out["result"] = {"trials": len(episodes),
+                             "rebuilt_without_folding": sum(e["rebuilt_without_folding"] for e in episodes),
+                             "bitwise_equal": sum(e["bitwise_equal"] for e in episodes), "episodes": episodes}
+        if "symlinks" in faults:
+            episodes = [symlink_episode(base, i, originals["npy"], wants["npy"]) for i in range(trials)]
+            for e in episodes:
+                print(f"symlinks: {json.dumps(e)}", flush=True)
+            out["symlinks"] = {"trials": trials, "lock_one_line": sum(e["lock_one_line"] for e in episodes),
+                               "victim_untouched": sum(e["victim_untouched"] for e in episodes),
+                               "outputs_not_links": sum(e["outputs_not_links"] for e in episodes),
+                               "bitwise_equal": sum(e["bitwise_equal"] for e in episodes), "episodes": episodes}
+    return out
+
+
 def run_cli_faults(faults: list[str], trials: int, sigterms: int, coordinators: int, rng: random.Random) -> dict:
     """Every fault of the CLI job; returns one tally per fault."""
     out: dict[str, dict] = {}
@@ -665,7 +857,9 @@ def main() -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument("--kills", type=int, default=20, help="kill-and-rerun episodes")
     parser.add_argument("--flips", type=int, default=60, help="flipped-byte restores")
-    parser.add_argument("--trials", type=int, default=6, help="episodes of each storage, lease and set-aside fault")
+    parser.add_argument("--trials", type=int, default=6,
+                        help="episodes of each storage, lease and set-aside fault, input kind x case, result damage, "
+                        "and of symlinks")
     parser.add_argument("--sigterms", type=int, default=50, help="SIGTERMs to one of 2 processes under load")
     parser.add_argument("--coordinators", type=int, default=10, help="SIGKILLs of process 0 during a save")
     parser.add_argument("--rows", type=int, default=ROWS, help="rows of the kill job (512 per step)")
@@ -699,6 +893,8 @@ def main() -> None:
         others["flip"] = run_flips(args.flips, rng)
         ok &= others["flip"]["silent_wrong"] == 0
     others.update(run_cli_faults(faults, args.trials, args.sigterms, args.coordinators, rng))
+    if set(faults) & {"inputs", "result", "symlinks"}:
+        others.update(run_input_faults(faults, args.trials, rng))
     if others:
         tally["faults"] = others
     for name, t in others.items():
@@ -725,6 +921,10 @@ def _passed(name: str, t: dict) -> bool:
         "stopped": t.get("status_4_one_line_named") == n,
         "disagree": t.get("status_2_one_line") == t.get("field_named") == t.get("nothing_written") == n,
         "early_sigterm": t.get("line_and_status_0", 0) + t.get("python_start_143", 0) == t.get("bitwise_equal") == n,
+        "inputs": t.get("one_line_named") == t.get("bitwise_equal") == n,
+        "result": t.get("rebuilt_without_folding") == t.get("bitwise_equal") == n,
+        "symlinks": t.get("lock_one_line") == t.get("victim_untouched") == t.get("outputs_not_links")
+        == t.get("bitwise_equal") == n,
     }[name]
 
 

@@ -42,8 +42,9 @@ def base_config(
             "every_steps": config_dict.placeholder(int),
             "every_seconds": 600.0,
             "keep": 2,
-            "per_job": config_dict.placeholder(int),
-            "ignore_changed_data": False,
+            "per_job": config_dict.placeholder(int),  # at most about this many step-based saves over the job
+            "ignore_changed_data": False,  # resume although a data file changed since the checkpoint
+            "verify_data": "stamps",  # or "digest": also every input file's SHA-256 (one more read of the data)
         }
     )
     if quick:  # a save every 2 steps, but only a handful over the job, whatever its size

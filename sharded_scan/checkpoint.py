@@ -15,11 +15,16 @@ cursor (the next row of the stream to fold), holding three items:
 The fingerprint names the job: the combiner and its parameters (and the code of a user's
 functions), the data (kind, row count, row spec), the requested micro-batch, the
 accumulator's leaf dtypes and shapes, and the size and modification time of every file
-read. It leaves out the mesh, so a checkpoint resumes on another mesh.
+read (with ``verify_data="digest"`` also the SHA-256 of its bytes). It leaves out the mesh,
+so a checkpoint resumes on another mesh.
 Checkpoints are written only between steps, so every row is folded exactly once. A
 restore checks every digest before it uses a checkpoint: one that fails (a flipped
-byte, a truncated file, a killed save) is set aside into ``damaged/`` and the one
-before is used. One job at a time holds the directory (:class:`~sharded_scan.lease.Lease`).
+byte, a truncated file, a killed save, digest fields removed, an HMAC that does not
+verify under the operator's key) is set aside into ``damaged/`` and the one before is used.
+The digests are checksums against accidents; only the optional key
+(:attr:`CheckpointOptions.hmac_key`, or :data:`KEY_ENV`) stops someone who can write the
+directory from forging a checkpoint that passes them. One job at a time holds the
+directory (:class:`~sharded_scan.lease.Lease`).
 The directory is a local path or a URL (``gs://...``): every look at it goes through
 :mod:`etils.epath`, like orbax's own (:mod:`sharded_scan.paths`). orbax is used through its
 public API; the local file-system calls made here (a set-aside's move) go through
@@ -48,10 +53,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from sharded_scan import fs
-from sharded_scan.digest import array_digests, json_digest
+from sharded_scan.digest import array_digests, json_digest, keyed_digest, same_digest
 from sharded_scan.distributed import all_processes, barrier, gather_json
 from sharded_scan.errors import UsageError
-from sharded_scan.identity import files_difference, job_difference, job_digest
+from sharded_scan.identity import files_difference, job_difference, job_digest, with_contents
 from sharded_scan.lease import Lease
 from sharded_scan.paths import as_path, file_size, is_url, where
 from sharded_scan.storage import check_room, check_writable, storage_error, storage_reason
@@ -67,6 +72,9 @@ DAMAGED = "damaged"  # damaged checkpoints are moved here, never loaded
 COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE
 FORMAT = 2  # meta with digests
 METADATA_BYTES = 128 << 10  # room a save needs besides its arrays (orbax's metadata, our JSON)
+DIGESTS = ("digest", "partials_digests", "source_digest")  # a meta without any of them is refused
+KEY_ENV = "SHARDED_SCAN_CHECKPOINT_KEY"  # the operator's HMAC key, when CheckpointOptions names none
+VERIFY_DATA = ("stamps", "digest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +95,26 @@ class CheckpointOptions:
         least ``total_steps / per_job`` steps apart, whatever ``every_steps`` says
         (None: no such limit).
       ignore_changed_data: resume even though a file the job reads changed (size or
-        modification time) since the checkpoint was written.
+        modification time; its bytes under ``verify_data="digest"``) since the checkpoint
+        was written, and serve a finished job's result although its files changed since.
       force_unlock: take the directory even when the lease says another process holds
         it (only when you know that process is gone).
+      verify_data: how the job tells that a file it reads is the one a checkpoint (or a
+        finished job's result) was made from. ``"stamps"`` (default): its size and
+        modification time, one ``stat`` a file; a file rewritten with the same size and its
+        time put back passes. ``"digest"``: the SHA-256 of its bytes (a copy that lost its
+        time is then the same file, a same-size rewrite is not), which costs one
+        more read of every input file, in full, by every process, before the job starts
+        (and before a finished job answers "already done"): about the time of one pass over
+        the data at the disk's or network's rate (SHA-256 itself runs near 1-2 GB/s a core).
+        Every format is hashed whole (``.npy``, npy shards, Parquet/Arrow, CSV, a local zarr
+        directory; a zarr array at a URL: its metadata files): a Parquet footer's statistics
+        would be cheaper but miss values swapped within a row group.
+      hmac_key: a secret (bytes or str) that signs every checkpoint's meta (HMAC-SHA256 of
+        its digest); a checkpoint whose HMAC is missing or does not verify is set aside and
+        never loaded. None: the environment variable ``SHARDED_SCAN_CHECKPOINT_KEY`` if set,
+        else no signing. The key is never written anywhere (nor shown in this repr); every
+        process of a job needs the same one.
     """
 
     directory: str | os.PathLike
@@ -99,6 +124,8 @@ class CheckpointOptions:
     per_job: int | None = None
     ignore_changed_data: bool = False
     force_unlock: bool = False
+    verify_data: str = "stamps"
+    hmac_key: bytes | str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
@@ -113,6 +140,15 @@ class CheckpointOptions:
         for name in ("ignore_changed_data", "force_unlock"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
+        if self.verify_data not in VERIFY_DATA:
+            raise UsageError(f"checkpoint verify_data must be 'stamps' or 'digest', got {self.verify_data!r}.")
+        if self.hmac_key is not None and (not isinstance(self.hmac_key, (bytes, str)) or not self.hmac_key):
+            raise UsageError("checkpoint hmac_key must be a non-empty bytes or str secret, or None.")
+
+    def key(self) -> bytes | None:
+        """The HMAC key: ``hmac_key``, else the environment's ``SHARDED_SCAN_CHECKPOINT_KEY``, else None."""
+        key = self.hmac_key if self.hmac_key is not None else os.environ.get(KEY_ENV) or None
+        return key.encode() if isinstance(key, str) else key
 
 
 def _to_flat_dict(tree: PyTree) -> dict[str, Any]:
@@ -163,13 +199,14 @@ class Restored(NamedTuple):
 
 def checkpoint_meta(
     cursor: int, steps: int, fingerprint: dict[str, Any], shape: dict[str, Any],
-    partials_digests: list[str] | None = None, source_digest: str | None = None,
+    partials_digests: list[str], source_digest: str, key: bytes | None = None,
 ) -> dict[str, Any]:
     """The ``meta`` item of a checkpoint: the one schema, written by :meth:`Checkpointer.save`.
 
     ``shape`` is how the partials are laid out (``{"shards": S, "axes": {...}}``: shard
     count and the mesh's non-``data`` axes); devices and processes are informational.
-    ``digest`` covers every other field (:func:`meta_problem` checks it).
+    ``digest`` covers every other field, and with a ``key``, ``hmac`` signs ``digest``
+    (:func:`meta_problem` checks both).
     """
     meta = {
         "format": FORMAT,
@@ -180,18 +217,30 @@ def checkpoint_meta(
         "axes": dict(shape["axes"]),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
-        "partials_digests": list(partials_digests or []),
+        "partials_digests": list(partials_digests),
         "source_digest": source_digest,
     }
-    return {**meta, "digest": json_digest(meta)}
+    meta["digest"] = json_digest(meta)
+    return meta if key is None else {**meta, "hmac": keyed_digest(key, meta["digest"])}
 
 
-def meta_problem(meta: Any) -> str | None:
-    """Why a checkpoint's ``meta`` cannot be trusted (a phrase), or None."""
+def meta_problem(meta: Any, key: bytes | None = None) -> str | None:
+    """Why a checkpoint's ``meta`` cannot be trusted (a phrase), or None.
+
+    Its digest fields must be there (a meta without them would turn the checks off) and match;
+    with a ``key``, its ``hmac`` must verify (a checkpoint forged by someone without the key).
+    """
     if not isinstance(meta, dict) or not {"cursor", "steps", "shards", "fingerprint"} <= set(meta):
         return "meta lacks cursor, steps, shards or fingerprint"
-    if "digest" in meta and json_digest({k: v for k, v in meta.items() if k != "digest"}) != meta["digest"]:
+    missing = [name for name in DIGESTS if not isinstance(meta.get(name), list if name == "partials_digests" else str)]
+    if missing:
+        return f"its meta lacks the digest field{'s' * (len(missing) > 1)} {', '.join(missing)} (removed, or damaged)"
+    if json_digest({k: v for k, v in meta.items() if k not in ("digest", "hmac")}) != meta["digest"]:
         return "its meta does not match its digest"
+    if key is not None and not isinstance(meta.get("hmac"), str):
+        return "its meta has no HMAC although a checkpoint key is set (written without the key, or the HMAC removed)"
+    if key is not None and not same_digest(meta["hmac"], keyed_digest(key, meta["digest"])):
+        return "its meta's HMAC does not verify under the checkpoint key (written with another key, or forged)"
     return None
 
 
@@ -263,6 +312,13 @@ class Checkpointer:
         self._job: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._pending: tuple[int, int] | None = None  # (cursor, bytes) of the save in flight
         self._failure: BaseException | None = None
+        self._key = options.key()  # read once; never written anywhere
+
+    def identity(self, fingerprint: dict[str, Any]) -> dict[str, Any]:
+        """The fingerprint a checkpoint of the job of ``fingerprint`` must match: with
+        ``verify_data="digest"`` every file's SHA-256 added (:func:`~sharded_scan.identity.with_contents`:
+        one read of every input file; none when ``fingerprint`` holds them already)."""
+        return with_contents(fingerprint) if self.options.verify_data == "digest" else fingerprint
 
     def _open(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
@@ -303,11 +359,16 @@ class Checkpointer:
             another job, or its data changed (never skipped).
           StorageError: a damaged checkpoint cannot be set aside.
         """
+        fingerprint = self.identity(fingerprint)
         self._job = (fingerprint, shape)
+        signed = gather_json(None if self._key is None else keyed_digest(self._key, "sharded_scan checkpoint key"))
+        if len(set(signed)) > 1:
+            raise UsageError(f"the processes of this job hold different checkpoint keys ({KEY_ENV} or "
+                             "CheckpointOptions(hmac_key=...)); give every process the same one.")
         check_writable(self.directory)
         if not self.leased:
             self._lease = take_lease(self.directory, job_digest(fingerprint), self.options.force_unlock)
-        for name, problem in damaged_steps(self.directory):
+        for name, problem in damaged_steps(self.directory, self._key):
             self._set_aside(name, problem)
         barrier("sharded_scan_checkpoint_scan")
         self._manager = self._open()
@@ -337,7 +398,7 @@ class Checkpointer:
     def _read(self, cursor, like, fingerprint, relayout, shape) -> tuple[Restored, bool]:
         """The checkpoint at ``cursor`` and whether its partials' digests were checked already."""
         meta = self._read_meta(cursor)
-        problem = meta_problem(meta)
+        problem = meta_problem(meta, self._key)
         if problem is not None:
             raise Damaged(problem)
         self._check_job(meta, fingerprint)
@@ -372,7 +433,7 @@ class Checkpointer:
         fingerprint, shape = self._job
         states = gather_json(source_state or {})
         digests = array_digests(partials)
-        meta = checkpoint_meta(cursor, steps, fingerprint, shape, digests, json_digest(states))
+        meta = checkpoint_meta(cursor, steps, fingerprint, shape, digests, json_digest(states), self._key)
         needed = self._room_needed(partials)
         code = next((c for c in gather_json(check_room(self.directory, needed)) if c is not None), None)
         if code is not None:
@@ -495,12 +556,10 @@ class Checkpointer:
     def _source_state(self, cursor: int, meta: dict[str, Any]) -> dict[str, Any]:
         """This process's source state saved at ``cursor`` (``{}`` for checkpoints without one)."""
         if not (self._root / str(cursor) / SOURCE).is_dir():
-            if meta.get("source_digest") is not None:
-                raise Damaged("its source item is missing")
-            return {}
+            raise Damaged("its source item is missing")
         saved = self._manager.restore(cursor, args=ocp.args.Composite(**{SOURCE: ocp.args.JsonRestore()}))[SOURCE]
         states = list((saved or {}).get("processes", []))
-        if meta.get("source_digest") is not None and json_digest(states) != meta["source_digest"]:
+        if json_digest(states) != meta["source_digest"]:
             raise Damaged("its source state does not match its digest")
         if not states or not any(states):
             return {}
@@ -575,10 +634,8 @@ class Checkpointer:
 
 
 def _leaf_problem(digests: list[str], meta: dict[str, Any]) -> str | None:
-    """Whether the partials' digests match the ones saved in ``meta`` (absent in an older format)."""
-    saved = meta.get("partials_digests")
-    if not saved:
-        return None
+    """Whether the partials' digests match the ones saved in ``meta``."""
+    saved = meta["partials_digests"]
     bad = [i for i, (a, b) in enumerate(zip(digests, saved, strict=False)) if a != b]
     if bad or len(digests) != len(saved):
         return f"its partials do not match their digests (leaf {bad[0] if bad else len(saved)})"
@@ -624,13 +681,14 @@ def _committed_steps(directory: epath.Path) -> list[int]:
     return [n for n in _step_names(directory) if (directory / str(n) / COMMIT_MARKER).is_file()]
 
 
-def step_damage(step_dir: str | os.PathLike) -> str | None:
+def step_damage(step_dir: str | os.PathLike, key: bytes | None = None) -> str | None:
     """Why ``step_dir`` is not a complete checkpoint of ours (a phrase), or None.
 
     Checks what can be checked without reading the arrays: orbax's commit marker and
-    step metadata, our ``meta`` item (JSON with a cursor and a fingerprint, matching its
-    digest) and the partials' tree metadata. A flipped byte in the arrays shows up when
-    they are read and their digests checked (:meth:`Checkpointer.restore_latest`).
+    step metadata, our ``meta`` item (JSON with a cursor, a fingerprint and every digest
+    field, matching its digest; with a ``key``, its HMAC) and the partials' tree metadata.
+    A flipped byte in the arrays shows up when they are read and their digests checked
+    (:meth:`Checkpointer.restore_latest`).
     """
     step = as_path(step_dir)
     if not (step / COMMIT_MARKER).is_file():
@@ -642,7 +700,7 @@ def step_damage(step_dir: str | os.PathLike) -> str | None:
         json.loads((step / PARTIALS / ocp.path.format_utils.PYTREE_METADATA_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a file missing or garbled in any way is damage
         return f"unreadable metadata: {' '.join(str(e).split())[:120]}"
-    problem = meta_problem(meta)
+    problem = meta_problem(meta, key)
     if problem is not None:
         return problem
     if str(meta["cursor"]) != step.name:
@@ -650,10 +708,11 @@ def step_damage(step_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def damaged_steps(directory: str | os.PathLike) -> list[tuple[str, str]]:
-    """``(name, problem)`` for each step directory under ``directory`` that is damaged."""
+def damaged_steps(directory: str | os.PathLike, key: bytes | None = None) -> list[tuple[str, str]]:
+    """``(name, problem)`` for each step directory under ``directory`` that is damaged (or, with
+    a ``key``, not signed by it)."""
     root = as_path(directory)
-    found = [(str(n), step_damage(root / str(n))) for n in _step_names(root)]
+    found = [(str(n), step_damage(root / str(n), key)) for n in _step_names(root)]
     return [(n, problem) for n, problem in found if problem is not None]
 
 

@@ -5,14 +5,16 @@ the leaf read as 32-bit words, their wrapping sum (any one changed word changes 
 the wrapping sum of a hash of each word mixed with its position (two changes cancel
 with odds of 2^-32). Both sums are exact and order-free, so a global array gives the
 same digest on any mesh, however it is sharded, and so does its whole host copy.
-:func:`json_digest` is a SHA-256 of JSON in a canonical form.
+:func:`json_digest` is a SHA-256 of JSON in a canonical form, :func:`stream_digest` one of a
+file's bytes, and :func:`keyed_digest` an HMAC-SHA256 (a digest only the key's holders can make).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import jax.numpy as jnp
@@ -73,3 +75,21 @@ def canonical_json(value: Any) -> str:
 def json_digest(value: Any) -> str:
     """SHA-256 (hex) of ``value`` in canonical JSON."""
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def stream_digest(f: BinaryIO, block: int = 1 << 20) -> str:
+    """SHA-256 (hex) of the bytes of the binary file ``f`` from where it stands, read ``block`` bytes at a time."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: f.read(block), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def keyed_digest(key: bytes, text: str) -> str:
+    """HMAC-SHA256 (hex) of ``text`` under ``key``."""
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def same_digest(a: str, b: str) -> bool:
+    """Whether two hex digests are equal, in time that does not depend on where they differ."""
+    return hmac.compare_digest(a.encode(), b.encode())

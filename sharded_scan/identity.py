@@ -3,8 +3,9 @@
 The fingerprint (:func:`job_fingerprint`) is what a checkpoint must match to be
 resumed: the combiner and its parameters, the data (kind, row count, row spec), the
 micro-batch, the accumulator's leaf dtypes and shapes, the user code in the combiner
-(:func:`code_digests`) and the size and modification time of every file read. It
-leaves out the mesh, so a checkpoint resumes on another mesh. :func:`job_digest` names
+(:func:`code_digests`) and the size and modification time of every file read (with
+``CheckpointOptions(verify_data="digest")`` also the SHA-256 of its bytes,
+:func:`with_contents`). It leaves out the mesh, so a checkpoint resumes on another mesh. :func:`job_digest` names
 the job in a lease and in a workdir's ``summary.json``; :func:`job_difference` and
 :func:`files_difference` word why a saved fingerprint is not this job's.
 
@@ -31,7 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.digest import json_digest
+from sharded_scan.digest import json_digest, stream_digest
+from sharded_scan.errors import UsageError
+from sharded_scan.paths import as_path
 
 LIBRARIES = ("sharded_scan", "jax", "jaxlib", "numpy", "builtins", "functools")
 _DEPTH = 6
@@ -231,10 +234,64 @@ def job_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None
     return diff
 
 
+CONTENT = ", sha256 "  # what follows a file's stamp in ``files`` under verify_data="digest"
+
+
+def with_contents(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """``fingerprint`` with the SHA-256 of every file it stamps added to that file's stamp
+    (``"N bytes, modified T, sha256 H"``): a file rewritten with the same size and its time put
+    back then differs too.
+
+    Costs one read of every byte the job reads, here, before anything runs (through
+    etils.epath, so a URL is downloaded once more). A directory's digest covers every file
+    under it (by relative path and bytes), and a path under a listed directory is not read
+    twice. A fingerprint that holds the digests already is returned as it is.
+    """
+    files = dict(fingerprint.get("files", {}))
+    if not files or any(CONTENT in stamp for stamp in files.values()):
+        return fingerprint
+    folders = [p for p in files if as_path(p).is_dir()]
+    for path, stamp in files.items():
+        if any(path.startswith(folder.rstrip("/") + "/") for folder in folders):
+            continue
+        try:
+            files[path] = f"{stamp}{CONTENT}{_content_digest(path)}"
+        except OSError as e:
+            raise UsageError(f"verify_data='digest' cannot read {path!r} to hash it ({e.strerror or e}); "
+                             "use verify_data='stamps' for this data.") from None
+    return {**fingerprint, "files": files}
+
+
+def _content_digest(path: str) -> str:
+    """SHA-256 of a file's bytes; of a directory, of its entries' names and digests."""
+    root = as_path(path)
+    if not root.is_dir():
+        with root.open("rb") as f:
+            return stream_digest(f)
+    return json_digest([[p.name, _content_digest(str(p))] for p in sorted(root.iterdir(), key=lambda p: p.name)])
+
+
+def _stamp_part(files: dict[str, str]) -> dict[str, str]:
+    return {path: stamp.split(CONTENT)[0] for path, stamp in files.items()}
+
+
 def files_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """Which file the job reads changed (size or modification time) since ``saved`` (a phrase), or None
-    (also when ``saved`` is of an older format, without ``files``)."""
+    """Which file the job reads changed since ``saved`` (a phrase), or None (also when ``saved`` is of
+    an older format, without ``files``). Files are compared by size and modification time, or, when
+    both hold their digests (``verify_data="digest"``), by their bytes (a copy that lost its time is
+    the same file); when only one of them holds digests (``verify_data`` changed), by their stamps."""
     if "files" not in saved:
         return None
-    changed = fingerprint_difference({"files": saved["files"]}, {"files": current.get("files", {})})
-    return None if changed is None else changed[len("files."):]
+    old, new = dict(saved["files"]), dict(current.get("files", {}))
+    digests = [any(CONTENT in s for s in files.values()) for files in (old, new)]
+    if digests[0] != digests[1]:
+        old, new = _stamp_part(old), _stamp_part(new)
+    for path in dict.fromkeys([*new, *old]):
+        was, now = old.get(path, "<absent>"), new.get(path, "<absent>")
+        if was == now or all(digests) and CONTENT in was and was.split(CONTENT)[1] == now.split(CONTENT)[-1]:
+            continue
+        if CONTENT in was and CONTENT in now and _stamp_part({path: was}) == _stamp_part({path: now}):
+            return (f"{path} holds other bytes than then (SHA-256 {was.split(CONTENT)[1][:16]}... there, "
+                    f"{now.split(CONTENT)[1][:16]}... here), though its size and modification time are the same")
+        return f"{path} is {was!r} there but {now!r} here"
+    return None

@@ -6,10 +6,11 @@ wants the same files calls::
     result, summary = sharded_scan.run_in_workdir(sharded_scan.Gram(), X, "/tmp/gram")
 
 It writes ``WORKDIR/result.npz`` (the result's named arrays) and ``WORKDIR/summary.json``
-(what the run did, and the job's digest, :func:`~sharded_scan.identity.job_digest`), with
-checkpoints in ``WORKDIR/checkpoints``. Running the same job again resumes from the
-latest checkpoint or, when its result is there, returns it ("already done"; this reads
-only, so it works on a read-only workdir too). One job at a time holds the workdir: one
+(what the run did, the job's digest, :func:`~sharded_scan.identity.job_digest`, and the
+stamps of the files it read), with checkpoints in ``WORKDIR/checkpoints``. Running the
+same job again resumes from the latest checkpoint or, when its result is there, returns it
+("already done"; this reads only, so it works on a read-only workdir too); when a file it
+read changed since, it says which instead. One job at a time holds the workdir: one
 lease, ``WORKDIR/lock.json``, held while the job runs and writes, which also covers its
 checkpoints. :func:`exits` ends a process with the CLI's exit statuses
 (:func:`exit_status`).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -33,10 +33,11 @@ import numpy as np
 
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
 from sharded_scan.combiners.passes import reads_several_times
+from sharded_scan.digest import stream_digest
 from sharded_scan.distributed import Preempted, Terminated, gather_json
 from sharded_scan.engine import RunReport, agree_on_job, run_passes, run_program
 from sharded_scan.errors import StorageError, UsageError
-from sharded_scan.identity import job_digest
+from sharded_scan.identity import files_difference, job_digest
 from sharded_scan.options import RunOptions
 from sharded_scan.paths import as_path, is_url, where
 from sharded_scan.program import build_program
@@ -80,7 +81,8 @@ def run_in_workdir(
 
     Raises:
       UsageError: bad arguments, data or options, another job holding the workdir, a
-        checkpoint of another job or of changed data; before any compute or write.
+        checkpoint of another job or of changed data, a finished job whose data changed
+        since (unless ``ignore_changed_data``); before any compute or write.
       StorageError: a checkpoint or the outputs could not be written (one line).
       sharded_scan.Preempted: SIGTERM or SIGINT arrived and a checkpoint was saved.
     """
@@ -92,9 +94,13 @@ def run_in_workdir(
     checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
     source = as_source(data)
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
+    if checkpointer is not None:  # verify_data="digest": the files' digests, read once for both uses
+        program = dataclasses.replace(program, fingerprint=checkpointer.identity(program.fingerprint))
     job = job_digest(program.fingerprint)
     agree_on_job(program, workdir)  # every process the same job and workdir, before any read or write there
-    done = gather_json(finished(workdir, job))[0]
+    done = gather_json(finished(workdir, program.fingerprint))[0]
+    if done is not None and "data_changed" in done:
+        _refuse_changed(root, done["data_changed"], checkpointer)
     if done is not None:
         _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again).",
                   root / RESULT, done.get("rows"))
@@ -107,7 +113,7 @@ def run_in_workdir(
                 result, report = run_passes(combiner, source, program.options)
             else:
                 result, report = run_program(program, source)
-        summary = {**summary_of(report, source), **(record or {}), "job": job}
+        summary = {**summary_of(report, source), **(record or {}), "job": job, "files": program.fingerprint["files"]}
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
                       else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
@@ -118,6 +124,24 @@ def run_in_workdir(
         if lease is not None:
             lease.release()
     return result, summary
+
+
+def _refuse_changed(root: Any, changed: str, checkpointer: Checkpointer | None) -> None:
+    """One line for a finished job whose data changed since, unless ``ignore_changed_data`` (then a warning).
+
+    Raises:
+      UsageError: the workdir holds this job's result over the data as it was.
+    """
+    if checkpointer is not None and checkpointer.options.ignore_changed_data:
+        _log.warning("the data changed since %s was computed (%s): serving it as already done, since "
+                     "ignore_changed_data is set.", root / RESULT, changed)
+        return
+    raise UsageError(
+        f"{root} holds this job's result, computed before the data changed: {changed}; to reduce the new data, "
+        f"use a new workdir (or delete {RESULT}, {SUMMARY} and {CHECKPOINTS}/ here); if the rows are the same (a "
+        "copy that lost its times), rerun with --config.checkpoint.ignore_changed_data=true "
+        "(run_in_workdir(checkpoint={'ignore_changed_data': True}))."
+    )
 
 
 @contextlib.contextmanager
@@ -228,11 +252,8 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
 
 def result_digest(workdir: str) -> str:
     """SHA-256 of ``workdir/result.npz``'s bytes."""
-    digest = hashlib.sha256()
     with (as_path(workdir) / RESULT).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return stream_digest(f)
 
 
 def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> None:
@@ -264,15 +285,27 @@ def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> No
             os.unlink(tmp)
 
 
-def finished(workdir: str, job: str) -> dict[str, Any] | None:
-    """The summary of the job of digest ``job`` when the workdir holds its result, else None (reads only)."""
+def finished(workdir: str, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of the job of ``fingerprint`` when the workdir holds its result, else None (reads
+    only: the stamps ``summary.json`` recorded against the fingerprint's, which holds digests of the
+    files' bytes too under ``verify_data="digest"``).
+
+    The result of the same job over data that changed since (the recorded ``files`` put in the
+    fingerprint give the recorded job) comes back with ``data_changed``: which file, as a phrase.
+    """
     root = as_path(workdir)
     try:
         summary = json.loads((root / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict) or summary.get("job") != job or not (root / RESULT).is_file():
+    if not isinstance(summary, dict) or not (root / RESULT).is_file():
         return None
+    if summary.get("job") != job_digest(fingerprint):
+        if "files" not in summary or summary.get("job") != job_digest({**fingerprint, "files": summary["files"]}):
+            return None  # another job (or a summary of an older version, without files)
+        changed = files_difference(summary, fingerprint)
+        if changed is not None:
+            return {**summary, "data_changed": changed}
     if "result_sha256" in summary and result_digest(workdir) != summary["result_sha256"]:
         _log.warning("%s is not the result %s was written with (replaced or damaged): running the job again, "
                      "from its final checkpoint where there is one.", root / RESULT, root / SUMMARY)

@@ -16,9 +16,11 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import fs
-from sharded_scan.checkpoint import DAMAGED, damaged_steps
+from sharded_scan.checkpoint import DAMAGED, KEY_ENV, damaged_steps
+from sharded_scan.digest import json_digest, keyed_digest
 from sharded_scan.errors import StorageError
 from tests import cli
+from tests.helpers import assert_usage_error
 
 KW = {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # 128 rows per step
 X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
@@ -193,3 +195,101 @@ def test_a_sigkill_during_the_set_aside_loses_nothing(tmp_path, crashed):
     got, report = ss.run_with_report(ss.Gram(), X, checkpoint=str(directory), **KW)
     assert report.resumed_from_cursor == 384
     np.testing.assert_array_equal(got, want)
+
+
+def digests_removed(step):
+    """Every digest field deleted from the meta: the checks would be off, so it is refused."""
+    path = step / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in meta.items() if k not in ("digest", "partials_digests",
+                                                                           "source_digest")}))
+
+
+def partials_digests_removed_and_meta_digest_recomputed(step):
+    path = step / "meta" / "metadata"
+    meta = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("partials_digests", "digest")}
+    path.write_text(json.dumps({**meta, "digest": json_digest(meta)}))
+
+
+@pytest.mark.parametrize("damage", [digests_removed, partials_digests_removed_and_meta_digest_recomputed],
+                         ids=lambda f: f.__name__)
+def test_a_meta_without_its_digest_fields_is_set_aside(tmp_path, crashed, damage, caplog):
+    test_damaged_latest_is_skipped_and_the_previous_one_used(tmp_path, crashed, damage, caplog)
+    assert "lacks the digest field" in caplog.text and "partials_digests" in caplog.text
+
+
+KEY = "a secret the operator keeps"
+
+
+def forged(step):
+    """What one who can write the directory but lacks the key does: edit the meta, recompute its SHA-256."""
+    path = step / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    kept = {k: meta.pop(k) for k in ("hmac",) if k in meta}  # the HMAC it cannot recompute stays as it was
+    meta.pop("digest")
+    meta["steps"] += 100
+    path.write_text(json.dumps({**meta, "digest": json_digest(meta), **kept}))
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory):
+    """Checkpoints at 256, 384, 512 signed with KEY (a run that died in step 5)."""
+    directory = tmp_path_factory.mktemp("signed") / "ck"
+    with pytest.raises(CrashError):
+        ss.run(ss.Gram(), X, checkpoint=ss.CheckpointOptions(str(directory), every_steps=1, keep=3, hmac_key=KEY),
+               progress=crash_at_step_5, **KW)
+    return directory
+
+
+def test_a_keyed_checkpoint_resumes_under_its_key_and_the_key_is_never_written(tmp_path, crashed, signed,
+                                                                               monkeypatch):
+    _, want = crashed
+    options = ss.CheckpointOptions(str(tmp_path / "ck"), hmac_key=KEY)
+    assert KEY not in repr(options) and KEY not in repr(ss.RunOptions(checkpoint=options))
+    for how in ("option", "environment"):
+        shutil.copytree(signed, tmp_path / "ck")
+        if how == "environment":
+            monkeypatch.setenv(KEY_ENV, KEY)
+            options = ss.CheckpointOptions(str(tmp_path / "ck"))
+        got, report = ss.run_with_report(ss.Gram(), X, checkpoint=options, **KW)
+        assert report.resumed_from_cursor == 512 and not (tmp_path / "ck" / DAMAGED).exists()
+        np.testing.assert_array_equal(got, want)
+        for path in (tmp_path / "ck").rglob("*"):
+            assert not path.is_file() or KEY.encode() not in path.read_bytes(), path
+        shutil.rmtree(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("case", ["another key", "no HMAC", "forged"])
+def test_a_checkpoint_the_key_does_not_sign_is_set_aside(tmp_path, crashed, signed, case, caplog):
+    unsigned, want = crashed
+    directory = tmp_path / "ck"
+    shutil.copytree(unsigned if case == "no HMAC" else signed, directory)
+    if case == "forged":
+        forged(directory / "512")
+        _, report = ss.run_with_report(ss.Gram(), X, checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+        assert report.resumed_from_step == 104  # without the key a recomputed SHA-256 passes: checksums only
+        shutil.rmtree(directory)
+        shutil.copytree(signed, directory)
+        forged(directory / "512")
+    key = "another secret" if case == "another key" else KEY
+    with caplog.at_level(logging.WARNING, logger="sharded_scan.checkpoint"):
+        got, report = ss.run_with_report(ss.Gram(), X, checkpoint=ss.CheckpointOptions(str(directory), hmac_key=key),
+                                         **KW)
+    np.testing.assert_array_equal(got, want)
+    if case == "forged":
+        assert report.resumed_from_cursor == 384 and "does not verify" in caplog.text
+    else:  # every checkpoint set aside: it starts afresh
+        assert report.resumed_from_cursor is None
+        assert sorted(p.split("-")[0] for p in os.listdir(directory / DAMAGED)) == ["256", "384", "512"]
+        assert ("does not verify" if case == "another key" else "has no HMAC") in caplog.text
+
+
+def test_processes_holding_different_keys_stop_in_one_line(tmp_path, monkeypatch):
+    from sharded_scan import checkpoint
+
+    mine, gather = keyed_digest(KEY.encode(), "sharded_scan checkpoint key"), checkpoint.gather_json
+    monkeypatch.setattr(checkpoint, "gather_json", lambda v: [v, None] if v == mine else gather(v))  # a peer without
+    options = ss.CheckpointOptions(str(tmp_path / "ck"), hmac_key=KEY)
+    assert_usage_error(lambda: ss.run(ss.Gram(), X, checkpoint=options, **KW),
+                       ["processes of this job hold different checkpoint keys", KEY_ENV, "the same one"])
+    assert not (tmp_path / "ck").exists()  # refused before anything was written

@@ -39,3 +39,17 @@ def test_files_are_compared_apart_and_only_when_the_checkpoint_names_them():
     assert job_difference(saved, now) is None  # older checkpoints lack "code"; files are not the job
     assert files_difference(saved, now) == "/d/x.npy is '8 bytes, modified A' there but '8 bytes, modified B' here"
     assert files_difference({"combiner": {"combiner": "Gram"}}, now) is None  # an older format: no files saved
+
+
+def test_with_digests_on_both_sides_files_are_compared_by_their_bytes():
+    def files(**stamps):
+        return {"files": {"/d/x.npy": ", sha256 ".join(stamps.values())}}
+
+    same_bytes = files(stamp="8 bytes, modified A", sha="aa"), files(stamp="8 bytes, modified B", sha="aa")
+    assert files_difference(*same_bytes) is None  # a copy that lost its time
+    a, b = files(stamp="8 bytes, modified A", sha="aa"), files(stamp="8 bytes, modified A", sha="bb")
+    changed = files_difference(a, b)
+    assert changed.startswith("/d/x.npy holds other bytes than then") and "modification time are the same" in changed
+    assert "modified B" in files_difference(files(stamp="8 bytes, modified A"), files(stamp="8 bytes, modified B",
+                                                                                        sha="aa"))
+    assert files_difference(files(stamp="8 bytes, modified A"), files(stamp="8 bytes, modified A", sha="aa")) is None

@@ -164,15 +164,17 @@ def test_links_in_the_workdir_are_never_written_through(tmp_path):
     assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, work, **KW), ["lock.json", "a directory"])
 
 
-@pytest.mark.parametrize("damage", ["another result", "truncated"])
+@pytest.mark.parametrize("damage", ["another result", "truncated", "deleted"])
 def test_a_replaced_or_damaged_result_is_rebuilt_from_the_final_checkpoint(tmp_path, damage):
     want, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)
     result = tmp_path / workdir.RESULT
     assert summary["result_sha256"] == workdir.result_digest(tmp_path)
     if damage == "another result":
         np.savez(result, result=np.zeros_like(want))
-    else:
+    elif damage == "truncated":
         result.write_bytes(result.read_bytes()[:100])
+    else:
+        result.unlink()
     got, again = ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)
     assert "already_done" not in again and again["resumed_from_cursor"] == len(X) and again["rows_this_run"] == 0
     np.testing.assert_array_equal(got, want)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +47,69 @@ def file_stamp(stat: os.stat_result) -> str:
     """A file's size and modification time (to the nanosecond), as the fingerprint holds them."""
     seconds, nanos = divmod(stat.st_mtime_ns, 10**9)
     return f"{stat.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(seconds))}.{nanos:09d}"
+
+
+def changed_while_read(path: str, start: int, stop: int, was: str, now: str | None) -> UsageError:
+    """The one line for a file the job reads that changed (``now``: its stamp) or disappeared
+    (``now`` None) while the job read rows ``start..stop`` (``was``: its stamp when the source was built)."""
+    if now is None:
+        what = f"disappeared while the job read it (at rows {start}..{stop - 1})"
+    elif now == was:
+        what = f"changed while the job read it (at rows {start}..{stop - 1}): another file of the same size and time"
+    else:
+        what = f"changed while the job read it (at rows {start}..{stop - 1}): it was {was}, it is {now}"
+    return UsageError(
+        f"{path!r} {what}; nothing is lost, the checkpoints written so far are intact: put the original back (cp -p "
+        "keeps its time; else resume with --config.checkpoint.ignore_changed_data=true) and rerun the same command "
+        "to resume, or run the new data in a new workdir."
+    )
+
+
+def _local_state(path: str) -> tuple[tuple, str] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ino), file_stamp(stat)
+
+
+class FileWatch:
+    """The files a source reads as they were when it was built, to tell when one changes mid-run.
+
+    Args:
+      paths: the files.
+      state: ``path -> (identity, stamp)``, or None for a file that is gone; by default a
+        local file's size, modification time and inode (a file replaced by a rename shows
+        too), with its :func:`file_stamp`.
+    """
+
+    def __init__(self, paths: Sequence[str], state: Callable[[str], tuple[tuple, str] | None] = _local_state):
+        self._state = state
+        self._was = {p: state(p) for p in paths}
+
+    def problem(self, paths: Sequence[str], start: int, stop: int) -> UsageError | None:
+        """:func:`changed_while_read`'s line for the first of ``paths`` that changed or is gone, or None."""
+        for path in paths:
+            was, now = self._was[path], self._state(path)
+            if was is not None and (now is None or now[0] != was[0]):
+                return changed_while_read(path, start, stop, was[1], None if now is None else now[1])
+        return None
+
+    @contextlib.contextmanager
+    def reading(self, paths: Sequence[str], start: int, stop: int) -> Iterator[None]:
+        """Around a read of rows ``start..stop`` from ``paths``: a file that changed or vanished
+        before or during it is the one line, whether the read failed (a file cut short or
+        deleted) or returned rows (a file rewritten with the same layout: rows of both)."""
+        try:
+            yield
+        except Exception:
+            problem = self.problem(paths, start, stop)
+            if problem is None:
+                raise
+            raise problem from None
+        problem = self.problem(paths, start, stop)
+        if problem is not None:
+            raise problem
 
 
 def row_spec(shape: Sequence[int], dtype: Any) -> jax.ShapeDtypeStruct:

@@ -20,7 +20,16 @@ import numpy as np
 from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, is_url, remote_stamp, where
-from sharded_scan.sources.base import ALIGN, PyTree, Source, aligned_empty, file_stamp, padded, row_spec
+from sharded_scan.sources.base import (
+    ALIGN,
+    PyTree,
+    Source,
+    aligned_empty,
+    changed_while_read,
+    file_stamp,
+    padded,
+    row_spec,
+)
 
 
 def natural_key(path: str) -> list:
@@ -33,7 +42,7 @@ class _NpyFile:
 
     Every read first checks that the file still has the size and modification time it
     had when the source was built, and reads with ``pread``: a file changed or cut
-    short while the job runs is one :class:`UsageError` line. With ``zero_copy`` the
+    short (or deleted) while the job runs is one :class:`UsageError` line. With ``zero_copy`` the
     rows are handed on as a view of a memory map instead (no copy; the devices read the
     page cache), and a file truncated while a view is in use ends the process with a
     bus error.
@@ -100,7 +109,7 @@ class _NpyFile:
             return self._read_columns(start, stop)
         if self.remote:
             return self._read_remote(begin, shape, start, stop)
-        with open(self.path, "rb") as f:
+        with self._opened(start, stop) as f:
             self._check_unchanged(os.fstat(f.fileno()), start, stop)
             if self.zero_copy:
                 return _mapped_rows(f, begin, shape, self.dtype)
@@ -109,7 +118,7 @@ class _NpyFile:
             wanted = memoryview(out).cast("B")[: math.prod(shape) * self.dtype.itemsize]
             got = os.preadv(f.fileno(), [wanted], begin)
         if got != len(wanted):
-            self._check_unchanged(os.stat(self.path), start, stop)
+            self._check_unchanged(self._stat_now(start, stop), start, stop)
             raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
                              f"{begin + len(wanted)}; check the file.")
         return out
@@ -125,11 +134,11 @@ class _NpyFile:
             for column, begin in zip(columns, begins, strict=True):
                 column[:] = self._read_remote(begin, (rows,), start, stop)
         else:
-            with open(self.path, "rb") as f:  # one open and check, one ranged read a column
+            with self._opened(start, stop) as f:  # one open and check, one ranged read a column
                 self._check_unchanged(os.fstat(f.fileno()), start, stop)
                 for column, begin in zip(columns, begins, strict=True):
                     if os.preadv(f.fileno(), [memoryview(column).cast("B")], begin) != column.nbytes:
-                        self._check_unchanged(os.stat(self.path), start, stop)
+                        self._check_unchanged(self._stat_now(start, stop), start, stop)
                         raise UsageError(f"{self.path!r} ended early reading rows {start}..{stop - 1}; check the file.")
         block = np.ndarray((rows,) + self.shape[1:], self.dtype, buffer=columns, order="F")
         out = aligned_empty(block.shape, self.dtype)
@@ -138,18 +147,32 @@ class _NpyFile:
 
     def _read_remote(self, begin: int, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
         """Rows of a remote file: its stat checked, then one ranged read into aligned memory."""
-        self._check_unchanged(self._file.stat(), start, stop)
+        self._check_unchanged(self._stat_now(start, stop), start, stop)
         rows = aligned_empty(shape, self.dtype)
         view, got = memoryview(rows).cast("B"), 0
-        with self._file.open("rb") as f:
+        with self._opened(start, stop) as f:
             f.seek(begin)
             while got < len(view) and (n := f.readinto(view[got:])):
                 got += n
         if got != rows.nbytes:
-            self._check_unchanged(self._file.stat(), start, stop)
+            self._check_unchanged(self._stat_now(start, stop), start, stop)
             raise UsageError(f"{self.path!r} ended early: rows {start}..{stop - 1} need bytes up to "
                              f"{begin + rows.nbytes}; check the file.")
         return rows
+
+    def _opened(self, start: int, stop: int) -> Any:
+        """The file opened to read rows ``start..stop``; one line when it is gone."""
+        try:
+            return self._file.open("rb") if self.remote else open(self.path, "rb")
+        except FileNotFoundError:
+            raise changed_while_read(self.path, start, stop, self.stamp, None) from None
+
+    def _stat_now(self, start: int, stop: int) -> Any:
+        """The file's stat now (by name: a file replaced by a rename shows); one line when it is gone."""
+        try:
+            return self._file.stat() if self.remote else os.stat(self.path)
+        except FileNotFoundError:
+            raise changed_while_read(self.path, start, stop, self.stamp, None) from None
 
     def _check_unchanged(self, now: Any, start: int, stop: int) -> None:
         if self.remote:
@@ -158,11 +181,7 @@ class _NpyFile:
             changed = (now.st_size, now.st_mtime_ns, now.st_ino) != (
                 self.stat.st_size, self.stat.st_mtime_ns, self.stat.st_ino)
         if changed:
-            raise UsageError(
-                f"{self.path!r} changed while the job read it (at rows {start}..{stop - 1}): it was "
-                f"{self._stamp(self.stat)}, it is {self._stamp(now)}; put the original back and rerun the same "
-                "command to resume, or run the new data in a new workdir."
-            )
+            raise changed_while_read(self.path, start, stop, self.stamp, self._stamp(now))
 
 
 def _mapped_rows(f: Any, begin: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 
 from sharded_scan.dtypes import hash_strings
 from sharded_scan.errors import UsageError
-from sharded_scan.sources.base import PyTree, Source, aligned_empty, file_stamp, row_spec
+from sharded_scan.sources.base import FileWatch, PyTree, Source, aligned_empty, file_stamp, row_spec
 from sharded_scan.sources.memory import ArraySource
 
 Columns = Any  # a name, a list of names, or a pytree of those
@@ -371,6 +371,9 @@ class ParquetSource(Source):
         self._starts = np.cumsum([0] + [n for _, n in units if n])
         self._cached: tuple[int, Any] | None = None
         self._format = format
+        filesystem = self._dataset.filesystem
+        local = isinstance(filesystem, pa.fs.LocalFileSystem)
+        self._watch = FileWatch(self._paths) if local else FileWatch(self._paths, _arrow_state(filesystem))
 
     @property
     def num_rows(self) -> int:
@@ -410,6 +413,12 @@ class ParquetSource(Source):
         return self._cached[1]
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        first = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
+        files = sorted({u.path for u in self._units[first : int(np.searchsorted(self._starts, stop, side="left"))]})
+        with self._watch.reading(files, start, stop):  # a file changed or gone mid-run: one line
+            return self._read_rows(start, stop, pad_to)
+
+    def _read_rows(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         """Casts the rows of each row group the range overlaps straight into one aligned array a
         leaf (``pad_to`` rows long). Row groups after the first are scanned together, so pyarrow
         decodes the next ones on its threads while this one casts (1.3x the rate of decoding them
@@ -445,6 +454,18 @@ class ParquetSource(Source):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._where, "columns": repr(self._selection.columns),
                 "format": self._format}
+
+
+def _arrow_state(filesystem: Any) -> Any:
+    """A remote file's size and modification time through its pyarrow ``filesystem``, for :class:`FileWatch`."""
+
+    def state(path: str) -> tuple[tuple, str] | None:
+        info = filesystem.get_file_info(path)
+        if info.type == _pyarrow().fs.FileType.NotFound:
+            return None
+        return (info.size, info.mtime), f"{info.size} bytes, modified {info.mtime}"
+
+    return state
 
 
 def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.dtype) -> None:
@@ -513,6 +534,7 @@ class CsvSource(Source):
         except pa.ArrowException as e:
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
         self._reader, self._position, self._buffer = None, 0, None
+        self._watch = FileWatch([self._path])
 
     def _open(self) -> Any:
         """The selected columns' record batches in file order, with the types the counting pass
@@ -553,10 +575,14 @@ class CsvSource(Source):
 
     def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
         super().seek(cursor, state)
-        self._reader, self._position, self._buffer = self._open(), 0, None
+        self._reader, self._position, self._buffer = None, 0, None
         self.read(cursor, cursor)
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        with self._watch.reading([self._path], start, stop):  # the file changed or gone mid-run: one line
+            return self._read_rows(start, stop, pad_to)
+
+    def _read_rows(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         self._check_range(start, stop)
         if start < self._position:
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
