@@ -214,6 +214,8 @@ def named_arrays(result: Any) -> dict[str, np.ndarray]:
         items = result._asdict().items()
     elif isinstance(result, dict):
         items = result.items()
+    elif isinstance(result, tuple | list):  # e.g. one result per part of (X, y): "0.count", "1.count"
+        items = enumerate(result)
     else:
         leaves = jax.tree_util.tree_leaves_with_path(result)
         items = [(jax.tree_util.keystr(path).strip("[]'.") or "result", leaf) for path, leaf in leaves]

@@ -94,6 +94,8 @@ def test_named_arrays():
     assert list(named_arrays(np.zeros(2))) == ["result"]
     assert sorted(named_arrays(ss.combiners.SumResult(np.zeros(2), np.int64(3)))) == ["count", "sum"]
     assert sorted(named_arrays({"a": np.zeros(1), "b": {"c": np.ones(1)}})) == ["a", "b.c"]
+    pair = (ss.combiners.SumResult(np.zeros(2), np.int64(3)), [np.ones(1)])  # e.g. Describe of (X, y)
+    assert sorted(named_arrays(pair)) == ["0.count", "0.sum", "1.0"]
 
 
 @pytest.mark.parametrize("case", range(len(BAD_ARGS)), ids=[" ".join(args) for args, _ in BAD_ARGS])
