@@ -21,8 +21,7 @@ def not_rows(data: Any, leaves: list[Any]) -> str | None:
     """What is wrong with ``data`` when a leaf is not an array of rows (a phrase with the fix), or None."""
     for leaf in leaves:
         if isinstance(leaf, (str, os.PathLike)):
-            return (f"data is the path {os.fspath(leaf)!r}, not rows; read a file with "
-                    "sharded_scan.sources.NpySource(path) (NpyShardsSource for shards, ZarrSource for zarr)")
+            return f"data is the path {os.fspath(leaf)!r}, not rows; read it with {reader_of(os.fspath(leaf))}"
         if isinstance(leaf, (collections.abc.Iterator, collections.abc.Generator)):
             return (f"data is a {type(leaf).__name__}, not rows; wrap it as sharded_scan.sources.IteratorSource(it, "
                     "num_rows) (it yields batches of rows)")
@@ -35,6 +34,22 @@ def not_rows(data: Any, leaves: list[Any]) -> str | None:
     if isinstance(data, (list, tuple)) and leaves and all(isinstance(x, (bool, int, float)) for x in leaves):
         return f"data is a Python {type(data).__name__} of {len(leaves)} numbers; pass np.asarray(data) for rows"
     return None
+
+
+# The source that reads a file, by its name's ending.
+READERS = {
+    (".parquet", ".pq", ".arrow", ".feather", ".ipc"): "sharded_scan.sources.ParquetSource(path, columns=...)",
+    (".csv", ".tsv", ".txt"): "sharded_scan.sources.CsvSource(path, columns=...)",
+    (".zarr",): "sharded_scan.sources.ZarrSource(path)",
+}
+
+
+def reader_of(path: str) -> str:
+    """The source (a phrase) that reads the file or directory ``path``, guessed from its name."""
+    name = path.rstrip("/").lower()
+    found = next((reader for endings, reader in READERS.items() if name.endswith(endings)), None)
+    return found or ("sharded_scan.sources.NpySource(path) (NpyShardsSource for a directory of .npy shards, "
+                     "ParquetSource, CsvSource or ZarrSource for those formats)")
 
 
 class ArraySource(Source):
