@@ -140,6 +140,26 @@ def complete(ck: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (``T``: stopped), or ``Z`` once the process is gone."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "Z"
+
+
+def frozen_in_save(proc: subprocess.Popen, ck: pathlib.Path) -> bool:
+    """SIGSTOPs the job; True when it stopped with a save still in flight (so a kill lands inside it,
+    however loaded the machine), else lets it go on (SIGCONT) and returns False."""
+    proc.send_signal(signal.SIGSTOP)
+    while proc.poll() is None and process_state(proc.pid) not in "TtZ":
+        time.sleep(0.0005)  # SIGSTOP is delivered asynchronously: wait until the process is stopped
+    if saving(ck):
+        return True
+    proc.send_signal(signal.SIGCONT)
+    return False
+
+
 def kill_once(workdir: pathlib.Path, rows: int, at: float | None, timeout: float) -> dict:
     """Starts the job and SIGKILLs it ``at`` seconds in, or (None) during a save after the first."""
     ck = workdir / "ck"
@@ -148,7 +168,9 @@ def kill_once(workdir: pathlib.Path, rows: int, at: float | None, timeout: float
     try:
         while proc.poll() is None and time.monotonic() - began < timeout:
             now = time.monotonic() - began
-            if (at is not None and now >= at) or (at is None and saving(ck) and complete(ck)):
+            if at is not None and now >= at:
+                break
+            if at is None and saving(ck) and complete(ck) and frozen_in_save(proc, ck):
                 break
             time.sleep(0.001 if at is None else 0.005)
         killed_at = time.monotonic() - began
