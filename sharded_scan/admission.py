@@ -76,10 +76,32 @@ def live_peak(jaxpr: Any) -> int:
     return peak
 
 
+# _temporaries by what they depend on: tracing a sketch's add costs more than a cached run of it.
+_TEMPORARIES: dict[Any, tuple[int, int]] = {}
+
+
 def _temporaries(program: Program) -> tuple[int, int]:
     """Bytes one micro-batch's ``add``, and one ``merge`` of two accumulators, make beside
-    their inputs (0, 0 when they cannot be traced alone)."""
+    their inputs (0, 0 when they cannot be traced alone); traced once per combiner, row spec,
+    micro-batch, operand shapes and x64 setting."""
     mb = program.layout.microbatch
+    try:
+        operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                program.host_operands)
+        key = (program.combiner, mb, jax.config.jax_enable_x64,
+               *[(jax.tree.structure(t), tuple(jax.tree.leaves(t))) for t in (program.spec, operands)])
+        hash(key)
+    except TypeError:  # something unhashable in the combiner: traced every time
+        key = None
+    if key is not None and key in _TEMPORARIES:
+        return _TEMPORARIES[key]
+    found = _traced_temporaries(program, mb)
+    if key is not None:
+        _TEMPORARIES[key] = found
+    return found
+
+
+def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
     batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mb, *s.shape), s.dtype), program.spec)
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
