@@ -194,11 +194,11 @@ def test_drifting_rows_far_from_zero_stay_accurate():
 
 @pytest.mark.parametrize("value", [1e12, 3e19, -7.1, 0.0])
 def test_a_constant_column_has_exactly_zero_variance(value):
-    x = np.full((1000, 2), value, np.float32)
-    x[:, 1] = np.linspace(-1, 1, 1000)  # next to an ordinary column
-    for mesh, microbatch in (("data:1", 16), ("data:3", 7), ("data:8", None)):
-        moments = ss.run(ss.Moments(), x, mesh=mesh, microbatch=microbatch)
-        cov = ss.run(ss.Covariance(), x, mesh=mesh, microbatch=microbatch).cov
+    x = np.full((1000, 4), value, np.float32)  # 4 columns: test_covariance_and_moments_match_numpy's programs
+    x[:, 1:] = np.linspace(-1, 1, 1000)[:, None]  # next to ordinary columns
+    for mesh, kw in (("data:1", {"microbatch": 8, "steps_per_call": 2}), ("data:3", {"microbatch": 7}), ("data:8", {})):
+        moments = ss.run(ss.Moments(), x, mesh=mesh, **kw)
+        cov = ss.run(ss.Covariance(), x, mesh=mesh, **kw).cov
         assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (mesh, moments.var, cov)
         assert moments.mean[0] == np.float32(value)
         assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
