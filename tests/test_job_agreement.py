@@ -50,17 +50,38 @@ def test_agree_raises_on_every_process_with_the_gathered_terms(monkeypatch):
         distributed.agree(mine, "the job", "fix it")
 
 
-@pytest.mark.parametrize("flag, field, values", [
+DIFFERENT_FLAGS = [
     ("--config.data.seed=7", "data.seed", ("0", "7")),  # both used to exit 0 with a mix of two datasets
     ("--config.microbatch=8", "microbatch", ("16", "8")),  # used to wait for --step_timeout
     ("--config.data.num_rows=3001", "data.num_rows", ("3000", "3001")),  # used to end in a gloo C++ abort
     ("--workdir=OTHER", "workdir", None),  # used to end in "permission denied" (one lease, two directories)
-])
-def test_processes_started_with_different_flags_stop_in_one_line(tmp_path, flag, field, values):
-    workdir, other = tmp_path / "w", tmp_path / "other"
-    cmds = commands([*ARGS, f"--workdir={workdir}"], 2, 1, free_port())
-    cmds[1].append(flag.replace("OTHER", str(other)))  # process 1 given something else
-    ends = cli.run_all(cmds, at_once=2)
+]
+FAILING = [1, 0]  # 0: the coordinator, whose store the other reads the news from
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every two-process job of this module, the jobs side by side (most of their time is waiting for
+    each other): ``{case: (ends, workdir, other workdir)}``."""
+    cases = {}
+    for i, (flag, _, _) in enumerate(DIFFERENT_FLAGS):
+        base = tmp_path_factory.mktemp(f"flag{i}")
+        cmds = commands([*ARGS, f"--workdir={base / 'w'}"], 2, 1, free_port())
+        cmds[1].append(flag.replace("OTHER", str(base / "other")))  # process 1 given something else
+        cases[flag] = (cmds, base / "w", base / "other")
+    for failing in FAILING:
+        base = tmp_path_factory.mktemp(f"failing{failing}")
+        cmds = commands([*ARGS, f"--workdir={base / 'w'}"], 2, 1, free_port())
+        cmds[failing].append("--config.combiner.kwargs.bogus=1")  # its error comes before the processes agree
+        cases[failing] = (cmds, base / "w", None)
+    with cli.concurrent.futures.ThreadPoolExecutor(3) as pool:
+        ends = pool.map(lambda case: cli.run_all(case[0], at_once=2), cases.values())
+        return {name: (end, *case[1:]) for (name, case), end in zip(cases.items(), ends, strict=True)}
+
+
+@pytest.mark.parametrize("flag, field, values", DIFFERENT_FLAGS)
+def test_processes_started_with_different_flags_stop_in_one_line(jobs, flag, field, values):
+    ends, workdir, other = jobs[flag]
     lines = {cli.one_error_line(end) for end in ends}  # status 2, one line, no traceback, on both
     assert len(lines) == 1, lines
     line = lines.pop()
@@ -93,11 +114,9 @@ def test_run_refuses_processes_that_differ_before_any_step():
                                       kwargs={"microbatch": (8, 8)}, timeout=90) == [None, None]
 
 
-@pytest.mark.parametrize("failing", [1, 0])  # 0: the coordinator, whose store the other reads the news from
-def test_a_process_that_fails_alone_ends_the_others_in_one_line(tmp_path, failing):
-    cmds = commands([*ARGS, f"--workdir={tmp_path / 'w'}"], 2, 1, free_port())
-    cmds[failing].append("--config.combiner.kwargs.bogus=1")  # its error comes before the processes agree
-    ends = cli.run_all(cmds, at_once=2)
+@pytest.mark.parametrize("failing", FAILING)
+def test_a_process_that_fails_alone_ends_the_others_in_one_line(jobs, failing):
+    ends, _, _ = jobs[failing]
     own = cli.one_error_line(ends[failing])  # status 2, one line
     assert "takes no argument 'bogus'" in own
     other = ends[1 - failing]

@@ -15,6 +15,8 @@ from tests.test_checkpoint import CrashError, crash_at
 QS = np.linspace(0, 1, 101)
 K = 64
 KW = {"microbatch": 16, "steps_per_call": 2}
+EXACT_QS = np.array([0, 0.001, 0.01, 0.3, 0.5, 0.75, 0.999, 1])
+EXACT_KW = {"microbatch": 64, "steps_per_call": 2}
 SKETCH = ss.Quantiles(qs=QS, k=K, method="lower")  # numpy's default is "linear" (tested below)
 NAMES = ("normal", "lognormal", "poisson", "sorted", "reversed", "blocks")
 
@@ -100,8 +102,8 @@ def test_nothing_compacted_is_numpy_lower_exactly(mesh, n):
 
 
 def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
-    x, qs = shaped(3001), np.array([0, 0.001, 0.01, 0.25, 0.5, 0.9, 0.999, 1])
-    exact, kw = ss.Quantiles(qs=qs, k=K, exact=True, method="lower"), {"microbatch": 64, "steps_per_call": 2}
+    x, qs, kw = shaped(3001), EXACT_QS, EXACT_KW
+    exact = ss.Quantiles(qs=qs, k=K, exact=True, method="lower")
     got, report = ss.run_passes(exact, x, mesh="data:2", **kw)
     np.testing.assert_array_equal(got.quantiles, lower(x, qs))
     assert 2 <= got.passes <= 4 and got.rank_error == 0
@@ -201,9 +203,9 @@ def test_every_numpy_method_one_pass_and_exact(method):
     want = np.quantile(x.astype(np.float64), QS, axis=0, method=method).T
     got = ss.run(ss.Quantiles(qs=QS, k=K, method=method), x, mesh="data:2", **KW)
     np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
-    x, qs = shaped(3001), np.array([0, 0.001, 0.3, 0.5, 0.75, 0.999, 1])  # exact: compacted, then refined
-    want = np.quantile(x.astype(np.float64), qs, axis=0, method=method).T
-    got = ss.run(ss.Quantiles(qs=qs, k=K, exact=True, method=method), x, mesh="data:2", microbatch=64)
+    x = shaped(3001)  # exact: compacted, then refined (the programs test_exact_mode_... compiled)
+    want = np.quantile(x.astype(np.float64), EXACT_QS, axis=0, method=method).T
+    got = ss.run(ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method=method), x, mesh="data:2", **EXACT_KW)
     np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
     assert got.passes > 1 and got.rank_error == 0
 

@@ -107,8 +107,8 @@ def test_masked_rows_never_count():
     check_moments(got, x[:6], 0)
 
 
-@pytest.mark.parametrize("mesh, n", [("data:2", 1009), ("data:8", 97)])
-def test_pca_matches_scikit_learn(mesh, n):
+def test_pca_matches_scikit_learn():
+    mesh, n = "data:8", 1009  # ragged: 126 or 127 rows a device
     sklearn = pytest.importorskip("sklearn.decomposition")
     x = rows(n, d=5, seed=4, offset=10.0)
     got = ss.run(ss.PCA(3), x, mesh=mesh, microbatch=8)
@@ -121,8 +121,8 @@ def test_pca_matches_scikit_learn(mesh, n):
 
 
 def test_pca_components_are_orthonormal_rows_sorted_by_variance():
-    got = ss.run(ss.PCA(4), rows(200, seed=5), microbatch=8)
-    np.testing.assert_allclose(got.components @ got.components.T, np.eye(4), atol=1e-10)
+    got = ss.run(ss.PCA(5), rows(200, d=5, seed=5), mesh="data:8", microbatch=8)  # test_pca_matches_...'s step
+    np.testing.assert_allclose(got.components @ got.components.T, np.eye(5), atol=1e-10)
     assert np.all(np.diff(got.explained_variance) <= 0)
     assert abs(got.explained_variance_ratio.sum() - 1) < 1e-10
 
@@ -194,11 +194,11 @@ def test_drifting_rows_far_from_zero_stay_accurate():
 
 @pytest.mark.parametrize("value", [1e12, 3e19, -7.1, 0.0])
 def test_a_constant_column_has_exactly_zero_variance(value):
-    x = np.full((1000, 2), value, np.float32)
-    x[:, 1] = np.linspace(-1, 1, 1000)  # next to an ordinary column
-    for mesh, microbatch in (("data:1", 16), ("data:3", 7), ("data:8", None)):
-        moments = ss.run(ss.Moments(), x, mesh=mesh, microbatch=microbatch)
-        cov = ss.run(ss.Covariance(), x, mesh=mesh, microbatch=microbatch).cov
+    x = np.full((1000, 4), value, np.float32)  # 4 columns: test_covariance_and_moments_match_numpy's programs
+    x[:, 1:] = np.linspace(-1, 1, 1000)[:, None]  # next to ordinary columns
+    for mesh, kw in (("data:1", {"microbatch": 8, "steps_per_call": 2}), ("data:3", {"microbatch": 7}), ("data:8", {})):
+        moments = ss.run(ss.Moments(), x, mesh=mesh, **kw)
+        cov = ss.run(ss.Covariance(), x, mesh=mesh, **kw).cov
         assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (mesh, moments.var, cov)
         assert moments.mean[0] == np.float32(value)
         assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
@@ -207,10 +207,10 @@ def test_a_constant_column_has_exactly_zero_variance(value):
 def test_variances_are_never_negative():
     # Columns of two neighbouring float32 values far from zero: deviations of one ulp.
     base = np.float32(3e7)
-    x = np.where(np.random.default_rng(9).random((4001, 6)) < 0.999, base, np.nextafter(base, np.float32(np.inf)))
-    for mesh in ("data:1", "data:8"):
-        var = ss.run(ss.Moments(), x.astype(np.float32), mesh=mesh, microbatch=16).var
-        diag = np.diag(ss.run(ss.Covariance(), x.astype(np.float32), mesh=mesh, microbatch=16).cov)
+    x = np.where(np.random.default_rng(9).random((4001, 4)) < 0.999, base, np.nextafter(base, np.float32(np.inf)))
+    for mesh in ("data:1", "data:8"):  # the shapes and steps of test_covariance_and_moments_match_numpy
+        var = ss.run(ss.Moments(), x.astype(np.float32), mesh=mesh, microbatch=8, steps_per_call=2).var
+        diag = np.diag(ss.run(ss.Covariance(), x.astype(np.float32), mesh=mesh, microbatch=8, steps_per_call=2).cov)
         assert (var >= 0).all() and (diag >= 0).all()
         assert rel_err(var, f64(x).var(0)) < 1e-3
 
@@ -224,7 +224,7 @@ def test_pca_keeps_small_components_of_ill_conditioned_data_like_scikit_learn():
     rotation = np.linalg.qr(rng.normal(size=(d, d)))[0]
     x = ((rng.normal(size=(4000, d)) * np.logspace(0, -3.5, d)) @ rotation.T * 100 + 1e3).astype(np.float32)
     want = sklearn.PCA(d, svd_solver="full").fit(f64(x))
-    for mesh in ("data:1", "data:8"):
+    for mesh in ("data:8",):  # ragged: 500 rows a device, 64 a micro-batch; R factors merged over devices
         got = ss.run(ss.PCA(d), x, mesh=mesh, microbatch=64)
         assert np.abs(got.singular_values / want.singular_values_ - 1).max() < 1e-4
         assert np.abs(got.explained_variance / want.explained_variance_ - 1).max() < 2e-4
