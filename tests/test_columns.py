@@ -154,17 +154,18 @@ def test_a_vocabulary_is_one_call_topk_of_a_string_column_like_value_counts(word
     make = {"parquet": lambda: ParquetSource(where / "words.parquet", columns="word"),
             "csv": lambda: CsvSource(where / "words.csv", columns="word", block_bytes=4096),
             "frame": lambda: frame[["word"]]}[kind]  # a frame of strings only: its string columns
-    top = ss.run(ss.TopK(k=20), make(), mesh="data:2")
+    job = {"mesh": "data:2", "microbatch": 256, "steps_per_call": 4}  # one layout: the kinds share compiled programs
+    top = ss.run(ss.TopK(k=20), make(), **job)
     values, counts = np.ravel(top.values), np.ravel(top.counts)  # a frame's columns=None: a list of one
     want = frame.word.value_counts()
     assert counts.tolist() == want.to_numpy()[:20].tolist()  # ties come in another order than pandas'
     assert [want[v] for v in values] == counts.tolist() and values[0] == want.index[0]
     assert top.columns.tolist() == ["word"] and bool(top.certain)
-    every = ss.run(ss.TopK(k=500, capacity=500), make(), mesh="data:2")  # every word, then "" (count 0)
+    every = ss.run(ss.TopK(k=500, capacity=500), make(), **job)  # every word, then "" (count 0)
     values, counts = np.ravel(every.values), np.ravel(every.counts)
     assert dict(zip(values[counts > 0].tolist(), counts[counts > 0].tolist(), strict=True)) == want.to_dict()
     assert set(values[counts == 0].tolist()) == {""}
-    n = ss.run(ss.DistinctCount(exact_up_to=4096), make(), mesh="data:2")
+    n = ss.run(ss.DistinctCount(exact_up_to=4096), make(), **job)
     assert np.ravel(n.count).tolist() == [frame.word.nunique()]
 
 
