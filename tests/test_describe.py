@@ -38,7 +38,7 @@ def check_like_pandas(got, frame, percentiles=None, rtol=1e-5):
     pd.testing.assert_frame_equal(table, want, rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("mesh, n", [("data:1", 1), ("data:3", 101), ("data:8", 997)])
+@pytest.mark.parametrize("mesh, n", [("data:2", 1), ("data:3", 101), ("data:8", 997)])
 def test_one_pass_is_pandas_describe_with_nans_on_any_device_count(mesh, n):
     frame = data(n)
     got = ss.run(ss.Describe(), frame, mesh=mesh, **KW)  # nothing compacted: the percentiles exactly
@@ -52,7 +52,7 @@ def test_compacted_sketch_percentiles_are_within_their_rank_error_and_exact_mode
     frame = data(3001)
     x = frame.to_numpy(np.float64)
     qs = [0.01, 0.99]
-    got = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16), frame, mesh="data:4", **KW)
+    got = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16), frame, mesh="data:2", **KW)
     np.testing.assert_array_equal(got.qs, qs)
     assert np.all(got.rank_error[:4] > 0)
     for j in range(4):
@@ -62,7 +62,7 @@ def test_compacted_sketch_percentiles_are_within_their_rank_error_and_exact_mode
             below, upto = np.searchsorted(values, value), np.searchsorted(values, value, "right")
             slack = got.rank_error[j] * n + 1  # an interpolated value sits between two ranks
             assert below - slack <= q * (n - 1) <= upto - 1 + slack, (j, q)
-    exact = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16, exact=True), frame, mesh="data:4", **KW)
+    exact = ss.run(ss.Describe(percentiles=(0.01, 0.99), k=16, exact=True), frame, mesh="data:2", **KW)
     assert exact.passes > 1
     np.testing.assert_array_equal(exact.rank_error, 0)
     np.testing.assert_allclose(exact.percentiles, np.nanquantile(x, qs, axis=0).T, rtol=1e-12)
