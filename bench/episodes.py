@@ -22,9 +22,7 @@ JSON goes to ``bench/results/episodes.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 import time
 from typing import Any
@@ -40,7 +38,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 import sharded_scan as ss  # noqa: E402
 from bench.streaming import ROOT, Bench, timed  # noqa: E402
-from bench.tabular_streaming import read_only  # noqa: E402
+from bench.tabular_streaming import read_only, write_results  # noqa: E402
 from sharded_scan.sources import ParquetSource  # noqa: E402
 from sharded_scan.sources.base import aligned_empty  # noqa: E402
 
@@ -138,14 +136,8 @@ def main() -> None:
     for r in cases:
         print(f"{r['layout']:<17}{r['file_mib']:>6.0f}" + "".join(f"{r[k + '_rows_per_s'] / 1e6:>15.2f}M" for k in keys)
               + f"{r['read_over_ceiling']:>11.2f}{r['run_over_ceiling']:>10.2f}")
-    result = {"quick": args.quick, "host": platform.node(), "jax": jax.__version__, "pyarrow": pa.__version__,
-              "devices": jax.device_count(), "cores": os.cpu_count(), "repeats": repeats, "episodes": args.episodes,
-              "rows_per_episode": rows, "cases": cases}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    out = RESULTS if not args.quick else RESULTS.replace(".json", "_quick.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {out}")
+    write_results(RESULTS, args.quick, {"repeats": repeats, "episodes": args.episodes, "rows_per_episode": rows,
+                                        "cases": cases})
 
 
 if __name__ == "__main__":

@@ -202,11 +202,16 @@ def main() -> None:
             print(f"  {r['case']:<8}baseline {args.baseline}: source {r['baseline_source_s']:.3f} s, run "
                   f"{r['baseline_run_s']:.3f} s (run/ceil {r['ceiling_s'] / r['baseline_run_s']:.2f}); this: source "
                   f"{r['baseline_source_s'] / r['source_s']:.2f}x, run {r['baseline_run_s'] / r['run_s']:.2f}x faster")
-    result = {"quick": args.quick, "host": platform.node(), "jax": jax.__version__, "pyarrow": pa.__version__,
-              "devices": jax.device_count(), "cores": os.cpu_count(), "repeats": repeats, "columns": COLUMNS,
-              "row_group_rows": ROW_GROUP, "parquet_files": FILES, "baseline": args.baseline, "cases": cases}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    out = RESULTS if not args.quick else RESULTS.replace(".json", "_quick.json")
+    write_results(RESULTS, args.quick, {"repeats": repeats, "columns": COLUMNS, "row_group_rows": ROW_GROUP,
+                                        "parquet_files": FILES, "baseline": args.baseline, "cases": cases})
+
+
+def write_results(path: str, quick: bool, fields: dict[str, Any]) -> None:
+    """Writes a tabular bench's figures with the machine they come from (``_quick`` beside ``path``)."""
+    result = {"quick": quick, "host": platform.node(), "jax": jax.__version__, "pyarrow": pa.__version__,
+              "devices": jax.device_count(), "cores": os.cpu_count(), **fields}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    out = path if not quick else path.replace(".json", "_quick.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {out}")
