@@ -78,6 +78,41 @@ class Sum(AdditiveCombiner):
         sums = jax.tree.map(lambda a: wide.to_int(a) if wide.is_wide(a) else a, acc.sum, is_leaf=wide.is_wide)
         return SumResult(sums, wide.to_int(acc.count))
 
+    def weighted(self):
+        return WeightedSum()
+
+
+class WeightedSumResult(NamedTuple):
+    """Weighted column sums ``Σ w x``, the rows of positive weight and the sum of the weights."""
+
+    sum: np.ndarray
+    count: np.ndarray
+    weight: np.ndarray
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame: a row per column, its weighted ``sum``, the ``count`` of rows and their ``weight``."""
+        return frame(self, ("sum", "count", "weight"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedSum(AdditiveCombiner):
+    """``Sum().weighted()``: on rows ``(w, data)``, ``Σ w x`` of every leaf (in float), the rows and ``Σ w``."""
+
+    def init(self, spec):
+        w, data = spec
+        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.result_type(accumulator_dtype(s.dtype), w.dtype)), data)
+        return WeightedSumResult(sums, wide.zeros(), jnp.zeros((), w.dtype))
+
+    def add(self, acc, batch, mask):
+        w, data = batch
+        w = masked(w, mask)
+        sums = jax.tree.map(lambda a, x: a + jnp.tensordot(w.astype(a.dtype), x.astype(a.dtype), 1), acc.sum, data)
+        return WeightedSumResult(sums, wide.count_rows(acc.count, mask), acc.weight + jnp.sum(w))
+
+    def finalize(self, acc):
+        return WeightedSumResult(acc.sum, wide.to_int(acc.count), acc.weight)
+
 
 def check_matrix_spec(spec, who: str) -> None:
     """Raises unless ``spec`` is one array leaf whose rows are vectors ``(d,)``."""

@@ -48,6 +48,9 @@ class Wrapper(Combiner):
     def check_spec(self, spec):
         self.inner.check_spec(spec)
 
+    def check_rows(self, rows):
+        self.inner.check_rows(rows)
+
     def for_mesh(self, mesh):
         return self.rewrap(self.inner.for_mesh(mesh))
 
