@@ -1,9 +1,12 @@
 """GroupBy and Weighted: per-key and weighted reductions against numpy per group."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan.combiners import sums, wide
 
 K = 7
 RUN = {"microbatch": 64, "steps_per_call": 2}  # one layout for every case: programs shared
@@ -71,3 +74,63 @@ def test_bad_inputs_are_one_line(combiner, rows, message):
     with pytest.raises(ss.UsageError, match=message) as err:
         ss.run(combiner(), rows(keys, x, w), **RUN)
     assert "\n" not in str(err.value)
+
+
+def test_fast_add_keyed_agree_with_numpy_per_key():
+    """The built-ins' segment reductions (and from_fn's default) fold each row into its key's accumulator."""
+    keys, x, w = data(300, seed=1)
+    mask = np.arange(300) < 290  # the last rows are padding
+    groups = [(keys == k) & mask for k in range(K)]
+    ints = np.random.default_rng(1).integers(-2**31, 2**31 - 1, (300, 2), dtype=np.int64).astype(np.int32)
+
+    def keyed(combiner, rows):
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows)
+        acc = jax.tree.map(lambda a: jnp.broadcast_to(a, (K, *a.shape)), combiner.init(spec))
+        return jax.jit(lambda a, r: combiner.add_keyed(a, r, mask, keys, K))(acc, rows)
+
+    r = keyed(ss.Sum(), ints)
+    np.testing.assert_array_equal(wide.to_int(r.sum), [ints[g].astype(np.int64).sum(0) for g in groups])
+    np.testing.assert_array_equal(wide.to_int(r.count), [g.sum() for g in groups])
+    counts = keyed(ss.Histogram(5, (-2, 2)).weighted(), (w, x))
+    np.testing.assert_allclose(counts, [[np.histogram(x[g, j], 5, (-2, 2), weights=w[g])[0] for j in range(3)]
+                                        for g in groups], atol=1e-5)
+    counts = wide.to_int(keyed(ss.Histogram(5, (-2, 2)), x))
+    np.testing.assert_array_equal(counts, [[np.histogram(x[g, j], 5, (-2, 2))[0] for j in range(3)] for g in groups])
+    gram = keyed(ss.Gram(block=2), x)  # the triangle's block rows
+    full = [sums.triangle_full(jax.tree.map(lambda a, k=k: a[k], gram)) for k in range(K)]
+    np.testing.assert_allclose(full, [x[g].T @ x[g] for g in groups], rtol=1e-5, atol=1e-4)
+    squares = ss.from_fn(lambda c, b: c + jnp.sum(b * b, 0), np.zeros(3, np.float32))
+    np.testing.assert_allclose(keyed(squares, x), [(x[g] ** 2).sum(0) for g in groups], rtol=1e-5)
+
+
+def test_keys_out_of_range_in_data_not_in_memory_fail_the_run_in_one_line_and_names_reach_to_pandas():
+    pd = pytest.importorskip("pandas")
+    keys, x, _ = data(300)
+    frame = pd.DataFrame(x, columns=["a", "b", "c"])
+    table = ss.run(ss.GroupBy(ss.Sum(), K), (keys, frame), **RUN).to_pandas()
+    assert table.index.names == ["key", None] and table.loc[(2, "b"), "count"] == np.count_nonzero(keys == 2)
+    np.testing.assert_allclose(table.loc[(2, "b"), "sum"], x[keys == 2, 1].sum(), rtol=1e-5)
+    keys[5] = K
+    with pytest.raises(ss.UsageError, match="1 rows have keys outside 0..6; pass a larger num_keys") as err:
+        ss.run(ss.GroupBy(ss.Sum(), K), (keys, frame), **RUN)
+    assert "\n" not in str(err.value)
+
+
+def test_weighted_gram_per_key_resumes_on_a_model_axis(tmp_path):
+    keys, x, w = data(2500)
+    job = ss.GroupBy(ss.Weighted(ss.Gram()), K)
+    expected = [(x[keys == k] * w[keys == k, None]).T @ x[keys == k] for k in range(K)]
+
+    class StopError(Exception):
+        pass
+
+    def stop_at_2(progress):
+        if progress.step == 2:
+            raise StopError
+
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    with pytest.raises(StopError):
+        ss.run(job, (keys, (w, x)), checkpoint=options, progress=stop_at_2, **RUN)
+    resumed = ss.run(job, (keys, (w, x)), checkpoint=options, mesh="data:4,model:2", **RUN)
+    np.testing.assert_allclose(resumed.result, expected, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(resumed.count, np.bincount(keys, minlength=K))

@@ -45,6 +45,10 @@ class Combiner(abc.ABC):
     #: True when the combiner counts values by key (TopK, DistinctCount), so string columns read
     #: as :func:`~sharded_scan.hash_strings` ids may feed it; the others refuse them in one line.
     takes_string_ids: bool = False
+    #: Where in a row the data is that the result describes (indices into the row's pytree; its
+    #: columns name the result's): ``()`` the whole row; ``(1,)`` for ``(keys, data)`` or ``(w, data)``.
+    data_part: tuple[int, ...] = ()
+
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
         """Returns the identity accumulator for data whose rows have ``spec``."""

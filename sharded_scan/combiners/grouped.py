@@ -63,6 +63,10 @@ class GroupByResult(NamedTuple):
             raise UsageError(f"no key {key!r} in this result; its keys are 0..{int(self.keys.max())}.")
         return entry(self.result, int(where[0]))
 
+    def per_key(self, fn) -> GroupByResult:
+        """This result with ``fn`` applied to each key's inner result."""
+        return self._replace(result=stack([fn(entry(self.result, i)) for i in range(len(self.keys))]))
+
     def to_pandas(self):
         """A DataFrame of every key's inner ``to_pandas()`` stacked, indexed by ``key`` first,
         with the ``count`` of rows of each key where the inner frame has none."""
@@ -86,7 +90,12 @@ def entry(stacked: Any, i: int) -> Any:
 
 
 def stack(results: list) -> Any:
-    """One result whose every field holds ``results``' values along a leading axis."""
+    """One result whose every field holds ``results``' values along a leading axis (``columns``,
+    the same for every key, once)."""
+    first = results[0]
+    if hasattr(first, "_fields"):
+        return type(first)(*[v if f == "columns" or v is None else stack([r[i] for r in results])
+                             for i, (f, v) in enumerate(zip(first._fields, first, strict=True))])
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *results)
 
 
@@ -138,6 +147,10 @@ class GroupBy(Wrapper):
     def takes_string_ids(self) -> bool:
         return self.inner.takes_string_ids
 
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return (1, *self.inner.data_part)
+
     def fingerprint(self):
         return {"combiner": "GroupBy", "num_keys": repr(self.num_keys), "out_of_range": repr(self.out_of_range),
                 "inner": self.inner.fingerprint()}
@@ -167,6 +180,9 @@ class GroupBy(Wrapper):
                     "or out_of_range='other' to count them in an 'other' row."
                 )
         self.inner.check_rows(rows[1])
+
+    def operands(self, spec):
+        return self.inner.operands(spec[1])
 
     def partition(self, mesh):
         parts = self.inner.partition(mesh)

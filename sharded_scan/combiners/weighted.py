@@ -75,6 +75,10 @@ class Weighted(Wrapper):
     def additive(self) -> bool:
         return self.form.additive
 
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return (1, *self.inner.data_part)
+
     def fingerprint(self):
         return {"combiner": "Weighted", "inner": self.inner.fingerprint()}
 
@@ -90,6 +94,9 @@ class Weighted(Wrapper):
             raise UsageError(f"{int(bad.sum())} rows have negative or non-finite weights (row {first}: {w[first]}); "
                              f"{BAD_WEIGHTS}.")
         self.form.check_rows(rows)
+
+    def operands(self, spec):
+        return self.form.operands(self._float_weights(spec))
 
     def partition(self, mesh):
         parts = self.form.partition(mesh)

@@ -41,6 +41,10 @@ class Wrapper(Combiner):
     def additive(self) -> bool:
         return self.inner.additive
 
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return self.inner.data_part
+
     def rewrap(self, inner: Combiner) -> Wrapper:
         """The same wrapper around ``inner``."""
         return dataclasses.replace(self, inner=inner)
