@@ -1,12 +1,16 @@
 """GroupBy and Weighted: per-key and weighted reductions against numpy per group."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sharded_scan as ss
+from launch.data import make_combiner, make_source
 from sharded_scan.combiners import sums, wide
+from tests.helpers import assert_usage_error
 
 K = 7
 RUN = {"microbatch": 64, "steps_per_call": 2}  # one layout for every case: programs shared
@@ -134,3 +138,27 @@ def test_weighted_gram_per_key_resumes_on_a_model_axis(tmp_path):
     resumed = ss.run(job, (keys, (w, x)), checkpoint=options, mesh="data:4,model:2", **RUN)
     np.testing.assert_allclose(resumed.result, expected, rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(resumed.count, np.bincount(keys, minlength=K))
+
+
+def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    config = importlib.import_module("configs.groupby").get_config("quick")
+    assert make_combiner(config.combiner, config.data) == ss.GroupBy(ss.Moments(), 10)
+    source = make_source(config.data)
+    synthetic = source.read(0, 1000)[0]
+    counts = np.bincount(synthetic, minlength=10)
+    assert len(counts) == 10 and counts[0] > 2 * counts[9] > 0  # Zipf frequencies over keys 0..9
+    np.testing.assert_array_equal(source.read(300, 700)[0], synthetic[300:700])  # the same keys however cut
+
+    keys, x, w = data()
+    frame = pd.DataFrame({"k": keys, "a": x[:, 0], "w": w, "b": x[:, 1], "c": x[:, 2]})
+    frame.to_parquet(tmp_path / "rows.parquet")
+    config.data.update(kind="parquet", path=str(tmp_path / "rows.parquet"), key="k", weight="w")
+    config.combiner.inner, config.combiner.kwargs.num_keys = {"name": "Sum", "kwargs": {}}, K
+    got = ss.run(make_combiner(config.combiner, config.data), make_source(config.data), **RUN).to_pandas()
+    want = frame[["a", "b", "c"]].mul(frame.w, axis=0).groupby(frame.k).sum().stack()
+    np.testing.assert_allclose(got["sum"], want, rtol=1e-5, atol=1e-5)
+    assert got.index.tolist() == want.index.tolist()  # (key, column name)
+    config.combiner = {"name": "Sum", "kwargs": {}}
+    assert_usage_error(lambda: make_combiner(config.combiner, config.data), ["config.data.key='k'", "GroupBy"])

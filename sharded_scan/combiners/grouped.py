@@ -214,9 +214,11 @@ class GroupBy(Wrapper):
         count = np.asarray(wide.to_int(acc.count), np.int64)
         outside = int(count[self.num_keys])
         if self.out_of_range == "raise" and outside:
+            problem = f"{outside} rows have keys outside 0..{self.num_keys - 1}"
             raise UsageError(
-                f"{outside} rows have keys outside 0..{self.num_keys - 1}; pass a larger num_keys, or "
-                "out_of_range='other' to count them in an 'other' row."
+                f"{problem}; pass a larger num_keys, or out_of_range='other' to count them in an 'other' row.",
+                cli=f"{problem}; pass a larger --config.combiner.kwargs.num_keys, or "
+                    "--config.combiner.kwargs.out_of_range=other to count them in an 'other' row.",
             )
         count = count[: self.slots]
         results = [self.inner.finalize(jax.tree.map(lambda x, k=k: x[k], acc.value)) if count[k] else None

@@ -136,6 +136,7 @@ class Weighted(Wrapper):
     def finalize(self, acc):
         bad = int(wide.to_int(acc.bad_weights))
         if bad:
-            raise UsageError(f"{bad} rows have negative or non-finite weights; {BAD_WEIGHTS}: fix the weights, "
-                             "or pass nan_policy='omit' to skip rows with NaN or Inf.")
+            problem = f"{bad} rows have negative or non-finite weights; {BAD_WEIGHTS}: fix the weights, or pass"
+            raise UsageError(f"{problem} nan_policy='omit' to skip rows with NaN or Inf.",
+                             cli=f"{problem} --config.nan_policy=omit to skip rows with NaN or Inf.")
         return self.form.finalize(acc.value)
