@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
+from launch import data as launch_data
 from launch.data import make_combiner, make_source
 from sharded_scan.combiners import sums, wide
 from tests.helpers import assert_usage_error
@@ -120,10 +121,8 @@ def test_keys_out_of_range_in_data_not_in_memory_fail_the_run_in_one_line_and_na
     assert "\n" not in str(err.value)
 
 
-def test_weighted_gram_per_key_resumes_on_a_model_axis(tmp_path):
+def test_groupby_resumes_and_splits_a_weighted_gram_per_key_over_model(tmp_path):
     keys, x, w = data(2500)
-    job = ss.GroupBy(ss.Weighted(ss.Gram()), K)
-    expected = [(x[keys == k] * w[keys == k, None]).T @ x[keys == k] for k in range(K)]
 
     class StopError(Exception):
         pass
@@ -134,10 +133,20 @@ def test_weighted_gram_per_key_resumes_on_a_model_axis(tmp_path):
 
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     with pytest.raises(StopError):
-        ss.run(job, (keys, (w, x)), checkpoint=options, progress=stop_at_2, **RUN)
-    resumed = ss.run(job, (keys, (w, x)), checkpoint=options, mesh="data:4,model:2", **RUN)
-    np.testing.assert_allclose(resumed.result, expected, rtol=1e-5, atol=1e-4)
+        ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, progress=stop_at_2, **RUN)
+    resumed = ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, **RUN)
+    np.testing.assert_allclose(resumed.sum, [x[keys == k].sum(0) for k in range(K)], rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(resumed.count, np.bincount(keys, minlength=K))
+
+    job = ss.GroupBy(ss.Weighted(ss.Gram()), K)
+    gram = ss.run(job, (keys, (w, x)), mesh="data:4,model:2", **RUN)  # (K, d, d) split by columns over model
+    np.testing.assert_allclose(gram.result, [(x[keys == k] * w[keys == k, None]).T @ x[keys == k] for k in range(K)],
+                               rtol=1e-5, atol=1e-4)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), (keys, (w, x)))
+    split = job.for_mesh(ss.make_mesh("data:4,model:2"))
+    triangles = job.add(job.init(spec), (keys, (w, x)), np.ones(len(keys), bool))
+    columns = split.convert(triangles, job)  # a resume of the triangles on a model axis
+    np.testing.assert_allclose(split.finalize(jax.device_get(columns)).result, gram.result, rtol=1e-5, atol=1e-4)
 
 
 def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_path):
@@ -162,3 +171,22 @@ def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_pat
     assert got.index.tolist() == want.index.tolist()  # (key, column name)
     config.combiner = {"name": "Sum", "kwargs": {}}
     assert_usage_error(lambda: make_combiner(config.combiner, config.data), ["config.data.key='k'", "GroupBy"])
+
+
+@pytest.mark.parametrize("dtype, mesh", [(np.float64, "data:1"), (np.float32, "data:3"), (np.float64, "data:8")])
+def test_groupby_moments_is_pandas_groupby_on_1_3_and_8_devices(dtype, mesh):
+    pd = pytest.importorskip("pandas")
+    rows = 2999  # ragged on every split
+    keys = launch_data.ZipfKeys(rows, 40, seed=3).read(0, rows)
+    x = np.random.default_rng(3).normal(5, 2, size=(rows, 2)).astype(dtype)
+    got = ss.run(ss.GroupBy(ss.Moments(), 40), (keys, x), mesh=mesh, **RUN)
+    frame = pd.DataFrame(x.astype(np.float64)).groupby(keys)
+    present = np.unique(keys)
+    rtol = 1e-12 if dtype == np.float64 else 1e-6
+    np.testing.assert_array_equal(got.count[present], frame.size())
+    np.testing.assert_allclose(got.mean[present], frame.mean(), rtol=rtol)
+    np.testing.assert_allclose(got.var[present], frame.var(ddof=0), rtol=max(rtol, 1e-9 if dtype == np.float64 else 0))
+    np.testing.assert_array_equal(got.min[present], frame.min().astype(dtype))
+    np.testing.assert_array_equal(got.max[present], frame.max().astype(dtype))
+    absent = np.setdiff1d(np.arange(40), present)
+    assert np.isnan(got.mean[absent]).all() and (got.count[absent] == 0).all()
