@@ -62,6 +62,7 @@ def test_keys_out_of_range_are_one_line_or_an_other_row():
 @pytest.mark.parametrize("combiner, rows, message", [
     (lambda: ss.GroupBy(ss.Sum(), 0), None, "num_keys must be a positive integer"),
     (lambda: ss.GroupBy(ss.Sum(), 3, out_of_range="drop"), None, "out_of_range must be one of"),
+    (lambda: ss.GroupBy(ss.Quantiles(qs=[0.5], exact=True), 3), None, "reads the data several times"),
     (lambda: ss.Weighted(ss.Gradient(lambda p, x: x @ p, np.ones(3))),
      None, "takes no weights"),
     (lambda: ss.GroupBy(ss.Sum(), K), lambda k, x, w: (k.astype(np.float32), x), "keys must be integers"),

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.passes import check_one_pass
 from sharded_scan.combiners.results import pandas
 from sharded_scan.combiners.wrappers import Wrapper
 from sharded_scan.errors import UsageError
@@ -134,6 +135,7 @@ class GroupBy(Wrapper):
     def __post_init__(self):
         if not isinstance(self.inner, Combiner):
             raise UsageError(f"GroupBy needs a sharded_scan Combiner to run per key, got {type(self.inner).__name__}.")
+        check_one_pass(self.inner, "GroupBy")
         check_num_keys(self.num_keys)
         if self.out_of_range not in OUT_OF_RANGE:
             raise UsageError(f"GroupBy out_of_range must be one of {OUT_OF_RANGE}, got {self.out_of_range!r}.")

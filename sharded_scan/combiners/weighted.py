@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.passes import check_one_pass
 from sharded_scan.combiners.wrappers import Wrapper
 from sharded_scan.dtypes import accumulator_dtype, check_numeric
 from sharded_scan.errors import UsageError
@@ -64,6 +65,7 @@ class Weighted(Wrapper):
     def __post_init__(self):
         if not isinstance(self.inner, Combiner):
             raise UsageError(f"Weighted needs a sharded_scan Combiner, got {type(self.inner).__name__}.")
+        check_one_pass(self.inner, "Weighted")
         self.inner.weighted()  # one line now when the inner combiner takes no weights
 
     @property
