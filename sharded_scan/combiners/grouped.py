@@ -65,7 +65,13 @@ class GroupByResult(NamedTuple):
         return entry(self.result, int(where[0]))
 
     def per_key(self, fn) -> GroupByResult:
-        """This result with ``fn`` applied to each key's inner result."""
+        """This result with ``fn`` applied to each key's inner result (once, when all ``fn`` changes of
+        the first key's is its ``columns``: the same names for every key)."""
+        first = entry(self.result, 0)
+        named = fn(first)
+        if hasattr(named, "_fields") and all(a is b for f, a, b in zip(named._fields, named, first, strict=True)
+                                             if f != "columns"):
+            return self._replace(result=self.result._replace(columns=named.columns))
         return self._replace(result=stack([fn(entry(self.result, i)) for i in range(len(self.keys))]))
 
     def to_pandas(self):
