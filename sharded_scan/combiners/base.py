@@ -34,7 +34,6 @@ from sharded_scan.dtypes import accumulator_dtype, check_numeric  # noqa: F401 -
 from sharded_scan.errors import UsageError
 
 PyTree = Any
-KEYS_AT_ONCE = 8  # keys the default add_keyed folds side by side (memory: this many masked batches)
 
 
 class Combiner(abc.ABC):
@@ -147,7 +146,8 @@ class Combiner(abc.ABC):
             one, key = args
             return self.add(one, batch, mask & (keys == key))
 
-        return jax.lax.map(fold, (acc, jnp.arange(num_keys, dtype=jnp.int32)), batch_size=min(num_keys, KEYS_AT_ONCE))
+        # One key after another: batched, a lax.cond in add (the sketches') fails under shard_map.
+        return jax.lax.map(fold, (acc, jnp.arange(num_keys, dtype=jnp.int32)))
 
     def weighted(self) -> Combiner:
         """The combiner of rows ``(w, data)``: ``data`` weighted by float ``w`` (``(rows,)``).

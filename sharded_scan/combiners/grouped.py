@@ -43,7 +43,8 @@ class GroupByResult(NamedTuple):
     Attributes:
       result: the inner combiner's result with a leading axis of one entry per key on every
         field (``columns`` excepted); its fields are also this result's (``r.mean[k]``).
-      count: rows per key (int64).
+      count: rows per key (int64), as read: rows of weight 0 too (a ``Weighted`` inner result's own
+        ``count`` leaves them out).
       keys: the key of each entry: ``0..num_keys-1``, then ``-1`` for the ``other`` row
         (``out_of_range="other"``: rows whose key was outside ``[0, num_keys)``).
     """
