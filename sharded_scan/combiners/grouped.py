@@ -230,7 +230,8 @@ class GroupBy(Wrapper):
                     "--config.combiner.kwargs.out_of_range=other to count them in an 'other' row.",
             )
         count = count[: self.slots]
-        results = [self.inner.finalize(jax.tree.map(lambda x, k=k: x[k], acc.value)) if count[k] else None
+        leaves, tree = jax.tree.flatten(acc.value)
+        results = [self.inner.finalize(tree.unflatten([x[k] for x in leaves])) if count[k] else None
                    for k in range(self.slots)]
         empty = np.flatnonzero(count == 0)
         if empty.size:
