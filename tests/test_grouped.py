@@ -145,8 +145,8 @@ def test_groupby_resumes_and_splits_a_weighted_gram_per_key_over_model(tmp_path)
                                rtol=1e-5, atol=1e-4)
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), (keys, (w, x)))
     split = job.for_mesh(ss.make_mesh("data:4,model:2"))
-    triangles = job.add(job.init(spec), (keys, (w, x)), np.ones(len(keys), bool))
-    columns = split.convert(triangles, job)  # a resume of the triangles on a model axis
+    triangles = jax.jit(job.add)(job.init(spec), (keys, (w, x)), np.ones(len(keys), bool))
+    columns = jax.jit(lambda acc: split.convert(acc, job))(triangles)  # a resume of the triangles on a model axis
     np.testing.assert_allclose(split.finalize(jax.device_get(columns)).result, gram.result, rtol=1e-5, atol=1e-4)
 
 
