@@ -22,17 +22,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import check_column_spec, fill, fold_if_any, key_dtype, kind_code, masked_columns
+from sharded_scan.combiners.keys import (
+    check_column_spec,
+    fill,
+    fold_groups,
+    fold_if_any,
+    key_dtype,
+    kind_code,
+    masked_columns,
+    run_window,
+    sort_by_key,
+)
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles_exact import exact_passes
 from sharded_scan.combiners.quantiles_result import (
     QuantilesAcc,
     QuantilesResult,
+    WeightedQuantilesAcc,
     check_method,
     method_ranks,
     result_from_keys,
@@ -131,13 +143,33 @@ class Quantiles(Combiner, MultiPass):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        keys = jnp.sort(masked_columns(batch, mask), axis=1)
-        count = jnp.sum(mask, dtype=jnp.int32)
+        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1), jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_sorted(self, acc, keys, count):
+        """Folds keys ``(d, mb)`` sorted per column, the first ``count`` real."""
         sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
         largest = jnp.take(keys, count - 1, axis=1)
         low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
         high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
         return QuantilesAcc(sketch, wide.add_int32(acc.count, count), low, high, acc.kind)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """A sketch per key: the micro-batch sorted by (key, value) once, then each key present
+        inserts its rows (:func:`~.keys.fold_groups`)."""
+        groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
+        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n), n), acc, groups,
+                           num_keys)
+
+    def weighted(self):
+        if self.method != "inverted_cdf":
+            raise UsageError(
+                "weighted quantiles are read from the inverse of the weighted CDF (numpy's only weighted method): "
+                f"pass Quantiles(..., method='inverted_cdf') to Weighted, got method={self.method!r}."
+            )
+        if self.exact:
+            raise UsageError("Weighted(Quantiles(exact=True)) is not supported; drop exact=True: the sketch's "
+                             "rank_error bounds the answers' weight error.")
+        return WeightedQuantiles(self)
 
     def merge(self, a, b):
         return QuantilesAcc(
@@ -154,6 +186,81 @@ class Quantiles(Combiner, MultiPass):
 
     def passes(self):
         return exact_passes(self.qs, self.bits, self.method, dataclasses.replace(self, exact=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedQuantiles(Combiner):
+    """``Quantiles(..., method="inverted_cdf").weighted()``: on rows ``(w, X)``, per column the smallest
+    value whose weight at or below it is at least ``q`` of the total, like ``np.quantile(X, qs, axis=0,
+    weights=w, method="inverted_cdf")``, from a weighted KLL sketch (:mod:`~.kll_weighted`).
+
+    While nothing has been rounded (about ``k`` rows per shard or fewer) the answer is exactly numpy's,
+    but where ``q`` times the total weight falls within float rounding of a sum of weights; ``rank_error``
+    bounds, with probability 0.99 per answer, ``|F(answer) - q|``, ``F`` the share of the total weight at
+    or below (and, across the answer's own weight, below) it. ``q = 0`` and ``q = 1`` are the exact
+    smallest and largest values of positive weight.
+    """
+
+    quantiles: Quantiles
+
+    def check_spec(self, spec):
+        self.quantiles.check_spec(spec[1])
+
+    def init(self, spec):
+        w, x = spec
+        one = self.quantiles.init(x)
+        d = x.shape[0] if x.shape else 1
+        sketch = kll_weighted.empty(d, self.quantiles.k, one.low.dtype, w.dtype)
+        return WeightedQuantilesAcc(sketch, one.count, jnp.zeros((), w.dtype), one.low, one.high, one.kind)
+
+    def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
+        w, x = batch
+        cols = masked_columns(x, mask)
+        keys, weights = jax.lax.sort((cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)), dimension=1,
+                                     num_keys=1)
+        return self._add_sorted(acc, keys, weights, jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_sorted(self, acc, keys, weights, count):
+        sketch = kll_weighted.insert_sorted_rows(acc.sketch, keys, weights, count, self.quantiles.k)
+        largest = jnp.take(keys, count - 1, axis=1)
+        low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
+        high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
+        total = acc.weight + jnp.sum(weights[0])
+        return WeightedQuantilesAcc(sketch, wide.add_int32(acc.count, count), total, low, high, acc.kind)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """A sketch per key, as :meth:`Quantiles.add_keyed`."""
+        w, x = batch
+        cols = masked_columns(x, mask)
+        groups, cols, weights = sort_by_key(cols, mask, keys, num_keys,
+                                            jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape))
+
+        def fold(one, start, n):
+            return self._add_sorted(one, run_window(cols, start, n), run_window(weights, start, n), n)
+
+        return fold_groups(fold, acc, groups, num_keys)
+
+    def merge(self, a, b):
+        return WeightedQuantilesAcc(
+            kll_weighted.merge(a.sketch, b.sketch, self.quantiles.k), wide.add(a.count, b.count), a.weight + b.weight,
+            jnp.minimum(a.low, b.low), jnp.maximum(a.high, b.high), a.kind,
+        )
+
+    def finalize(self, acc):
+        qs = np.asarray(self.quantiles.qs)
+        host = kll_weighted.to_host(acc.sketch)
+        d = host.keys.shape[0]
+        total = host.cumulative[:, -1:] if host.keys.shape[1] else np.ones((d, 1))
+        # the first item whose cumulative weight reaches q W: past every cumulative weight below it
+        picks = kll.keys_at(host, np.nextafter(qs[None, :] * total, -np.inf))
+        variance = np.asarray(acc.sketch.variance, np.float64)
+        bound = max((kll.rank_error_bound(float(v), float(t), CONFIDENCE) for v, t in zip(variance, total[:, 0],
+                                                                                             strict=True)), default=0.0)
+        rows = int(wide.to_int(acc.count))
+        return result_from_keys(acc, qs, (picks, picks, np.zeros(picks.shape)), rows, bound, passes=1)
 
 
 def sketch_picks(host: kll.HostSketch, qs: np.ndarray, rows, method: str):
