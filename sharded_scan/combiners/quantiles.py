@@ -40,7 +40,7 @@ from sharded_scan.combiners.keys import (
     sort_by_key,
 )
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.quantiles_exact import exact_passes
+from sharded_scan.combiners.quantiles_exact import exact_passes, weighted_exact_passes
 from sharded_scan.combiners.quantiles_result import (
     QuantilesAcc,
     QuantilesResult,
@@ -166,9 +166,6 @@ class Quantiles(Combiner, MultiPass):
                 "weighted quantiles are read from the inverse of the weighted CDF (numpy's only weighted method): "
                 f"pass Quantiles(..., method='inverted_cdf') to Weighted, got method={self.method!r}."
             )
-        if self.exact:
-            raise UsageError("Weighted(Quantiles(exact=True)) is not supported; drop exact=True: the sketch's "
-                             "rank_error bounds the answers' weight error.")
         return WeightedQuantiles(self)
 
     def merge(self, a, b):
@@ -189,7 +186,7 @@ class Quantiles(Combiner, MultiPass):
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightedQuantiles(Combiner):
+class WeightedQuantiles(Combiner, MultiPass):
     """``Quantiles(..., method="inverted_cdf").weighted()``: on rows ``(w, X)``, per column the smallest
     value whose weight at or below it is at least ``q`` of the total, like ``np.quantile(X, qs, axis=0,
     weights=w, method="inverted_cdf")``, from a weighted KLL sketch (:mod:`~.kll_weighted`).
@@ -198,10 +195,20 @@ class WeightedQuantiles(Combiner):
     but where ``q`` times the total weight falls within float rounding of a sum of weights; ``rank_error``
     bounds, with probability 0.99 per answer, ``|F(answer) - q|``, ``F`` the share of the total weight at
     or below (and, across the answer's own weight, below) it. ``q = 0`` and ``q = 1`` are the exact
-    smallest and largest values of positive weight.
+    smallest and largest values of positive weight. With ``exact=True`` further passes count the
+    weight below the sketch's brackets until each answer is one value: numpy's, but where ``q`` times
+    the total weight is within the float rounding of the weights' sums of a sum of weights.
     """
 
     quantiles: Quantiles
+
+    @property
+    def needs_passes(self) -> bool:
+        return bool(self.quantiles.exact)
+
+    def passes(self):
+        sketch = dataclasses.replace(self, quantiles=dataclasses.replace(self.quantiles, exact=False))
+        return weighted_exact_passes(self.quantiles.qs, self.quantiles.bits, sketch)
 
     def check_spec(self, spec):
         self.quantiles.check_spec(spec[1])
