@@ -97,6 +97,12 @@ def test_weighted_forms_refuse_what_they_cannot_answer():
     assert "\n" not in str(err.value)
     with pytest.raises(ss.UsageError, match="DistinctCount takes no weights"):
         ss.Weighted(ss.DistinctCount())
+    keys, x, _, w = data(100)
+    for per_key, rows in [(ss.Quantiles(qs=[0.5], exact=True), x),
+                          (ss.Weighted(ss.Quantiles(qs=[0.5], exact=True, method="inverted_cdf")), (w, x))]:
+        with pytest.raises(ss.UsageError, match=r"GroupBy\(Quantiles\(exact=True\)\) is not supported") as err:
+            ss.run(ss.GroupBy(per_key, K), (keys, rows), **RUN)
+        assert "\n" not in str(err.value)
 
 
 def test_per_key_sketches_are_pandas_groupby_within_their_bounds():
