@@ -16,7 +16,8 @@ values to billions (measured in ``bench/sketches.py``).
 Each column's distinct keys are also kept while there are at most ``E = exact_up_to`` of
 them (sorted, ``E`` slots per column; by default ``2^precision``, the registers' count):
 such columns get their exact count, like ``pandas.Series.nunique``. Once every column has
-more, a micro-batch only updates the registers.
+more, a micro-batch only updates the registers. ``GroupBy(DistinctCount(...), K)`` keeps registers
+(and values) per key: the registers in one scatter-max (:meth:`DistinctCount.add_keyed`).
 """
 
 from __future__ import annotations

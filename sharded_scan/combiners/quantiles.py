@@ -15,6 +15,10 @@ every answer by keys, then each further pass counts the rows below and in ``2^bi
 bins of every bracket and narrows it to the bin holding the wanted rank, until the
 bin is one value (:mod:`~sharded_scan.combiners.quantiles_exact`; :func:`sharded_scan.run`
 runs the passes).
+
+``Weighted(Quantiles(..., method="inverted_cdf"))`` on rows ``(w, X)`` answers numpy's weighted
+``inverted_cdf`` from a weighted KLL (:class:`WeightedQuantiles`, :mod:`~sharded_scan.combiners.kll_weighted`),
+exactly too; ``GroupBy(Quantiles(...), K)`` keeps a sketch per key (:meth:`Quantiles.add_keyed`).
 """
 
 from __future__ import annotations

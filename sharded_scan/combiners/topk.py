@@ -19,6 +19,9 @@ The top ``k`` are the monitored values with the largest ``count``; ``certain`` s
 (:mod:`~sharded_scan.combiners.keys`: exact, so int64 ids are never merged); strings
 can be counted by their :func:`hash_strings` ids: a tabular source's string column is read so,
 and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
+
+``Weighted(TopK(...))`` counts sums of weights, in floats, by the same summary (:class:`WeightedTopK`);
+``GroupBy(TopK(...), K)`` keeps a summary per key (:meth:`TopK.add_keyed`).
 """
 
 from __future__ import annotations
