@@ -222,10 +222,12 @@ class DistinctCount(Combiner):
             return acc._replace(registers=registers)
         groups, cols = sort_by_key(jnp.where(mask[None, :], cols, fill(cols.dtype)), mask, keys, num_keys)
 
-        def fold(one, start, n):
-            return self._add_held(one, one.registers, run_window(cols, start, n), n)
+        width = min(cols.shape[1], self.exact_up_to)
 
-        return fold_groups(fold, acc._replace(registers=registers), groups, num_keys)
+        def fold(one, start, n):
+            return self._add_held(one, one.registers, run_window(cols, start, n, width), n)
+
+        return fold_groups(fold, acc._replace(registers=registers), groups, num_keys, width)
 
     def merge(self, a, b):
         registers = jnp.maximum(a.registers, b.registers)

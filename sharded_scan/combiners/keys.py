@@ -215,30 +215,36 @@ def sort_by_key(cols: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int
     return (out[0][0], *out[1:])
 
 
-def run_window(x: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
-    """``x[:, start:start + length]`` of ``(d, mb)`` at the front of ``mb`` slots, the rest :func:`empty_slot`."""
+def run_window(x: jax.Array, start: jax.Array, length: jax.Array, width: int) -> jax.Array:
+    """``x[:, start:start + length]`` of ``(d, mb)`` at the front of ``width`` slots, the rest :func:`empty_slot`."""
     blank = empty_slot(x.dtype)
-    padded = jnp.concatenate([x, jnp.full(x.shape, blank, x.dtype)], axis=1)
-    window = jax.lax.dynamic_slice_in_dim(padded, start, x.shape[1], axis=1)
-    return jnp.where(jnp.arange(x.shape[1]) < length, window, blank)
+    padded = jnp.concatenate([x, jnp.full((x.shape[0], width), blank, x.dtype)], axis=1)
+    window = jax.lax.dynamic_slice_in_dim(padded, start, width, axis=1)
+    return jnp.where(jnp.arange(width) < length, window, blank)
 
 
-def fold_groups(fold, acc, groups: jax.Array, num_keys: int):
-    """``acc`` (a leading ``num_keys`` axis on every leaf) with ``fold(acc[g], start, length)`` in
-    place of ``acc[g]`` for every group ``g`` present in ``groups`` (sorted, :func:`sort_by_key`),
-    whose rows are ``[start, start + length)``: a loop over the groups present, not all of them.
+def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
+    """``acc`` (a leading ``num_keys`` axis on every leaf) with each group ``g`` present in ``groups``
+    (sorted, :func:`sort_by_key`) folded in place: ``acc[g] = fold(acc[g], start, length)`` for every
+    chunk ``[start, start + length)`` of at most ``width`` of its rows, one after another.
+
+    A loop over the chunks present, not over every key; ``width`` (the most rows one ``fold`` takes,
+    its static size) keeps a key of few rows from paying for a whole micro-batch.
     """
     mb = groups.shape[0]
-    first = (groups < num_keys) & jnp.concatenate([jnp.ones((1,), bool), groups[1:] != groups[:-1]])
-    starts = jnp.nonzero(first, size=mb, fill_value=mb)[0].astype(jnp.int32)
-    present = jnp.sum(first, dtype=jnp.int32)
-    rows = jnp.sum(groups < num_keys, dtype=jnp.int32)
+    pos = jnp.arange(mb, dtype=jnp.int32)
+    real = groups < num_keys
+    first = real & jnp.concatenate([jnp.ones((1,), bool), groups[1:] != groups[:-1]])
+    run_start = jax.lax.cummax(jnp.where(first, pos, 0))
+    chunk = real & ((pos - run_start) % width == 0)
+    starts = jnp.nonzero(chunk, size=mb, fill_value=mb)[0].astype(jnp.int32)
+    chunks, rows = jnp.sum(chunk, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
 
     def body(i, acc):
         start = starts[i]
-        end = jnp.where(i + 1 < present, starts[jnp.minimum(i + 1, mb - 1)], rows)
+        end = jnp.where(i + 1 < chunks, starts[jnp.minimum(i + 1, mb - 1)], rows)
         group = groups[start]
         one = fold(jax.tree.map(lambda x: x[group], acc), start, end - start)
         return jax.tree.map(lambda x, v: x.at[group].set(v), acc, one)
 
-    return jax.lax.fori_loop(0, present, body, acc)
+    return jax.lax.fori_loop(0, chunks, body, acc)

@@ -169,8 +169,9 @@ class Quantiles(Combiner, MultiPass):
         inserts its rows (:func:`~.keys.fold_groups`)."""
         refuse_exact_per_key(self)
         groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
-        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n), n), acc, groups,
-                           num_keys)
+        width = min(cols.shape[1], self.k)
+        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
+                           groups, num_keys, width)
 
     def weighted(self):
         if self.method != "inverted_cdf":
@@ -258,10 +259,12 @@ class WeightedQuantiles(Combiner, MultiPass):
         groups, cols, weights = sort_by_key(cols, mask, keys, num_keys,
                                             jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape))
 
-        def fold(one, start, n):
-            return self._add_sorted(one, run_window(cols, start, n), run_window(weights, start, n), n)
+        width = min(cols.shape[1], self.quantiles.k)
 
-        return fold_groups(fold, acc, groups, num_keys)
+        def fold(one, start, n):
+            return self._add_sorted(one, run_window(cols, start, n, width), run_window(weights, start, n, width), n)
+
+        return fold_groups(fold, acc, groups, num_keys, width)
 
     def merge(self, a, b):
         return WeightedQuantilesAcc(

@@ -278,10 +278,12 @@ class TopK(Combiner):
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
-        """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its rows."""
+        """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its
+        rows, at most ``capacity`` at a time (:func:`~.keys.fold_groups`)."""
         groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
-        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n), n), acc, groups,
-                           num_keys)
+        width = min(cols.shape[1], self.capacity)
+        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
+                           groups, num_keys, width)
 
     def weighted(self):
         return WeightedTopK(self.k, self.capacity)
@@ -359,9 +361,11 @@ class WeightedTopK(TopK):
         cols, weights = self._sorted(batch, mask)
         groups, cols, weights = sort_by_key(cols, mask, keys, num_keys, weights)
 
-        def fold(one, start, n):
-            return self._add_sorted(one, run_window(cols, start, n), n, run_window(weights, start, n))
+        width = min(cols.shape[1], self.capacity)
 
-        return fold_groups(fold, acc, groups, num_keys)
+        def fold(one, start, n):
+            return self._add_sorted(one, run_window(cols, start, n, width), n, run_window(weights, start, n, width))
+
+        return fold_groups(fold, acc, groups, num_keys, width)
 
     weighted = Combiner.weighted  # weights do not stack
