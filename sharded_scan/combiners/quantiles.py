@@ -82,6 +82,13 @@ def check_k(k: Any, who: str) -> None:
         raise UsageError(f"{who} k (the sketch size) must be an integer >= {MIN_K}, got k={k!r}.")
 
 
+def extremes(acc, keys, count):
+    """The accumulator's smallest and largest keys with those of keys ``(d, mb)`` sorted, the first ``count`` real."""
+    largest = jnp.take(keys, count - 1, axis=1)
+    return (jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape)),
+            jnp.maximum(acc.high, largest.reshape(acc.high.shape)))
+
+
 def refuse_exact_per_key(quantiles) -> None:
     """One line for ``GroupBy(Quantiles(exact=True))``: the exact passes run for one sketch, not one per key."""
     if quantiles.exact:
@@ -159,9 +166,7 @@ class Quantiles(Combiner, MultiPass):
     def _add_sorted(self, acc, keys, count):
         """Folds keys ``(d, mb)`` sorted per column, the first ``count`` real."""
         sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
-        largest = jnp.take(keys, count - 1, axis=1)
-        low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
-        high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
+        low, high = extremes(acc, keys, count)
         return QuantilesAcc(sketch, wide.add_int32(acc.count, count), low, high, acc.kind)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
@@ -208,9 +213,8 @@ class WeightedQuantiles(Combiner, MultiPass):
     but where ``q`` times the total weight falls within float rounding of a sum of weights; ``rank_error``
     bounds, with probability 0.99 per answer, ``|F(answer) - q|``, ``F`` the share of the total weight at
     or below (and, across the answer's own weight, below) it. ``q = 0`` and ``q = 1`` are the exact
-    smallest and largest values of positive weight. With ``exact=True`` further passes count the
-    weight below the sketch's brackets until each answer is one value: numpy's, but where ``q`` times
-    the total weight is within the float rounding of the weights' sums of a sum of weights.
+    smallest and largest values of positive weight. With ``exact=True`` further passes sum the weight
+    below the sketch's brackets until each answer is one value: numpy's, with the same exception.
     """
 
     quantiles: Quantiles
@@ -245,9 +249,7 @@ class WeightedQuantiles(Combiner, MultiPass):
 
     def _add_sorted(self, acc, keys, weights, count):
         sketch = kll_weighted.insert_sorted_rows(acc.sketch, keys, weights, count, self.quantiles.k)
-        largest = jnp.take(keys, count - 1, axis=1)
-        low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
-        high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
+        low, high = extremes(acc, keys, count)
         total = acc.weight + jnp.sum(weights[0])
         return WeightedQuantilesAcc(sketch, wide.add_int32(acc.count, count), total, low, high, acc.kind)
 
