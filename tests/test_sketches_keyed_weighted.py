@@ -1,13 +1,10 @@
 """Weighted and per-key sketches (Quantiles, TopK, DistinctCount) against numpy and pandas, within their bounds."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners import kll_weighted
 
 K = 5
 RUN = {"microbatch": 64, "steps_per_call": 2, "mesh": "data:2"}  # one layout for every case: programs shared
@@ -44,14 +41,14 @@ def weighted_quantiles(x, w, qs):
                                  method="inverted_cdf") for j in range(x.shape[1])])
 
 
-WEIGHTED = ss.Weighted(ss.Quantiles(qs=QS, k=128, method="inverted_cdf"))
+WEIGHTED = ss.Weighted(ss.Quantiles(qs=QS, k=256, method="inverted_cdf"))
 
 
 def test_weighted_quantiles_are_numpy_inverted_cdf_exactly_uncompacted_and_within_the_bound_compacted():
     _, x, _, w = data()
-    small = ss.run(WEIGHTED, (w[:120], x[:120]), **RUN)  # fewer rows than k: nothing rounded
-    np.testing.assert_array_equal(small.quantiles, weighted_quantiles(x[:120], w[:120], QS))
-    assert small.rank_error == 0 and small.count == np.count_nonzero(w[:120])
+    small = ss.run(WEIGHTED, (w[:128], x[:128]), **RUN)  # fewer rows than k: nothing rounded
+    np.testing.assert_array_equal(small.quantiles, weighted_quantiles(x[:128], w[:128], QS))
+    assert small.rank_error == 0 and small.count == np.count_nonzero(w[:128])
     sketch = ss.run(WEIGHTED, (w, x), **RUN)
     errors = weight_share_errors(x[w > 0], w[w > 0], sketch.quantiles, QS)
     assert 0 < sketch.rank_error < 0.5 and np.all(errors <= sketch.rank_error), (errors, sketch.rank_error)
@@ -62,19 +59,9 @@ def test_weighted_exact_quantiles_are_numpy_inverted_cdf_after_compaction_with_t
     _, x, ids, w = data()
     x = np.column_stack([x[:, 0], ids[:, 1]]).astype(np.float32)  # and an integer column of many ties
     qs = np.array([0, 0.001, 0.1, 0.37, 0.5, 0.9, 0.999, 1])
-    got = ss.run(ss.Weighted(ss.Quantiles(qs=qs, k=128, method="inverted_cdf", exact=True)), (w, x), **RUN)
+    got = ss.run(ss.Weighted(ss.Quantiles(qs=qs, k=256, method="inverted_cdf", exact=True)), (w, x), **RUN)
     np.testing.assert_array_equal(got.quantiles, weighted_quantiles(x, w, qs))
     assert got.rank_error == 0 and 2 <= got.passes <= 4
-
-
-def test_weighted_compaction_keeps_the_total_weight():
-    s = kll_weighted.empty(1, 16)
-    keys = jnp.arange(64, dtype=jnp.uint32)[None, :]
-    insert = jax.jit(lambda s: kll_weighted.insert_sorted_rows(s, keys, jnp.full((1, 64), 0.5), jnp.int32(64), 16))
-    for _ in range(3):
-        s = insert(s)
-    total = kll_weighted.to_host(s).cumulative[0, -1]
-    assert float(s.variance[0]) > 0 and abs(total - 96.0) < 1e-4
 
 
 def test_weighted_topk_is_pandas_groupby_sum_within_its_errors():
