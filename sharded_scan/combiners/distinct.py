@@ -16,7 +16,8 @@ values to billions (measured in ``bench/sketches.py``).
 Each column's distinct keys are also kept while there are at most ``E = exact_up_to`` of
 them (sorted, ``E`` slots per column; by default ``2^precision``, the registers' count):
 such columns get their exact count, like ``pandas.Series.nunique``. Once every column has
-more, a micro-batch only updates the registers.
+more, a micro-batch only updates the registers. ``GroupBy(DistinctCount(...), K)`` keeps registers
+(and values) per key: the registers in one scatter-max (:meth:`DistinctCount.add_keyed`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from sharded_scan.combiners.keys import (
     check_column_spec,
     columns,
     fill,
+    fold_groups,
     fold_if_any,
     key_dtype,
     mix32,
     mix64,
+    run_window,
+    sort_by_key,
 )
 from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
@@ -195,10 +199,35 @@ class DistinctCount(Combiner):
         if not self.exact_up_to:
             return acc._replace(registers=registers)
         batch_keys = jnp.where(mask[None, :], keys, fill(keys.dtype))
-        valid = acc.held.reshape(-1) + jnp.sum(mask, dtype=jnp.int32)
+        return self._add_held(acc, registers, batch_keys, jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_held(self, acc, registers, batch_keys, count):
+        """``acc`` with ``registers`` and, while some column keeps its values, the first ``count`` of
+        ``batch_keys`` ``(d, mb)`` among them."""
+        valid = acc.held.reshape(-1) + count
         return jax.lax.cond(  # once every column has more values than it keeps, the registers alone
             jnp.all(acc.held > self.exact_up_to), lambda: acc._replace(registers=registers),
             lambda: self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """Registers per key in one scatter-max; the kept values of each key present in the micro-batch
+        (while it has few) folded key by key (:func:`~.keys.fold_groups`)."""
+        cols = columns(batch)
+        index, rank = register_updates(cols, mask, self.precision)
+        d = cols.shape[0]
+        group = jnp.broadcast_to(jnp.where(mask, keys, 0)[None, :], index.shape)
+        rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
+        registers = acc.registers.at[group, rows, index].max(rank)
+        if not self.exact_up_to:
+            return acc._replace(registers=registers)
+        groups, cols = sort_by_key(jnp.where(mask[None, :], cols, fill(cols.dtype)), mask, keys, num_keys)
+
+        width = min(cols.shape[1], self.exact_up_to)
+
+        def fold(one, start, n):
+            return self._add_held(one, one.registers, run_window(cols, start, n, width), n)
+
+        return fold_groups(fold, acc._replace(registers=registers), groups, num_keys, width)
 
     def merge(self, a, b):
         registers = jnp.maximum(a.registers, b.registers)

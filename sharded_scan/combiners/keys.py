@@ -74,6 +74,11 @@ def fill(key_type) -> np.generic:
     return key_type.type(np.iinfo(key_type).max)
 
 
+def empty_slot(dtype) -> np.generic:
+    """What unused slots of a sketch hold: the filler for keys, 0 for weights."""
+    return fill(dtype) if jnp.issubdtype(dtype, jnp.unsignedinteger) else np.dtype(dtype).type(0)
+
+
 def nan_key(key_type) -> np.generic:
     """The key of every NaN among float keys of ``key_type``: above +inf."""
     b = BITS64 if np.dtype(key_type).itemsize == 8 else BITS32
@@ -190,3 +195,56 @@ def masked_columns(batch: jax.Array, mask: jax.Array) -> jax.Array:
     """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last."""
     keys = columns(batch)
     return jnp.where(mask[None, :], keys, fill(keys.dtype))
+
+
+def sort_by_key(cols: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int, *more: jax.Array):
+    """Every column of a micro-batch sorted by (group key, value), padding last: what the sketches'
+    ``add_keyed`` fold key by key.
+
+    Args:
+      cols: keys by column ``(d, mb)`` (:func:`masked_columns`).
+      mask: real rows ``(mb,)``; keys: their group keys, in ``[0, num_keys)`` where ``mask``.
+      more: ``(d, mb)`` arrays carried along (a weight per row and column).
+
+    Returns:
+      ``(groups, cols, *more)``: the group keys in sorted order ``(mb,)`` (``num_keys`` for
+      padding), the same in every column, and the arrays sorted.
+    """
+    groups = jnp.where(mask, keys, num_keys).astype(jnp.int32)
+    out = jax.lax.sort((jnp.broadcast_to(groups, cols.shape), cols, *more), dimension=1, num_keys=2)
+    return (out[0][0], *out[1:])
+
+
+def run_window(x: jax.Array, start: jax.Array, length: jax.Array, width: int) -> jax.Array:
+    """``x[:, start:start + length]`` of ``(d, mb)`` at the front of ``width`` slots, the rest :func:`empty_slot`."""
+    blank = empty_slot(x.dtype)
+    padded = jnp.concatenate([x, jnp.full((x.shape[0], width), blank, x.dtype)], axis=1)
+    window = jax.lax.dynamic_slice_in_dim(padded, start, width, axis=1)
+    return jnp.where(jnp.arange(width) < length, window, blank)
+
+
+def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
+    """``acc`` (a leading ``num_keys`` axis on every leaf) with each group ``g`` present in ``groups``
+    (sorted, :func:`sort_by_key`) folded in place: ``acc[g] = fold(acc[g], start, length)`` for every
+    chunk ``[start, start + length)`` of at most ``width`` of its rows, one after another.
+
+    A loop over the chunks present, not over every key; ``width`` (the most rows one ``fold`` takes,
+    its static size) keeps a key of few rows from paying for a whole micro-batch.
+    """
+    mb = groups.shape[0]
+    pos = jnp.arange(mb, dtype=jnp.int32)
+    real = groups < num_keys
+    first = real & jnp.concatenate([jnp.ones((1,), bool), groups[1:] != groups[:-1]])
+    run_start = jax.lax.cummax(jnp.where(first, pos, 0))
+    chunk = real & ((pos - run_start) % width == 0)
+    starts = jnp.nonzero(chunk, size=mb, fill_value=mb)[0].astype(jnp.int32)
+    chunks, rows = jnp.sum(chunk, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
+
+    def body(i, acc):
+        start = starts[i]
+        end = jnp.where(i + 1 < chunks, starts[jnp.minimum(i + 1, mb - 1)], rows)
+        group = groups[start]
+        one = fold(jax.tree.map(lambda x: x[group], acc), start, end - start)
+        return jax.tree.map(lambda x, v: x.at[group].set(v), acc, one)
+
+    return jax.lax.fori_loop(0, chunks, body, acc)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.keys import GOLDEN, fill, fold32, mix32
+from sharded_scan.combiners.keys import GOLDEN, empty_slot, fill, fold32, mix32
 
 LEVELS = 48          # level h weighs 2^h: room for far more than 2^60 rows
 SHRINK = 2.0 / 3.0   # KLL's capacity ratio c between a level and the one above it
@@ -102,8 +102,8 @@ def _starts(sizes: jax.Array) -> jax.Array:
 
 
 def _padded(x: jax.Array, before: int, after: int) -> jax.Array:
-    d, filler = x.shape[0], fill(x.dtype)
-    return jnp.concatenate([jnp.full((d, before), filler, x.dtype), x, jnp.full((d, after), filler, x.dtype)], axis=1)
+    d, blank = x.shape[0], empty_slot(x.dtype)
+    return jnp.concatenate([jnp.full((d, before), blank, x.dtype), x, jnp.full((d, after), blank, x.dtype)], axis=1)
 
 
 def _window(items: jax.Array, start: jax.Array, size: int) -> jax.Array:
@@ -122,7 +122,7 @@ def _splice(items: jax.Array, total: jax.Array, start, old_len, new: jax.Array, 
     placed = jax.lax.dynamic_update_slice_in_dim(_padded(items, 0, width), new, start, axis=1)[:, :slots]
     moved = jax.lax.dynamic_slice_in_dim(_padded(items, width, width), width - shift, slots, axis=1)
     out = jnp.where(pos < start + new_len, placed, moved)
-    return jnp.where(pos < total + shift, out, fill(items.dtype))
+    return jnp.where(pos < total + shift, out, empty_slot(items.dtype))
 
 
 def window_sizes(k: int) -> tuple[int, ...]:

@@ -15,6 +15,10 @@ every answer by keys, then each further pass counts the rows below and in ``2^bi
 bins of every bracket and narrows it to the bin holding the wanted rank, until the
 bin is one value (:mod:`~sharded_scan.combiners.quantiles_exact`; :func:`sharded_scan.run`
 runs the passes).
+
+``Weighted(Quantiles(..., method="inverted_cdf"))`` on rows ``(w, X)`` answers numpy's weighted
+``inverted_cdf`` from a weighted KLL (:class:`WeightedQuantiles`, :mod:`~sharded_scan.combiners.kll_weighted`),
+exactly too; ``GroupBy(Quantiles(...), K)`` keeps a sketch per key (:meth:`Quantiles.add_keyed`).
 """
 
 from __future__ import annotations
@@ -22,17 +26,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import check_column_spec, fill, fold_if_any, key_dtype, kind_code, masked_columns
+from sharded_scan.combiners.keys import (
+    check_column_spec,
+    fill,
+    fold_groups,
+    fold_if_any,
+    key_dtype,
+    kind_code,
+    masked_columns,
+    run_window,
+    sort_by_key,
+)
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.quantiles_exact import exact_passes
+from sharded_scan.combiners.quantiles_exact import exact_passes, weighted_exact_passes
 from sharded_scan.combiners.quantiles_result import (
     QuantilesAcc,
     QuantilesResult,
+    WeightedQuantilesAcc,
     check_method,
     method_ranks,
     result_from_keys,
@@ -64,6 +80,20 @@ def check_qs(qs: Any, num_buckets: Any, who: str) -> tuple[float, ...]:
 def check_k(k: Any, who: str) -> None:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < MIN_K:
         raise UsageError(f"{who} k (the sketch size) must be an integer >= {MIN_K}, got k={k!r}.")
+
+
+def extremes(acc, keys, count):
+    """The accumulator's smallest and largest keys with those of keys ``(d, mb)`` sorted, the first ``count`` real."""
+    largest = jnp.take(keys, count - 1, axis=1)
+    return (jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape)),
+            jnp.maximum(acc.high, largest.reshape(acc.high.shape)))
+
+
+def refuse_exact_per_key(quantiles) -> None:
+    """One line for ``GroupBy(Quantiles(exact=True))``: the exact passes run for one sketch, not one per key."""
+    if quantiles.exact:
+        raise UsageError("GroupBy(Quantiles(exact=True)) is not supported: the exact passes refine one sketch, not "
+                         "one per key; drop exact=True (each key's rank_error bounds its answers).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +161,30 @@ class Quantiles(Combiner, MultiPass):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        keys = jnp.sort(masked_columns(batch, mask), axis=1)
-        count = jnp.sum(mask, dtype=jnp.int32)
+        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1), jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_sorted(self, acc, keys, count):
+        """Folds keys ``(d, mb)`` sorted per column, the first ``count`` real."""
         sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
-        largest = jnp.take(keys, count - 1, axis=1)
-        low = jnp.minimum(acc.low, keys[:, 0].reshape(acc.low.shape))
-        high = jnp.maximum(acc.high, largest.reshape(acc.high.shape))
+        low, high = extremes(acc, keys, count)
         return QuantilesAcc(sketch, wide.add_int32(acc.count, count), low, high, acc.kind)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """A sketch per key: the micro-batch sorted by (key, value) once, then each key present
+        inserts its rows (:func:`~.keys.fold_groups`)."""
+        refuse_exact_per_key(self)
+        groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
+        width = min(cols.shape[1], self.k)
+        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
+                           groups, num_keys, width)
+
+    def weighted(self):
+        if self.method != "inverted_cdf":
+            raise UsageError(
+                "weighted quantiles are read from the inverse of the weighted CDF (numpy's only weighted method): "
+                f"pass Quantiles(..., method='inverted_cdf') to Weighted, got method={self.method!r}."
+            )
+        return WeightedQuantiles(self)
 
     def merge(self, a, b):
         return QuantilesAcc(
@@ -154,6 +201,91 @@ class Quantiles(Combiner, MultiPass):
 
     def passes(self):
         return exact_passes(self.qs, self.bits, self.method, dataclasses.replace(self, exact=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedQuantiles(Combiner, MultiPass):
+    """``Quantiles(..., method="inverted_cdf").weighted()``: on rows ``(w, X)``, per column the smallest
+    value whose weight at or below it is at least ``q`` of the total, like ``np.quantile(X, qs, axis=0,
+    weights=w, method="inverted_cdf")``, from a weighted KLL sketch (:mod:`~.kll_weighted`).
+
+    While nothing has been rounded (about ``k`` rows per shard or fewer) the answer is exactly numpy's,
+    but where ``q`` times the total weight falls within float rounding of a sum of weights; ``rank_error``
+    bounds, with probability 0.99 per answer, ``|F(answer) - q|``, ``F`` the share of the total weight at
+    or below (and, across the answer's own weight, below) it. ``q = 0`` and ``q = 1`` are the exact
+    smallest and largest values of positive weight. With ``exact=True`` further passes sum the weight
+    below the sketch's brackets until each answer is one value: numpy's, with the same exception.
+    """
+
+    quantiles: Quantiles
+
+    @property
+    def needs_passes(self) -> bool:
+        return bool(self.quantiles.exact)
+
+    def passes(self):
+        sketch = dataclasses.replace(self, quantiles=dataclasses.replace(self.quantiles, exact=False))
+        return weighted_exact_passes(self.quantiles.qs, self.quantiles.bits, sketch)
+
+    def check_spec(self, spec):
+        self.quantiles.check_spec(spec[1])
+
+    def init(self, spec):
+        w, x = spec
+        one = self.quantiles.init(x)
+        d = x.shape[0] if x.shape else 1
+        sketch = kll_weighted.empty(d, self.quantiles.k, one.low.dtype, w.dtype)
+        return WeightedQuantilesAcc(sketch, one.count, jnp.zeros((), w.dtype), one.low, one.high, one.kind)
+
+    def add(self, acc, batch, mask):
+        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
+
+    def _add(self, acc, batch, mask):
+        w, x = batch
+        cols = masked_columns(x, mask)
+        keys, weights = jax.lax.sort((cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)), dimension=1,
+                                     num_keys=1)
+        return self._add_sorted(acc, keys, weights, jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_sorted(self, acc, keys, weights, count):
+        sketch = kll_weighted.insert_sorted_rows(acc.sketch, keys, weights, count, self.quantiles.k)
+        low, high = extremes(acc, keys, count)
+        total = acc.weight + jnp.sum(weights[0])
+        return WeightedQuantilesAcc(sketch, wide.add_int32(acc.count, count), total, low, high, acc.kind)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """A sketch per key, as :meth:`Quantiles.add_keyed`."""
+        refuse_exact_per_key(self.quantiles)
+        w, x = batch
+        cols = masked_columns(x, mask)
+        groups, cols, weights = sort_by_key(cols, mask, keys, num_keys,
+                                            jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape))
+
+        width = min(cols.shape[1], self.quantiles.k)
+
+        def fold(one, start, n):
+            return self._add_sorted(one, run_window(cols, start, n, width), run_window(weights, start, n, width), n)
+
+        return fold_groups(fold, acc, groups, num_keys, width)
+
+    def merge(self, a, b):
+        return WeightedQuantilesAcc(
+            kll_weighted.merge(a.sketch, b.sketch, self.quantiles.k), wide.add(a.count, b.count), a.weight + b.weight,
+            jnp.minimum(a.low, b.low), jnp.maximum(a.high, b.high), a.kind,
+        )
+
+    def finalize(self, acc):
+        qs = np.asarray(self.quantiles.qs)
+        host = kll_weighted.to_host(acc.sketch)
+        d = host.keys.shape[0]
+        total = host.cumulative[:, -1:] if host.keys.shape[1] else np.ones((d, 1))
+        # the first item whose cumulative weight reaches q W: past every cumulative weight below it
+        picks = kll.keys_at(host, np.nextafter(qs[None, :] * total, -np.inf))
+        variance = np.asarray(acc.sketch.variance, np.float64)
+        bound = max((kll.rank_error_bound(float(v), float(t), CONFIDENCE) for v, t in zip(variance, total[:, 0],
+                                                                                             strict=True)), default=0.0)
+        rows = int(wide.to_int(acc.count))
+        return result_from_keys(acc, qs, (picks, picks, np.zeros(picks.shape)), rows, bound, passes=1)
 
 
 def sketch_picks(host: kll.HostSketch, qs: np.ndarray, rows, method: str):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import (
     KIND_DTYPES,
@@ -121,7 +121,14 @@ class RefinePass(Combiner):
 
     def _add(self, acc, batch, mask):
         keys = jnp.sort(masked_columns(batch, mask), axis=1)  # (d, mb)
-        real = jnp.sum(mask, dtype=jnp.int32)
+        counts, low, high = self._bins(keys, jnp.sum(mask, dtype=jnp.int32))
+        return BinCounts(
+            wide.add(acc.below, wide.of_int32(counts, limbs=3)), jnp.minimum(acc.min, low), jnp.maximum(acc.max, high)
+        )
+
+    def _bins(self, keys, real):
+        """Per column, q and boundary of keys ``(d, mb)`` sorted, the first ``real`` real: the rows below
+        it; per bin: the smallest and largest key."""
         largest = int(fill(keys.dtype))
         bounds = jnp.asarray(np.minimum(self.bounds, largest).astype(keys.dtype))
         past_all = jnp.asarray(np.asarray(self.bounds == largest + 1, bool))
@@ -138,15 +145,46 @@ class RefinePass(Combiner):
 
         low = jnp.where(empty, fill(keys.dtype), jax.vmap(at)(keys, first))
         high = jnp.where(empty, keys.dtype.type(0), jax.vmap(at)(keys, last))
-        return BinCounts(
-            wide.add(acc.below, wide.of_int32(counts, limbs=3)), jnp.minimum(acc.min, low), jnp.maximum(acc.max, high)
-        )
+        return counts, low, high
 
     def merge(self, a, b):
         return BinCounts(wide.add(a.below, b.below), jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
 
     def finalize(self, acc):
         return BinCounts(np.asarray(wide.to_int(acc.below), np.int64), np.asarray(acc.min), np.asarray(acc.max))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WeightedRefinePass(RefinePass):
+    """:class:`RefinePass` on rows ``(w, X)``: the weight below every boundary (float sums), not the rows."""
+
+    def check_spec(self, spec):
+        super().check_spec(spec[1])
+
+    def fingerprint(self):
+        return {**super().fingerprint(), "combiner": "WeightedRefinePass"}
+
+    def init(self, spec):
+        w, x = spec
+        acc = super().init(x)
+        return acc._replace(below=jnp.zeros(self.bounds.shape, w.dtype))
+
+    def _add(self, acc, batch, mask):
+        w, x = batch
+        cols = masked_columns(x, mask)
+        keys, weights = jax.lax.sort((cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)), dimension=1,
+                                     num_keys=1)
+        counts, low, high = self._bins(keys, jnp.sum(mask, dtype=jnp.int32))
+        cumulative = jnp.concatenate([jnp.zeros_like(weights[:, :1]), jnp.cumsum(weights, axis=1)], axis=1)
+        d = counts.shape[0]
+        below = jnp.take_along_axis(cumulative, counts.reshape(d, -1), axis=1).reshape(counts.shape)
+        return BinCounts(acc.below + below, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high))
+
+    def merge(self, a, b):
+        return BinCounts(a.below + b.below, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
+
+    def finalize(self, acc):
+        return BinCounts(np.asarray(acc.below, np.float64), np.asarray(acc.min), np.asarray(acc.max))
 
 
 def boundaries(lo: int, hi: int, bins: int, dtype) -> np.ndarray:
@@ -183,6 +221,18 @@ def narrowed(bounds: np.ndarray, counts: BinCounts, rank: int, low: int, high: i
     if rank == below[i + 1] - 1:
         return largest, largest
     return smallest, largest
+
+
+def narrowed_by_weight(bounds: np.ndarray, counts: BinCounts, target: float, low: int, high: int) -> tuple[int, int]:
+    """The next bracket ``(lo, hi)`` of the smallest key with at least ``target`` weight at or below it
+    (``lo == hi``: the answer), from one :class:`WeightedRefinePass`."""
+    below = counts.below
+    if target <= below[0]:
+        return low, int(bounds[0]) - 1
+    if target > below[-1]:
+        return int(bounds[-1]), high
+    i = int(np.searchsorted(below, target, side="left")) - 1  # below[i] < target <= below[i + 1]
+    return int(counts.min[i]), int(counts.max[i])
 
 
 class Brackets:
@@ -239,6 +289,57 @@ class Brackets:
     def keys(self) -> np.ndarray:
         """The answers' keys ``(d, m)``, in the accumulator's key dtype (``uint32`` or ``uint64``)."""
         return self.lo.astype(self.key_type)
+
+
+class WeightedBrackets(Brackets):
+    """:class:`Brackets` of weighted quantiles: per column and q, the smallest key whose weight at or below
+    it reaches the ``targets`` ``(d, m)`` (``q`` times the total weight), from a weighted sketch pass."""
+
+    def __init__(self, acc, targets: np.ndarray, settled: np.ndarray, bits: int):
+        host = kll_weighted.to_host(acc.sketch)
+        self.ranks, self.bins, self.dtype = targets, 1 << bits, KIND_DTYPES[int(acc.kind)]
+        self.key_type = np.asarray(acc.low).dtype
+        self.low = host_ints(np.asarray(acc.low).reshape(-1))
+        self.high = host_ints(np.asarray(acc.high).reshape(-1))
+        picks = host_ints(kll.keys_at(host, np.nextafter(targets, -np.inf)))
+        variance = np.asarray(acc.sketch.variance, np.float64)
+        if host.keys.shape[1] == 0 or not variance.any():  # nothing rounded: the sketch holds every row
+            self.lo = self.hi = picks
+            return
+        total = host.cumulative[:, -1:]
+        margin = np.array([[kll.rank_error_bound(float(v), float(t), BRACKET_CONFIDENCE) * t]
+                           for v, t in zip(variance, total[:, 0], strict=True)]) * 1.01
+        low, high = self.low[:, None], self.high[:, None]
+        lo = np.where(targets <= margin, low, host_ints(kll.keys_at(host, np.maximum(targets - margin, 0))))
+        hi = np.where(targets + margin >= total, high, host_ints(kll.keys_at(host, targets + margin)))
+        self.lo, self.hi = lo, np.where(settled, picks, np.maximum(hi, lo))
+        self.lo = np.where(settled, picks, self.lo)
+
+    def narrow(self, bounds: np.ndarray, counts: BinCounts) -> None:
+        for j, i in zip(*np.nonzero(self._unsettled()), strict=True):
+            cell = BinCounts(counts.below[j, i], counts.min[j, i], counts.max[j, i])
+            self.lo[j, i], self.hi[j, i] = narrowed_by_weight(bounds[j, i], cell, float(self.ranks[j, i]),
+                                                              int(self.low[j]), int(self.high[j]))
+
+
+def weighted_exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
+    """The passes of ``Weighted(Quantiles(exact=True, method="inverted_cdf"))``: the weighted sketch
+    (``sketch``), then weight counts that narrow each answer by ``bits`` bits of its key."""
+    qs = np.asarray(qs, np.float64)
+    acc = yield SketchPass(sketch)
+    rows = int(wide.to_int(acc.count))
+    d = np.asarray(acc.low).size
+    high_keys = np.asarray(acc.high).reshape(-1)
+    nan = ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
+    targets = np.broadcast_to(qs[None, :] * float(acc.weight), (d, len(qs)))
+    brackets = WeightedBrackets(acc, targets, (qs[None, :] == 0) | (qs[None, :] == 1) | nan, bits)
+    passes = 1
+    while brackets.open:
+        bounds = brackets.bounds()
+        brackets.narrow(bounds, (yield WeightedRefinePass(bounds)))
+        passes += 1
+    keys = brackets.keys
+    return result_from_keys(acc, qs, (keys, keys, np.zeros(keys.shape)), rows, 0.0, passes)
 
 
 def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner):

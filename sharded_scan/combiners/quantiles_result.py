@@ -5,7 +5,10 @@ and ``Describe``. ``method`` is numpy's: the answer for ``q`` over ``n`` values 
 virtual index ``h = q (n - 1)`` of the sorted values ``v``; ``"linear"`` (numpy's and pandas'
 default) is ``v[floor h] + (h - floor h) (v[ceil h] - v[floor h])``, ``"lower"`` ``v[floor h]``,
 ``"higher"`` ``v[ceil h]``, ``"nearest"`` ``v[round h]`` (halves to even, as ``np.around``),
-``"midpoint"`` the mean of ``v[floor h]`` and ``v[ceil h]``.
+``"midpoint"`` the mean of ``v[floor h]`` and ``v[ceil h]``; ``"inverted_cdf"`` ``v[max(ceil(q n) - 1, 0)]``,
+the smallest value whose share of the rows at or below it is at least ``q``, and the one method of
+weighted quantiles (as ``np.quantile(..., weights=w)``): the smallest value whose share of the total
+weight at or below it is at least ``q``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.keys import decode, is_float, nan_key
 from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
 
-METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
+METHODS = ("linear", "lower", "higher", "nearest", "midpoint", "inverted_cdf")
 
 
 class QuantilesResult(NamedTuple):
@@ -44,6 +47,17 @@ class QuantilesResult(NamedTuple):
     def to_pandas(self):
         """A DataFrame like ``df.quantile(qs).T``: a row per column, a column per ``q``."""
         return frame(self, ("quantiles",), spread={"quantiles": self.qs})
+
+
+class WeightedQuantilesAcc(NamedTuple):
+    """The weighted sketch, the rows of positive weight, the total weight, the smallest and largest key."""
+
+    sketch: kll_weighted.WeightedSketch
+    count: wide.Wide
+    weight: jax.Array  # float (): the total weight
+    low: jax.Array
+    high: jax.Array
+    kind: jax.Array
 
 
 class QuantilesAcc(NamedTuple):
@@ -78,6 +92,8 @@ def method_ranks(qs: np.ndarray, n, method: str) -> tuple[np.ndarray, np.ndarray
         low = high
     elif method == "nearest":
         low = high = np.around(h)
+    elif method == "inverted_cdf":
+        low = high = np.maximum(np.ceil(np.asarray(qs, np.float64) * np.maximum(np.asarray(n, np.float64), 1)) - 1, 0)
     else:  # midpoint
         weight = np.where(high > low, 0.5, 0.0)
     return low.astype(np.int64), high.astype(np.int64), weight

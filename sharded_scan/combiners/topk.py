@@ -19,6 +19,9 @@ The top ``k`` are the monitored values with the largest ``count``; ``certain`` s
 (:mod:`~sharded_scan.combiners.keys`: exact, so int64 ids are never merged); strings
 can be counted by their :func:`hash_strings` ids: a tabular source's string column is read so,
 and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
+
+``Weighted(TopK(...))`` counts sums of weights, in floats, by the same summary (:class:`WeightedTopK`);
+``GroupBy(TopK(...), K)`` keeps a summary per key (:meth:`TopK.add_keyed`).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from sharded_scan.combiners.keys import (
     check_column_spec,
     decode,
     fill,
+    fold_groups,
     fold_if_any,
     is_float,
     key_dtype,
     kind_code,
     masked_columns,
+    run_window,
+    sort_by_key,
 )
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.wide import Wide
@@ -108,6 +114,68 @@ def _spread(bound: Wide, n: int) -> Wide:
     return Wide(jnp.broadcast_to(limbs[:, None, :], (limbs.shape[0], n, limbs.shape[1])))
 
 
+class ExactCounts:
+    """TopK's counts: exact integers (:class:`~sharded_scan.combiners.wide.Wide`, ``LIMBS`` limbs)."""
+
+    add = staticmethod(wide.add)
+    take, concat = staticmethod(_take), staticmethod(_concat)
+    where, spread = staticmethod(_where), staticmethod(_spread)
+    score = staticmethod(wide.to_float)
+    masked_max, maximum = staticmethod(masked_max), staticmethod(maximum)
+
+    @staticmethod
+    def of(x: jax.Array) -> Wide:
+        return wide.of_int32(x, LIMBS)
+
+    @staticmethod
+    def zeros(shape) -> Wide:
+        return wide.zeros(shape, LIMBS)
+
+    @staticmethod
+    def to_host(w: Wide) -> np.ndarray:
+        return wide.to_int(w).astype(np.int64)
+
+
+class WeightCounts:
+    """Weighted TopK's counts: sums of weights, floats."""
+
+    add, maximum = staticmethod(jnp.add), staticmethod(jnp.maximum)
+
+    @staticmethod
+    def concat(a, b):
+        return jnp.concatenate([a, b], axis=1)
+
+    @staticmethod
+    def of(x):
+        return x
+
+    score = of
+
+    @staticmethod
+    def zeros(shape):
+        return jnp.zeros(shape, jnp.float32)  # promoted to the weights' dtype where it meets them
+
+    @staticmethod
+    def take(x, index):
+        return jnp.take_along_axis(x, index, axis=1)
+
+    @staticmethod
+    def where(mask, a, b):
+        return jnp.where(mask, a, b)
+
+    @staticmethod
+    def spread(bound, n):
+        return jnp.broadcast_to(bound[:, None], (bound.shape[0], n))
+
+    @staticmethod
+    def masked_max(x, mask):
+        return jnp.max(jnp.where(mask, x, 0), axis=-1)
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return np.asarray(x, np.float64)
+
+
 def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per column, where each query sits in ``sorted_keys`` (its first ``held`` valid) and whether it is there."""
     at = jax.vmap(jnp.searchsorted)(sorted_keys, queries)
@@ -116,22 +184,23 @@ def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tupl
     return at, found
 
 
-def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int):
+def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int, counts=ExactCounts):
     """The ``capacity`` valid candidates with the largest ``count + slack`` per column, and the new ``D``.
 
-    Returns ``(keys, count, slack, held, bound)``; the kept entries come first.
+    Returns ``(keys, count, slack, held, bound)``; the kept entries come first. ``counts``: the
+    arithmetic of the counts (:class:`ExactCounts` or :class:`WeightCounts`).
     """
-    high = wide.add(count, slack)
-    score = jnp.where(valid, wide.to_float(high), -1.0)  # float only chooses; the bounds stay exact
+    high = counts.add(count, slack)
+    score = jnp.where(valid, counts.score(high), -1.0)  # float only chooses; the bounds stay exact
     _, index = jax.lax.top_k(score, capacity)
     kept = jnp.take_along_axis(valid, index, axis=1)
     rows = jnp.arange(keys.shape[0])[:, None]
     chosen = jnp.zeros(valid.shape, bool).at[rows, index].set(True)
-    bound = maximum(bound, masked_max(high, valid & ~chosen))
-    zero = wide.zeros(kept.shape, LIMBS)
+    bound = counts.maximum(bound, counts.masked_max(high, valid & ~chosen))
+    zero = counts.zeros(kept.shape)
     return (
         jnp.where(kept, jnp.take_along_axis(keys, index, axis=1), fill(keys.dtype)),
-        _where(kept, _take(count, index), zero), _where(kept, _take(slack, index), zero),
+        counts.where(kept, counts.take(count, index), zero), counts.where(kept, counts.take(slack, index), zero),
         jnp.sum(kept, axis=1, dtype=jnp.int32), bound,
     )
 
@@ -154,6 +223,7 @@ class TopK(Combiner):
     k: int = DEFAULT_K
     capacity: int = DEFAULT_CAPACITY
     takes_string_ids = True  # a string column's values: the source maps the top ids back to strings
+    counts = ExactCounts
 
     def __post_init__(self):
         for name in ("k", "capacity"):
@@ -177,30 +247,49 @@ class TopK(Combiner):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        s = jnp.sort(masked_columns(batch, mask), axis=1)  # (d, mb)
+        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1), jnp.sum(mask, dtype=jnp.int32))
+
+    def _add_sorted(self, acc, s, real, weights=None):
+        """Folds keys ``s`` ``(d, mb)`` sorted per column, the first ``real`` real (with their ``weights``,
+        for the weighted form: each value then counts the sum of its rows' weights)."""
         d, mb = s.shape
-        real = jnp.sum(mask, dtype=jnp.int32)
+        c = self.counts
         pos = jnp.arange(mb, dtype=jnp.int32)
         first = (pos < real) & jnp.concatenate([jnp.ones((d, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
-        later = jax.lax.cummin(jnp.where(first, pos, real), axis=1, reverse=True)  # next run start at or after
-        run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), real)], axis=1)
-        runs = jnp.where(first, run_end - pos, 0)  # rows of each value, at its first row
+        if weights is None:
+            later = jax.lax.cummin(jnp.where(first, pos, real), axis=1, reverse=True)  # next run start at or after
+            run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), real)], axis=1)
+            runs = jnp.where(first, run_end - pos, 0)  # rows of each value, at its first row
+        else:
+            run = jnp.maximum(jnp.cumsum(first, axis=1) - 1, 0)  # each row's run
+            sums = jax.vmap(lambda w, r: jax.ops.segment_sum(w, r, mb))(weights, run)
+            runs = jnp.where(first, jnp.take_along_axis(sums, run, axis=1), 0)
         held = acc.held.reshape(-1)
         monitored = jnp.arange(self.capacity)[None, :] < held[:, None]
         at, hit = _lookup(s, jnp.full((d,), real), acc.keys)
         hit &= monitored
-        count = wide.add(acc.count, wide.of_int32(jnp.where(hit, jnp.take_along_axis(runs, jnp.minimum(at, mb - 1), 1),
-                                                           0), LIMBS))
+        count = c.add(acc.count, c.of(jnp.where(hit, jnp.take_along_axis(runs, jnp.minimum(at, mb - 1), 1), 0)))
         _, known = _lookup(jnp.sort(acc.keys, axis=1), held, s)
         keys, count, slack, held, bound = keep_largest(
-            jnp.concatenate([acc.keys, s], axis=1), _concat(count, wide.of_int32(runs, LIMBS)),
-            _concat(acc.slack, _spread(acc.bound, mb)), jnp.concatenate([monitored, first & ~known], axis=1),
-            acc.bound, self.capacity,
+            jnp.concatenate([acc.keys, s], axis=1), c.concat(count, c.of(runs)),
+            c.concat(acc.slack, c.spread(acc.bound, mb)), jnp.concatenate([monitored, first & ~known], axis=1),
+            acc.bound, self.capacity, c,
         )
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its
+        rows, at most ``capacity`` at a time (:func:`~.keys.fold_groups`)."""
+        groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
+        width = min(cols.shape[1], self.capacity)
+        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
+                           groups, num_keys, width)
+
+    def weighted(self):
+        return WeightedTopK(self.k, self.capacity)
+
     def merge(self, a, b):
-        c = self.capacity
+        c, counts = self.capacity, self.counts
         a_held, b_held = a.held.reshape(-1), b.held.reshape(-1)
         slots = jnp.arange(c)[None, :]
         a_valid, b_valid = slots < a_held[:, None], slots < b_held[:, None]
@@ -208,32 +297,75 @@ class TopK(Combiner):
         at, in_b = _lookup(jnp.take_along_axis(b.keys, b_order, 1), b_held, a.keys)
         in_b &= a_valid
         partner = jnp.take_along_axis(b_order, jnp.minimum(at, c - 1), 1)
-        a_count = wide.add(a.count, _where(in_b, _take(b.count, partner), wide.zeros(in_b.shape, LIMBS)))
-        a_slack = wide.add(a.slack, _where(in_b, _take(b.slack, partner), _spread(b.bound, c)))
+        a_count = counts.add(a.count, counts.where(in_b, counts.take(b.count, partner), counts.zeros(in_b.shape)))
+        a_slack = counts.add(a.slack, counts.where(in_b, counts.take(b.slack, partner), counts.spread(b.bound, c)))
         _, in_a = _lookup(jnp.sort(a.keys, axis=1), a_held, b.keys)
-        b_slack = wide.add(b.slack, _spread(a.bound, c))
+        b_slack = counts.add(b.slack, counts.spread(a.bound, c))
         keys, count, slack, held, bound = keep_largest(
-            jnp.concatenate([a.keys, b.keys], axis=1), _concat(a_count, b.count), _concat(a_slack, b_slack),
-            jnp.concatenate([a_valid, b_valid & ~in_a], axis=1), wide.add(a.bound, b.bound), c,
+            jnp.concatenate([a.keys, b.keys], axis=1), counts.concat(a_count, b.count), counts.concat(a_slack, b_slack),
+            jnp.concatenate([a_valid, b_valid & ~in_a], axis=1), counts.add(a.bound, b.bound), c, counts,
         )
         return TopKAcc(keys, count, slack, held.reshape(a.held.shape), bound, a.kind)
 
     def finalize(self, acc):
-        keys = np.asarray(acc.keys)
-        count, slack = wide.to_int(acc.count).astype(np.int64), wide.to_int(acc.slack).astype(np.int64)
-        held, bound = np.asarray(acc.held).reshape(-1), wide.to_int(acc.bound).astype(np.int64).reshape(-1)
-        d, k = keys.shape[0], self.k
+        keys, to_host = np.asarray(acc.keys), self.counts.to_host
+        count, slack = to_host(acc.count), to_host(acc.slack)
+        held, bound = np.asarray(acc.held).reshape(-1), to_host(acc.bound).reshape(-1)
+        d, k, kind = keys.shape[0], self.k, count.dtype
         values = np.full((d, k), np.nan) if is_float(acc.kind) else np.zeros((d, k), np.int64)  # integers stay
-        counts, errors = np.zeros((d, k), np.int64), np.zeros((d, k), np.int64)
-        bounds, certain = np.zeros(d, np.int64), np.zeros(d, bool)
+        counts, errors = np.zeros((d, k), kind), np.zeros((d, k), kind)
+        bounds, certain = np.zeros(d, kind), np.zeros(d, bool)
         for j in range(d):
             n = int(held[j])
             order = np.lexsort((keys[j, :n], -count[j, :n]))
             top, rest = order[:k], order[k:]
             values[j, : len(top)] = decode(keys[j, top], acc.kind)
             counts[j, : len(top)], errors[j, : len(top)] = count[j, top], slack[j, top]
-            bounds[j] = max(int(bound[j]), int((count[j, rest] + slack[j, rest]).max(initial=0)))
+            bounds[j] = max(bound[j], (count[j, rest] + slack[j, rest]).max(initial=0))
             certain[j] = len(top) == 0 or counts[j, len(top) - 1] >= bounds[j]
         if np.ndim(acc.held) == 0:
             return TopKResult(values[0], counts[0], errors[0], bounds[0], certain[0])
         return TopKResult(values, counts, errors, bounds, certain)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedTopK(TopK):
+    """``TopK(k, capacity).weighted()``: on rows ``(w, X)``, the ``k`` values of each column with the
+    largest sums of weights (pandas' ``df.groupby(x)[w].sum().nlargest(k)``), by the same summary with
+    float counts: ``counts`` (float64) is a value's weight since it was monitored, at most its true
+    weight, which is at most ``counts + errors``; no value left out weighs more than ``bound``, and a
+    value weighing more than the total weight over ``capacity + 1`` is always monitored (up to float
+    rounding of the sums)."""
+
+    counts = WeightCounts
+
+    def check_spec(self, spec):
+        super().check_spec(spec[1])
+
+    def init(self, spec):
+        w, x = spec
+        acc = super().init(x)
+        return acc._replace(count=jnp.zeros(acc.keys.shape, w.dtype), slack=jnp.zeros(acc.keys.shape, w.dtype),
+                            bound=jnp.zeros(acc.keys.shape[:1], w.dtype))
+
+    def _sorted(self, batch, mask):
+        w, x = batch
+        cols = masked_columns(x, mask)
+        return cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)
+
+    def _add(self, acc, batch, mask):
+        s, weights = jax.lax.sort(self._sorted(batch, mask), dimension=1, num_keys=1)
+        return self._add_sorted(acc, s, jnp.sum(mask, dtype=jnp.int32), weights)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        cols, weights = self._sorted(batch, mask)
+        groups, cols, weights = sort_by_key(cols, mask, keys, num_keys, weights)
+
+        width = min(cols.shape[1], self.capacity)
+
+        def fold(one, start, n):
+            return self._add_sorted(one, run_window(cols, start, n, width), n, run_window(weights, start, n, width))
+
+        return fold_groups(fold, acc, groups, num_keys, width)
+
+    weighted = Combiner.weighted  # weights do not stack

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.passes import check_one_pass
+from sharded_scan.combiners.passes import MultiPass, reads_several_times
 from sharded_scan.combiners.wrappers import Wrapper
 from sharded_scan.dtypes import accumulator_dtype, check_numeric
 from sharded_scan.errors import UsageError
@@ -52,7 +52,7 @@ def usable(w: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Weighted(Wrapper):
+class Weighted(Wrapper, MultiPass):
     """``inner`` weighted per row, on rows ``(weights, data)`` (``weights``: ``(rows,)``, >= 0).
 
     A zero weight is an omitted row. Wrap it in :class:`~sharded_scan.GroupBy` for weighted
@@ -65,7 +65,6 @@ class Weighted(Wrapper):
     def __post_init__(self):
         if not isinstance(self.inner, Combiner):
             raise UsageError(f"Weighted needs a sharded_scan Combiner, got {type(self.inner).__name__}.")
-        check_one_pass(self.inner, "Weighted")
         self.inner.weighted()  # one line now when the inner combiner takes no weights
 
     @property
@@ -135,6 +134,20 @@ class Weighted(Wrapper):
     def merge(self, a, b):
         return WeightedAcc(self.form.merge(a.value, b.value), wide.add(a.bad_weights, b.bad_weights))
 
+    @property
+    def needs_passes(self) -> bool:
+        return reads_several_times(self.form)
+
+    def passes(self):
+        """The weighted form's passes (``Quantiles(exact=True)``), each guarded as here."""
+        plan = self.form.passes()
+        try:
+            step = next(plan)
+            while True:
+                step = plan.send((yield WeightedPass(step)))
+        except StopIteration as done:
+            return done.value
+
     def finalize(self, acc):
         bad = int(wide.to_int(acc.bad_weights))
         if bad:
@@ -142,3 +155,16 @@ class Weighted(Wrapper):
             raise UsageError(f"{problem} nan_policy='omit' to skip rows with NaN or Inf.",
                              cli=f"{problem} --config.nan_policy=omit to skip rows with NaN or Inf.")
         return self.form.finalize(acc.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedPass(Weighted):
+    """One pass of a weighted form that reads the data several times, guarded as :class:`Weighted`:
+    ``inner`` is the pass itself, already weighted."""
+
+    def __post_init__(self):
+        pass
+
+    @property
+    def form(self) -> Combiner:
+        return self.inner
