@@ -16,6 +16,7 @@ from sharded_scan.combiners import (
     Quantiles,
     Sum,
     TopK,
+    from_datasketches,
     from_fn,
     hash_strings,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "Sum",
     "TopK",
     "UsageError",
+    "from_datasketches",
     "from_fn",
     "hash_strings",
     "make_mesh",

@@ -19,9 +19,9 @@ RESULT_FIELDS = {
     "LinearRegressionResult": ("coef", "intercept", "rank", "cond", "columns"),
     "HistogramResult": ("counts", "edges", "columns"),
     "GradientResult": ("count", "loss", "grad"),
-    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "columns"),
+    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "sketch", "columns"),
     "DistinctCountResult": ("count", "exact", "relative_error", "columns"),
-    "TopKResult": ("values", "counts", "errors", "bound", "certain", "columns"),
+    "TopKResult": ("values", "counts", "errors", "bound", "certain", "sketch", "columns"),
     "DescribeResult": ("count", "nan_count", "mean", "std", "min", "max", "percentiles", "qs", "rank_error", "passes",
                        "columns"),
 }

@@ -10,6 +10,7 @@ from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.pca import PCA, PCAResult
 from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
+from sharded_scan.combiners.seeded import from_datasketches
 from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
 from sharded_scan.combiners.sums import Gram, Sum, SumResult
 from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
@@ -41,6 +42,7 @@ __all__ = [
     "SumResult",
     "TopK",
     "TopKResult",
+    "from_datasketches",
     "from_fn",
     "hash_strings",
 ]

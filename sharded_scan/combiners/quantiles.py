@@ -27,6 +27,7 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.datasketches import kll_state
 from sharded_scan.combiners.keys import check_column_spec, fill, fold_if_any, key_dtype, kind_code, masked_columns
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles_exact import exact_passes
@@ -146,7 +147,7 @@ class Quantiles(Combiner, MultiPass):
         )
 
     def finalize(self, acc):
-        return sketch_quantiles(acc, np.asarray(self.qs), self.method)
+        return sketch_quantiles(acc, np.asarray(self.qs), self.method)._replace(sketch=kll_state(acc, self.k))
 
     @property
     def needs_passes(self) -> bool:

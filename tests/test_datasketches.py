@@ -1,0 +1,196 @@
+"""Sketches other systems read: Quantiles' KLL and TopK's Frequent Items bytes, read and merged by the
+``datasketches`` package (the reference), and runs seeded from the package's own sketches.
+
+Compiles are the cost: one Quantiles and one TopK, each on one spec and mesh (plus a float32 KLL
+run on 3 devices), shared by every case through module fixtures."""
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.combiners import datasketches as formats
+
+ds = pytest.importorskip("datasketches")
+
+QUANTILES = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64)  # small k: a few thousand rows compact the sketch
+TOPK = ss.TopK(k=3, capacity=32)
+RUN = dict(microbatch=128, steps_per_call=2, mesh="data:2")
+QS = np.linspace(0.05, 0.95, 19)
+ROWS = 2501  # ragged
+
+
+def rank(values, v) -> float:
+    """The normalized rank of ``v`` among ``values``: the share below it, and half of those equal."""
+    s = np.sort(values)
+    return (np.searchsorted(s, v, "left") + np.searchsorted(s, v, "right")) / 2 / len(s)
+
+
+def package_kll(cls, values, k=200):
+    sketch = cls(k)
+    for v in values:
+        sketch.update(float(v))
+    return sketch
+
+
+def package_frequent(values, lg=6):
+    sketch = ds.frequent_items_sketch(lg)
+    for v in values:
+        sketch.update(int(v))
+    return sketch
+
+
+def check_ranks(sketch, values, error):
+    """Every quantile the package reads from ``sketch`` has its true rank within ``error`` of q."""
+    for q in QS:
+        assert abs(rank(values, sketch.get_quantile(q)) - q) <= error, q
+
+
+def check_counts(sketch, values):
+    """The package's bounds hold every value's true count."""
+    found, counts = np.unique(values, return_counts=True)
+    for value, count in zip(found.tolist(), counts, strict=True):
+        assert sketch.get_lower_bound(value) <= count <= sketch.get_upper_bound(value), value
+
+
+@pytest.fixture(scope="module")
+def doubles():
+    rng = np.random.default_rng(1)
+    x = np.stack([rng.normal(size=ROWS) * 1e6, rng.exponential(size=ROWS)], 1)
+    x[[5, 900], 1] = np.nan  # DataSketches leaves NaN out; so does the export
+    return x, ss.run(QUANTILES, x, **RUN)
+
+
+@pytest.fixture(scope="module")
+def ints():
+    rng = np.random.default_rng(2)
+    x = np.stack([rng.zipf(1.3, size=ROWS) % 500, rng.integers(0, 4, size=ROWS)], 1).astype(np.int32)
+    return x, ss.run(TOPK, x, **RUN)
+
+
+def test_kll_bytes_are_the_sketch_and_merge_with_the_packages(doubles):
+    x, result = doubles
+    blobs = result.to_datasketches()
+    assert len(blobs) == 2
+    rng = np.random.default_rng(3)
+    for j, blob in enumerate(blobs):
+        values = x[:, j][~np.isnan(x[:, j])]
+        ours = ds.kll_doubles_sketch.deserialize(blob)
+        assert ours.is_estimation_mode() and ours.k == 64
+        assert abs(ours.n - len(values)) <= result.rank_error * len(values)  # n: the items' weight
+        assert ours.get_min_value() == values.min()
+        if j == 0:
+            assert ours.get_max_value() == values.max()
+        else:  # the NaN column's largest key is NaN: its max is the largest item kept
+            assert ours.get_max_value() in values and rank(values, ours.get_max_value()) >= 1 - result.rank_error
+        check_ranks(ours, values, ours.normalized_rank_error(False))
+        other = rng.uniform(-1, 3, size=3000) * values.std()
+        union = package_kll(ds.kll_doubles_sketch, other)
+        union.merge(ours)
+        both = np.concatenate([values, other])
+        assert union.n == ours.n + len(other) and union.get_min_value() == min(values.min(), other.min())
+        check_ranks(union, both, union.normalized_rank_error(False))  # min_k: ours, the smaller
+
+
+def test_kll_bytes_of_float32_columns_are_floats_sketches():
+    x = np.random.default_rng(4).normal(size=(ROWS, 2)).astype(np.float32)
+    result = ss.run(QUANTILES, x, **{**RUN, "mesh": "data:3"})
+    for j, blob in enumerate(result.to_datasketches()):
+        sketch = ds.kll_floats_sketch.deserialize(blob)
+        assert sketch.get_min_value() == x[:, j].min() and sketch.get_max_value() == x[:, j].max()
+        check_ranks(sketch, x[:, j], sketch.normalized_rank_error(False))
+
+
+def test_kll_bytes_read_back_and_the_small_forms():
+    values = np.random.default_rng(5).normal(size=1000)
+    image = formats.read_kll(package_kll(ds.kll_doubles_sketch, values, k=50).serialize())
+    assert image.n == 1000 and image.k == 50 and image.itemsize == 8
+    assert sum(len(items) << h for h, items in enumerate(image.levels)) == 1000
+    assert image.min == values.min() and image.max == values.max()
+    again = ds.kll_doubles_sketch.deserialize(formats.kll_bytes(image.levels, 50, image.min, image.max, 8))
+    check_ranks(again, values, again.normalized_rank_error(False))
+    single = ds.kll_floats_sketch.deserialize(formats.kll_bytes([np.array([2.5])], 64, 2.5, 2.5, 4))
+    assert single.n == 1 and single.get_quantile(0.5) == 2.5
+    assert formats.read_kll(single.serialize()).levels[0].tolist() == [2.5]
+    assert ds.kll_floats_sketch.deserialize(formats.kll_bytes([], 64, 0, 0, 4)).is_empty()
+
+
+def test_a_run_seeded_with_the_packages_kll_sketches_answers_for_the_union(doubles):
+    x, plain = doubles
+    theirs = np.random.default_rng(6).normal(2e6, 1e6, size=4000)
+    seeds = [package_kll(ds.kll_doubles_sketch, theirs, k=100).serialize(), None]
+    result = ss.run(ss.from_datasketches(QUANTILES, seeds), x, **RUN)
+    np.testing.assert_array_equal(result.count, [ROWS + 4000, ROWS])
+    union = np.concatenate([x[:, 0], theirs])
+    for q, v in zip(QUANTILES.qs, result.quantiles[0], strict=True):
+        assert abs(rank(union, v) - q) <= result.rank_error, q
+    np.testing.assert_array_equal(result.quantiles[1], plain.quantiles[1])  # no seed: the run's own
+    back = ds.kll_doubles_sketch.deserialize(result.to_datasketches()[0])
+    assert back.get_min_value() == union.min() and back.get_max_value() == union.max()
+    assert abs(back.n - len(union)) <= result.rank_error * len(union)
+    check_ranks(back, union, result.rank_error)
+
+
+def test_frequent_items_bytes_bound_every_count_and_merge_with_the_packages(ints):
+    x, result = ints
+    blobs = result.to_datasketches()
+    other = np.random.default_rng(7).zipf(1.5, size=2000) % 300
+    for j, blob in enumerate(blobs):
+        ours = ds.frequent_items_sketch.deserialize(blob, ds.PyLongsSerDe())
+        check_counts(ours, x[:, j])
+        union = package_frequent(other)
+        union.merge(ours)
+        both = np.concatenate([x[:, j], other])
+        check_counts(union, both)
+        found, counts = np.unique(both, return_counts=True)
+        top = union.get_frequent_items(ds.frequent_items_error_type.NO_FALSE_NEGATIVES)
+        assert top[0][0] == found[np.argmax(counts)]
+    assert ds.frequent_items_sketch.deserialize(blobs[1], ds.PyLongsSerDe()).get_upper_bound(9) == 0  # exact: 4 values
+
+
+def test_frequent_items_of_strings_and_doubles():
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(8)  # two string columns: the ints fixture's spec, int32 (2,) ids, and program
+    words = np.array(["a", "bb", "ccc", "dddd", "é"])[rng.integers(0, 5, size=(ROWS, 2))]
+    result = ss.run(TOPK, pd.DataFrame({"w": words[:, 0], "v": words[:, 1]}), **RUN)
+    for j, blob in enumerate(result.to_datasketches()):
+        sketch = ds.frequent_strings_sketch.deserialize(blob)
+        check_counts(sketch, words[:, j])  # the 3 listed, and the 2 left out under the offset
+    blob = formats.frequent_items_bytes(np.array([0.5, 3.0]), [30, 10], 2, 45, 32, "double")
+    doubles = ds.frequent_items_sketch.deserialize(blob, ds.PyDoublesSerDe())
+    assert doubles.get_estimate(0.5) == 32 and doubles.get_upper_bound(7.0) == 2 and doubles.total_weight == 45
+    image = formats.read_frequent_items(doubles.serialize(ds.PyDoublesSerDe()), "double")
+    assert sorted(zip(image.items, image.weights.tolist(), strict=True)) == [(0.5, 30), (3.0, 10)]
+
+
+def test_a_run_seeded_with_the_packages_frequent_items_counts_the_union(ints):
+    x, plain = ints
+    theirs = np.random.default_rng(9).zipf(1.2, size=3000) % 100
+    seeds = [package_frequent(theirs).serialize(ds.PyLongsSerDe()), None]
+    result = ss.run(ss.from_datasketches(TOPK, seeds), x, **RUN)
+    union = np.concatenate([x[:, 0], theirs])
+    for value, count, error in zip(result.values[0], result.counts[0], result.errors[0], strict=True):
+        assert count <= np.sum(union == value) <= count + error
+    found, counts = np.unique(union, return_counts=True)
+    assert result.values[0, 0] == found[np.argmax(counts)]
+    np.testing.assert_array_equal(result.counts[1], plain.counts[1])  # no seed: the run's own
+    check_counts(ds.frequent_items_sketch.deserialize(result.to_datasketches()[0], ds.PyLongsSerDe()), union)
+
+
+def test_mistakes_are_one_line_before_compute(doubles):
+    x = np.zeros((10, 2), np.int32)
+    kll_double = package_kll(ds.kll_doubles_sketch, [0.5, 1.5]).serialize()
+    cases = [
+        (ss.from_datasketches(QUANTILES, [kll_double]), "got 1 sketches for data of 2 columns"),
+        (ss.from_datasketches(QUANTILES, [kll_double, None]), "cannot hold exactly"),
+        (ss.from_datasketches(QUANTILES, [b"\x01\x02\x03\x04\x05\x06\x07\x08", None]), "not a DataSketches KLL"),
+        (ss.from_datasketches(TOPK, [kll_double, None]), "not a DataSketches Frequent Items"),
+    ]
+    for combiner, message in cases:
+        with pytest.raises(ss.UsageError, match=message):
+            ss.run(combiner, x, **RUN)
+    with pytest.raises(ss.UsageError, match="HLL"):
+        ss.from_datasketches(ss.DistinctCount(), [kll_double])
+    with pytest.raises(ss.UsageError, match="one serialized sketch"):
+        ss.from_datasketches(TOPK, [1, 2])
+    with pytest.raises(ss.UsageError, match="holds no sketch"):
+        doubles[1]._replace(sketch=None).to_datasketches()  # e.g. Quantiles(exact=True)'s
