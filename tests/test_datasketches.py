@@ -1,19 +1,22 @@
-"""Sketches other systems read: Quantiles' KLL and TopK's Frequent Items bytes, read and merged by the
-``datasketches`` package (the reference), and runs seeded from the package's own sketches.
+"""Sketches other systems read: Quantiles' KLL, TopK's Frequent Items and DistinctCount's HLL bytes, read and
+merged by the ``datasketches`` package (the reference), and runs seeded from the package's own sketches.
 
-Compiles are the cost: one Quantiles and one TopK, each on one spec and mesh (plus a float32 KLL
-run on 3 devices), shared by every case through module fixtures."""
+Compiles are the cost: one Quantiles, one TopK and one DistinctCount, each on one spec and mesh (plus a
+float32 KLL run on 3 devices), shared by every case through module fixtures."""
 
+import jax
 import numpy as np
 import pytest
 
 import sharded_scan as ss
 from sharded_scan.combiners import datasketches as formats
+from sharded_scan.combiners import keys, murmur
 
 ds = pytest.importorskip("datasketches")
 
 QUANTILES = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64)  # small k: a few thousand rows compact the sketch
 TOPK = ss.TopK(k=3, capacity=32)
+DISTINCT = ss.DistinctCount(precision=10, exact_up_to=0, datasketches=True)
 RUN = dict(microbatch=128, steps_per_call=2, mesh="data:2")
 QS = np.linspace(0.05, 0.95, 19)
 ROWS = 2501  # ragged
@@ -188,9 +191,89 @@ def test_mistakes_are_one_line_before_compute(doubles):
     for combiner, message in cases:
         with pytest.raises(ss.UsageError, match=message):
             ss.run(combiner, x, **RUN)
-    with pytest.raises(ss.UsageError, match="HLL"):
+    with pytest.raises(ss.UsageError, match="datasketches=True"):
         ss.from_datasketches(ss.DistinctCount(), [kll_double])
+    with pytest.raises(ss.UsageError, match="lg_k=8 cannot be merged"):
+        ss.run(ss.from_datasketches(DISTINCT, [package_hll([1, 2], lg_k=8).serialize_compact(), None]), x, **RUN)
     with pytest.raises(ss.UsageError, match="one serialized sketch"):
         ss.from_datasketches(TOPK, [1, 2])
     with pytest.raises(ss.UsageError, match="holds no sketch"):
         doubles[1]._replace(sketch=None).to_datasketches()  # e.g. Quantiles(exact=True)'s
+
+
+def package_hll(values, lg_k=10, kind=None):
+    sketch = ds.hll_sketch(lg_k, kind or ds.tgt_hll_type.HLL_8)
+    for v in values:
+        sketch.update(v)
+    return sketch
+
+
+def test_datasketches_hash_is_the_packages_for_every_kind_of_value():
+    """MurmurHash3 in 32-bit words against the package's own coupons (its LIST form holds them)."""
+    def theirs(values):
+        out = []
+        for v in values:
+            (coupon,) = np.frombuffer(package_hll([v], lg_k=21).serialize_compact(), "<u4", 1, 8)
+            out.append((int(coupon) & ((1 << 21) - 1), int(coupon) >> 26))
+        return out
+
+    def ours(x):
+        code = keys.KIND_DTYPES.index(keys.keyed_as(x.dtype))
+        index, rank = jax.jit(lambda k: murmur.coupons(k, code, 21))(keys.to_keys(jax.numpy.asarray(x)))
+        return list(zip(np.asarray(index).tolist(), np.asarray(rank).tolist(), strict=True))
+
+    floats = np.array([0.0, -0.0, 1.5, -2.25, np.inf, -np.inf, np.nan, 1e-40, -3e-45, 1.17e-38, 3.4e38], np.float32)
+    assert ours(floats) == theirs(floats.tolist())
+    ints = np.array([0, 1, -1, 2**31 - 1, -(2**31)], np.int32)
+    assert ours(ints) == theirs(ints.tolist())
+    unsigned = np.array([0, 2**31, 2**32 - 1], np.uint32)
+    assert ours(unsigned) == theirs(unsigned.tolist())  # as Python ints: int64 of the value
+    with jax.enable_x64(True):
+        doubles = np.array([-0.0, np.pi, -1e300, np.nan, 5e-324])
+        assert ours(doubles) == theirs(doubles.tolist())
+        longs = np.array([-1, 2**62, -(2**63), 2**63 - 1])
+        assert ours(longs) == theirs(longs.tolist())
+
+
+def test_hll_bytes_are_the_packages_registers_and_a_union_counts_the_overlap_once():
+    rng = np.random.default_rng(10)
+    x = np.stack([rng.integers(-5000, 5000, size=ROWS), rng.integers(0, 3, size=ROWS)], 1).astype(np.int32)
+    result = ss.run(DISTINCT, x, **RUN)
+    blobs = result.to_datasketches()
+    for j, blob in enumerate(blobs):
+        same = package_hll(x[:, j].tolist())  # the same values, by the package: the same registers
+        np.testing.assert_array_equal(formats.read_hll(blob), formats.read_hll(same.serialize_compact()))
+        union = ds.hll_union(10)
+        union.update(ds.hll_sketch.deserialize(blob))
+        union.update(same)
+        assert union.get_estimate() == ds.hll_sketch.deserialize(blob).get_estimate()  # the overlap once
+    other = rng.integers(0, 20000, size=3000)
+    union = ds.hll_union(10)
+    union.update(ds.hll_sketch.deserialize(blobs[0]))
+    union.update(package_hll(other.tolist(), kind=ds.tgt_hll_type.HLL_4))
+    true = len(np.union1d(x[:, 0], other))
+    assert union.get_lower_bound(3) <= true <= union.get_upper_bound(3)
+    seeds = [package_hll(other.tolist(), lg_k=12, kind=ds.tgt_hll_type.HLL_4).serialize_compact(), None]
+    seeded = ss.run(ss.from_datasketches(DISTINCT, seeds), x, **RUN)  # lg_k 12 folded to 10
+    assert abs(seeded.count[0] - true) <= 3 * seeded.relative_error[0] * true and not seeded.exact[0]
+    np.testing.assert_array_equal(seeded.count[1], result.count[1])
+
+
+def test_hll_bytes_read_back_in_every_mode():
+    values = np.random.default_rng(11).integers(0, 10**6, size=3000).tolist()
+    want = formats.read_hll(package_hll(values).serialize_compact())
+    for kind in (ds.tgt_hll_type.HLL_4, ds.tgt_hll_type.HLL_6, ds.tgt_hll_type.HLL_8):
+        sketch = package_hll(values, kind=kind)
+        for blob in (sketch.serialize_compact(), sketch.serialize_updatable()):
+            np.testing.assert_array_equal(formats.read_hll(blob), want)
+    few = package_hll(values[:5])  # LIST mode: coupons
+    listed = formats.read_hll(few.serialize_compact())
+    np.testing.assert_array_equal(formats.read_hll(few.serialize_updatable()), listed)
+    assert np.count_nonzero(listed) == 5 and ds.hll_sketch.deserialize(formats.hll_bytes(listed)).get_estimate() > 4.9
+    some = package_hll(values[:200])  # SET mode
+    np.testing.assert_array_equal(formats.read_hll(some.serialize_compact()), formats.read_hll(
+        package_hll(values[:200], kind=ds.tgt_hll_type.HLL_6).serialize_updatable()))
+    np.testing.assert_array_equal(formats.fold_registers(formats.read_hll(package_hll(values, 12).serialize_compact()),
+                                                         10), want)
+    empty = ds.hll_sketch.deserialize(formats.hll_bytes(np.zeros(1024, np.uint8)))
+    assert empty.is_empty() and empty.lg_config_k == 10

@@ -20,9 +20,15 @@ Spark, Druid, Pinot, Postgres and DuckDB merge DataSketches' serialized sketches
   A string column's sketch lists the ``k`` values the result lists, with the result's ``bound``
   as offset (the other monitored values are hash ids, not strings).
 
-and reads both back (:func:`read_kll`, :func:`read_frequent_items`), what
+- an **HLL** sketch (``hll_sketch``, HLL_8) of a ``DistinctCount(datasketches=True)``'s registers,
+  which hash values as DataSketches does (:mod:`~.murmur`); so a union with DataSketches' own
+  sketches of overlapping values counts the overlap once.
+
+and reads them back (:func:`read_kll`, :func:`read_frequent_items`, :func:`read_hll`: its LIST,
+SET, HLL_4, HLL_6 and HLL_8 forms), what
 :func:`~sharded_scan.from_datasketches` merges into a run. Layouts: datasketches-cpp
-``kll_sketch_impl.hpp`` (serial versions 1 and 2) and ``frequent_items_sketch_impl.hpp``.
+``kll_sketch_impl.hpp`` (serial versions 1 and 2), ``frequent_items_sketch_impl.hpp`` and ``hll/``
+(``HllArray``, ``CouponList``, ``Hll4Array``).
 """
 
 from __future__ import annotations
@@ -293,3 +299,91 @@ def frequent_items_sketches(result) -> list[bytes]:
         out.append(frequent_items_bytes(decode(column["keys"][:held], column["kind"]), weights, offset,
                                         int(weights.sum()), capacity, item_kind(column["kind"])))
     return out
+
+
+# ---- HLL ---------------------------------------------------------------------------------------
+
+HLL_FAMILY, HLL_EMPTY, HLL_COMPACT, HLL_OUT_OF_ORDER = 7, 4, 8, 16
+LIST, SET, HLL = 0, 1, 2  # modes
+HLL_4, HLL_6, HLL_8 = 0, 1, 2  # target types
+AUX_TOKEN = 15
+
+
+def hll_state_dtype(m: int) -> np.dtype:
+    """One column's distinct-count registers as a record (``DistinctCountResult.sketch``)."""
+    return np.dtype([("registers", np.uint8, (m,))])
+
+
+def hll_state(registers: np.ndarray) -> np.ndarray:
+    """The records of host registers ``(d, m)``."""
+    state = np.zeros(registers.shape[0], hll_state_dtype(registers.shape[1]))
+    state["registers"] = registers
+    return state
+
+
+def hll_bytes(registers: np.ndarray) -> bytes:
+    """An HLL_8 sketch's bytes of ``2^lg_k`` registers (values 0..63), marked out of order (a union's:
+    DataSketches estimates it from the registers alone)."""
+    registers = np.asarray(registers, np.uint8)
+    lg_k = int(registers.shape[0]).bit_length() - 1
+    if not registers.any():
+        return struct.pack("<BBBBBBBB", 2, 1, HLL_FAMILY, lg_k, 3, HLL_EMPTY | HLL_COMPACT, 0, LIST | HLL_8 << 2)
+    inverse = np.exp2(-registers.astype(np.float64))
+    kxq0, kxq1 = inverse[registers < 32].sum(), inverse[registers >= 32].sum()
+    return b"".join([
+        struct.pack("<BBBBBBBB", 10, 1, HLL_FAMILY, lg_k, 0, HLL_OUT_OF_ORDER, 0, HLL | HLL_8 << 2),
+        struct.pack("<dddII", 0.0, kxq0, kxq1, int(np.sum(registers == 0)), 0), registers.tobytes(),
+    ])
+
+
+def read_hll(blob: bytes) -> np.ndarray:
+    """The ``2^lg_k`` registers (uint8) of an HLL sketch's bytes, in any of its modes and types."""
+    blob = bytes(blob)
+    if len(blob) < 8 or blob[2] != HLL_FAMILY:
+        raise UsageError("these bytes are not a DataSketches HLL sketch (family 7); pass what an hll_sketch's "
+                         "serialize_compact() or serialize_updatable() returned.")
+    pre_ints, lg_k, lg_arr, flags, byte6, mode = blob[0], blob[3], blob[4], blob[5], blob[6], blob[7]
+    m = 1 << lg_k
+    registers = np.zeros(m, np.uint8)
+    if flags & HLL_EMPTY:
+        return registers
+    if mode & 3 != HLL:  # LIST or SET: coupons (26 bits of slot, 6 of value); 0 marks an empty slot
+        count = byte6 if mode & 3 == LIST else struct.unpack_from("<I", blob, 8)[0]
+        start = 4 * pre_ints
+        stored = count if flags & HLL_COMPACT else 1 << lg_arr
+        found = np.frombuffer(blob, "<u4", stored, start)
+        found = found[found != 0]
+        np.maximum.at(registers, (found & (m - 1)).astype(np.int64), (found >> 26).astype(np.uint8))
+        return registers
+    cur_min = byte6
+    aux_count = struct.unpack_from("<I", blob, 36)[0]
+    kind = (mode >> 2) & 3
+    start = 40
+    if kind == HLL_8:
+        return np.frombuffer(blob, np.uint8, m, start).copy()
+    if kind == HLL_6:
+        packed = np.frombuffer(blob, np.uint8, (6 * m + 7) // 8, start)
+        bits = np.unpackbits(packed, bitorder="little")
+        return (bits[: 6 * m].reshape(m, 6) << np.arange(6)).sum(axis=1).astype(np.uint8)
+    nibbles = np.frombuffer(blob, np.uint8, m // 2, start)
+    values = np.stack([nibbles & 0xF, nibbles >> 4], axis=1).reshape(-1)
+    registers = np.where(values == AUX_TOKEN, 0, values + cur_min).astype(np.uint8)
+    if aux_count:  # exceptions: (slot, value) coupons after the array
+        stored = aux_count if flags & HLL_COMPACT else 1 << lg_arr
+        found = np.frombuffer(blob, "<u4", stored, start + m // 2)
+        found = found[found != 0]
+        registers[(found & (m - 1)).astype(np.int64)] = (found >> 26).astype(np.uint8)
+    return registers
+
+
+def fold_registers(registers: np.ndarray, lg_k: int) -> np.ndarray:
+    """Registers of ``2^lg_k`` slots from more (a larger sketch's): each slot the maximum of those it folds."""
+    return registers.reshape(-1, 1 << lg_k).max(axis=0)
+
+
+def hll_sketches(state: np.ndarray | None) -> list[bytes]:
+    """Per column, the HLL_8 bytes of a distinct count's register records."""
+    if state is None:
+        raise UsageError("this DistinctCountResult's registers do not hash values as DataSketches does; run "
+                         "DistinctCount(datasketches=True) to get one that to_datasketches() can write.")
+    return [hll_bytes(column["registers"]) for column in np.atleast_1d(state)]

@@ -3,7 +3,9 @@
 A :class:`FromDataSketches` runs ``combiner`` unchanged (the same accumulator, steps and
 checkpoints) and, in ``finalize``, merges into the merged accumulator the DataSketches
 sketches given, one per column: KLL bytes into a :class:`~sharded_scan.Quantiles` sketch,
-Frequent Items bytes into a :class:`~sharded_scan.TopK` summary (formats:
+Frequent Items bytes into a :class:`~sharded_scan.TopK` summary, HLL bytes (any mode and
+type, ``lg_k`` at least ``precision``: folded down) into a :class:`~sharded_scan.DistinctCount`'s
+registers by maximum, its columns then estimates (formats:
 :mod:`~sharded_scan.combiners.datasketches`). So a sketch Spark or Druid built over other
 rows is merged in once, whatever the device count; the seeds' digests name the job.
 
@@ -29,11 +31,14 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.datasketches import (
+    fold_registers,
     item_kind,
     kll_rank_error,
     read_frequent_items,
+    read_hll,
     read_kll,
 )
+from sharded_scan.combiners.distinct import DistinctCount
 from sharded_scan.combiners.keys import GOLDEN, KIND_DTYPES, bits, fill, keyed_as, np_float_keys
 from sharded_scan.combiners.quantiles import CONFIDENCE, Quantiles
 from sharded_scan.combiners.quantiles_result import QuantilesAcc
@@ -46,21 +51,25 @@ def from_datasketches(combiner: Any, sketches: Any) -> FromDataSketches:
     """``combiner`` seeded with Apache DataSketches sketches, merged into its result.
 
     Args:
-      combiner: a :class:`~sharded_scan.Quantiles` (``exact=False``) or :class:`~sharded_scan.TopK`.
+      combiner: a :class:`~sharded_scan.Quantiles` (``exact=False``), :class:`~sharded_scan.TopK` or
+        :class:`~sharded_scan.DistinctCount`.
       sketches: one serialized sketch per column of the data (a bytes for rows of one value):
         KLL sketches (``kll_floats_sketch``/``kll_doubles_sketch``'s ``serialize()``) for
         ``Quantiles``; Frequent Items sketches for ``TopK`` (``frequent_items_sketch`` of
-        ``PyLongsSerDe`` for integer columns, ``PyDoublesSerDe`` for float ones). None for a
-        column skips it.
+        ``PyLongsSerDe`` for integer columns, ``PyDoublesSerDe`` for float ones); HLL sketches
+        (``hll_sketch``'s ``serialize_compact()``) for ``DistinctCount``. None for a column skips it.
 
     Returns:
       a combiner to pass to :func:`sharded_scan.run`: its result is ``combiner``'s over the rows
       and the sketches together.
     """
-    if not isinstance(combiner, Quantiles | TopK) or (isinstance(combiner, Quantiles) and combiner.exact):
-        raise UsageError(f"from_datasketches seeds Quantiles(exact=False) with KLL sketches and TopK with Frequent "
-                         f"Items sketches, got {combiner!r}; DataSketches HLL sketches hash values unlike "
-                         "DistinctCount, so they cannot be merged into one.")
+    if not isinstance(combiner, Quantiles | TopK | DistinctCount) or (isinstance(combiner, Quantiles)
+                                                                      and combiner.exact):
+        raise UsageError(f"from_datasketches seeds Quantiles(exact=False) with KLL sketches, TopK with Frequent "
+                         f"Items sketches and DistinctCount with HLL sketches, got {combiner!r}.")
+    if isinstance(combiner, DistinctCount) and not combiner.datasketches:
+        raise UsageError("from_datasketches merges HLL sketches into DistinctCount(datasketches=True) only (registers "
+                         "that hash values as DataSketches does); pass datasketches=True.")
     blobs = [sketches] if isinstance(sketches, bytes | bytearray | memoryview) else list(sketches)
     if not all(b is None or isinstance(b, bytes | bytearray | memoryview) for b in blobs):
         raise UsageError("from_datasketches takes one serialized sketch (bytes) per column, or None for a column "
@@ -91,6 +100,8 @@ class FromDataSketches(Wrapper):
             if isinstance(self.inner, Quantiles):
                 image = read_kll(blob)
                 _keys(np.concatenate([*image.levels, [image.min, image.max]]) if image.n else np.zeros(0), code)
+            elif isinstance(self.inner, DistinctCount):
+                self._registers(blob)
             else:
                 _keys(np.asarray(read_frequent_items(blob, item_kind(code)).items), code)
 
@@ -112,7 +123,27 @@ class FromDataSketches(Wrapper):
     def finalize(self, acc):
         if isinstance(self.inner, TopK):
             return self.inner.finalize(_host(_merger(self.inner)(acc, self._topk_seed(acc))))
+        if isinstance(self.inner, DistinctCount):
+            return self.inner.finalize(self._distinct(acc))
         return self._quantiles(acc)
+
+    def _registers(self, blob: bytes) -> np.ndarray:
+        """A seed's registers at our precision; a smaller sketch is one line."""
+        registers = read_hll(blob)
+        lg_k = registers.shape[0].bit_length() - 1
+        if lg_k < self.inner.precision:
+            raise UsageError(f"an HLL sketch of lg_k={lg_k} cannot be merged into DistinctCount(precision="
+                             f"{self.inner.precision}); run DistinctCount(precision={lg_k}) (or less).")
+        return fold_registers(registers, self.inner.precision)
+
+    def _distinct(self, acc):
+        registers, held = np.array(acc.registers), np.array(acc.held).reshape(-1)
+        for j, blob in enumerate(self.sketches):
+            if blob is not None:
+                seed = self._registers(blob)
+                registers[j] = np.maximum(registers[j], seed)
+                held[j] = held[j] if not seed.any() else self.inner.exact_up_to + 1  # an estimate now
+        return acc._replace(registers=registers, held=held.reshape(np.shape(acc.held)))
 
     def _quantiles(self, acc: QuantilesAcc):
         code, k = int(acc.kind), self.inner.k
