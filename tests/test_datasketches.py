@@ -1,8 +1,8 @@
 """Sketches other systems read: Quantiles' KLL, TopK's Frequent Items and DistinctCount's HLL bytes, read and
 merged by the ``datasketches`` package (the reference), and runs seeded from the package's own sketches.
 
-Compiles are the cost: one Quantiles, one TopK and one DistinctCount, each on one spec and mesh (plus a
-float32 KLL run on 3 devices), shared by every case through module fixtures."""
+Compiles are the cost: one Quantiles, one TopK and one DistinctCount, each on one spec and mesh, shared
+by every case through module fixtures; the float64 KLL path is checked on its bytes."""
 
 import jax
 import numpy as np
@@ -18,6 +18,8 @@ QUANTILES = ss.Quantiles(qs=[0.1, 0.5, 0.9], k=64)  # small k: a few thousand ro
 TOPK = ss.TopK(k=3, capacity=32)
 DISTINCT = ss.DistinctCount(precision=10, exact_up_to=0, datasketches=True)
 RUN = dict(microbatch=128, steps_per_call=2, mesh="data:2")
+ONE = {**RUN, "mesh": "data:1"}  # the KLL merge's compile is test_quantiles'; here the formats
+# (a seeded combiner equals its inner one: the seeded runs reuse the fixtures' compiled programs)
 QS = np.linspace(0.05, 0.95, 19)
 ROWS = 2501  # ragged
 
@@ -56,11 +58,11 @@ def check_counts(sketch, values):
 
 
 @pytest.fixture(scope="module")
-def doubles():
+def floats():
     rng = np.random.default_rng(1)
-    x = np.stack([rng.normal(size=ROWS) * 1e6, rng.exponential(size=ROWS)], 1)
+    x = np.stack([rng.normal(size=ROWS) * 1e6, rng.exponential(size=ROWS)], 1).astype(np.float32)
     x[[5, 900], 1] = np.nan  # DataSketches leaves NaN out; so does the export
-    return x, ss.run(QUANTILES, x, **RUN)
+    return x, ss.run(QUANTILES, x, **ONE)
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +72,14 @@ def ints():
     return x, ss.run(TOPK, x, **RUN)
 
 
-def test_kll_bytes_are_the_sketch_and_merge_with_the_packages(doubles):
-    x, result = doubles
+def test_kll_bytes_are_the_sketch_and_merge_with_the_packages(floats):
+    x, result = floats
     blobs = result.to_datasketches()
     assert len(blobs) == 2
     rng = np.random.default_rng(3)
     for j, blob in enumerate(blobs):
         values = x[:, j][~np.isnan(x[:, j])]
-        ours = ds.kll_doubles_sketch.deserialize(blob)
+        ours = ds.kll_floats_sketch.deserialize(blob)  # float32 columns: floats sketches
         assert ours.is_estimation_mode() and ours.k == 64
         assert abs(ours.n - len(values)) <= result.rank_error * len(values)  # n: the items' weight
         assert ours.get_min_value() == values.min()
@@ -86,21 +88,12 @@ def test_kll_bytes_are_the_sketch_and_merge_with_the_packages(doubles):
         else:  # the NaN column's largest key is NaN: its max is the largest item kept
             assert ours.get_max_value() in values and rank(values, ours.get_max_value()) >= 1 - result.rank_error
         check_ranks(ours, values, ours.normalized_rank_error(False))
-        other = rng.uniform(-1, 3, size=3000) * values.std()
-        union = package_kll(ds.kll_doubles_sketch, other)
+        other = (rng.uniform(-1, 3, size=3000) * values.std()).astype(np.float32)
+        union = package_kll(ds.kll_floats_sketch, other)
         union.merge(ours)
         both = np.concatenate([values, other])
         assert union.n == ours.n + len(other) and union.get_min_value() == min(values.min(), other.min())
         check_ranks(union, both, union.normalized_rank_error(False))  # min_k: ours, the smaller
-
-
-def test_kll_bytes_of_float32_columns_are_floats_sketches():
-    x = np.random.default_rng(4).normal(size=(ROWS, 2)).astype(np.float32)
-    result = ss.run(QUANTILES, x, **{**RUN, "mesh": "data:3"})
-    for j, blob in enumerate(result.to_datasketches()):
-        sketch = ds.kll_floats_sketch.deserialize(blob)
-        assert sketch.get_min_value() == x[:, j].min() and sketch.get_max_value() == x[:, j].max()
-        check_ranks(sketch, x[:, j], sketch.normalized_rank_error(False))
 
 
 def test_kll_bytes_read_back_and_the_small_forms():
@@ -117,17 +110,17 @@ def test_kll_bytes_read_back_and_the_small_forms():
     assert ds.kll_floats_sketch.deserialize(formats.kll_bytes([], 64, 0, 0, 4)).is_empty()
 
 
-def test_a_run_seeded_with_the_packages_kll_sketches_answers_for_the_union(doubles):
-    x, plain = doubles
-    theirs = np.random.default_rng(6).normal(2e6, 1e6, size=4000)
+def test_a_run_seeded_with_the_packages_kll_sketches_answers_for_the_union(floats):
+    x, plain = floats
+    theirs = np.random.default_rng(6).normal(2e6, 1e6, size=4000).astype(np.float32)  # doubles float32 holds
     seeds = [package_kll(ds.kll_doubles_sketch, theirs, k=100).serialize(), None]
-    result = ss.run(ss.from_datasketches(QUANTILES, seeds), x, **RUN)
+    result = ss.run(ss.from_datasketches(QUANTILES, seeds), x, **ONE)
     np.testing.assert_array_equal(result.count, [ROWS + 4000, ROWS])
     union = np.concatenate([x[:, 0], theirs])
     for q, v in zip(QUANTILES.qs, result.quantiles[0], strict=True):
         assert abs(rank(union, v) - q) <= result.rank_error, q
     np.testing.assert_array_equal(result.quantiles[1], plain.quantiles[1])  # no seed: the run's own
-    back = ds.kll_doubles_sketch.deserialize(result.to_datasketches()[0])
+    back = ds.kll_floats_sketch.deserialize(result.to_datasketches()[0])
     assert back.get_min_value() == union.min() and back.get_max_value() == union.max()
     assert abs(back.n - len(union)) <= result.rank_error * len(union)
     check_ranks(back, union, result.rank_error)
@@ -179,7 +172,7 @@ def test_a_run_seeded_with_the_packages_frequent_items_counts_the_union(ints):
     check_counts(ds.frequent_items_sketch.deserialize(result.to_datasketches()[0], ds.PyLongsSerDe()), union)
 
 
-def test_mistakes_are_one_line_before_compute(doubles):
+def test_mistakes_are_one_line_before_compute(floats):
     x = np.zeros((10, 2), np.int32)
     kll_double = package_kll(ds.kll_doubles_sketch, [0.5, 1.5]).serialize()
     cases = [
@@ -198,7 +191,7 @@ def test_mistakes_are_one_line_before_compute(doubles):
     with pytest.raises(ss.UsageError, match="one serialized sketch"):
         ss.from_datasketches(TOPK, [1, 2])
     with pytest.raises(ss.UsageError, match="holds no sketch"):
-        doubles[1]._replace(sketch=None).to_datasketches()  # e.g. Quantiles(exact=True)'s
+        floats[1]._replace(sketch=None).to_datasketches()  # e.g. Quantiles(exact=True)'s
 
 
 def package_hll(values, lg_k=10, kind=None):

@@ -177,7 +177,7 @@ class DistinctCount(Combiner):
       datasketches: hash values as Apache DataSketches' HLL sketch does, so that the result's
         ``to_datasketches()`` writes HLL sketches Spark, Druid or the ``datasketches`` package merge
         (and :func:`~sharded_scan.from_datasketches` merges theirs in); its hash costs more: the
-        estimate-only fold ran about 7 times slower on CPU.
+        estimate-only fold ran about 5 times slower on CPU (1.2 against 6.3 M rows/s).
 
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'

@@ -77,11 +77,21 @@ def from_datasketches(combiner: Any, sketches: Any) -> FromDataSketches:
     return FromDataSketches(combiner, tuple(None if b is None else bytes(b) for b in blobs))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FromDataSketches(Wrapper):
-    """``inner`` with DataSketches ``sketches`` (bytes per column) merged in at ``finalize``."""
+    """``inner`` with DataSketches ``sketches`` (bytes per column) merged in at ``finalize``.
 
-    sketches: tuple = dataclasses.field(default=(), compare=False)  # read on the host only
+    It equals (and hashes as) ``inner``: its compiled programs are ``inner``'s (the engine's memo
+    shares them), as the seeds are read on the host only; the fingerprint names the seeds.
+    """
+
+    sketches: tuple = ()
+
+    def __eq__(self, other):
+        return self.inner == (other.inner if isinstance(other, FromDataSketches) else other)
+
+    def __hash__(self):
+        return hash(self.inner)
 
     def fingerprint(self):
         digests = [None if b is None else hashlib.sha256(b).hexdigest() for b in self.sketches]
