@@ -23,6 +23,8 @@ JSON, CSV = "result.json", "result.csv"
 # Fields along another axis than X's columns: quantile levels, bin edges shared by every column,
 # PCA's components and their variances (one per component).
 NOT_BY_COLUMN = ("qs", "edges", "components", "explained_variance", "explained_variance_ratio", "singular_values")
+# The sketches' state (result.sketch): kept in result.npz, for to_datasketches(); not a statistic.
+STATE = "sketch"
 # A 2-D field whose second axis another field labels: quantiles[0.5] rather than quantiles[4].
 LABELLED_BY = {"quantiles": "qs"}
 
@@ -85,7 +87,7 @@ def write_result_files(workdir: str, result: Any) -> list[str]:
     Raises:
       StorageError: the workdir refused a write (one line; result.npz and summary.json are intact).
     """
-    arrays = named_arrays(result)
+    arrays = {name: a for name, a in named_arrays(result).items() if STATE not in name.split(".")}
     files = {JSON: result_json(arrays), CSV: result_table(arrays)}
     written = [name for name, text in files.items() if text is not None]
     try:

@@ -18,6 +18,7 @@ from sharded_scan.combiners import (
     Sum,
     TopK,
     Weighted,
+    from_datasketches,
     from_fn,
     hash_strings,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "TopK",
     "UsageError",
     "Weighted",
+    "from_datasketches",
     "from_fn",
     "hash_strings",
     "make_mesh",

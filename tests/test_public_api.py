@@ -10,6 +10,7 @@ CONTRACT = [
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
     "run_in_workdir", "Describe", "GroupBy", "Weighted",
+    "from_datasketches",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
@@ -21,9 +22,9 @@ RESULT_FIELDS = {
     "LinearRegressionResult": ("coef", "intercept", "rank", "cond", "columns"),
     "HistogramResult": ("counts", "edges", "columns"),
     "GradientResult": ("count", "loss", "grad"),
-    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "columns"),
-    "DistinctCountResult": ("count", "exact", "relative_error", "columns"),
-    "TopKResult": ("values", "counts", "errors", "bound", "certain", "columns"),
+    "QuantilesResult": ("quantiles", "qs", "count", "rank_error", "passes", "sketch", "columns"),
+    "DistinctCountResult": ("count", "exact", "relative_error", "sketch", "columns"),
+    "TopKResult": ("values", "counts", "errors", "bound", "certain", "sketch", "columns"),
     "DescribeResult": ("count", "nan_count", "mean", "std", "min", "max", "percentiles", "qs", "rank_error", "passes",
                        "columns"),
 }

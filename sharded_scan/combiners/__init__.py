@@ -11,6 +11,7 @@ from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.pca import PCA, PCAResult
 from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
+from sharded_scan.combiners.seeded import from_datasketches
 from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
 from sharded_scan.combiners.sums import Gram, Sum, SumResult, WeightedSumResult
 from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
@@ -47,6 +48,7 @@ __all__ = [
     "TopKResult",
     "Weighted",
     "WeightedSumResult",
+    "from_datasketches",
     "from_fn",
     "hash_strings",
 ]

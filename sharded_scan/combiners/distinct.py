@@ -6,7 +6,11 @@ bijective mixer: the top ``precision`` bits of the first hash pick one of
 are what the register keeps the maximum of. A 64-bit value's 64-bit key is hashed once
 by a bijective 64-bit mixer, whose top bits pick the register and whose low 32 bits
 give the leading zeros. Distinct keys give distinct hashes, so no two distinct values
-collide in the bits used. Partials merge by elementwise
+collide in the bits used. ``DistinctCount(datasketches=True)`` hashes every value as Apache
+DataSketches' ``hll_sketch`` does instead (:mod:`~.murmur`: MurmurHash3_x64_128, seed 9001, of
+its int64 or float64 bytes; the register from the low bits of the first half, 1 + the leading
+zeros of the second, at most 63), so its registers are an HLL_8 sketch DataSketches reads and
+merges (``DistinctCountResult.to_datasketches``). Partials merge by elementwise
 maximum, so the merge and therefore the result do not depend on how rows are split.
 ``finalize`` applies Ertl's improved estimator ("New cardinality estimation algorithms
 for HyperLogLog sketches", 2017), which needs no bias tables and holds its standard
@@ -30,15 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharded_scan.combiners import murmur
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.datasketches import hll_sketches, hll_state
 from sharded_scan.combiners.keys import (
     GOLDEN,
+    KIND_DTYPES,
     check_column_spec,
     columns,
     fill,
     fold_groups,
     fold_if_any,
     key_dtype,
+    keyed_as,
     mix32,
     mix64,
     run_window,
@@ -62,7 +70,17 @@ class DistinctCountResult(NamedTuple):
     count: np.ndarray
     exact: np.ndarray
     relative_error: np.ndarray
+    sketch: np.ndarray | None = None  # with datasketches=True: the registers, a record per column
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_datasketches(self) -> list[bytes] | bytes:
+        """Per column, the bytes of an Apache DataSketches HLL sketch (HLL_8, ``lg_k = precision``) of the
+        registers of a ``DistinctCount(datasketches=True)``: ``datasketches.hll_sketch.deserialize`` reads it
+        and ``hll_union`` merges it with sketches of the same values (integers hashed as int64, floats as
+        float64; a string column's hash ids, not its strings). A list of ``d`` bytes (one bytes for rows of
+        one value)."""
+        blobs = hll_sketches(self.sketch)
+        return blobs[0] if np.ndim(self.count) == 0 else blobs
 
     def to_pandas(self):
         """A DataFrame: a row per column, ``count`` (``df.nunique(dropna=False)``), ``exact``, ``relative_error``."""
@@ -77,9 +95,13 @@ class DistinctAcc(NamedTuple):
     held: jax.Array       # int32 (d,): distinct keys held; E + 1 once there were more than E
 
 
-def register_updates(keys: jax.Array, mask: jax.Array, precision: int) -> tuple[jax.Array, jax.Array]:
-    """Each key's register index and value (0 for masked rows): ``(d, mb)`` each."""
-    if keys.dtype == jnp.uint64:
+def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
+                     code: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each key's register index and value (0 for masked rows): ``(d, mb)`` each; with ``code`` (the keys'
+    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`)."""
+    if code is not None:
+        index, rank = murmur.coupons(keys, code, precision)
+    elif keys.dtype == jnp.uint64:
         first = mix64(keys)
         second = first.astype(jnp.uint32)  # the low half: bits the index (the top ones) does not use
         index = (first >> (64 - precision)).astype(jnp.int32)
@@ -87,7 +109,8 @@ def register_updates(keys: jax.Array, mask: jax.Array, precision: int) -> tuple[
         first = mix32(keys)
         second = mix32(first ^ jnp.uint32(GOLDEN))
         index = (first >> (32 - precision)).astype(jnp.int32)
-    rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
+    if code is None:
+        rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
     return index, jnp.where(mask[None, :], rank, jnp.uint8(0))
 
 
@@ -132,12 +155,13 @@ def tau(x: float) -> float:
             return z / 3.0
 
 
-def estimate(registers: np.ndarray) -> float:
-    """Ertl's improved raw estimator of the distinct count from one column's registers."""
+def estimate(registers: np.ndarray, rank_bits: int = RANK_BITS) -> float:
+    """Ertl's improved raw estimator of the distinct count from one column's registers (values up to
+    ``rank_bits + 1``)."""
     m = registers.shape[0]
-    hist = np.bincount(registers.astype(np.int64), minlength=RANK_BITS + 2).astype(np.float64)
-    z = m * tau(1.0 - hist[RANK_BITS + 1] / m)
-    for k in range(RANK_BITS, 0, -1):
+    hist = np.bincount(registers.astype(np.int64), minlength=rank_bits + 2).astype(np.float64)
+    z = m * tau(1.0 - hist[rank_bits + 1] / m)
+    for k in range(rank_bits, 0, -1):
         z = 0.5 * (z + hist[k])
     z += m * sigma(hist[0] / m)
     return m * m / (2.0 * math.log(2.0)) / z
@@ -154,6 +178,10 @@ class DistinctCount(Combiner):
         many keys per column, 4 bytes each); None, the default: ``2^precision`` (64 KiB a
         column at the default precision); 0 turns it off (the estimate alone, which was the
         default before).
+      datasketches: hash values as Apache DataSketches' HLL sketch does, so that the result's
+        ``to_datasketches()`` writes HLL sketches Spark, Druid or the ``datasketches`` package merge
+        (and :func:`~sharded_scan.from_datasketches` merges theirs in); its hash costs more: the
+        estimate-only fold ran about 5 times slower on CPU (1.2 against 6.3 M rows/s).
 
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
@@ -164,6 +192,7 @@ class DistinctCount(Combiner):
 
     precision: int = DEFAULT_PRECISION
     exact_up_to: int | None = None
+    datasketches: bool = False
     takes_string_ids = True  # string columns: their hash ids count the distinct strings
 
     def __post_init__(self):
@@ -175,6 +204,8 @@ class DistinctCount(Combiner):
         e = self.exact_up_to
         if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 0:
             raise UsageError(f"DistinctCount exact_up_to must be an integer >= 0, got {e!r}.")
+        if not isinstance(self.datasketches, bool | np.bool_):
+            raise UsageError(f"DistinctCount datasketches must be True or False, got {self.datasketches!r}.")
 
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
@@ -192,7 +223,7 @@ class DistinctCount(Combiner):
 
     def _add(self, acc, batch, mask):
         keys = columns(batch)
-        index, rank = register_updates(keys, mask, self.precision)
+        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch))
         d = keys.shape[0]
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
         registers = acc.registers.at[rows, index].max(rank)
@@ -200,6 +231,10 @@ class DistinctCount(Combiner):
             return acc._replace(registers=registers)
         batch_keys = jnp.where(mask[None, :], keys, fill(keys.dtype))
         return self._add_held(acc, registers, batch_keys, jnp.sum(mask, dtype=jnp.int32))
+
+    def _hash_code(self, batch):
+        """The key kind DataSketches' hash reads values as (``datasketches=True``), else None: our hash."""
+        return KIND_DTYPES.index(keyed_as(batch.dtype)) if self.datasketches else None
 
     def _add_held(self, acc, registers, batch_keys, count):
         """``acc`` with ``registers`` and, while some column keeps its values, the first ``count`` of
@@ -213,7 +248,7 @@ class DistinctCount(Combiner):
         """Registers per key in one scatter-max; the kept values of each key present in the micro-batch
         (while it has few) folded key by key (:func:`~.keys.fold_groups`)."""
         cols = columns(batch)
-        index, rank = register_updates(cols, mask, self.precision)
+        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch))
         d = cols.shape[0]
         group = jnp.broadcast_to(jnp.where(mask, keys, 0)[None, :], index.shape)
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
@@ -248,8 +283,10 @@ class DistinctCount(Combiner):
         registers = np.asarray(acc.registers)
         held = np.asarray(acc.held).reshape(-1)
         exact = (held <= self.exact_up_to) & (self.exact_up_to > 0)
-        estimates = np.array([estimate(r) for r in registers])
+        rank_bits = murmur.MAX_RANK - 1 if self.datasketches else RANK_BITS
+        estimates = np.array([estimate(r, rank_bits) for r in registers])
         count = np.where(exact, held, np.rint(estimates)).astype(np.int64)
         error = np.where(exact, 0.0, 1.04 / math.sqrt(registers.shape[1]))
         shape = np.shape(acc.held)
-        return DistinctCountResult(count.reshape(shape), exact.reshape(shape), error.reshape(shape))
+        state = hll_state(registers).reshape(shape) if self.datasketches else None
+        return DistinctCountResult(count.reshape(shape), exact.reshape(shape), error.reshape(shape), state)

@@ -32,6 +32,7 @@ import numpy as np
 
 from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.datasketches import kll_state
 from sharded_scan.combiners.keys import (
     check_column_spec,
     fill,
@@ -193,7 +194,7 @@ class Quantiles(Combiner, MultiPass):
         )
 
     def finalize(self, acc):
-        return sketch_quantiles(acc, np.asarray(self.qs), self.method)
+        return sketch_quantiles(acc, np.asarray(self.qs), self.method)._replace(sketch=kll_state(acc, self.k))
 
     @property
     def needs_passes(self) -> bool:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from sharded_scan.combiners import kll, kll_weighted, wide
+from sharded_scan.combiners.datasketches import kll_sketches
 from sharded_scan.combiners.keys import decode, is_float, nan_key
 from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
@@ -34,7 +35,9 @@ class QuantilesResult(NamedTuple):
     answer read at the ranks ``method`` names (``np.quantile``'s; see the module docstring),
     NaN for a column that holds NaN (numpy's ``np.quantile`` does the same) or has no
     rows; ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
-    probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data.
+    probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data;
+    ``sketch`` the merged sketch, a record per column (:func:`~.datasketches.kll_state_dtype`;
+    None after exact passes), what :meth:`to_datasketches` writes.
     """
 
     quantiles: np.ndarray
@@ -42,11 +45,22 @@ class QuantilesResult(NamedTuple):
     count: np.ndarray
     rank_error: np.ndarray
     passes: np.ndarray
+    sketch: np.ndarray | None = None
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
     def to_pandas(self):
         """A DataFrame like ``df.quantile(qs).T``: a row per column, a column per ``q``."""
         return frame(self, ("quantiles",), spread={"quantiles": self.qs})
+
+    def to_datasketches(self) -> list[bytes] | bytes:
+        """Per column, the bytes of an Apache DataSketches KLL sketch of the column's sketch.
+
+        ``datasketches.kll_floats_sketch.deserialize`` reads a float32 column's,
+        ``kll_doubles_sketch.deserialize`` any other's (integers as doubles); NaN is left out, as
+        DataSketches does. A list of ``d`` bytes (one bytes for rows of one value).
+        """
+        blobs = kll_sketches(self.sketch)
+        return blobs[0] if np.ndim(self.quantiles) == 1 else blobs
 
 
 class WeightedQuantilesAcc(NamedTuple):

@@ -35,6 +35,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.datasketches import frequent_items_sketches, frequent_state
 from sharded_scan.combiners.keys import (
     check_column_spec,
     decode,
@@ -75,7 +76,19 @@ class TopKResult(NamedTuple):
     errors: np.ndarray
     bound: np.ndarray
     certain: np.ndarray
+    sketch: np.ndarray | None = None  # the merged summary, a record per column: what to_datasketches writes
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_datasketches(self) -> list[bytes] | bytes:
+        """Per column, the bytes of an Apache DataSketches Frequent Items sketch of the column's summary.
+
+        ``datasketches.frequent_items_sketch.deserialize(b, PyLongsSerDe())`` reads an integer
+        column's (``PyDoublesSerDe()``: a float column's), ``frequent_strings_sketch.deserialize``
+        a string column's; their bounds hold every true count. A list of ``d`` bytes (one bytes
+        for rows of one value).
+        """
+        blobs = frequent_items_sketches(self)
+        return blobs[0] if np.ndim(self.counts) == 1 else blobs
 
     def to_pandas(self):
         """A DataFrame indexed by ``(column, rank)``, rank 0 the most frequent: ``values``,
@@ -323,9 +336,10 @@ class TopK(Combiner):
             counts[j, : len(top)], errors[j, : len(top)] = count[j, top], slack[j, top]
             bounds[j] = max(bound[j], (count[j, rest] + slack[j, rest]).max(initial=0))
             certain[j] = len(top) == 0 or counts[j, len(top) - 1] >= bounds[j]
+        sketch = frequent_state(acc) if wide.is_wide(acc.count) else None  # weighted counts: no DataSketches form
         if np.ndim(acc.held) == 0:
-            return TopKResult(values[0], counts[0], errors[0], bounds[0], certain[0])
-        return TopKResult(values, counts, errors, bounds, certain)
+            return TopKResult(values[0], counts[0], errors[0], bounds[0], certain[0], sketch)
+        return TopKResult(values, counts, errors, bounds, certain, sketch)
 
 
 @dataclasses.dataclass(frozen=True)
