@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA
@@ -409,6 +410,7 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     Raises:
       UsageError: a bad combiner, data, mesh or option.
     """
+    compile_cache.use(options.compilation_cache)  # process-wide, before anything compiles
     with x64_scope(source.spec):
         return _build_program(combiner, source, options)
 
