@@ -171,22 +171,23 @@ def naive_peer(kind: str) -> Callable:
 
 # XLA SPMD -------------------------------------------------------------------------------
 @functools.cache
-def spmd_program(kind: str):
+def spmd_program(kind: str, precision: str = "highest"):
     """The reduction of all rows in one jitted expression (the bodies from a zero carry), rows on ``data``."""
-    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
+    auto = (jax.sharding.AxisType.Auto,)  # XLA's SPMD partitioner picks the output sharding (the psum)
+    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto), P("data"))
 
     def reduce(x, y):
-        with jax.default_matmul_precision("highest"):  # sharded_scan's default precision
+        with jax.default_matmul_precision(precision):  # sharded_scan's default: "highest"
             return BODIES[kind](zeros_for(kind, x.shape[1]), x, y)
 
     return jax.jit(reduce, in_shardings=(sharding, sharding)), sharding
 
 
-def spmd_peer(kind: str, resident: bool = False) -> Callable:
+def spmd_peer(kind: str, resident: bool = False, precision: str = "highest") -> Callable:
     placed: dict[int, tuple] = {}
 
     def call(x, y=None):
-        program, sharding = spmd_program(kind)
+        program, sharding = spmd_program(kind, precision)
         ys = np.zeros(x.shape[0], np.float32) if y is None else y
         if not resident or id(x) not in placed:
             placed[id(x)] = (jax.device_put(x, sharding), jax.device_put(ys, sharding))
