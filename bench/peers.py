@@ -9,6 +9,10 @@ Every peer takes the data as the user holds it (host numpy arrays, or a memory-m
   on the carry, a ``psum`` at the end), all rows placed at once, jitted once.
 - ``naive loop``: one jitted call per batch on one device, each after a synchronous
   transfer of the batch.
+- ``spmd jit``: the JAX a user writes first, ``jax.jit`` of the whole reduction as one
+  expression (``x.T @ x``) over the rows sharded on ``data`` (XLA SPMD partitions it and adds the
+  collective), the rows placed from host memory in the call; ``spmd resident``: the same over
+  rows already placed (placed once, at the untimed first call: compute alone).
 """
 
 from __future__ import annotations
@@ -165,4 +169,33 @@ def naive_peer(kind: str) -> Callable:
     return call
 
 
-PEERS = {"numpy": numpy_peer, "dask": dask_peer, "seed scan": seed_peer, "naive loop": naive_peer}
+# XLA SPMD -------------------------------------------------------------------------------
+@functools.cache
+def spmd_program(kind: str, precision: str = "highest"):
+    """The reduction of all rows in one jitted expression (the bodies from a zero carry), rows on ``data``."""
+    auto = (jax.sharding.AxisType.Auto,)  # XLA's SPMD partitioner picks the output sharding (the psum)
+    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto), P("data"))
+
+    def reduce(x, y):
+        with jax.default_matmul_precision(precision):  # sharded_scan's default: "highest"
+            return BODIES[kind](zeros_for(kind, x.shape[1]), x, y)
+
+    return jax.jit(reduce, in_shardings=(sharding, sharding)), sharding
+
+
+def spmd_peer(kind: str, resident: bool = False, precision: str = "highest") -> Callable:
+    placed: dict[int, tuple] = {}
+
+    def call(x, y=None):
+        program, sharding = spmd_program(kind, precision)
+        ys = np.zeros(x.shape[0], np.float32) if y is None else y
+        if not resident or id(x) not in placed:
+            placed[id(x)] = (jax.device_put(x, sharding), jax.device_put(ys, sharding))
+        args = placed[id(x)] if resident else placed.pop(id(x))
+        return finish(kind, program(*args), x.shape[0])
+
+    return call
+
+
+PEERS = {"numpy": numpy_peer, "dask": dask_peer, "seed scan": seed_peer, "naive loop": naive_peer,
+         "spmd jit": spmd_peer, "spmd resident": functools.partial(spmd_peer, resident=True)}

@@ -10,8 +10,11 @@ For each case it times, over the same steps and layout the engine uses:
   e2e p=2   the same with the default ``prefetch=2``;
   overlap   max(source, compute) / e2e: 1.0 is perfect overlap, 0.5 is none when balanced.
 Cases: a generated ``.npy`` (``NpySource``; it was just written, so it reads from the page
-cache), and a source that sleeps a fixed time per chunk, set to the measured compute
-time per step, so reading ~= compute. Peak resident memory (``VmHWM``) is measured in
+cache), a source that sleeps a fixed time per chunk, set to the measured compute
+time per step, so reading ~= compute, and a 512 MiB ``.npy`` at the default chunking (no
+``microbatch``/``steps_per_call``) whose reads sleep in proportion to their rows so that reading
+the file takes as long as the compute (``SlowSource``: a job of a few hundred MiB, where the
+first step's read is the one prefetching cannot hide). Peak resident memory (``VmHWM``) is measured in
 a fresh subprocess streaming files of 1x and 4x size. JSON goes to
 ``bench/results/streaming.json``.
 """
@@ -34,6 +37,7 @@ import jax
 import numpy as np
 
 from sharded_scan import Combiner, Gram, RunOptions
+from sharded_scan.layout import default_steps_per_call, resolve_chunking
 from sharded_scan.prefetch import device_batches, place, read_local
 from sharded_scan.program import build_program
 from sharded_scan.sources import NpySource, Source
@@ -63,6 +67,25 @@ class DelayedSource(Source):
     def read(self, start: int, stop: int) -> np.ndarray:
         time.sleep(self.delay)
         return self._chunk[: stop - start]  # a view: the time spent is the delay alone
+
+
+class SlowSource(Source):
+    """``inner``'s rows, each read sleeping ``seconds_per_row`` a row first (storage slower than the page cache)."""
+
+    def __init__(self, inner: Source, seconds_per_row: float):
+        self.inner, self.seconds_per_row = inner, seconds_per_row
+
+    @property
+    def num_rows(self) -> int:
+        return self.inner.num_rows
+
+    @property
+    def spec(self):
+        return self.inner.spec
+
+    def read(self, start: int, stop: int, pad_to: int | None = None):
+        time.sleep((stop - start) * self.seconds_per_row)
+        return self.inner.read(start, stop, pad_to=pad_to)
 
 
 def write_npy(path: str, num_rows: int, features: int = FEATURES) -> None:
@@ -129,9 +152,11 @@ class Bench:
         return timed(lambda: self.fold(device_batches(self.source, self.layout, self.mesh, 0, prefetch)))
 
 
-def measure(name: str, source: Source, repeats: int, compute: list[float] | None = None) -> dict[str, Any]:
+def measure(
+    name: str, source: Source, repeats: int, compute: list[float] | None = None, options: RunOptions | None = None,
+) -> dict[str, Any]:
     """Best of ``repeats`` per timing, taken round-robin so load from other jobs hits all alike."""
-    b = Bench(source)
+    b = Bench(source, options=options)
     times: dict[str, list[float]] = {"source_s": [], "compute_s": list(compute or []), "e2e_p0_s": [], "e2e_p2_s": []}
     for _ in range(repeats):
         times["source_s"].append(b.source_only())
@@ -140,11 +165,29 @@ def measure(name: str, source: Source, repeats: int, compute: list[float] | None
         times["e2e_p0_s"].append(b.end_to_end(0))
         times["e2e_p2_s"].append(b.end_to_end(2))
     row = {"case": name, "rows": source.num_rows, "steps": b.layout.num_steps(),
+           "microbatch": b.layout.microbatch, "steps_per_call": b.layout.steps_per_call,
            "gib": source.num_rows * math.prod(source.spec.shape) * source.spec.dtype.itemsize / 2**30,
            "all_s": times, **{k: min(v) for k, v in times.items()}}
     slowest = max(row["source_s"], row["compute_s"])
     row["overlap_p0"], row["overlap_p2"] = slowest / row["e2e_p0_s"], slowest / row["e2e_p2_s"]
     return row
+
+
+def defaults_cases(tmp: str, mebibytes: int, repeats: int) -> list[dict[str, Any]]:
+    """A ``mebibytes`` .npy at the default chunking, its reads waiting as long as the compute takes (then
+    copying from the page cache);
+    and the same at the default steps before they were capped to a share of the job (``job_steps_cap``)."""
+    path = os.path.join(tmp, "defaults.npy")
+    write_npy(path, (mebibytes << 20) // (FEATURES * 4))
+    fast, options = NpySource(path), RunOptions(compensated=False)
+    bench = Bench(fast, options=options)
+    compute = [bench.compute_only() for _ in range(repeats)]
+    del bench  # its placed rows
+    slow = SlowSource(fast, min(compute) / fast.num_rows)
+    before = default_steps_per_call(fast.spec, resolve_chunking(fast.spec)[0])  # the default step, uncapped
+    uncapped = RunOptions(compensated=False, steps_per_call=before)
+    return [measure(f"npy {mebibytes} MiB, defaults", slow, repeats, compute, options),
+            measure(f"npy {mebibytes} MiB, uncapped", slow, repeats, None, uncapped)]
 
 
 def peak_rss(path: str) -> float:
@@ -162,14 +205,32 @@ def _rss_child(path: str) -> None:
     print(kib / 1024)
 
 
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}, cores: {os.cpu_count()}, "
+          f"rows of {FEATURES} float32, Gram")
+    header = f"{'case':<26}{'GiB':>6}{'steps':>7}{'rows/step':>10}{'source s':>10}{'compute s':>11}{'e2e p=0':>9}"
+    print(header + f"{'e2e p=2':>9}{'overlap p=0':>13}{'overlap p=2':>13}")
+    for r in rows:
+        per_step = r["microbatch"] * r["steps_per_call"] * jax.device_count()
+        print(f"{r['case']:<26}{r['gib']:>6.2f}{r['steps']:>7}{per_step:>10}{r['source_s']:>10.2f}"
+              f"{r['compute_s']:>11.2f}{r['e2e_p0_s']:>9.2f}{r['e2e_p2_s']:>9.2f}{r['overlap_p0']:>13.2f}"
+              f"{r['overlap_p2']:>13.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small files, one repeat")
     parser.add_argument("--dir", default=None, help="where to write the generated files (a temp dir by default)")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8, as bench/run.py)")
+    parser.add_argument("--defaults_only", action="store_true", help="only the case at the default chunking")
     parser.add_argument("--rss_of", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     if args.rss_of:
         return _rss_child(args.rss_of)
+    if args.defaults_only:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-streaming-") as tmp:
+            return print_rows(defaults_cases(tmp, 64 if args.quick else 512, 1 if args.quick else 4))
 
     row_bytes = FEATURES * 4
     big = (256 if args.quick else 2048) * 2**20 // row_bytes     # rows of the 4x (and overlap) file
@@ -191,14 +252,9 @@ def main() -> None:
         delay = min(compute) / steps
         rows.append(measure(f"delay {1e3 * delay:.1f} ms/chunk", DelayedSource(steps * len(chunk), chunk, delay),
                             repeats, compute))
+        rows += defaults_cases(tmp, 64 if args.quick else 512, repeats)
 
-    print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}, cores: {os.cpu_count()}, "
-          f"step: {rows[0]['steps']} steps of {MICROBATCH * STEPS_PER_CALL} rows x {FEATURES} float32, Gram")
-    header = f"{'case':<22}{'GiB':>6}{'steps':>7}{'source s':>10}{'compute s':>11}{'e2e p=0':>9}{'e2e p=2':>9}"
-    print(header + f"{'overlap p=0':>13}{'overlap p=2':>13}")
-    for r in rows:
-        print(f"{r['case']:<22}{r['gib']:>6.2f}{r['steps']:>7}{r['source_s']:>10.2f}{r['compute_s']:>11.2f}"
-              f"{r['e2e_p0_s']:>9.2f}{r['e2e_p2_s']:>9.2f}{r['overlap_p0']:>13.2f}{r['overlap_p2']:>13.2f}")
+    print_rows(rows)
     ratio = rss["4x"] / rss["1x"]
     print(f"peak RSS streaming .npy (prefetch=2): 1x {sizes['1x']:.2f} GiB -> {rss['1x']:.0f} MiB, "
           f"4x {sizes['4x']:.2f} GiB -> {rss['4x']:.0f} MiB (ratio {ratio:.3f})")

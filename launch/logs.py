@@ -67,3 +67,4 @@ def set_up_logging() -> None:
     absl_logging.set_verbosity(absl_logging.INFO)
     absl_logging.get_absl_handler().addFilter(_QuietLibraries())
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU backend" noise
+    logging.getLogger("jax._src.compilation_cache").setLevel(logging.WARNING)  # "Resetting cache" when it is set

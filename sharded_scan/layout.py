@@ -35,6 +35,11 @@ MICROBATCH_RANGE = (256, 1 << 14)
 # logical shard (8 steps of 4 MiB; 16 of 2 MiB at d=32, 1.4x faster there than 8).
 MIN_STEPS_PER_CALL = 8
 STEP_BYTES_PER_SHARD = 32 << 20
+# ...but a job of a few steps leaves the prefetch nothing to hide reads behind (the first step's
+# read is never hidden: a 512 MiB .npy of 2 steps on 8 devices overlapped 0.78, bench/streaming.py),
+# so by default a step is at most about 1/MIN_JOB_STEPS of the job, down to one micro-batch per shard
+# (a power of two: the step boundaries of the larger default steps stay step boundaries).
+MIN_JOB_STEPS = 16
 # With logical_shards fixed a shard folds micro-batches of at most this many rows (and
 # whitened.py merges in blocks of as many). The cap kept XLA:CPU's matmul library from
 # splitting a sum between threads (longer dots differed between processes of 1 and 8
@@ -63,13 +68,30 @@ def default_steps_per_call(spec: Any, microbatch: int) -> int:
     return int(max(MIN_STEPS_PER_CALL, 2 ** int(np.ceil(np.log2(max(STEP_BYTES_PER_SHARD / micro_bytes, 1))))))
 
 
-def resolve_chunking(spec: Any, microbatch: int | None = None, steps_per_call: int | None = None) -> tuple[int, int]:
+def job_steps_cap(num_rows: int, shards: int, microbatch: int) -> int:
+    """The most micro-batches a step may fold per shard for a job of ``num_rows`` rows over ``shards``
+    logical shards to have at least ``MIN_JOB_STEPS`` steps: a power of two, at least 1."""
+    per_step = num_rows / (max(int(shards), 1) * max(int(microbatch), 1) * MIN_JOB_STEPS)
+    return 2 ** int(np.floor(np.log2(per_step))) if per_step >= 1 else 1
+
+
+def resolve_chunking(
+    spec: Any, microbatch: int | None = None, steps_per_call: int | None = None, num_rows: int | None = None,
+    shards: int = 1,
+) -> tuple[int, int]:
     """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``
-    (the values as :class:`~sharded_scan.options.RunOptions` checked them)."""
+    (the values as :class:`~sharded_scan.options.RunOptions` checked them).
+
+    Given the job's ``num_rows`` and its logical ``shards``, a default ``steps_per_call`` is also
+    capped by :func:`job_steps_cap`, so the prefetch has steps to hide the reads behind; the
+    result depends on the job alone (rows, spec, shards), never on timing.
+    """
     if microbatch is None:
         microbatch = default_microbatch(spec)
     if steps_per_call is None:
         steps_per_call = default_steps_per_call(spec, microbatch)
+        if num_rows is not None:
+            steps_per_call = min(steps_per_call, job_steps_cap(num_rows, shards, microbatch))
     return microbatch, steps_per_call
 
 

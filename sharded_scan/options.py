@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from sharded_scan import compile_cache
 from sharded_scan.errors import UsageError
 from sharded_scan.progress import check_progress
 from sharded_scan.watchdog import check_timeout
@@ -68,6 +69,10 @@ class RunOptions:
         and closes them). False is None.
       step_timeout: seconds; when no step finishes for that long, print one line and
         end the process with status 3 (a stuck process or peer). None: no watchdog.
+      compilation_cache: where compiled programs are kept for the next process (JAX's
+        persistent compilation cache, process-wide, set before the run compiles): "auto"
+        (the directory the process gave JAX, else ``$XDG_CACHE_HOME/sharded_scan/jax``), a
+        directory, or None / "" for none (:mod:`sharded_scan.compile_cache`).
     """
 
     mesh: Any = _plain(None, str)
@@ -81,6 +86,7 @@ class RunOptions:
     checkpoint: Any = None
     progress: Callable[[Any], None] | bool | tuple | None = None
     step_timeout: float | None = None
+    compilation_cache: str | None = _plain(compile_cache.AUTO, str)
 
     def __post_init__(self):
         for name in ("microbatch", "steps_per_call", "logical_shards"):
@@ -98,6 +104,7 @@ class RunOptions:
             raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}.")
         object.__setattr__(self, "progress", check_progress(self.progress))  # frozen: set once, checked
         object.__setattr__(self, "step_timeout", check_timeout(self.step_timeout))
+        object.__setattr__(self, "compilation_cache", compile_cache.check_setting(self.compilation_cache))
 
     @classmethod
     def make(cls, options: RunOptions | None = None, **overrides: Any) -> RunOptions:

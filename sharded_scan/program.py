@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA
@@ -409,6 +410,7 @@ def build_program(combiner: Combiner, source: Source, options: RunOptions) -> Pr
     Raises:
       UsageError: a bad combiner, data, mesh or option.
     """
+    compile_cache.use(options.compilation_cache)  # process-wide, before anything compiles
     with x64_scope(source.spec):
         return _build_program(combiner, source, options)
 
@@ -429,7 +431,8 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
         job.check_rows(source.read(0, source.num_rows))
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
-    chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)
+    chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call, source.num_rows,
+                                options.logical_shards or mesh.shape[DATA_AXIS])
     layout = make_layout(source.num_rows, mesh, *chunking, options.logical_shards)
     if options.logical_shards is not None:
         warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))

@@ -25,12 +25,14 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from sharded_scan import compile_cache
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.digest import stream_digest
@@ -87,7 +89,9 @@ def run_in_workdir(
       sharded_scan.Preempted: SIGTERM or SIGINT arrived and a checkpoint was saved.
     """
     root, workdir = as_path(workdir), where(workdir)  # an unknown URL scheme is one line here
+    first_step, cached_before = _FirstStep(), compile_cache.counts()
     options = RunOptions.make(options, **overrides)
+    user_progress, options = options.progress, first_step.watching(options)
     if options.checkpoint is not None:
         raise UsageError(f"a workdir keeps its checkpoints in {CHECKPOINTS}/: pass run_in_workdir(checkpoint=True, "
                          "False or CheckpointOptions fields), not the checkpoint option.")
@@ -108,22 +112,62 @@ def run_in_workdir(
     check_writable(workdir)
     lease = take_lease(workdir, job, force_unlock)
     try:
-        with _entered(options.progress):
+        with _entered(user_progress):
             if reads_several_times(combiner):  # e.g. Quantiles(exact=True)
                 result, report = run_passes(combiner, source, program.options)
             else:
                 result, report = run_program(program, source)
-        summary = {**summary_of(report, source), **(record or {}), "job": job, "files": program.fingerprint["files"]}
+        cache = warm_start(first_step.seconds, cached_before)
+        summary = {**summary_of(report, source), **cache, **(record or {}), "job": job,
+                   "files": program.fingerprint["files"]}
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
                       else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
             summary = write_outputs(workdir, result, summary, intact)
-            _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; wrote %s", summary["rows"],
-                      summary["seconds"], summary["rows_per_second"], summary["devices"], root / RESULT)
+            _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; %s; wrote %s", summary["rows"],
+                      summary["seconds"], summary["rows_per_second"], summary["devices"], warm_start_words(cache),
+                      root / RESULT)
     finally:
         if lease is not None:
             lease.release()
     return result, summary
+
+
+class _FirstStep:
+    """A progress callback noting when the first step of the run ended, from its creation."""
+
+    def __init__(self):
+        self._started, self.seconds = time.perf_counter(), None
+
+    def __call__(self, p: Any) -> None:
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self._started
+
+    def watching(self, options: RunOptions) -> RunOptions:
+        """``options`` whose progress calls this first, then the caller's."""
+        mine = options.progress if isinstance(options.progress, tuple) else (options.progress,)
+        return dataclasses.replace(options, progress=(self, *(p for p in mine if p is not None)))
+
+
+def warm_start(first_step_seconds: float | None, before: compile_cache.CacheCounts) -> dict:
+    """``summary.json``'s fields on the start: seconds from the call to the first step's end (None: no step ran),
+    and the programs the run compiled through the persistent compilation cache and loaded from it."""
+    now = compile_cache.counts()
+    looked_up, from_cache = now.looked_up - before.looked_up, now.from_cache - before.from_cache
+    return {
+        "first_step_seconds": first_step_seconds,
+        "compilation_cache": {"directory": compile_cache.in_use(), "programs": looked_up,
+                              "from_cache": from_cache},
+        "compiled_from_cache": looked_up > 0 and from_cache == looked_up,
+    }
+
+
+def warm_start_words(fields: dict) -> str:
+    """The start, for the log: ``first step after 1.2 s (5 of 5 programs from the compilation cache)``."""
+    cache, first = fields["compilation_cache"], fields["first_step_seconds"]
+    where = (f"{cache['from_cache']} of {cache['programs']} programs from the compilation cache"
+             if cache["directory"] else "no compilation cache")
+    return f"first step after {first:.2f} s ({where})" if first is not None else where
 
 
 def _refuse_changed(root: Any, changed: str, checkpointer: Checkpointer | None) -> None:

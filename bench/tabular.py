@@ -1,0 +1,268 @@
+"""sharded_scan against what a data user picks on one machine, on the same Parquet file, in one process.
+
+    python -m bench.tabular            # 4·10^6 rows (8 float32 + 2 int32 columns), best of 3
+    python -m bench.tabular --quick    # 2^18 rows, best of 2 (a minute)
+
+Every caller reads the file itself (warm: the page cache holds it after the first call) and
+returns per-column answers; the table prints seconds, each peer's ratio (its time over
+sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
+
+- moments (count, mean, var, min, max per float column): DuckDB, Polars (``scan_parquet``), numpy
+  on the table pyarrow read (``read_table``, then one array);
+- covariance (8 x 8): DuckDB ``covar_samp`` of every pair, Polars ``pl.cov``, ``np.cov`` of the read table;
+- quantiles (99 a float column): DuckDB ``approx_quantile`` (t-digest) and exact ``quantile_disc``,
+  ``np.quantile`` of the read table, the ``datasketches`` KLL (``vector_of_kll_floats_sketches``,
+  all columns at once) at its default k=200 and at the k whose rank error bound matches
+  sharded_scan's (``--equal_error``); error: the largest normalized rank error;
+- distinct counts (2 int32 id columns, 10^5 and ~rows/2 distinct): DuckDB ``approx_count_distinct``
+  and ``count(DISTINCT)``, Polars ``approx_n_unique`` and ``n_unique``; error: relative
+  (``datasketches``' HLL takes one value per Python call: no vectorized update, so no peer);
+- top-k (100 most frequent of a Zipf(1.1) int32 column): DuckDB ``GROUP BY`` + ``LIMIT``, Polars
+  ``value_counts``, ``np.unique`` counts of the read column; error: true top-100 values missed.
+
+JSON goes to ``bench/results/tabular[_quick].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before the backend starts; as bench/run.py
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+import sharded_scan as ss  # noqa: E402
+from bench.tuning import interleaved_best  # noqa: E402
+from sharded_scan.sources import ParquetSource  # noqa: E402
+
+FLOATS = [f"f{i}" for i in range(8)]
+IDS = ["few", "many"]
+ZIPF = "zipf"
+QS = np.arange(1, 100) / 100
+TOP = 100
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+try:
+    import duckdb
+    import polars as pl
+    from datasketches import kll_floats_sketch, vector_of_kll_floats_sketches
+except ImportError as e:  # pragma: no cover - the bench extra
+    raise SystemExit(f"{e}: pip install -e '.[bench]' (duckdb, polars, datasketches)") from None
+
+
+def write_file(path: str, rows: int) -> None:
+    """``rows`` rows: 8 N(0,1)+column float32 columns, ids with 10^5 and rows/2 values, Zipf ids."""
+    rng = np.random.default_rng(0)
+    columns = {name: (rng.standard_normal(rows) + i).astype(np.float32) for i, name in enumerate(FLOATS)}
+    columns["few"] = rng.integers(0, 100_000, rows, dtype=np.int32)
+    columns["many"] = rng.integers(0, max(rows // 2, 1), rows, dtype=np.int32)
+    columns[ZIPF] = np.minimum(rng.zipf(1.1, rows), 2**31 - 1).astype(np.int32)
+    pq.write_table(pa.table(columns), path, row_group_size=1 << 17)
+
+
+def read_columns(path: str, names: list[str]) -> np.ndarray:
+    """numpy on the read table: pyarrow reads, then one (rows, k) array."""
+    table = pq.read_table(path, columns=names)
+    return np.stack([table.column(n).to_numpy() for n in names], axis=1)
+
+
+def duck(sql: str, path: str) -> list:
+    return duckdb.sql(sql.replace("FILE", f"read_parquet('{path}')")).fetchall()
+
+
+# the rows -------------------------------------------------------------------------------
+def moments(path: str) -> dict[str, Callable[[], np.ndarray]]:
+    """Each caller's means (what the error compares)."""
+    agg = ", ".join(f"avg({c}), var_pop({c}), min({c}), max({c})" for c in FLOATS)
+
+    def numpy_moments():
+        x = read_columns(path, FLOATS)
+        return np.stack([x.mean(0), x.var(0), x.min(0), x.max(0)])[0]
+
+    return {
+        "sharded_scan": lambda: ss.run(ss.Moments(), ParquetSource(path, columns=FLOATS)).mean,
+        "duckdb": lambda: np.array(duck(f"SELECT {agg} FROM FILE", path)[0][0::4]),
+        "polars": lambda: pl.scan_parquet(path).select(
+            [pl.col(c).mean() for c in FLOATS] + [pl.col(c).var(ddof=0).alias(f"v{c}") for c in FLOATS]
+            + [pl.col(c).min().alias(f"lo{c}") for c in FLOATS] + [pl.col(c).max().alias(f"hi{c}") for c in FLOATS]
+        ).collect().to_numpy()[0, :8],
+        "numpy": numpy_moments,
+    }
+
+
+def covariance(path: str) -> dict[str, Callable[[], np.ndarray]]:
+    pairs = [(a, b) for i, a in enumerate(FLOATS) for b in FLOATS[i:]]
+
+    def square(values):
+        out = np.empty((8, 8))
+        for (a, b), v in zip(pairs, values, strict=True):
+            out[FLOATS.index(a), FLOATS.index(b)] = out[FLOATS.index(b), FLOATS.index(a)] = v
+        return out
+
+    sql = "SELECT " + ", ".join(f"covar_samp({a}, {b})" for a, b in pairs) + " FROM FILE"
+    return {
+        "sharded_scan": lambda: ss.run(ss.Covariance(), ParquetSource(path, columns=FLOATS)).cov,
+        "duckdb": lambda: square(duck(sql, path)[0]),
+        "polars": lambda: square(pl.scan_parquet(path).select(
+            [pl.cov(a, b).alias(f"{a}_{b}") for a, b in pairs]).collect().to_numpy()[0]),
+        "numpy": lambda: np.cov(read_columns(path, FLOATS), rowvar=False),
+    }
+
+
+def kll_k_for(rank_error: float) -> int:
+    """The smallest KLL k whose (single-quantile, 99%) rank error bound is at most ``rank_error``."""
+    k = 8
+    while kll_floats_sketch.get_normalized_rank_error(k, False) > rank_error and k < 1 << 16:
+        k = int(k * 1.05) + 1
+    return k
+
+
+def datasketches_kll(path: str, k: int) -> np.ndarray:
+    sketches = vector_of_kll_floats_sketches(k, len(FLOATS))
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 17, columns=FLOATS):
+        sketches.update(np.stack([c.to_numpy() for c in batch.columns], axis=1))
+    return np.asarray(sketches.get_quantiles(QS))
+
+
+def quantiles(path: str, equal_error_k: int) -> dict[str, Callable[[], np.ndarray]]:
+    """(8, 99) answers."""
+    qlist = "[" + ", ".join(f"{q:.2f}" for q in QS) + "]"
+    return {
+        "sharded_scan": lambda: ss.run(ss.Quantiles(num_buckets=100), ParquetSource(path, columns=FLOATS)).quantiles,
+        "duckdb approx": lambda: np.array(duck("SELECT " + ", ".join(
+            f"approx_quantile({c}, {qlist})" for c in FLOATS) + " FROM FILE", path)[0]),
+        "duckdb exact": lambda: np.array(duck("SELECT " + ", ".join(
+            f"quantile_disc({c}, {qlist})" for c in FLOATS) + " FROM FILE", path)[0]),
+        "numpy": lambda: np.quantile(read_columns(path, FLOATS), QS, axis=0, method="lower").T,
+        "datasketches k=200": lambda: datasketches_kll(path, 200),
+        f"datasketches k={equal_error_k}": lambda: datasketches_kll(path, equal_error_k),
+    }
+
+
+def distinct(path: str) -> dict[str, Callable[[], np.ndarray]]:
+    return {
+        "sharded_scan": lambda: ss.run(ss.DistinctCount(exact_up_to=0), ParquetSource(path, columns=IDS)).count,
+        "duckdb approx": lambda: np.array(duck("SELECT " + ", ".join(
+            f"approx_count_distinct({c})" for c in IDS) + " FROM FILE", path)[0]),
+        "duckdb exact": lambda: np.array(duck("SELECT " + ", ".join(
+            f"count(DISTINCT {c})" for c in IDS) + " FROM FILE", path)[0]),
+        "polars approx": lambda: pl.scan_parquet(path).select(
+            [pl.col(c).approx_n_unique() for c in IDS]).collect().to_numpy()[0],
+        "polars exact": lambda: pl.scan_parquet(path).select(
+            [pl.col(c).n_unique() for c in IDS]).collect().to_numpy()[0],
+    }
+
+
+def top_k(path: str) -> dict[str, Callable[[], np.ndarray]]:
+    """The values of the top ``TOP``."""
+
+    def numpy_top():
+        values, counts = np.unique(pq.read_table(path, columns=[ZIPF]).column(0).to_numpy(), return_counts=True)
+        return values[np.argsort(-counts, kind="stable")[:TOP]]
+
+    return {
+        "sharded_scan": lambda: ss.run(ss.TopK(k=TOP), ParquetSource(path, columns=ZIPF)).values,
+        "duckdb": lambda: np.array([r[0] for r in duck(
+            f"SELECT {ZIPF}, count(*) AS n FROM FILE GROUP BY {ZIPF} ORDER BY n DESC LIMIT {TOP}", path)]),
+        "polars": lambda: pl.scan_parquet(path).select(pl.col(ZIPF).value_counts(sort=True).head(TOP)).unnest(
+            ZIPF).collect()[ZIPF].to_numpy(),
+        "numpy": numpy_top,
+    }
+
+
+# errors ---------------------------------------------------------------------------------
+def rank_error(ordered: np.ndarray) -> Callable[[np.ndarray], float]:
+    n = len(ordered)
+
+    def error(got: np.ndarray) -> float:
+        got, worst = np.asarray(got, np.float64).reshape(len(FLOATS), -1), 0.0
+        for j in range(len(FLOATS)):
+            below = np.searchsorted(ordered[:, j], got[j], "left")
+            upto = np.searchsorted(ordered[:, j], got[j], "right") - 1
+            target = QS * (n - 1)
+            worst = max(worst, float(np.maximum(0, np.maximum(below - target, target - upto)).max()))
+        return worst / n
+
+    return error
+
+
+def relative(want: np.ndarray) -> Callable[[np.ndarray], float]:
+    return lambda got: float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def measure(name: str, calls: dict[str, Callable[[], Any]], error: Callable[[Any], float], repeats: int) -> dict:
+    errors = {caller: error(call()) for caller, call in calls.items()}  # warm: compiled, file cached
+    seconds = interleaved_best(calls, repeats)
+    ours = seconds["sharded_scan"]
+    return {"row": name, "seconds": seconds, "error": errors,
+            "ratio": {c: t / ours for c, t in seconds.items() if c != "sharded_scan"}}
+
+
+def print_row(r: dict) -> None:
+    print(f"\n{r['row']}  (ratio: peer seconds / sharded_scan seconds; > 1: sharded_scan faster)")
+    for caller, t in r["seconds"].items():
+        ratio = "" if caller == "sharded_scan" else f"{r['ratio'][caller]:7.2f}x"
+        print(f"  {caller:<24}{t:9.3f} s  {ratio:>8}   error {r['error'][caller]:.2g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2^18 rows, best of 2")
+    parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6; quick 2^18)")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default 3; quick 2)")
+    parser.add_argument("--only", help="comma-separated rows: moments,covariance,quantiles,distinct,topk")
+    args = parser.parse_args()
+    rows, repeats = args.rows or ((1 << 18) if args.quick else 4_000_000), args.repeats or (2 if args.quick else 3)
+    only = set(args.only.split(",")) if args.only else {"moments", "covariance", "quantiles", "distinct", "topk"}
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-tabular-") as tmp:
+        path = os.path.join(tmp, "table.parquet")
+        write_file(path, rows)
+        print(f"{rows} rows, {os.path.getsize(path) / 2**20:.0f} MiB Parquet; {jax.device_count()} devices, "
+              f"{os.cpu_count()} cores; best of {repeats}", flush=True)
+        floats = read_columns(path, FLOATS).astype(np.float64)
+        if "moments" in only:
+            out.append(measure("moments (8 columns)", moments(path), relative(floats.mean(0)), repeats))
+        if "covariance" in only:
+            out.append(measure("covariance (8 x 8)", covariance(path), relative(np.cov(floats, rowvar=False)),
+                               repeats))
+        if "quantiles" in only:
+            ours = ss.run(ss.Quantiles(num_buckets=100), ParquetSource(path, columns=FLOATS))
+            k = kll_k_for(float(np.max(ours.rank_error)))
+            out.append(measure(f"quantiles (99 a column; sharded_scan's bound {np.max(ours.rank_error):.2g}, "
+                               f"datasketches k={k} for it)", quantiles(path, k), rank_error(np.sort(floats, 0)),
+                               repeats))
+        if "distinct" in only:
+            ids = read_columns(path, IDS)
+            want = np.array([len(np.unique(ids[:, j])) for j in range(len(IDS))], np.float64)
+            out.append(measure("distinct counts (2 id columns)", distinct(path), relative(want), repeats))
+        if "topk" in only:
+            values, counts = np.unique(pq.read_table(path, columns=[ZIPF]).column(0).to_numpy(), return_counts=True)
+            true_top = set(values[np.argsort(-counts, kind="stable")[:TOP]].tolist())
+            missed = lambda got: float(TOP - len(true_top & set(np.asarray(got).ravel().tolist())))  # noqa: E731
+            out.append(measure(f"top-{TOP} (Zipf 1.1)", top_k(path), missed, repeats))
+    for r in out:
+        print_row(r)
+    os.makedirs(RESULTS, exist_ok=True)
+    target = os.path.join(RESULTS, "tabular_quick.json" if args.quick else "tabular.json")
+    with open(target, "w") as f:
+        json.dump({"command": "python -m bench.tabular" + (" --quick" if args.quick else ""), "rows": rows,
+                   "repeats": repeats, "machine": {"cpus": os.cpu_count(), "devices": jax.device_count(),
+                                                   "platform": platform.platform(), "host": platform.node()},
+                   "jax": jax.__version__, "results": out, "written": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
+    print(f"\nwrote {target}")
+
+
+if __name__ == "__main__":
+    main()
