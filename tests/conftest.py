@@ -19,9 +19,11 @@ import jax  # noqa: E402 - after the cache settings above
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-# The longest tests first: under `-n 2` the other worker runs the rest beside them.
+# The longest modules first: under `-n 2` the other worker runs the rest beside them (a -n 2 run's
+# --durations: test_docs' chains and test_exact_counts' x64 subprocess come right after test_reproducible).
 LONGEST_FIRST = (
-    "tests/test_reproducible.py", "tests/test_certified.py", "tests/test_faults.py", "tests/test_dead_peer.py",
+    "tests/test_reproducible.py", "tests/test_docs.py", "tests/test_exact_counts.py", "tests/test_certified.py",
+    "tests/test_faults.py", "tests/test_dead_peer.py",
 )
 
 

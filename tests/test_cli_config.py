@@ -133,12 +133,15 @@ def test_the_users_own_combiner_with_its_arguments(user_files, runs):
 
 
 def test_list_and_print_config_from_anywhere(tmp_path):
-    listed = launch(tmp_path, "--list_configs")
+    with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent: side by side
+        listed, printed = pool.map(lambda args: launch(tmp_path, *args), [
+            ("--list_configs",),
+            ("--config=ridge:quick", "--print_config", "--config.combiner.kwargs.solver=tsqr",
+             "--config.microbatch=32"),
+        ])
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert {"gram", "ridge", "pca", "quantiles"} <= set(names) and "common" not in names
-    printed = launch(tmp_path, "--config=ridge:quick", "--print_config", "--config.combiner.kwargs.solver=tsqr",
-                     "--config.microbatch=32")
     assert printed.returncode == 0, printed.stderr
     assert "solver: tsqr" in printed.stdout and "microbatch: 32" in printed.stdout
     assert not list(tmp_path.iterdir())  # printing writes nothing

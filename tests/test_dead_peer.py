@@ -98,7 +98,9 @@ def test_sigterm_to_one_process_saves_on_both_at_the_same_row(tmp_path):
 def test_a_stuck_peer_is_caught_by_the_step_watchdog(tmp_path):
     workdir = tmp_path / "w"
     timeout = 4
-    with two_processes(tmp_path, workdir, "--heartbeat_timeout=60", f"--step_timeout={timeout}") as (healthy, stuck):
+    # A heartbeat of 30 s: peers are watched for 10 s of silence (a third), well past the watchdog's 4-5 s;
+    # the healthy coordinator's farewell then waits out those 10 s (it waited 20 s at 60).
+    with two_processes(tmp_path, workdir, "--heartbeat_timeout=30", f"--step_timeout={timeout}") as (healthy, stuck):
         cli.wait_for_checkpoint(workdir, healthy)
         stuck.send_signal(signal.SIGSTOP)  # alive, holds its connections, never steps again
         stopped = time.monotonic()
