@@ -90,13 +90,6 @@ def extremes(acc, keys, count):
             jnp.maximum(acc.high, largest.reshape(acc.high.shape)))
 
 
-def refuse_exact_per_key(quantiles) -> None:
-    """One line for ``GroupBy(Quantiles(exact=True))``: the exact passes run for one sketch, not one per key."""
-    if quantiles.exact:
-        raise UsageError("GroupBy(Quantiles(exact=True)) is not supported: the exact passes refine one sketch, not "
-                         "one per key; drop exact=True (each key's rank_error bounds its answers).")
-
-
 @dataclasses.dataclass(frozen=True)
 class Quantiles(Combiner, MultiPass):
     """Quantiles of every column of rows X ``(n, d)`` (or of a vector), like ``np.quantile(X, qs, axis=0)``.
@@ -173,7 +166,6 @@ class Quantiles(Combiner, MultiPass):
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A sketch per key: the micro-batch sorted by (key, value) once, then each key present
         inserts its rows (:func:`~.keys.fold_groups`)."""
-        refuse_exact_per_key(self)
         groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
         width = min(cols.shape[1], self.k)
         return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
@@ -256,7 +248,6 @@ class WeightedQuantiles(Combiner, MultiPass):
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A sketch per key, as :meth:`Quantiles.add_keyed`."""
-        refuse_exact_per_key(self.quantiles)
         w, x = batch
         cols = masked_columns(x, mask)
         groups, cols, weights = sort_by_key(cols, mask, keys, num_keys,
