@@ -10,9 +10,10 @@ programs are built (memoized, so a rerun of the same job compiles nothing):
 - ``step(partials, batch, num_valid) -> partials``: each logical shard folds its block
   of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
   collective; the partials are donated;
-- ``merge(partials) -> acc``: one collective: a ``psum`` for additive combiners, else one
-  all-gather and a fixed-order tree fold with ``combiner.merge`` (in each process, by a
-  pairwise merge compiled for one device, when the accumulator is whole on every device).
+- ``merge(partials) -> acc``: a ``psum`` for additive combiners (without
+  ``logical_shards``), else a fixed tree (:func:`tree_fold`'s): each device, or each process,
+  folds its own shards, then log2 rounds of ``ppermute`` and ``combiner.merge`` (see
+  :meth:`Program.merge`).
 
 Beside it: :mod:`sharded_scan.admission` refuses a job that cannot fit in memory before
 anything compiles, and :mod:`sharded_scan.relayout` lays a checkpoint written with another
@@ -29,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -93,12 +94,24 @@ def named(mesh: Mesh, specs: PyTree) -> PyTree:
     return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def tree_fold(merge: Callable, items: list) -> Any:
-    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order)."""
-    while len(items) > 1:
-        paired = [merge(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-        items = paired + ([items[-1]] if len(items) % 2 else [])
-    return items[0]
+def tree_fold(merge: Callable, items: Iterable) -> Any:
+    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order).
+
+    The tree: item ``i`` merges with ``i + 1`` (``i`` even), those with their neighbours
+    two apart, and so on, an odd one out carried up; so the items ``[j * 2^r, (j + 1) * 2^r)``
+    are one subtree. Items are taken one at a time (an iterator is consumed lazily), and at
+    most ``log2(len(items)) + 1`` merged ones are held at once.
+    """
+    stack: list[tuple[int, Any]] = []  # (items under it, merged), sizes strictly decreasing powers of two
+    for item in items:
+        size = 1
+        while stack and stack[-1][0] == size:
+            item, size = merge(stack.pop()[1], item), 2 * size
+        stack.append((size, item))
+    merged = stack.pop()[1]
+    while stack:
+        merged = merge(stack.pop()[1], merged)
+    return merged
 
 
 def stacked(combiner: Combiner, spec: PyTree, count: int) -> PyTree:
@@ -187,17 +200,108 @@ def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
     return jax.jit(lambda partials: partials, out_shardings=named(mesh, accumulator_specs(combiner, mesh, None)))
 
 
-@cached
-def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
-    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
-    float products in contraction order)."""
+def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, traced at ``precision`` (``fixed``:
+    float products in contraction order): the body of every merge program but the ``psum``."""
 
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
             return (fixed_order(bound.merge) if fixed else bound.merge)(a, b)
 
-    return jax.jit(merge)
+    return merge
+
+
+@cached
+def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
+    float products in contraction order)."""
+    return jax.jit(pair_merge(combiner, precision, fixed))
+
+
+@cached
+def compile_take(combiner: Combiner, mesh: Mesh) -> Callable:
+    """``take(partials, s) -> states``: each device's ``s``-th own shard, one state per device (no collective)."""
+    specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+
+    def local(partials, s):
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, s), partials)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
+
+
+@cached
+def compile_device_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+    """``merge(a, b, operands) -> states``: each device merges its state of ``a`` with its state of
+    ``b`` (one state per device, no collective): the one program every merge of the tree runs.
+
+    Its body on each device is :func:`pair_merge` alone, whatever the device count, so a
+    pair merges to the same bits on every split of a ``logical_shards`` job.
+    """
+    specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    merge = pair_merge(combiner, precision, fixed)
+
+    def local(a, b, operands):
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        return jax.tree.map(lambda x: x[None], merge(first(a), first(b), operands))
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, specs, P()), out_specs=specs))
+
+
+def tree_strides(size: int) -> list[int]:
+    """The rounds of the device tree over ``size`` devices: 1, 2, 4... below ``size``."""
+    return [1 << r for r in range((size - 1).bit_length())]
+
+
+def receives(stride: int, size: int) -> Callable[[jax.Array], jax.Array]:
+    """Whether device ``d`` of ``size`` on ``data`` receives in the tree's round of ``stride``
+    (``d`` a multiple of ``2 * stride`` with a device ``d + stride``)."""
+    return lambda d: (d % (2 * stride) == 0) & (d + stride < size)
+
+
+@cached
+def compile_exchange(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
+    """``exchange(states) -> partners``: in the tree's round of ``stride`` device ``d`` receives
+    device ``d + stride``'s state (:func:`receives`); every other device gets its own back."""
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    pairs = [(d + stride, d) for d in range(0, size - stride, 2 * stride)]
+
+    def local(states):
+        mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+        got = jax.lax.ppermute(states, DATA_AXIS, pairs)
+        return jax.tree.map(lambda g, x: jnp.where(mine, g, x), got, states)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs))
+
+
+@cached
+def compile_keep(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
+    """``keep(states, merged) -> states``: the receivers of the round of ``stride`` take their merge."""
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+
+    def local(states, merged):
+        mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+        return jax.tree.map(lambda m, x: jnp.where(mine, m, x), merged, states)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, specs), out_specs=specs))
+
+
+@cached
+def compile_broadcast(combiner: Combiner, mesh: Mesh) -> Callable:
+    """``broadcast(states) -> acc``: device 0's state on every device (the tree's rounds backwards,
+    copies only), laid out as a merge's result."""
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+
+    def local(states):
+        d = jax.lax.axis_index(DATA_AXIS)
+        for stride in reversed(tree_strides(size)):
+            got = jax.lax.ppermute(states, DATA_AXIS, [(s, s + stride) for s in range(0, size - stride, 2 * stride)])
+            mine = d % (2 * stride) == stride  # device d - stride sent it
+            states = jax.tree.map(lambda g, x, mine=mine: jnp.where(mine, g, x), got, states)
+        return jax.tree.map(lambda x: x[0], states)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=accumulator_specs(combiner, mesh),
+                                 check_vma=False))  # every device holds the same state now
 
 
 @cached
@@ -230,6 +334,57 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
             return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
+
+
+def power_of_two_or_alone(per_member: int, members: int) -> bool:
+    """Whether ``members`` holding ``per_member`` consecutive shards each, each folding its own
+    first, then pairing up in :func:`tree_strides` rounds, merge in :func:`tree_fold`'s tree."""
+    return members == 1 or per_member & (per_member - 1) == 0
+
+
+@functools.cache
+def process_leaders(mesh: Mesh) -> Mesh | None:
+    """One device of each process, in the order of the ``data`` rows they hold, as a 1-D mesh
+    on ``data``; None when some ``data`` row has devices of two processes."""
+    axis = mesh.axis_names.index(DATA_AXIS)
+    rows = np.moveaxis(mesh.devices, axis, 0).reshape(mesh.shape[DATA_AXIS], -1)
+    if any(len({d.process_index for d in row}) > 1 for row in rows):
+        return None
+    firsts = [row[0] for i, row in enumerate(rows) if i == 0 or rows[i - 1][0].process_index != row[0].process_index]
+    if len({d.process_index for d in firsts}) != len(firsts):
+        return None
+    return Mesh(np.array(firsts), (DATA_AXIS,))
+
+
+def leader_index(mesh: Mesh) -> int:
+    """This process's place among :func:`process_leaders`."""
+    return [d.process_index for d in process_leaders(mesh).devices.flat].index(jax.process_index())
+
+
+_index = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
+_lead = jax.jit(lambda tree: jax.tree.map(lambda x: x[None], tree))
+
+
+def own_states(partials: PyTree, device: jax.Device) -> Iterator[PyTree]:
+    """This process's shards of the stacked ``partials``, one at a time, in shard order, on ``device``."""
+    leaves, treedef = jax.tree.flatten(partials)
+    blocks = [sorted({s.index[0].start or 0: s.data for s in x.addressable_shards}.items()) for x in leaves]
+    for i in range(len(blocks[0])):
+        block = jax.device_put(treedef.unflatten([b[i][1] for b in blocks]), device)
+        for j in range(jax.tree.leaves(block)[0].shape[0]):
+            yield _index(block, j)
+
+
+def global_state(state: PyTree, leaders: Mesh) -> PyTree:
+    """The processes' states (one each, on its leader) as one array on ``leaders``, lead axis ``data``."""
+    sharding = NamedSharding(leaders, P(DATA_AXIS))
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        (leaders.size, *x.shape[1:]), sharding, [x]), _lead(state))
+
+
+def local_state(states: PyTree) -> PyTree:
+    """This process's state of ``states`` (:func:`global_state`'s layout), on its leader."""
+    return _index(jax.tree.map(lambda x: x.addressable_data(0), states), 0)
 
 
 def place(host: PyTree, shardings: PyTree) -> PyTree:
@@ -309,11 +464,16 @@ class Program:
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
     def merge(self, partials: PyTree) -> PyTree:
-        """The one collective merge of every shard's partial.
+        """Every shard's partial merged into one accumulator, on every device (or split over
+        the axes ``combiner.partition`` names).
 
-        A combiner whose merge is not a sum and whose accumulator is not split over other
-        axes is merged by each process on one of its devices (:meth:`merges_locally`).
+        A sum is one ``psum``; else the device tree (:meth:`merges_by_tree`); else each
+        process folds the all-gathered partials on one of its devices (:meth:`merges_locally`).
         """
+        if self.merges_by_tree:
+            return self.tree_merge(partials)
+        if self.merges_by_process_tree:
+            return self.process_tree_merge(partials)
         if self.merges_locally:
             gathered = compile_gather(self.combiner, self.mesh)(partials)
             local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
@@ -323,6 +483,72 @@ class Program:
         ordered = self.options.logical_shards is not None
         merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
         return merge(partials, self.operands)
+
+    def tree_merge(self, partials: PyTree) -> PyTree:
+        """The device tree (:meth:`merges_by_tree`): each device folds its own shards in
+        :func:`tree_fold`'s tree, then ``ceil(log2(devices))`` rounds in which device ``d``
+        (a multiple of ``2 * stride``) merges in device ``d + stride``'s state, then device 0's
+        state is copied to every device. Every merge is one program (:func:`compile_device_merge`)."""
+        combiner, mesh, precision = self.combiner, self.mesh, self.options.precision
+        merge = compile_device_merge(combiner, mesh, precision, self.fixed_products)
+        take = compile_take(combiner, mesh)
+        states = tree_fold(lambda a, b: merge(a, b, self.operands),
+                           (take(partials, s) for s in range(self.layout.shards_per_device)))
+        for stride in tree_strides(mesh.shape[DATA_AXIS]):
+            merged = merge(states, compile_exchange(combiner, mesh, stride)(states), self.operands)
+            states = compile_keep(combiner, mesh, stride)(states, merged)
+        return compile_broadcast(combiner, mesh)(states)
+
+    def process_tree_merge(self, partials: PyTree) -> PyTree:
+        """The process tree (:meth:`merges_by_process_tree`): each process folds its own shards
+        on its first device in :func:`tree_fold`'s tree, by a pairwise merge compiled for one
+        device; then the processes run the device tree's rounds, one device each."""
+        leaders = process_leaders(self.mesh)
+        device = leaders.devices.flat[leader_index(self.mesh)]
+        merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
+        operands = jax.device_put(self.host_operands, device)
+        state = tree_fold(lambda a, b: merge(a, b, operands), own_states(partials, device))
+        me, count = leader_index(self.mesh), leaders.size
+        for stride in tree_strides(count):
+            partner = local_state(compile_exchange(self.combiner, leaders, stride)(global_state(state, leaders)))
+            if receives(stride, count)(me):
+                state = merge(state, partner, operands)
+        if count == 1:
+            return state
+        broadcast = compile_broadcast(self.combiner, leaders)(global_state(state, leaders))
+        return jax.tree.map(lambda x: x.addressable_data(0), broadcast)
+
+    @property
+    def merges_by_tree(self) -> bool:
+        """Whether :meth:`merge` runs the device tree: log2(devices) rounds of one merge each,
+        at most a few states per device beyond its own partials.
+
+        For a combiner whose merge is not a sum without ``logical_shards``, and a sum with
+        them (additions round alike in every program). Its tree is :func:`tree_fold`'s over
+        the logical shards when each device holds a power of two of them (or there is one
+        device); else a sum's shards are all-gathered and folded whole.
+        """
+        if self.options.logical_shards is None:
+            return not self.combiner.additive and self.combiner.partition(self.mesh) is None
+        return self.combiner.additive and power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+
+    @property
+    def merges_by_process_tree(self) -> bool:
+        """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): for a
+        ``logical_shards`` job whose merge is not a sum, its accumulator whole on each device.
+
+        Each pair is merged by one program compiled for one device: XLA optimizes an SPMD
+        program for 8 devices differently from one for 1 (other fusions, other roundings),
+        so a merge inside one is not bitwise the same on every split. The tree is
+        :func:`tree_fold`'s over the logical shards when each process holds a power of two of
+        them (or there is one process, with every data row's devices in one process).
+        """
+        if self.options.logical_shards is None or self.combiner.additive:
+            return False
+        if self.combiner.partition(self.mesh) is not None or process_leaders(self.mesh) is None:
+            return False
+        per_process = self.layout.num_shards // process_leaders(self.mesh).size
+        return power_of_two_or_alone(per_process, process_leaders(self.mesh).size)
 
     @property
     def fixed_products(self) -> bool:
@@ -346,7 +572,8 @@ class Program:
         8 devices differently from one for 1 (other fusions, other roundings), so it was
         not bitwise the same on every split of a ``logical_shards`` job.
         """
-        return not self.combiner.additive and self.combiner.partition(self.mesh) is None
+        return (not self.merges_by_tree and not self.merges_by_process_tree and not self.combiner.additive
+                and self.combiner.partition(self.mesh) is None)
 
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
@@ -359,7 +586,12 @@ class Program:
 
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (the pairwise merge where
-        :meth:`merges_locally`; its all-gather is :meth:`lower_gather`)."""
+        :meth:`merges_locally`, its all-gather is :meth:`lower_gather`; the merge of each
+        device's two states where :meth:`merges_by_tree`, its exchanges :meth:`lower_exchange`)."""
+        if self.merges_by_tree:
+            states = self.tree_states
+            merge = compile_device_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+            return merge.lower(states, states, self.operands)
         if self.merges_locally:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
@@ -367,6 +599,17 @@ class Program:
         ordered = self.options.logical_shards is not None
         merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
         return merge.lower(self.like, self.operands)
+
+    @property
+    def tree_states(self) -> PyTree:
+        """One state per device on ``data`` (``jax.ShapeDtypeStruct`` leaves): what the device tree's programs take."""
+        size = self.layout.data_size
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((size, *s.shape[1:]), s.dtype, sharding=s.sharding),
+                            self.like)
+
+    def lower_exchange(self, stride: int = 1) -> jax.stages.Lowered:
+        """The device tree's exchange of the round of ``stride`` (:func:`compile_exchange`)."""
+        return compile_exchange(self.combiner, self.mesh, stride).lower(self.tree_states)
 
     def lower_gather(self) -> jax.stages.Lowered:
         """The all-gather of the partials that a merge by :meth:`merges_locally` starts with."""
