@@ -97,9 +97,10 @@ def point(name: str, shards: int, repeats: int) -> dict:
         if not (prog.combiner.additive and options.logical_shards is None) else "psum",
         "checkpoint_bytes_per_save": shards * state,
         # before: the all-gather's S states on every device; after: the fold's stack (log2 of the
-        # shards folded, plus the one taken) and a round's partner and merge.
+        # shards one member folds, one process here or each device's own), the one taken, and
+        # a round's partner and merge.
         "extra_states_before": shards,
-        "extra_states_after": (per_device if prog.merges_by_process_tree else 1).bit_length() + 3,
+        "extra_states_after": (shards if prog.merges_by_process_tree else per_device).bit_length() + 3,
         "bytes_in_before": (shards - per_device) * state,
         "bytes_in_after": 2 * rounds * state,
         "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),

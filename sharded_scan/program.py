@@ -370,9 +370,9 @@ def own_states(partials: PyTree, device: jax.Device) -> Iterator[PyTree]:
     leaves, treedef = jax.tree.flatten(partials)
     blocks = [sorted({s.index[0].start or 0: s.data for s in x.addressable_shards}.items()) for x in leaves]
     for i in range(len(blocks[0])):
-        block = jax.device_put(treedef.unflatten([b[i][1] for b in blocks]), device)
+        block = treedef.unflatten([b[i][1] for b in blocks])  # on the device that holds it
         for j in range(jax.tree.leaves(block)[0].shape[0]):
-            yield _index(block, j)
+            yield jax.device_put(_index(block, j), device)
 
 
 def global_state(state: PyTree, leaders: Mesh) -> PyTree:
@@ -467,8 +467,9 @@ class Program:
         """Every shard's partial merged into one accumulator, on every device (or split over
         the axes ``combiner.partition`` names).
 
-        A sum is one ``psum``; else the device tree (:meth:`merges_by_tree`); else each
-        process folds the all-gathered partials on one of its devices (:meth:`merges_locally`).
+        A sum is one ``psum``, or under ``logical_shards`` the device tree (:meth:`merges_by_tree`);
+        any other merge the process tree (:meth:`merges_by_process_tree`); else each process folds
+        the all-gathered partials on one of its devices (:meth:`merges_locally`).
         """
         if self.merges_by_tree:
             return self.tree_merge(partials)
@@ -520,35 +521,33 @@ class Program:
 
     @property
     def merges_by_tree(self) -> bool:
-        """Whether :meth:`merge` runs the device tree: log2(devices) rounds of one merge each,
-        at most a few states per device beyond its own partials.
-
-        For a combiner whose merge is not a sum without ``logical_shards``, and a sum with
-        them (additions round alike in every program). Its tree is :func:`tree_fold`'s over
-        the logical shards when each device holds a power of two of them (or there is one
-        device); else a sum's shards are all-gathered and folded whole.
-        """
-        if self.options.logical_shards is None:
-            return not self.combiner.additive and self.combiner.partition(self.mesh) is None
-        return self.combiner.additive and power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+        """Whether :meth:`merge` runs the device tree (:meth:`tree_merge`): a sum under
+        ``logical_shards`` (additions round alike in any program) when each device holds a
+        power of two of the shards, or there is one device (then the tree is
+        :func:`tree_fold`'s over the logical shards); else a sum's shards are all-gathered
+        and folded whole in one SPMD program."""
+        if self.options.logical_shards is None or not self.combiner.additive:
+            return False
+        return power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
 
     @property
     def merges_by_process_tree(self) -> bool:
-        """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): for a
-        ``logical_shards`` job whose merge is not a sum, its accumulator whole on each device.
+        """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): a merge that
+        is not a sum, of an accumulator whole on each device.
 
-        Each pair is merged by one program compiled for one device: XLA optimizes an SPMD
-        program for 8 devices differently from one for 1 (other fusions, other roundings),
-        so a merge inside one is not bitwise the same on every split. The tree is
-        :func:`tree_fold`'s over the logical shards when each process holds a power of two of
-        them (or there is one process, with every data row's devices in one process).
+        Each pair is merged by one program compiled once for one device: XLA optimizes an
+        SPMD program for 8 devices differently from one for 1 (other fusions, other
+        roundings), so a merge inside one is not bitwise the same on every split. Under
+        ``logical_shards`` the tree must be :func:`tree_fold`'s over the logical shards: each
+        process holds a power of two of them, or there is one process (and every data row's
+        devices are in one process); else the partials are all-gathered (:meth:`merges_locally`).
         """
-        if self.options.logical_shards is None or self.combiner.additive:
+        if self.combiner.additive or self.combiner.partition(self.mesh) is not None:
             return False
-        if self.combiner.partition(self.mesh) is not None or process_leaders(self.mesh) is None:
-            return False
-        per_process = self.layout.num_shards // process_leaders(self.mesh).size
-        return power_of_two_or_alone(per_process, process_leaders(self.mesh).size)
+        leaders = process_leaders(self.mesh)
+        if leaders is None or self.options.logical_shards is None:
+            return leaders is not None
+        return power_of_two_or_alone(self.layout.num_shards // leaders.size, leaders.size)
 
     @property
     def fixed_products(self) -> bool:
@@ -586,13 +585,14 @@ class Program:
 
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (the pairwise merge where
-        :meth:`merges_locally`, its all-gather is :meth:`lower_gather`; the merge of each
-        device's two states where :meth:`merges_by_tree`, its exchanges :meth:`lower_exchange`)."""
+        :meth:`merges_by_process_tree` or :meth:`merges_locally`, whose all-gather is
+        :meth:`lower_gather`; the merge of each device's two states where :meth:`merges_by_tree`,
+        its exchanges :meth:`lower_exchange`)."""
         if self.merges_by_tree:
             states = self.tree_states
             merge = compile_device_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
             return merge.lower(states, states, self.operands)
-        if self.merges_locally:
+        if self.merges_locally or self.merges_by_process_tree:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             return merge.lower(one, one, self.host_operands)
