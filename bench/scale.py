@@ -101,8 +101,10 @@ def point(name: str, shards: int, repeats: int) -> dict:
         # a round's partner and merge.
         "extra_states_before": shards,
         "extra_states_after": (shards if prog.merges_by_process_tree else per_device).bit_length() + 3,
+        # into the device that merges (after: a process's merging device takes its other devices'
+        # shards one at a time, then a round's partner and the broadcast; one process here)
         "bytes_in_before": (shards - per_device) * state,
-        "bytes_in_after": 2 * rounds * state,
+        "bytes_in_after": ((shards - per_device) if prog.merges_by_process_tree else 2 * rounds) * state,
         "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
     }
     if shards * state * devices <= BEFORE_BUDGET:
