@@ -15,6 +15,7 @@ of all of them, ``m * (N - 1) + N * state / bw``; after, each host folds its 4 a
 pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's).
 
     python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
+    python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
 """
 
 from __future__ import annotations
@@ -26,13 +27,10 @@ import os
 import time
 
 import jax
+import numpy as np
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-import numpy as np  # noqa: E402
-
-import sharded_scan as ss  # noqa: E402
-from sharded_scan import program as pg  # noqa: E402
+import sharded_scan as ss
+from sharded_scan import program as pg
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 CHIPS, CHIPS_PER_HOST = (256, 1024, 4096), 4
@@ -115,6 +113,30 @@ def point(name: str, shards: int, repeats: int) -> dict:
     return out
 
 
+def process_point(name: str, shards: int, repeats: int) -> dict:
+    """One process's merge seconds, before and after, on all devices of every process (run in each)."""
+    combiner, spec = jobs()[name]
+    options = ss.RunOptions(mesh="data:-1", logical_shards=shards, microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, shards * 32, options)
+    partials = folded_partials(prog)
+    return {"job": name, "shards": shards, "processes": jax.process_count(), "devices": jax.device_count(),
+            "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
+            "seconds_before": best_seconds(lambda: before_merge(prog, partials), repeats)}
+
+
+def over_processes(name: str, shards: int, repeats: int, splits=((1, 8), (2, 4), (4, 2), (8, 1))) -> list[dict]:
+    """:func:`process_point` on ``splits`` (processes, devices each) of 8 devices; the slowest process's."""
+    from tests import multiprocess
+
+    out = []
+    for split in splits:
+        got = multiprocess.run_processes("bench.scale:process_point", *split, timeout=900,
+                                         kwargs={"name": name, "shards": shards, "repeats": repeats})
+        out.append({**got[0], **{k: max(g[k] for g in got) for k in ("seconds_after", "seconds_before")}})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def projection(points: list[dict], gbps: float) -> dict:
     """Seconds at CHIPS, before and after (see the module docstring)."""
     timed = [p for p in points if "seconds_before" in p and p["shards"] >= 8]
@@ -136,7 +158,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gbps", type=float, default=10.0, help="assumed inter-host GB/s for the projection")
     parser.add_argument("--jobs", default=",".join(jobs()))
+    parser.add_argument("--processes", type=int, default=0, help="S for the 1-8 process splits (0: none)")
     args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)
+    if args.processes:
+        points = [p for name in args.jobs.split(",") for p in over_processes(name, args.processes, args.repeats)]
+        with open(os.path.join(RESULTS, "scale_processes.json"), "w") as f:
+            json.dump({"points": points}, f, indent=1)
+        return
     shards = [1, 2, 4, 8, 16, 32, 64] + ([] if args.quick else [128, 256])
     repeats = 1 if args.quick else args.repeats
     out = {"points": [], "projection": {}, "gbps": args.gbps}
