@@ -94,11 +94,11 @@ def point(name: str, shards: int, repeats: int) -> dict:
         "route": next(r for r in ("merges_by_tree", "merges_by_process_tree", "merges_locally") if getattr(prog, r))
         if not (prog.combiner.additive and options.logical_shards is None) else "psum",
         "checkpoint_bytes_per_save": shards * state,
-        # before: the all-gather's S states on every device; after: the fold's stack (log2 of the
-        # shards one member folds, one process here or each device's own), the one taken, and
-        # a round's partner and merge.
+        # before: the all-gather's S states on every device; after, the process tree: the fold's
+        # stack (log2 of the process's shards), the one taken, a round's partner and merge; the
+        # device tree of a sum: the halves of its level-by-level fold, a round's partner and merge.
         "extra_states_before": shards,
-        "extra_states_after": (shards if prog.merges_by_process_tree else per_device).bit_length() + 3,
+        "extra_states_after": shards.bit_length() + 3 if prog.merges_by_process_tree else per_device + 2,
         # into the device that merges (after: a process's merging device takes its other devices'
         # shards one at a time, then a round's partner and the broadcast; one process here)
         "bytes_in_before": (shards - per_device) * state,

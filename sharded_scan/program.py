@@ -219,89 +219,74 @@ def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) 
     return jax.jit(pair_merge(combiner, precision, fixed))
 
 
-@cached
-def compile_take(combiner: Combiner, mesh: Mesh) -> Callable:
-    """``take(partials, s) -> states``: each device's ``s``-th own shard, one state per device (no collective)."""
-    specs = accumulator_specs(combiner, mesh, DATA_AXIS)
-
-    def local(partials, s):
-        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, s), partials)
-
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
-
-
-@cached
-def compile_device_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
-    """``merge(a, b, operands) -> states``: each device merges its state of ``a`` with its state of
-    ``b`` (one state per device, no collective): the one program every merge of the tree runs.
-
-    Its body on each device is :func:`pair_merge` alone, whatever the device count, so a
-    pair merges to the same bits on every split of a ``logical_shards`` job.
-    """
-    specs = accumulator_specs(combiner, mesh, DATA_AXIS)
-    merge = pair_merge(combiner, precision, fixed)
-
-    def local(a, b, operands):
-        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-        return jax.tree.map(lambda x: x[None], merge(first(a), first(b), operands))
-
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, specs, P()), out_specs=specs))
-
-
 def tree_strides(size: int) -> list[int]:
-    """The rounds of the device tree over ``size`` devices: 1, 2, 4... below ``size``."""
+    """The rounds of the tree over ``size`` members: 1, 2, 4... below ``size``."""
     return [1 << r for r in range((size - 1).bit_length())]
 
 
 def receives(stride: int, size: int) -> Callable[[jax.Array], jax.Array]:
-    """Whether device ``d`` of ``size`` on ``data`` receives in the tree's round of ``stride``
-    (``d`` a multiple of ``2 * stride`` with a device ``d + stride``)."""
-    return lambda d: (d % (2 * stride) == 0) & (d + stride < size)
+    """Whether member ``m`` of ``size`` receives in the tree's round of ``stride``
+    (``m`` a multiple of ``2 * stride`` with a member ``m + stride``)."""
+    return lambda m: (m % (2 * stride) == 0) & (m + stride < size)
+
+
+def exchanged(states: PyTree, stride: int, size: int) -> PyTree:
+    """Inside ``shard_map``: in the round of ``stride`` member ``m`` gets member ``m + stride``'s
+    state (:func:`receives`), every other member its own."""
+    mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+    got = jax.lax.ppermute(states, DATA_AXIS, [(m + stride, m) for m in range(0, size - stride, 2 * stride)])
+    return jax.tree.map(lambda g, x: jnp.where(mine, g, x), got, states)
+
+
+def broadcast_first(states: PyTree, size: int) -> PyTree:
+    """Inside ``shard_map``: member 0's state on every member (the tree's rounds backwards, copies only)."""
+    m = jax.lax.axis_index(DATA_AXIS)
+    for stride in reversed(tree_strides(size)):
+        got = jax.lax.ppermute(states, DATA_AXIS, [(s, s + stride) for s in range(0, size - stride, 2 * stride)])
+        mine = m % (2 * stride) == stride  # member m - stride sent it
+        states = jax.tree.map(lambda g, x, mine=mine: jnp.where(mine, g, x), got, states)
+    return jax.tree.map(lambda x: x[0], states)
 
 
 @cached
 def compile_exchange(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
-    """``exchange(states) -> partners``: in the tree's round of ``stride`` device ``d`` receives
-    device ``d + stride``'s state (:func:`receives`); every other device gets its own back."""
+    """``exchange(states) -> partners``: :func:`exchanged` on ``mesh``'s ``data`` axis, one state a member."""
     specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
-    pairs = [(d + stride, d) for d in range(0, size - stride, 2 * stride)]
-
-    def local(states):
-        mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
-        got = jax.lax.ppermute(states, DATA_AXIS, pairs)
-        return jax.tree.map(lambda g, x: jnp.where(mine, g, x), got, states)
-
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs))
-
-
-@cached
-def compile_keep(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
-    """``keep(states, merged) -> states``: the receivers of the round of ``stride`` take their merge."""
-    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
-
-    def local(states, merged):
-        mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
-        return jax.tree.map(lambda m, x: jnp.where(mine, m, x), merged, states)
-
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, specs), out_specs=specs))
+    return jax.jit(jax.shard_map(lambda s: exchanged(s, stride, size), mesh=mesh, in_specs=specs, out_specs=specs))
 
 
 @cached
 def compile_broadcast(combiner: Combiner, mesh: Mesh) -> Callable:
-    """``broadcast(states) -> acc``: device 0's state on every device (the tree's rounds backwards,
-    copies only), laid out as a merge's result."""
+    """``broadcast(states) -> acc``: :func:`broadcast_first` on ``mesh``, laid out as a merge's result."""
     specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    return jax.jit(jax.shard_map(lambda s: broadcast_first(s, size), mesh=mesh, in_specs=specs,
+                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False))  # all alike now
 
-    def local(states):
-        d = jax.lax.axis_index(DATA_AXIS)
-        for stride in reversed(tree_strides(size)):
-            got = jax.lax.ppermute(states, DATA_AXIS, [(s, s + stride) for s in range(0, size - stride, 2 * stride)])
-            mine = d % (2 * stride) == stride  # device d - stride sent it
-            states = jax.tree.map(lambda g, x, mine=mine: jnp.where(mine, g, x), got, states)
-        return jax.tree.map(lambda x: x[0], states)
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=accumulator_specs(combiner, mesh),
-                                 check_vma=False))  # every device holds the same state now
+@cached
+def compile_tree_sum(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+    """``merge(partials, operands) -> acc`` of a sum under ``logical_shards``, one program: each
+    device adds its own shards level by level in :func:`tree_fold`'s tree (neighbours, an odd
+    one out carried up), then the tree's rounds over the devices, then the broadcast. Additions
+    round alike batched or not and in any program, so it is bitwise :func:`tree_fold`'s over
+    the logical shards (when each device holds a power of two of them, or there is one device).
+    """
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    merge = jax.vmap(pair_merge(combiner, precision, fixed), in_axes=(0, 0, None))
+
+    def local(states, operands):
+        while (count := jax.tree.leaves(states)[0].shape[0]) > 1:
+            evens, odds = (jax.tree.map(lambda x, i=i: x[i : count - 1 + i : 2], states) for i in (0, 1))
+            pairs = merge(evens, odds, operands)
+            states = jax.tree.map(lambda p, x: jnp.concatenate([p, x[count - count % 2 :]]), pairs, states)
+        for stride in tree_strides(size):
+            merged = merge(states, exchanged(states, stride, size), operands)
+            mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+            states = jax.tree.map(lambda m, x, mine=mine: jnp.where(mine, m, x), merged, states)
+        return broadcast_first(states, size)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=accumulator_specs(combiner, mesh),
+                                 check_vma=False))
 
 
 @cached
@@ -486,19 +471,9 @@ class Program:
         return merge(partials, self.operands)
 
     def tree_merge(self, partials: PyTree) -> PyTree:
-        """The device tree (:meth:`merges_by_tree`): each device folds its own shards in
-        :func:`tree_fold`'s tree, then ``ceil(log2(devices))`` rounds in which device ``d``
-        (a multiple of ``2 * stride``) merges in device ``d + stride``'s state, then device 0's
-        state is copied to every device. Every merge is one program (:func:`compile_device_merge`)."""
-        combiner, mesh, precision = self.combiner, self.mesh, self.options.precision
-        merge = compile_device_merge(combiner, mesh, precision, self.fixed_products)
-        take = compile_take(combiner, mesh)
-        states = tree_fold(lambda a, b: merge(a, b, self.operands),
-                           (take(partials, s) for s in range(self.layout.shards_per_device)))
-        for stride in tree_strides(mesh.shape[DATA_AXIS]):
-            merged = merge(states, compile_exchange(combiner, mesh, stride)(states), self.operands)
-            states = compile_keep(combiner, mesh, stride)(states, merged)
-        return compile_broadcast(combiner, mesh)(states)
+        """The device tree (:meth:`merges_by_tree`) of a sum, one program (:func:`compile_tree_sum`)."""
+        merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+        return merge(partials, self.operands)
 
     def process_tree_merge(self, partials: PyTree) -> PyTree:
         """The process tree (:meth:`merges_by_process_tree`): each process folds its own shards
@@ -586,12 +561,10 @@ class Program:
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (the pairwise merge where
         :meth:`merges_by_process_tree` or :meth:`merges_locally`, whose all-gather is
-        :meth:`lower_gather`; the merge of each device's two states where :meth:`merges_by_tree`,
-        its exchanges :meth:`lower_exchange`)."""
+        :meth:`lower_gather`; the one program of :meth:`merges_by_tree`)."""
         if self.merges_by_tree:
-            states = self.tree_states
-            merge = compile_device_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
-            return merge.lower(states, states, self.operands)
+            merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+            return merge.lower(self.like, self.operands)
         if self.merges_locally or self.merges_by_process_tree:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
@@ -599,17 +572,6 @@ class Program:
         ordered = self.options.logical_shards is not None
         merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
         return merge.lower(self.like, self.operands)
-
-    @property
-    def tree_states(self) -> PyTree:
-        """One state per device on ``data`` (``jax.ShapeDtypeStruct`` leaves): what the device tree's programs take."""
-        size = self.layout.data_size
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((size, *s.shape[1:]), s.dtype, sharding=s.sharding),
-                            self.like)
-
-    def lower_exchange(self, stride: int = 1) -> jax.stages.Lowered:
-        """The device tree's exchange of the round of ``stride`` (:func:`compile_exchange`)."""
-        return compile_exchange(self.combiner, self.mesh, stride).lower(self.tree_states)
 
     def lower_gather(self) -> jax.stages.Lowered:
         """The all-gather of the partials that a merge by :meth:`merges_locally` starts with."""
