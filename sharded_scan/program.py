@@ -10,9 +10,10 @@ programs are built (memoized, so a rerun of the same job compiles nothing):
 - ``step(partials, batch, num_valid) -> partials``: each logical shard folds its block
   of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
   collective; the partials are donated;
-- ``merge(partials) -> acc``: one collective: a ``psum`` for additive combiners, else one
-  all-gather and a fixed-order tree fold with ``combiner.merge`` (in each process, by a
-  pairwise merge compiled for one device, when the accumulator is whole on every device).
+- ``merge(partials) -> acc``: a ``psum`` for additive combiners (without
+  ``logical_shards``), else a fixed tree (:func:`tree_fold`'s): each device, or each process,
+  folds its own shards, then log2 rounds of ``ppermute`` and ``combiner.merge`` (see
+  :meth:`Program.merge`).
 
 Beside it: :mod:`sharded_scan.admission` refuses a job that cannot fit in memory before
 anything compiles, and :mod:`sharded_scan.relayout` lays a checkpoint written with another
@@ -29,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -94,12 +95,24 @@ def named(mesh: Mesh, specs: PyTree) -> PyTree:
     return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def tree_fold(merge: Callable, items: list) -> Any:
-    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order)."""
-    while len(items) > 1:
-        paired = [merge(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-        items = paired + ([items[-1]] if len(items) % 2 else [])
-    return items[0]
+def tree_fold(merge: Callable, items: Iterable) -> Any:
+    """Merges ``items`` pairwise in a fixed balanced tree (deterministic order).
+
+    The tree: item ``i`` merges with ``i + 1`` (``i`` even), those with their neighbours
+    two apart, and so on, an odd one out carried up; so the items ``[j * 2^r, (j + 1) * 2^r)``
+    are one subtree. Items are taken one at a time (an iterator is consumed lazily), and at
+    most ``log2(len(items)) + 1`` merged ones are held at once.
+    """
+    stack: list[tuple[int, Any]] = []  # (items under it, merged), sizes strictly decreasing powers of two
+    for item in items:
+        size = 1
+        while stack and stack[-1][0] == size:
+            item, size = merge(stack.pop()[1], item), 2 * size
+        stack.append((size, item))
+    merged = stack.pop()[1]
+    while stack:
+        merged = merge(stack.pop()[1], merged)
+    return merged
 
 
 def stacked(combiner: Combiner, spec: PyTree, count: int) -> PyTree:
@@ -188,17 +201,93 @@ def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
     return jax.jit(lambda partials: partials, out_shardings=named(mesh, accumulator_specs(combiner, mesh, None)))
 
 
-@cached
-def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
-    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
-    float products in contraction order)."""
+def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, traced at ``precision`` (``fixed``:
+    float products in contraction order): the body of every merge program but the ``psum``."""
 
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
             return (fixed_order(bound.merge) if fixed else bound.merge)(a, b)
 
-    return jax.jit(merge)
+    return merge
+
+
+@cached
+def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
+    """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
+    float products in contraction order)."""
+    return jax.jit(pair_merge(combiner, precision, fixed))
+
+
+def tree_strides(size: int) -> list[int]:
+    """The rounds of the tree over ``size`` members: 1, 2, 4... below ``size``."""
+    return [1 << r for r in range((size - 1).bit_length())]
+
+
+def receives(stride: int, size: int) -> Callable[[jax.Array], jax.Array]:
+    """Whether member ``m`` of ``size`` receives in the tree's round of ``stride``
+    (``m`` a multiple of ``2 * stride`` with a member ``m + stride``)."""
+    return lambda m: (m % (2 * stride) == 0) & (m + stride < size)
+
+
+def exchanged(states: PyTree, stride: int, size: int) -> PyTree:
+    """Inside ``shard_map``: in the round of ``stride`` member ``m`` gets member ``m + stride``'s
+    state (:func:`receives`), every other member its own."""
+    mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+    got = jax.lax.ppermute(states, DATA_AXIS, [(m + stride, m) for m in range(0, size - stride, 2 * stride)])
+    return jax.tree.map(lambda g, x: jnp.where(mine, g, x), got, states)
+
+
+def broadcast_first(states: PyTree, size: int) -> PyTree:
+    """Inside ``shard_map``: member 0's state on every member (the tree's rounds backwards, copies only)."""
+    m = jax.lax.axis_index(DATA_AXIS)
+    for stride in reversed(tree_strides(size)):
+        got = jax.lax.ppermute(states, DATA_AXIS, [(s, s + stride) for s in range(0, size - stride, 2 * stride)])
+        mine = m % (2 * stride) == stride  # member m - stride sent it
+        states = jax.tree.map(lambda g, x, mine=mine: jnp.where(mine, g, x), got, states)
+    return jax.tree.map(lambda x: x[0], states)
+
+
+@cached
+def compile_exchange(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
+    """``exchange(states) -> partners``: :func:`exchanged` on ``mesh``'s ``data`` axis, one state a member."""
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    return jax.jit(jax.shard_map(lambda s: exchanged(s, stride, size), mesh=mesh, in_specs=specs, out_specs=specs))
+
+
+@cached
+def compile_broadcast(combiner: Combiner, mesh: Mesh) -> Callable:
+    """``broadcast(states) -> acc``: :func:`broadcast_first` on ``mesh``, laid out as a merge's result."""
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    return jax.jit(jax.shard_map(lambda s: broadcast_first(s, size), mesh=mesh, in_specs=specs,
+                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False))  # all alike now
+
+
+@cached
+def compile_tree_sum(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+    """``merge(partials, operands) -> acc`` of a sum under ``logical_shards``, one program: each
+    device adds its own shards level by level in :func:`tree_fold`'s tree (neighbours, an odd
+    one out carried up), then the tree's rounds over the devices, then the broadcast. Additions
+    round alike batched or not and in any program, so it is bitwise :func:`tree_fold`'s over
+    the logical shards (when each device holds a power of two of them, or there is one device).
+    """
+    specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
+    merge = jax.vmap(pair_merge(combiner, precision, fixed), in_axes=(0, 0, None))
+
+    def local(states, operands):
+        while (count := jax.tree.leaves(states)[0].shape[0]) > 1:
+            evens, odds = (jax.tree.map(lambda x, i=i: x[i : count - 1 + i : 2], states) for i in (0, 1))
+            pairs = merge(evens, odds, operands)
+            states = jax.tree.map(lambda p, x: jnp.concatenate([p, x[count - count % 2 :]]), pairs, states)
+        for stride in tree_strides(size):
+            merged = merge(states, exchanged(states, stride, size), operands)
+            mine = receives(stride, size)(jax.lax.axis_index(DATA_AXIS))
+            states = jax.tree.map(lambda m, x, mine=mine: jnp.where(mine, m, x), merged, states)
+        return broadcast_first(states, size)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=accumulator_specs(combiner, mesh),
+                                 check_vma=False))
 
 
 @cached
@@ -231,6 +320,57 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
             return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
+
+
+def power_of_two_or_alone(per_member: int, members: int) -> bool:
+    """Whether ``members`` holding ``per_member`` consecutive shards each, each folding its own
+    first, then pairing up in :func:`tree_strides` rounds, merge in :func:`tree_fold`'s tree."""
+    return members == 1 or per_member & (per_member - 1) == 0
+
+
+@functools.cache
+def process_leaders(mesh: Mesh) -> Mesh | None:
+    """One device of each process, in the order of the ``data`` rows they hold, as a 1-D mesh
+    on ``data``; None when some ``data`` row has devices of two processes."""
+    axis = mesh.axis_names.index(DATA_AXIS)
+    rows = np.moveaxis(mesh.devices, axis, 0).reshape(mesh.shape[DATA_AXIS], -1)
+    if any(len({d.process_index for d in row}) > 1 for row in rows):
+        return None
+    firsts = [row[0] for i, row in enumerate(rows) if i == 0 or rows[i - 1][0].process_index != row[0].process_index]
+    if len({d.process_index for d in firsts}) != len(firsts):
+        return None
+    return Mesh(np.array(firsts), (DATA_AXIS,))
+
+
+def leader_index(mesh: Mesh) -> int:
+    """This process's place among :func:`process_leaders`."""
+    return [d.process_index for d in process_leaders(mesh).devices.flat].index(jax.process_index())
+
+
+_index = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
+_lead = jax.jit(lambda tree: jax.tree.map(lambda x: x[None], tree))
+
+
+def own_states(partials: PyTree, device: jax.Device) -> Iterator[PyTree]:
+    """This process's shards of the stacked ``partials``, one at a time, in shard order, on ``device``."""
+    leaves, treedef = jax.tree.flatten(partials)
+    blocks = [sorted({s.index[0].start or 0: s.data for s in x.addressable_shards}.items()) for x in leaves]
+    for i in range(len(blocks[0])):
+        block = treedef.unflatten([b[i][1] for b in blocks])  # on the device that holds it
+        for j in range(jax.tree.leaves(block)[0].shape[0]):
+            yield jax.device_put(_index(block, j), device)
+
+
+def global_state(state: PyTree, leaders: Mesh) -> PyTree:
+    """The processes' states (one each, on its leader) as one array on ``leaders``, lead axis ``data``."""
+    sharding = NamedSharding(leaders, P(DATA_AXIS))
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        (leaders.size, *x.shape[1:]), sharding, [x]), _lead(state))
+
+
+def local_state(states: PyTree) -> PyTree:
+    """This process's state of ``states`` (:func:`global_state`'s layout), on its leader."""
+    return _index(jax.tree.map(lambda x: x.addressable_data(0), states), 0)
 
 
 def place(host: PyTree, shardings: PyTree) -> PyTree:
@@ -310,11 +450,17 @@ class Program:
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
     def merge(self, partials: PyTree) -> PyTree:
-        """The one collective merge of every shard's partial.
+        """Every shard's partial merged into one accumulator, on every device (or split over
+        the axes ``combiner.partition`` names).
 
-        A combiner whose merge is not a sum and whose accumulator is not split over other
-        axes is merged by each process on one of its devices (:meth:`merges_locally`).
+        A sum is one ``psum``, or under ``logical_shards`` the device tree (:meth:`merges_by_tree`);
+        any other merge the process tree (:meth:`merges_by_process_tree`); else each process folds
+        the all-gathered partials on one of its devices (:meth:`merges_locally`).
         """
+        if self.merges_by_tree:
+            return self.tree_merge(partials)
+        if self.merges_by_process_tree:
+            return self.process_tree_merge(partials)
         if self.merges_locally:
             gathered = compile_gather(self.combiner, self.mesh)(partials)
             local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
@@ -324,6 +470,60 @@ class Program:
         ordered = self.options.logical_shards is not None
         merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
         return merge(partials, self.operands)
+
+    def tree_merge(self, partials: PyTree) -> PyTree:
+        """The device tree (:meth:`merges_by_tree`) of a sum, one program (:func:`compile_tree_sum`)."""
+        merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+        return merge(partials, self.operands)
+
+    def process_tree_merge(self, partials: PyTree) -> PyTree:
+        """The process tree (:meth:`merges_by_process_tree`): each process folds its own shards
+        on its first device in :func:`tree_fold`'s tree, by a pairwise merge compiled for one
+        device; then the processes run the device tree's rounds, one device each."""
+        leaders = process_leaders(self.mesh)
+        device = leaders.devices.flat[leader_index(self.mesh)]
+        merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
+        operands = jax.device_put(self.host_operands, device)
+        state = tree_fold(lambda a, b: merge(a, b, operands), own_states(partials, device))
+        me, count = leader_index(self.mesh), leaders.size
+        for stride in tree_strides(count):
+            partner = local_state(compile_exchange(self.combiner, leaders, stride)(global_state(state, leaders)))
+            if receives(stride, count)(me):
+                state = merge(state, partner, operands)
+        if count == 1:
+            return state
+        broadcast = compile_broadcast(self.combiner, leaders)(global_state(state, leaders))
+        return jax.tree.map(lambda x: x.addressable_data(0), broadcast)
+
+    @property
+    def merges_by_tree(self) -> bool:
+        """Whether :meth:`merge` runs the device tree (:meth:`tree_merge`): a sum under
+        ``logical_shards`` (additions round alike in any program) when each device holds a
+        power of two of the shards, or there is one device (then the tree is
+        :func:`tree_fold`'s over the logical shards); else a sum's shards are all-gathered
+        and folded whole in one SPMD program."""
+        if self.options.logical_shards is None or not self.combiner.additive:
+            return False
+        return power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+
+    @property
+    def merges_by_process_tree(self) -> bool:
+        """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): a merge that
+        is not a sum, of an accumulator whole on each device.
+
+        Each pair is merged by one program compiled once for one device: XLA optimizes an
+        SPMD program for 8 devices differently from one for 1 (other fusions, other
+        roundings), so a merge inside one is not bitwise the same on every split. Under
+        ``logical_shards`` the tree must be :func:`tree_fold`'s over the logical shards: each
+        process holds a power of two of them, or there is one process (and every data row's
+        devices are in one process); else the partials are all-gathered (:meth:`merges_locally`).
+        """
+        if self.combiner.additive or self.combiner.partition(self.mesh) is not None:
+            return False
+        leaders = process_leaders(self.mesh)
+        if leaders is None or self.options.logical_shards is None:
+            return leaders is not None
+        return power_of_two_or_alone(self.layout.num_shards // leaders.size, leaders.size)
 
     @property
     def fixed_products(self) -> bool:
@@ -347,7 +547,8 @@ class Program:
         8 devices differently from one for 1 (other fusions, other roundings), so it was
         not bitwise the same on every split of a ``logical_shards`` job.
         """
-        return not self.combiner.additive and self.combiner.partition(self.mesh) is None
+        return (not self.merges_by_tree and not self.merges_by_process_tree and not self.combiner.additive
+                and self.combiner.partition(self.mesh) is None)
 
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
@@ -360,8 +561,12 @@ class Program:
 
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (the pairwise merge where
-        :meth:`merges_locally`; its all-gather is :meth:`lower_gather`)."""
-        if self.merges_locally:
+        :meth:`merges_by_process_tree` or :meth:`merges_locally`, whose all-gather is
+        :meth:`lower_gather`; the one program of :meth:`merges_by_tree`)."""
+        if self.merges_by_tree:
+            merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+            return merge.lower(self.like, self.operands)
+        if self.merges_locally or self.merges_by_process_tree:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             return merge.lower(one, one, self.host_operands)

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh
 
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
-from sharded_scan.program import Program, place, shards_of, stacked, tree_fold
+from sharded_scan.program import Program, compile_pair_merge, place, shards_of, stacked, tree_fold
 
 PyTree = Any
 
@@ -27,9 +27,10 @@ def relayout(program: Program, leaves: list[np.ndarray], meta: dict[str, Any]) -
 
     With the same shard count each shard's accumulator is converted to this mesh's
     resolution of the job on its own (bitwise the state it saved, for a lossless
-    conversion). Otherwise the saved shards are merged in a fixed tree by the
-    combiner as it was resolved for the mesh that wrote them, converted, and laid out
-    as ``[merged, identity, ...]`` over this run's shards.
+    conversion). Otherwise the saved shards are merged in :func:`tree_fold`'s tree by
+    one pairwise merge program of the combiner as it was resolved for the mesh that wrote
+    them (a compile that does not grow with the shard count; a few states on the device at
+    once), converted, and laid out as ``[merged, identity, ...]`` over this run's shards.
 
     Raises:
       UsageError: the leaves are not what this job writes on such a mesh.
@@ -48,17 +49,20 @@ def relayout(program: Program, leaves: list[np.ndarray], meta: dict[str, Any]) -
                          "rerun with the original settings, or use a new checkpoint directory.")
     saved_partials = jax.tree.structure(expect).unflatten(leaves)
     target, spec, shards = program.combiner, program.spec, program.layout.num_shards
+    operands = program.host_operands
+    if int(meta["shards"]) != shards:  # folded in tree_fold's tree, one compiled merge, a few states at once
+        merge = compile_pair_merge(saved, program.options.precision, program.fixed_products)
+        saved_partials = tree_fold(lambda a, b: merge(a, b, operands), shards_of(saved_partials))
 
-    def fold(saved_partials, operands):
+    def convert(saved_partials, operands):
         here, there = target.bind(operands), saved.bind(operands)
         with jax.default_matmul_precision(program.options.precision):
             if int(meta["shards"]) == shards:  # shard by shard: a logical shard's state stays its own
                 return jax.vmap(lambda acc: here.convert(acc, there))(saved_partials)
-            converted = here.convert(tree_fold(there.merge, shards_of(saved_partials)), there)
             return jax.tree.map(
                 lambda m, z: jnp.concatenate([m[None], jnp.broadcast_to(z[None], (shards - 1,) + z.shape)]),
-                converted, here.init(spec),
+                here.convert(saved_partials, there), here.init(spec),
             )
 
-    host = jax.tree.map(np.asarray, jax.jit(fold)(saved_partials, program.host_operands))
+    host = jax.tree.map(np.asarray, jax.jit(convert)(saved_partials, operands))
     return place(host, jax.tree.map(lambda s: s.sharding, program.like))

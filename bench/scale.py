@@ -1,0 +1,186 @@
+"""The merge against the shard count: main's all-gather + fold beside the tree merge, side by side.
+
+For ``Sum``, ``Gram`` (d=256, 1024), ``Quantiles`` and ``LinearRegression`` under
+``logical_shards=S`` (S = 1..256 on up to 8 simulated CPU devices): merge seconds (best of
+``--repeats`` after a warm call), the extra states a device holds while merging (array sizes:
+``memory_stats()`` is None on CPU), the bytes a device receives, and the checkpoint bytes per
+save (every logical shard's state: this bench does not change them). ``before`` is main's path
+(:func:`before_merge`: every partial all-gathered onto every device, then folded shard by shard on
+one device per process, or in one SPMD program for a sum); ``after`` is :meth:`Program.merge`.
+
+The projection to 256, 1,024 and 4,096 chips (one shard a chip, 4 chips a host) takes the
+measured seconds of one merge (``m``, the slope of ``before`` against S) and an assumed
+inter-host bandwidth (``--gbps``): before, every process folds every shard after an all-gather
+of all of them, ``m * (N - 1) + N * state / bw``; after, each host folds its 4 and the hosts
+pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's).
+
+    python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
+    python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+
+import sharded_scan as ss
+from sharded_scan import program as pg
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+CHIPS, CHIPS_PER_HOST = (256, 1024, 4096), 4
+BEFORE_BUDGET = 2 << 30  # bytes the before path's all-gather may take over the 8 devices
+
+
+def jobs() -> dict:
+    """Name: (combiner, rows' spec)."""
+    row = lambda d: jax.ShapeDtypeStruct((d,), np.float32)  # noqa: E731
+    return {
+        "Sum": (ss.Sum(), row(64)),
+        "Gram d=256": (ss.Gram(), row(256)),
+        "Gram d=1024": (ss.Gram(), row(1024)),
+        "Quantiles": (ss.Quantiles(num_buckets=10, k=1024), row(64)),
+        "LinearRegression": (ss.LinearRegression(), (row(63), jax.ShapeDtypeStruct((), np.float32))),
+    }
+
+
+def before_merge(prog: pg.Program, partials):
+    """Main's merge: a sum in one SPMD program (all-gather, then the fold); any other merge
+    all-gathered, then folded by each process on one device (``tree_fold``'s tree)."""
+    if prog.combiner.additive:
+        return pg.compile_merge(prog.combiner, prog.mesh, True, prog.options.precision, prog.fixed_products)(
+            partials, prog.operands)
+    gathered = pg.compile_gather(prog.combiner, prog.mesh)(partials)
+    local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
+    merge = pg.compile_pair_merge(prog.combiner, prog.options.precision, prog.fixed_products)
+    operands = jax.device_put(prog.host_operands, jax.tree.leaves(local)[0].device)
+    return pg.tree_fold(lambda a, b: merge(a, b, operands), pg.shards_of(local))
+
+
+def folded_partials(prog: pg.Program, seed: int = 0):
+    """The partials after one step of random rows (states that are not the identity)."""
+    rng = np.random.default_rng(seed)
+    rows = prog.layout.rows_per_step
+    batch = jax.tree.map(lambda s: (3 + rng.normal(size=(rows, *s.shape))).astype(s.dtype), prog.spec)
+    batch = jax.device_put(batch, pg.data_sharding(prog.mesh))
+    return prog.step(prog.init(), batch, rows)
+
+
+def best_seconds(call, repeats: int) -> float:
+    jax.block_until_ready(call())  # compile
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def point(name: str, shards: int, repeats: int) -> dict:
+    combiner, spec = jobs()[name]
+    devices = min(shards, 8)
+    options = ss.RunOptions(mesh=f"data:{devices}", logical_shards=shards, microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, shards * 32, options)
+    state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
+    partials = folded_partials(prog)
+    per_device, rounds = shards // devices, (devices - 1).bit_length()
+    out = {
+        "job": name, "shards": shards, "devices": devices, "state_bytes": state,
+        "route": next(r for r in ("merges_by_tree", "merges_by_process_tree", "merges_locally") if getattr(prog, r))
+        if not (prog.combiner.additive and options.logical_shards is None) else "psum",
+        "checkpoint_bytes_per_save": shards * state,
+        # before: the all-gather's S states on every device; after, the process tree: the fold's
+        # stack (log2 of the process's shards), the one taken, a round's partner and merge; the
+        # device tree of a sum: the halves of its level-by-level fold, a round's partner and merge.
+        "extra_states_before": shards,
+        "extra_states_after": shards.bit_length() + 3 if prog.merges_by_process_tree else per_device + 2,
+        # into the device that merges (after: a process's merging device takes its other devices'
+        # shards one at a time, then a round's partner and the broadcast; one process here)
+        "bytes_in_before": (shards - per_device) * state,
+        "bytes_in_after": ((shards - per_device) if prog.merges_by_process_tree else 2 * rounds) * state,
+        "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
+    }
+    if shards * state * devices <= BEFORE_BUDGET:
+        out["seconds_before"] = best_seconds(lambda: before_merge(prog, partials), repeats)
+        got, want = (jax.tree.leaves(pg.to_host(f())) for f in (lambda: prog.merge(partials),
+                                                                 lambda: before_merge(prog, partials)))
+        out["bitwise_as_before"] = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, want, strict=True))
+    return out
+
+
+def process_point(name: str, shards: int, repeats: int) -> dict:
+    """One process's merge seconds, before and after, on all devices of every process (run in each)."""
+    combiner, spec = jobs()[name]
+    options = ss.RunOptions(mesh="data:-1", logical_shards=shards, microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, shards * 32, options)
+    partials = folded_partials(prog)
+    return {"job": name, "shards": shards, "processes": jax.process_count(), "devices": jax.device_count(),
+            "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
+            "seconds_before": best_seconds(lambda: before_merge(prog, partials), repeats)}
+
+
+def over_processes(name: str, shards: int, repeats: int, splits=((1, 8), (2, 4), (4, 2), (8, 1))) -> list[dict]:
+    """:func:`process_point` on ``splits`` (processes, devices each) of 8 devices; the slowest process's."""
+    from tests import multiprocess
+
+    out = []
+    for split in splits:
+        got = multiprocess.run_processes("bench.scale:process_point", *split, timeout=900,
+                                         kwargs={"name": name, "shards": shards, "repeats": repeats})
+        out.append({**got[0], **{k: max(g[k] for g in got) for k in ("seconds_after", "seconds_before")}})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def projection(points: list[dict], gbps: float) -> dict:
+    """Seconds at CHIPS, before and after (see the module docstring)."""
+    timed = [p for p in points if "seconds_before" in p and p["shards"] >= 8]
+    if len(timed) < 2:
+        return {}
+    s = np.array([p["shards"] for p in timed], float)
+    m = max(float(np.polyfit(s, [p["seconds_before"] for p in timed], 1)[0]), 1e-6)
+    state, bw = points[0]["state_bytes"], gbps * 1e9
+    return {"merge_seconds": m, **{str(n): {
+        "before": m * (n - 1) + n * state / bw,
+        "after": m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
+        "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": 5 * state,
+        "checkpoint_bytes_per_save": n * state} for n in CHIPS}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gbps", type=float, default=10.0, help="assumed inter-host GB/s for the projection")
+    parser.add_argument("--jobs", default=",".join(jobs()))
+    parser.add_argument("--processes", type=int, default=0, help="S for the 1-8 process splits (0: none)")
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)
+    if args.processes:
+        points = [p for name in args.jobs.split(",") for p in over_processes(name, args.processes, args.repeats)]
+        with open(os.path.join(RESULTS, "scale_processes.json"), "w") as f:
+            json.dump({"points": points}, f, indent=1)
+        return
+    shards = [1, 2, 4, 8, 16, 32, 64] + ([] if args.quick else [128, 256])
+    repeats = 1 if args.quick else args.repeats
+    out = {"points": [], "projection": {}, "gbps": args.gbps}
+    for name in args.jobs.split(","):
+        caps = {"Gram d=1024": 64}  # 256 states of 4 MiB on each of 8 devices do not fit this machine
+        points = [point(name, s, repeats) for s in shards if s <= caps.get(name, 256)]
+        for p in points:
+            print(json.dumps(p), flush=True)
+        out["points"] += points
+        out["projection"][name] = projection(points, args.gbps)
+        print(name, json.dumps(out["projection"][name], indent=None), flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "scale_quick.json" if args.quick else "scale.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The tree merge: its fixed order, each device's or process's own shards first, then log2 rounds
+(the splits of processes are in test_reproducible: 2x4, 4x2, 8x1 bitwise against 1x8)."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan import program
+from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
+
+
+def pair(a, b):
+    return (a, b)
+
+
+def levels_reference(items):
+    """Neighbours paired level by level, an odd one out carried up (the tree as first written)."""
+    while len(items) > 1:
+        paired = [pair(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        items = paired + ([items[-1]] if len(items) % 2 else [])
+    return items[0]
+
+
+def test_tree_fold_is_the_fixed_balanced_tree_taking_items_lazily():
+    for n in range(1, 70):
+        taken = []
+        items = (taken.append(i) or i for i in range(n))
+        assert tree_fold(pair, items) == levels_reference(list(range(n)))
+        assert taken == list(range(n))
+
+
+@pytest.mark.parametrize("per_member", [1, 2, 4, 8])
+def test_members_folding_their_own_shards_first_then_pairing_up_give_the_same_tree(per_member):
+    for members in range(1, 21):
+        states = [tree_fold(pair, range(m * per_member, (m + 1) * per_member)) for m in range(members)]
+        for stride in tree_strides(members):
+            receiving = [bool(receives(stride, members)(m)) for m in range(members)]
+            states = [pair(s, states[m + stride]) if receiving[m] else s for m, s in enumerate(states)]
+        assert states[0] == levels_reference(list(range(members * per_member))), members
+
+
+class Ends(NamedTuple):
+    first: jax.Array
+    last: jax.Array
+    seen: jax.Array
+
+
+class FirstAndLast(ss.Combiner):
+    """The first and last row: a merge that is not commutative (the left state must come first)."""
+
+    def init(self, spec):
+        return Ends(jnp.zeros(spec.shape, spec.dtype), jnp.zeros(spec.shape, spec.dtype), jnp.zeros((), bool))
+
+    def add(self, acc, batch, mask):
+        idx = jnp.arange(mask.shape[0])
+        first = batch[jnp.argmin(jnp.where(mask, idx, mask.shape[0]))]
+        last = batch[jnp.argmax(jnp.where(mask, idx, -1))]
+        return self.merge(acc, Ends(first, last, jnp.any(mask)))
+
+    def merge(self, a, b):
+        return Ends(jnp.where(a.seen, a.first, b.first), jnp.where(b.seen, b.last, a.last), a.seen | b.seen)
+
+    def finalize(self, acc):
+        return np.stack([acc.first, acc.last])
+
+
+@pytest.mark.parametrize("mesh, shards, route", [
+    ("data:3", None, "merges_by_process_tree"),
+    ("data:8", 24, "merges_by_process_tree"),  # one process folds its 24 shards (3 a device) in the tree
+])
+def test_a_merge_that_is_not_commutative_keeps_the_rows_in_order(mesh, shards, route):
+    x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2)
+    options = ss.RunOptions(mesh=mesh, logical_shards=shards, microbatch=16, steps_per_call=8)
+    prog = program_for_spec(FirstAndLast(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
+    assert getattr(prog, route) and prog.layout.num_steps() == 1  # one step: shard i holds the i-th block of rows
+    np.testing.assert_array_equal(ss.run(FirstAndLast(), x, options), x[[0, -1]])
+
+
+def test_a_logical_shards_sum_merges_by_the_device_tree_and_never_gathers():
+    x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2) % 7  # sums exact in float32
+    options = ss.RunOptions(mesh="data:3", logical_shards=6, microbatch=16, steps_per_call=2)
+    prog = program_for_spec(ss.Sum(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
+    assert prog.merges_by_tree and not prog.merges_locally and program.tree_strides(3) == [1, 2]
+    merge = prog.lower_merge().compile().as_text()  # rounds: device 2 left out, then device 0 receiving it
+    assert "collective-permute" in merge and "all-gather" not in merge
+    np.testing.assert_array_equal(ss.run(ss.Sum(), x, options).sum, x.sum(0))
