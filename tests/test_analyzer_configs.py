@@ -23,7 +23,7 @@ def test_quick_quantiles_config_gives_numpy_answers():
     got = ss.run(make_combiner(config.combiner), source, mesh="data:4", microbatch=config.microbatch)
     x = source.read(0, source.num_rows).astype(np.float64)  # 1000 rows: nothing compacted, so numpy's answers
     np.testing.assert_allclose(got.quantiles, np.quantile(x, got.qs, axis=0).T, rtol=1e-12)  # linear, the default
-    assert sorted(named_arrays(got)) == ["columns", "count", "passes", "qs", "quantiles", "rank_error"]
+    assert sorted(named_arrays(got)) == ["columns", "count", "passes", "qs", "quantiles", "rank_error", "sketch"]
 
 
 @pytest.mark.parametrize(

@@ -56,9 +56,10 @@ def test_omit_masks_rows_with_nan_or_inf(mesh):
     assert rel_err(got.sum, f64(clean).sum(0)) < 1e-6
 
 
-def test_propagate_lets_nan_through_like_numpy():
+@pytest.mark.parametrize("steps_per_call", [None, 1])  # 1: steps after the inf's step keep it inf, not NaN
+def test_propagate_lets_nan_through_like_numpy(steps_per_call):
     x, _ = with_bad_rows()
-    got = ss.run(apply_policies(ss.Sum(), nan_policy="propagate"), x, microbatch=4)
+    got = ss.run(apply_policies(ss.Sum(), nan_policy="propagate"), x, microbatch=4, steps_per_call=steps_per_call)
     assert np.isnan(got.sum[1]) and np.isinf(got.sum[0])
 
 

@@ -119,7 +119,7 @@ class Compensated(Wrapper):
                 return wide.add(s, d), c
             if not _is_float(s):
                 return s + d, c
-            y = d - c
+            y = d - jnp.where(jnp.isfinite(c), c, 0)  # after an inf the sum alone goes on, as numpy's
             t = s + y
             return t, (t - s) - y
 
