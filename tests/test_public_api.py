@@ -14,7 +14,8 @@ CONTRACT = [
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
     "CovarianceResult": ("count", "mean", "cov", "columns"),
-    "MomentsResult": ("count", "mean", "var", "min", "max", "columns"),
+    "MomentsResult": ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1",
+                      "norm_l2", "columns"),
     "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values", "columns"),
     "LinearRegressionResult": ("coef", "intercept", "rank", "cond", "columns"),
     "HistogramResult": ("counts", "edges", "columns"),
