@@ -331,8 +331,9 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
     # only then are the NaNs counted (a pass over the rows that clean data never pays).
     maybe = jnp.any(jnp.isnan(s1)) if seen is None else jnp.any(jnp.isnan(s1)) | jnp.any(seen & ~keep)
-    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), keep if seen is None else seen), axis=0,
-                                                dtype=jnp.int32), lambda: jnp.zeros_like(s1, jnp.int32))  # varying like s1
+    rows = keep if seen is None else seen
+    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
+                        lambda: jnp.zeros_like(s1, jnp.int32))  # zeros_like: varying like s1 inside shard_map
     return MomentsAcc(
         centered,
         jnp.minimum(acc.min, jnp.min(masked(x, keep, jnp.inf), axis=0)),
