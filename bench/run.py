@@ -4,7 +4,8 @@
     python bench/run.py --quick    # 24 MiB, best of 2, a small sweep (7 min in one run on 2 shared cores)
 
 Prints one table (rate, and sharded_scan's ratio to the best peer), then the analyzers'
-(quantiles, distinct counts, top-k: rows/s and error of every caller, ``bench/analyzers.py``)
+(quantiles, distinct counts, top-k: rows/s and error of every caller, ``bench/analyzers.py``),
+the GROUP BY rows (``GroupBy`` against pandas, Polars and DuckDB, ``bench/groupby.py``)
 and writes
 ``bench/results/bench[_quick].json`` and ``.png``. Every caller of a workload is timed
 in the same process, interleaved (one run of each in turn, ``--repeats`` rounds, the
@@ -37,7 +38,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from bench import analyzers, tuning  # noqa: E402
+from bench import analyzers, groupby, tuning  # noqa: E402
 from bench.workloads import Workload, comparable, make_workloads, reference  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small data, few repeats, small sweep (7 min in one run)")
     parser.add_argument("--megabytes", type=int, help="input size per workload (default 256, quick 24)")
     parser.add_argument("--analyzer-rows", type=int, help="rows per analyzer (4 columns; 2^22, quick 2^18)")
+    parser.add_argument("--groupby-rows", type=int, help="rows per GROUP BY workload (10^6, quick 2^17)")
     parser.add_argument("--repeats", type=int, help="timed rounds per workload (default 5, quick 2)")
     parser.add_argument("--only", help="comma-separated workload names")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
@@ -124,6 +126,7 @@ def main() -> None:
     for a in analyzers.make_analyzers(args.analyzer_rows or (1 << 18 if args.quick else 1 << 22), only):
         analyzer_rows.append(analyzers.measure(a, min(repeats, 3)))
         print(f"  {a.name}: {analyzer_rows[-1]['ratio']:.2f}x {analyzer_rows[-1]['best_peer']}", flush=True)
+    groupby_rows = groupby.run(args.groupby_rows or ((1 << 17) if args.quick else 10**6), min(repeats, 3), only)
     report = {
         "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "devices": jax.device_count(), "platform": platform.platform()},
@@ -133,6 +136,7 @@ def main() -> None:
         "megabytes": megabytes, "repeats": repeats,
         "results": rows,
         "analyzers": analyzer_rows,
+        "groupby": groupby_rows,
     }
     if not args.no_sweep:
         report["sweep"] = tuning.sweep(quick=args.quick, repeats=repeats)
@@ -147,6 +151,8 @@ def main() -> None:
         print(table(rows))
     if analyzer_rows:
         print("\n" + analyzers.table(analyzer_rows))
+    if groupby_rows:
+        print("\n" + groupby.table(groupby_rows))
     if "sweep" in report:
         print("\n" + tuning.describe(report["sweep"], report["host_overhead"]))
     grad = report["gradient_iterations"]

@@ -8,7 +8,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
+import numpy as np
 
 import sharded_scan
 from sharded_scan import sources
@@ -38,13 +40,17 @@ def _arrays(data: Any) -> sources.Source:
 
 def _columns(data: Any) -> Any:
     """The ``columns=`` of a tabular source: ``data.columns`` (comma-separated; empty for every
-    numeric column), as ``(X, y)`` when ``data.target`` names y's column."""
+    numeric column not named elsewhere), as ``(X, y)`` when ``data.target`` names y's column, inside
+    ``(weights, ...)`` when ``data.weight`` names a column, inside ``(keys, ...)`` when ``data.key`` does."""
     names = [n.strip() for n in data.columns.split(",") if n.strip()] or None
-    if not data.target:
-        return names
-    if names is not None and data.target in names:
-        raise UsageError(f"config.data.target={data.target!r} is also in config.data.columns; list only X's there.")
-    return (names, data.target)
+    for field in ("target", "weight", "key"):
+        if names is not None and data[field] and data[field] in names:
+            raise UsageError(f"config.data.{field}={data[field]!r} is also in config.data.columns; list only X's "
+                             "there.")
+    columns = (names, data.target) if data.target else names
+    if data.weight:  # the rows of Weighted, which make_combiner builds
+        columns = (data.weight, columns)
+    return (data.key, columns) if data.key else columns  # the rows of GroupBy
 
 
 # The first bytes of the binary files a tabular kind may be pointed at.
@@ -76,15 +82,74 @@ def check_tabular_file(kind: str, path: str) -> None:
 def _tabular(data: Any) -> sources.Source:
     check_tabular_file(data.kind, _file(data))
     kind = sources.ParquetSource if data.kind == "parquet" else sources.CsvSource
-    return kind(_file(data), columns=_columns(data), dtype=data.dtype or None, strings=data.strings or "hash")
+
+    def read(columns: Any, dtype: Any) -> sources.Source:
+        return kind(_file(data), columns=columns, dtype=dtype, strings=data.strings or "hash")
+
+    whole = read(_columns(data), data.dtype or None)
+    if not data.key:
+        return whole
+    # The keys in a source of their own, in their integer type (one source reads one dtype); the rest
+    # as ``whole`` resolved it (a None: every numeric column but the keys and weights).
+    return sources.TreeSource((read(data.key, None), read(whole.selected_columns[1], data.dtype or None)))
+
+
+ZIPF_EXPONENT = 1.1  # synthetic keys: key k is drawn about (k + 1) ** -1.1 as often as key 0
+
+
+class ZipfKeys(sources.Source):
+    """Keys ``0..num_keys-1`` with Zipf frequencies, drawn per block of ``chunk_rows`` rows from
+    ``(seed, block)``: the same keys however the rows are cut (the synthetic kind's ``data.key``)."""
+
+    def __init__(self, num_rows: int, num_keys: int, seed: int = 0, chunk_rows: int = 4096):
+        self._num_rows, self._num_keys, self._seed, self._chunk_rows = num_rows, num_keys, seed, chunk_rows
+        weights = np.arange(1, num_keys + 1, dtype=np.float64) ** -ZIPF_EXPONENT
+        self._cumulative = np.cumsum(weights / weights.sum())
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def spec(self) -> Any:
+        return jax.ShapeDtypeStruct((), np.int32)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        blocks = [np.zeros(0, np.int32)]
+        for b in range(start // self._chunk_rows, -(-stop // self._chunk_rows)):
+            lo, hi = start - b * self._chunk_rows, stop - b * self._chunk_rows
+            uniform = np.random.default_rng([self._seed, b, 1]).random(self._chunk_rows)
+            keys = np.minimum(np.searchsorted(self._cumulative, uniform, side="right"), self._num_keys - 1)
+            blocks.append(keys[max(lo, 0) : hi].astype(np.int32))
+        return np.concatenate(blocks)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "num_keys": self._num_keys, "seed": self._seed, "chunk_rows": self._chunk_rows}
+
+
+def synthetic_keys(data: Any) -> sources.Source | None:
+    """The synthetic kind's keys, ``data.key='zipf:K'``: :class:`ZipfKeys` below ``K``; None when unset."""
+    if not data.key:
+        return None
+    kind, _, count = data.key.partition(":")
+    if kind != "zipf" or not count.isdigit() or int(count) < 1:
+        raise UsageError(f"config.data.key={data.key!r}: synthetic keys read 'zipf:K' (K keys, 0..K-1, with Zipf "
+                         "frequencies), e.g. --config.data.key=zipf:1000.")
+    return ZipfKeys(data.num_rows, int(count), data.seed, data.chunk_rows)
+
+
+def _synthetic(data: Any) -> sources.Source:
+    rows = sources.SyntheticSource(
+        data.num_rows, data.features, dtype=data.dtype or "float32", seed=data.seed, kind=data.distribution,
+        chunk_rows=data.chunk_rows, targets=data.targets, noise=data.noise,
+    )
+    keys = synthetic_keys(data)
+    return rows if keys is None else sources.TreeSource((keys, rows))
 
 
 # One factory per ``config.data.kind``: each builds the Source from the ``data`` section.
 SOURCES: dict[str, Callable[[Any], sources.Source]] = {
-    "synthetic": lambda data: sources.SyntheticSource(
-        data.num_rows, data.features, dtype=data.dtype or "float32", seed=data.seed, kind=data.distribution,
-        chunk_rows=data.chunk_rows, targets=data.targets, noise=data.noise,
-    ),
+    "synthetic": _synthetic,
     "npy": _arrays,
     "npy_shards": _arrays,
     "zarr": _arrays,
@@ -100,6 +165,8 @@ ONLY_FOR = {
     "target_path": ("npy", "npy_shards", "zarr"),
     "columns": ("parquet", "csv"),
     "target": ("parquet", "csv"),
+    "key": ("parquet", "csv", "synthetic"),
+    "weight": ("parquet", "csv"),
     "dtype": ("synthetic", "parquet", "csv"),
     "strings": ("parquet", "csv"),
     "zero_copy": ("npy", "npy_shards"),
@@ -173,6 +240,10 @@ DATA_FIELDS = {
     "target_path": "npy, npy_shards, zarr: y's file(s), read as (X, y) with X from path",
     "columns": "parquet, csv: X's columns, comma-separated; empty for every numeric one",
     "target": "parquet, csv: y's column: rows are (X, y)",
+    "key": "parquet, csv: the keys' column (integers 0..num_keys-1): rows are (keys, X), reduced per key by "
+            "combiner.name=GroupBy; synthetic: 'zipf:K' draws keys 0..K-1 with Zipf frequencies",
+    "weight": "parquet, csv: the weights' column (>= 0; 0 omits a row): rows are (weights, X), reduced by "
+               "Weighted(combiner), per key GroupBy(Weighted(combiner.inner))",
     "dtype": "synthetic: float32 when empty; parquet, csv: the columns' own type when empty (e.g. float32)",
     "strings": "parquet, csv: 'hash' (when empty) reads string columns as int32 ids (TopK, DistinctCount); 'refuse'",
     "zero_copy": "npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)",
@@ -199,6 +270,8 @@ def data_config(num_rows: int, features: int, *, targets: bool = False, kind: st
             "target_path": "",
             "columns": "",
             "target": "",
+            "key": "",
+            "weight": "",
             "dtype": "",
             "strings": "",
             "zero_copy": False,
@@ -236,17 +309,34 @@ def run_options(config: Any, **extra: Any) -> RunOptions:
     return RunOptions.make(**{name: config[name] for name in config_fields()}, **extra)
 
 
-def make_combiner(combiner: Any) -> sharded_scan.Combiner:
+def make_combiner(combiner: Any, data: Any = None) -> sharded_scan.Combiner:
     """The combiner a config's ``combiner`` section names, built with its ``kwargs``.
 
     ``combiner.name`` is a name exported by ``sharded_scan`` (``"Gram"``,
     ``"Covariance"``, ...) or ``"package.module:Name"`` for your own: a Combiner class or
-    a function returning a Combiner (a config's own factory, a ``from_fn`` job).
+    a function returning a Combiner (a config's own factory, a ``from_fn`` job). A ``GroupBy``
+    takes its ``inner`` combiner from the section ``combiner.inner`` (a ``name`` and ``kwargs``).
+    With ``data`` (the config's ``data`` section) naming a ``weight`` column, the combiner that reads
+    the rows is wrapped in ``Weighted`` (a GroupBy's inner one).
 
     Raises:
       UsageError: the name cannot be imported, is not a Combiner, or refuses the kwargs.
     """
-    name, kwargs = combiner.name, dict(combiner.get("kwargs", {}) or {})
+    weighted = data is not None and bool(data.get("weight"))
+    if combiner.get("inner") is not None:
+        inner = make_combiner(combiner.inner)
+        return _built(combiner.name, {**dict(combiner.get("kwargs", {}) or {}),
+                                      "inner": sharded_scan.Weighted(inner) if weighted else inner})
+    if data is not None and data.get("key"):
+        raise UsageError(f"config.data.key={data.key!r} makes rows (keys, X), which config.combiner.name="
+                         f"{combiner.name!r} does not read; pass --config.combiner.name=GroupBy with "
+                         "config.combiner.inner naming the combiner per key (see configs/groupby.py).")
+    built = _built(combiner.name, dict(combiner.get("kwargs", {}) or {}))
+    return sharded_scan.Weighted(built) if weighted else built
+
+
+def _built(name: str, kwargs: dict[str, Any]) -> sharded_scan.Combiner:
+    """The combiner ``name`` built with ``kwargs`` (:func:`make_combiner`)."""
     if ":" in name:
         factory = imported(name, "config.combiner.name")
     else:

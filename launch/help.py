@@ -83,12 +83,16 @@ def combiner_fields(combiner: Any) -> list[tuple[str, Any, str]]:
         params = inspect.signature(factory).parameters if factory is not None else {}
     except (TypeError, ValueError):
         params = {}
+    inner = combiner.get("inner")  # GroupBy's combiner per key: its own section
     for name, p in params.items():
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or (name == "inner" and inner is not None):
             continue
         default = kwargs.pop(name, "(required)" if p.default is p.empty else p.default)
         rows.append((f"combiner.kwargs.{name}", default, docs.get(name, "")))
     rows += [(f"combiner.kwargs.{name}", value, "") for name, value in kwargs.items()]
+    if inner is not None:
+        rows += [(f"combiner.inner.{field.partition('.')[2]}", value, meaning)
+                 for field, value, meaning in combiner_fields(inner)]
     return rows
 
 

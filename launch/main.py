@@ -142,7 +142,7 @@ def run_job(
     ``tensorboard`` writes TensorBoard scalars to ``workdir/tensorboard``; ``profile_steps``
     ``(A, B)`` traces steps A..B into ``workdir/profile``.
     """
-    combiner, source, root = make_combiner(config.combiner), make_source(config.data), as_path(workdir)
+    combiner, source, root = make_combiner(config.combiner, config.data), make_source(config.data), as_path(workdir)
     progress = combine(
         ProgressLog(config.log_every_seconds),
         MetricsWriter(str(root / "tensorboard"), row_bytes=row_bytes(source)) if tensorboard else None,

@@ -36,6 +36,7 @@ from sharded_scan.program import Program, build_program, to_host
 from sharded_scan.progress import reporter
 from sharded_scan.relayout import relayout
 from sharded_scan.sources import Source, as_source
+from sharded_scan.sources.compose import part_of
 from sharded_scan.watchdog import Watchdog, is_peer_lost
 
 PyTree = Any
@@ -145,7 +146,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
                                         f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
     check_overflow(program, merged)
-    result = with_column_names(finalize(program, merged), source)
+    result = with_column_names(finalize(program, merged), part_of(source, program.job.data_part))
     layout = program.layout
     report = RunReport(
         rows=layout.num_rows,
@@ -388,7 +389,10 @@ def with_column_names(result: Any, source: Source) -> Any:
     """``result`` with ``columns`` set, when it has that field: the names of X's columns (the
     source's first leaf) as a numpy string array when the source names them, else their
     positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array.
-    A pytree of such results shaped like the data (``Describe``'s) names each by its leaf."""
+    A pytree of such results shaped like the data (``Describe``'s) names each by its leaf; a
+    ``GroupBy`` result, each key's inner result."""
+    if hasattr(result, "per_key"):
+        return result.per_key(lambda inner: with_column_names(inner, source))
     if not _has_columns(result):
         leaves, tree = jax.tree.flatten(result, is_leaf=_has_columns)
         if not leaves or not all(map(_has_columns, leaves)) or tree != jax.tree.structure(source.spec):

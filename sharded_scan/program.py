@@ -425,6 +425,8 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
                          "per row: check the data's columns.")
     check_string_ids(innermost(job), source)
     job.check_spec(source.spec)
+    if isinstance(source, ArraySource):  # in memory: bad values (keys, weights) are one line before compute
+        job.check_rows(source.read(0, source.num_rows))
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
     chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call)

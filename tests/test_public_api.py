@@ -9,10 +9,12 @@ CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
-    "run_in_workdir", "Describe",
+    "run_in_workdir", "Describe", "GroupBy", "Weighted",
 ]
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
+    "WeightedSumResult": ("sum", "count", "weight", "columns"),
+    "GroupByResult": ("result", "count", "keys"),
     "CovarianceResult": ("count", "mean", "cov", "columns"),
     "MomentsResult": ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1",
                       "norm_l2", "columns"),

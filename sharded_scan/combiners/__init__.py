@@ -5,14 +5,16 @@ from sharded_scan.combiners.describe import Describe, DescribeResult
 from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
 from sharded_scan.combiners.gradient import Gradient, GradientResult
+from sharded_scan.combiners.grouped import GroupBy, GroupByResult
 from sharded_scan.combiners.histogram import Histogram, HistogramResult
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.pca import PCA, PCAResult
 from sharded_scan.combiners.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.regression import LinearRegression, LinearRegressionResult
 from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
-from sharded_scan.combiners.sums import Gram, Sum, SumResult
+from sharded_scan.combiners.sums import Gram, Sum, SumResult, WeightedSumResult
 from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
+from sharded_scan.combiners.weighted import Weighted
 
 __all__ = [
     "PCA",
@@ -27,6 +29,8 @@ __all__ = [
     "Gradient",
     "GradientResult",
     "Gram",
+    "GroupBy",
+    "GroupByResult",
     "Histogram",
     "HistogramResult",
     "LinearRegression",
@@ -41,6 +45,8 @@ __all__ = [
     "SumResult",
     "TopK",
     "TopKResult",
+    "Weighted",
+    "WeightedSumResult",
     "from_fn",
     "hash_strings",
 ]

@@ -34,6 +34,7 @@ from sharded_scan.dtypes import accumulator_dtype, check_numeric  # noqa: F401 -
 from sharded_scan.errors import UsageError
 
 PyTree = Any
+KEYS_AT_ONCE = 8  # keys the default add_keyed folds side by side (memory: this many masked batches)
 
 
 class Combiner(abc.ABC):
@@ -44,6 +45,10 @@ class Combiner(abc.ABC):
     #: True when the combiner counts values by key (TopK, DistinctCount), so string columns read
     #: as :func:`~sharded_scan.hash_strings` ids may feed it; the others refuse them in one line.
     takes_string_ids: bool = False
+    #: Where in a row the data is that the result describes (indices into the row's pytree; its
+    #: columns name the result's): ``()`` the whole row; ``(1,)`` for ``(keys, data)`` or ``(w, data)``.
+    data_part: tuple[int, ...] = ()
+
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:
         """Returns the identity accumulator for data whose rows have ``spec``."""
@@ -119,6 +124,38 @@ class Combiner(abc.ABC):
         """
         for leaf in jax.tree.leaves(spec):
             check_numeric(leaf.dtype, type(self).__name__)
+
+    def check_rows(self, rows: PyTree) -> None:
+        """Raises :class:`UsageError` when rows held in memory hold values this combiner refuses.
+
+        Called once before any compute with the whole data as host numpy (a pytree shaped like
+        ``spec``) when it is in memory; data read from files meets the same checks in the run.
+        The default accepts anything.
+        """
+        del rows
+
+    def add_keyed(self, acc: PyTree, batch: PyTree, mask: jax.Array, keys: jax.Array, num_keys: int) -> PyTree:
+        """Folds a micro-batch into ``num_keys`` accumulators, row ``i`` into ``acc[keys[i]]``.
+
+        ``acc`` is this combiner's accumulator with a leading axis of ``num_keys`` on every
+        leaf; ``keys`` is int32 ``(rows,)``, in ``[0, num_keys)`` where ``mask`` is True
+        (padding rows may hold anything). The default is right for any combiner and does
+        ``num_keys`` adds per micro-batch; built-ins override it with segment reductions.
+        """
+
+        def fold(args):
+            one, key = args
+            return self.add(one, batch, mask & (keys == key))
+
+        return jax.lax.map(fold, (acc, jnp.arange(num_keys, dtype=jnp.int32)), batch_size=min(num_keys, KEYS_AT_ONCE))
+
+    def weighted(self) -> Combiner:
+        """The combiner of rows ``(w, data)``: ``data`` weighted by float ``w`` (``(rows,)``).
+
+        :class:`~sharded_scan.combiners.weighted.Weighted` runs it and hands it rows with
+        ``mask`` True only where ``w`` is finite and above 0 (a zero weight is an omitted row).
+        """
+        raise UsageError(f"{type(self).__name__} takes no weights; drop Weighted(...), or use a combiner that does.")
 
     def fingerprint(self) -> dict[str, Any]:
         """Returns what identifies this reduction: its class and parameters.

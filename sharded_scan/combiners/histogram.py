@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import AdditiveCombiner, masked
+from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
@@ -103,15 +103,34 @@ class Histogram(AdditiveCombiner):
     def init(self, spec):
         return wide.zeros((spec.shape[0], self.bins))
 
-    def add(self, acc, batch, mask):
-        d = acc.limbs.shape[0]
-        inner, lo, hi = self.bound if self.bound is not None else self.operands(jax.ShapeDtypeStruct((d,), batch.dtype))
-        x = batch.astype(jnp.float32)
+    def _bins(self, x, mask):
+        """Each value's bin, numbered over ``(column, bin)`` (``(mb, d)``), and whether it counts."""
+        d = x.shape[1]
+        bound = self.bound if self.bound is not None else Histogram.operands(self, jax.ShapeDtypeStruct((d,), x.dtype))
+        inner, lo, hi = bound
+        x = x.astype(jnp.float32)
         index = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"))(inner, x.T).T  # (mb, d)
-        keep = masked((x >= lo) & (x <= hi), mask, False)
-        flat = (index + jnp.arange(d, dtype=index.dtype) * self.bins).reshape(-1)
-        counts = jnp.zeros(d * self.bins, jnp.int32).at[flat].add(keep.reshape(-1).astype(jnp.int32))
-        return wide.add_int32(acc, counts.reshape(d, self.bins))
+        return index + jnp.arange(d, dtype=index.dtype) * self.bins, masked((x >= lo) & (x <= hi), mask, False)
+
+    def add(self, acc, batch, mask):
+        return wide.add_int32(acc, self._binned(batch, mask, None, 1, jnp.int32))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return wide.add_int32(acc, self._binned(batch, mask, keys, num_keys, jnp.int32))
+
+    def _binned(self, x, mask, keys, num_keys, dtype, weights=None):
+        """The micro-batch's counts (or ``weights``' sums) per bin: ``(d, bins)``, or
+        ``(num_keys, d, bins)`` by ``keys``."""
+        flat, keep = self._bins(x, mask)
+        d = x.shape[1]
+        if keys is not None:
+            flat = flat + keys[:, None] * (d * self.bins)
+        value = keep.astype(dtype) if weights is None else jnp.where(keep, weights[:, None].astype(dtype), 0)
+        sums = jnp.zeros(num_keys * d * self.bins, dtype).at[flat.reshape(-1)].add(value.reshape(-1))
+        return sums.reshape((d, self.bins) if keys is None else (num_keys, d, self.bins))
+
+    def weighted(self):
+        return WeightedHistogram(self.bins, self.range, self.bound)
 
     def finalize(self, acc):
         counts = wide.to_int(acc)
@@ -120,3 +139,35 @@ class Histogram(AdditiveCombiner):
 
     def fingerprint(self):
         return {"combiner": "Histogram", "bins": repr(self.bins), "range": repr(np.asarray(self.range).tolist())}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WeightedHistogram(Histogram):
+    """``Histogram(...).weighted()``: on rows ``(w, X)``, the weights' sums per bin (float), like
+    ``np.histogram(x, bins, range, weights=w)``; takes the same operands (the edges) as the histogram."""
+
+    def check_spec(self, spec):
+        super().check_spec(spec[1])
+
+    def operands(self, spec):
+        return super().operands(spec[1])
+
+    def init(self, spec):
+        w, x = spec
+        return jnp.zeros((x.shape[0], self.bins), w.dtype)
+
+    def add(self, acc, batch, mask):
+        w, x = batch
+        return acc + self._binned(x, mask, None, 1, acc.dtype, w)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        w, x = batch
+        return acc + self._binned(x, mask, keys, num_keys, acc.dtype, w)
+
+    def weighted(self):
+        return Combiner.weighted(self)
+
+    def finalize(self, acc):
+        acc = np.asarray(acc)
+        edges = self._edges(acc.shape[0])
+        return HistogramResult(acc, edges if np.ndim(self.range) == 2 else edges[0])

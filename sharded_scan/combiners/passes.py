@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
+from sharded_scan.errors import UsageError
+
 
 class MultiPass:
     """Mixin for reductions that need several passes over the data."""
@@ -31,3 +33,11 @@ class MultiPass:
 def reads_several_times(reduction: Any) -> bool:
     """Whether ``reduction`` is run pass by pass (a :class:`MultiPass` that needs its passes)."""
     return isinstance(reduction, MultiPass) and reduction.needs_passes
+
+
+def check_one_pass(inner: Any, who: str) -> None:
+    """Raises a one-line UsageError when ``inner``, wrapped by ``who`` (a one-pass wrapper such as
+    ``GroupBy``), would read the data several times: run alone, one pass would be a wrong answer."""
+    if reads_several_times(inner):
+        raise UsageError(f"{who} runs its inner combiner in one pass, and {type(inner).__name__} with these "
+                         "arguments reads the data several times (exact=True); pass exact=False (its one-pass sketch).")

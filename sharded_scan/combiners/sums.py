@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import AdditiveCombiner, accumulator_dtype, masked
+from sharded_scan.combiners.base import AdditiveCombiner, Combiner, accumulator_dtype, masked
 from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
@@ -74,9 +74,70 @@ class Sum(AdditiveCombiner):
         sums = jax.tree.map(fold, acc.sum, batch, is_leaf=wide.is_wide)
         return SumResult(sums, wide.count_rows(acc.count, mask))
 
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        def fold(a, x):
+            if wide.is_wide(a):
+                return wide.add(a, wide.segment_sum_rows(x, mask, keys, num_keys, a.limbs.shape[-1]))
+            return a + jax.ops.segment_sum(masked(x, mask).astype(a.dtype), keys, num_keys)
+
+        sums = jax.tree.map(fold, acc.sum, batch, is_leaf=wide.is_wide)
+        return SumResult(sums, wide.add_int32(acc.count, key_counts(mask, keys, num_keys)))
+
     def finalize(self, acc):
         sums = jax.tree.map(lambda a: wide.to_int(a) if wide.is_wide(a) else a, acc.sum, is_leaf=wide.is_wide)
         return SumResult(sums, wide.to_int(acc.count))
+
+    def weighted(self):
+        return WeightedSum()
+
+
+class WeightedSumResult(NamedTuple):
+    """Weighted column sums ``Σ w x``, the rows of positive weight and the sum of the weights."""
+
+    sum: np.ndarray
+    count: np.ndarray
+    weight: np.ndarray
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """A DataFrame: a row per column, its weighted ``sum``, the ``count`` of rows and their ``weight``."""
+        return frame(self, ("sum", "count", "weight"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedSum(AdditiveCombiner):
+    """``Sum().weighted()``: on rows ``(w, data)``, ``Σ w x`` of every leaf (in float), the rows and ``Σ w``."""
+
+    def init(self, spec):
+        w, data = spec
+        sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.result_type(accumulator_dtype(s.dtype), w.dtype)), data)
+        return WeightedSumResult(sums, wide.zeros(), jnp.zeros((), w.dtype))
+
+    def add(self, acc, batch, mask):
+        w, data = batch
+        w = masked(w, mask)
+        sums = jax.tree.map(lambda a, x: a + jnp.tensordot(w.astype(a.dtype), x.astype(a.dtype), 1), acc.sum, data)
+        return WeightedSumResult(sums, wide.count_rows(acc.count, mask), acc.weight + jnp.sum(w))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        w, data = batch
+        w = masked(w, mask)
+
+        def fold(a, x):
+            weighted = w.reshape(w.shape + (1,) * (x.ndim - 1)).astype(a.dtype) * x.astype(a.dtype)
+            return a + jax.ops.segment_sum(weighted, keys, num_keys)
+
+        sums = jax.tree.map(fold, acc.sum, data)
+        return WeightedSumResult(sums, wide.add_int32(acc.count, key_counts(mask, keys, num_keys)),
+                                 acc.weight + jax.ops.segment_sum(w, keys, num_keys))
+
+    def finalize(self, acc):
+        return WeightedSumResult(acc.sum, wide.to_int(acc.count), acc.weight)
+
+
+def key_counts(mask: jax.Array, keys: jax.Array, num_keys: int) -> jax.Array:
+    """The real rows of each key in a micro-batch, int32 ``(num_keys,)`` (for :func:`wide.add_int32`)."""
+    return jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
 
 
 def check_matrix_spec(spec, who: str) -> None:
@@ -101,6 +162,8 @@ class Triangle(NamedTuple):
 
     rows: tuple
 
+
+OUTER_PRODUCTS_AT_ONCE = 1 << 24  # Gram.add_keyed's most values of per-row outer products (64 MiB in float32)
 
 # Block size by d, from the sweep in bench/results (Gram, 8 simulated CPU devices).
 BLOCK_BY_WIDTH = ((256, None), (2048, 256))
@@ -192,6 +255,26 @@ class Gram(AdditiveCombiner):
             return acc + jnp.matmul(x.T, column_block(x, self.model_shards), preferred_element_type=acc.dtype)
         return triangle_add(acc, x)
 
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        """Per key, from each row's outer product summed by key (``mb x d x d`` values at once; wider
+        rows take the default, one matmul per key)."""
+        d = batch.shape[1]
+        if batch.shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
+            return Combiner.add_keyed(Gram(self.block, self.model_shards), acc, batch, mask, keys, num_keys)
+        dtype = jax.tree.leaves(acc)[0].dtype
+        x = masked(batch, mask).astype(dtype)
+
+        def by_key(left, right):
+            return jax.ops.segment_sum(left[:, :, None] * right[:, None, :], keys, num_keys)
+
+        if self.model_shards > 1:
+            return acc + by_key(x, column_block(x, self.model_shards))
+        return Triangle(tuple(r + by_key(x[:, d - r.shape[2] : d - r.shape[2] + r.shape[1]], x[:, d - r.shape[2] :])
+                              for r in acc.rows))
+
+    def weighted(self):
+        return WeightedGram(self.block, self.model_shards)
+
     def finalize(self, acc):
         if isinstance(acc, Triangle):
             return triangle_full(acc)
@@ -211,8 +294,33 @@ class Gram(AdditiveCombiner):
         else:
             full = acc[:, : acc.shape[0]]
         d = full.shape[0]
-        like = jax.eval_shape(self.init, jax.ShapeDtypeStruct((d,), full.dtype))
+        like = jax.eval_shape(lambda spec: Gram.init(self, spec), jax.ShapeDtypeStruct((d,), full.dtype))
         if isinstance(like, Triangle):
             starts = [d - r.shape[1] for r in like.rows]
             return Triangle(tuple(full[s : s + r.shape[0], s:] for s, r in zip(starts, like.rows, strict=True)))
         return jnp.pad(full, ((0, 0), (0, like.shape[1] - d)))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedGram(Gram):
+    """``Gram().weighted()``: on rows ``(w, X)``, ``Xᵀ diag(w) X``, the Gram matrix of ``√w x``."""
+
+    def check_spec(self, spec):
+        super().check_spec(spec[1])
+
+    def init(self, spec):
+        return super().init(spec[1])
+
+    def _scaled(self, acc, batch):
+        w, x = batch
+        dtype = jax.tree.leaves(acc)[0].dtype
+        return x.astype(dtype) * jnp.sqrt(w).astype(dtype)[:, None]
+
+    def add(self, acc, batch, mask):
+        return super().add(acc, self._scaled(acc, batch), mask)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return super().add_keyed(acc, self._scaled(acc, batch), mask, keys, num_keys)
+
+    def weighted(self):
+        return AdditiveCombiner.weighted(self)

@@ -135,6 +135,21 @@ def sum_rows(x: jax.Array, mask: jax.Array, limbs: int | None = None) -> Wide:
     return normalize(Wide(total))
 
 
+def segment_sum_rows(x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int, limbs: int | None = None) -> Wide:
+    """:func:`sum_rows` per key: ``(num_keys, *x.shape[1:])`` exact sums of the rows of each key
+    (``keys`` int32 in ``[0, num_keys)`` where ``mask``), in int32 over groups of ``GROUP_ROWS`` rows."""
+    limbs = limbs or limbs_for(x.dtype)
+    keep = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+    total = jnp.zeros((num_keys, *x.shape[1:], limbs), jnp.int32)
+    for k, piece in enumerate(_pieces(x)):
+        piece = jnp.where(keep, piece, 0)
+        for start in range(0, piece.shape[0], GROUP_ROWS):
+            sums = jax.ops.segment_sum(piece[start : start + GROUP_ROWS], keys[start : start + GROUP_ROWS], num_keys)
+            total = total.at[..., k].add(jnp.bitwise_and(sums, _MASK)).at[..., k + 1].add(
+                jnp.right_shift(sums, LIMB_BITS))
+    return normalize(Wide(total))
+
+
 def to_int(w: Wide | np.ndarray) -> np.ndarray:
     """The exact value on the host: int64, or Python ints (object) when it does not fit."""
     limbs = np.asarray(w.limbs if isinstance(w, Wide) else w)

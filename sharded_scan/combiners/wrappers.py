@@ -41,12 +41,19 @@ class Wrapper(Combiner):
     def additive(self) -> bool:
         return self.inner.additive
 
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return self.inner.data_part
+
     def rewrap(self, inner: Combiner) -> Wrapper:
         """The same wrapper around ``inner``."""
         return dataclasses.replace(self, inner=inner)
 
     def check_spec(self, spec):
         self.inner.check_spec(spec)
+
+    def check_rows(self, rows):
+        self.inner.check_rows(rows)
 
     def for_mesh(self, mesh):
         return self.rewrap(self.inner.for_mesh(mesh))

@@ -71,6 +71,40 @@ class TreeSource(Source):
         return None if all(n is None for n in names) else self._treedef.unflatten(names)
 
 
+class SourcePart:
+    """The part at ``path`` (indices into the row's pytree) of every row of ``source``, as far as naming
+    a result's columns goes (``spec``, ``column_names``, ``string_columns``, ``strings``): the data of
+    ``(keys, data)`` or ``(weights, data)`` that a ``GroupBy`` or ``Weighted`` result describes."""
+
+    def __init__(self, source: Source, path: tuple[int, ...]):
+        self._source, self._path = source, tuple(path)
+
+    def _at(self, tree: Any) -> Any:
+        for i in self._path:
+            tree = None if tree is None else tree[i]
+        return tree
+
+    @property
+    def spec(self) -> PyTree:
+        return self._at(self._source.spec)
+
+    @property
+    def column_names(self) -> Any:
+        return self._at(self._source.column_names)
+
+    @property
+    def string_columns(self) -> tuple[str, ...]:
+        return self._source.string_columns
+
+    def strings(self, column: str, ids: Any) -> dict[int, str]:
+        return self._source.strings(column, ids)
+
+
+def part_of(source: Source, path: tuple[int, ...]) -> Source | SourcePart:
+    """``source``, or its part at ``path`` (:class:`SourcePart`) when ``path`` is not empty."""
+    return SourcePart(source, path) if path else source
+
+
 def _tabular(data: Any) -> bool:
     """Whether ``data`` is a pandas or polars DataFrame or Series."""
     return type(data).__module__.split(".")[0] in ("pandas", "polars") and (

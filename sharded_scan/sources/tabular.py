@@ -397,6 +397,11 @@ class ParquetSource(Source):
         return self._selection.column_names()
 
     @property
+    def selected_columns(self) -> Columns:
+        """``columns=`` as resolved: a None replaced by the names it stands for."""
+        return self._selection.columns
+
+    @property
     def string_columns(self) -> tuple[str, ...]:
         return self._selection.strings
 
@@ -564,6 +569,11 @@ class CsvSource(Source):
     @property
     def column_names(self) -> Columns:
         return self._selection.column_names()
+
+    @property
+    def selected_columns(self) -> Columns:
+        """``columns=`` as resolved: a None replaced by the names it stands for."""
+        return self._selection.columns
 
     @property
     def string_columns(self) -> tuple[str, ...]:

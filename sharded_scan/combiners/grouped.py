@@ -1,0 +1,249 @@
+"""Per-key reductions: any combiner accumulated once per integer key (``GROUP BY``).
+
+:class:`GroupBy` runs on rows ``(keys, data)``: row ``i`` of ``data`` folds into the
+accumulator of key ``keys[i]`` through the inner combiner's
+:meth:`~sharded_scan.combiners.base.Combiner.add_keyed` (segment reductions for the
+built-ins). The accumulator is the inner one with a leading axis of ``num_keys`` on every
+leaf (one more, the ``other`` row, with ``out_of_range="other"``) and an exact row count per
+key; it merges, checkpoints, resumes and splits over ``model`` as the inner one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.passes import check_one_pass
+from sharded_scan.combiners.results import pandas
+from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.errors import UsageError
+
+OUT_OF_RANGE = ("raise", "other")
+OTHER_KEY = -1  # the key of the ``other`` row in a result
+
+
+class GroupedAcc(NamedTuple):
+    """The inner accumulator per key (leading axis) and the rows of each key (last: out of range)."""
+
+    value: Any
+    count: wide.Wide
+
+
+class GroupByResult(NamedTuple):
+    """The inner result per key.
+
+    Attributes:
+      result: the inner combiner's result with a leading axis of one entry per key on every
+        field (``columns`` excepted); its fields are also this result's (``r.mean[k]``).
+      count: rows per key (int64).
+      keys: the key of each entry: ``0..num_keys-1``, then ``-1`` for the ``other`` row
+        (``out_of_range="other"``: rows whose key was outside ``[0, num_keys)``).
+    """
+
+    result: Any
+    count: np.ndarray
+    keys: np.ndarray
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.result, name)
+
+    def for_key(self, key: int) -> Any:
+        """The inner result of ``key`` alone (``-1``: the ``other`` row)."""
+        where = np.flatnonzero(self.keys == key)
+        if not where.size:
+            raise UsageError(f"no key {key!r} in this result; its keys are 0..{int(self.keys.max())}.")
+        return entry(self.result, int(where[0]))
+
+    def per_key(self, fn) -> GroupByResult:
+        """This result with ``fn`` applied to each key's inner result."""
+        return self._replace(result=stack([fn(entry(self.result, i)) for i in range(len(self.keys))]))
+
+    def to_pandas(self):
+        """A DataFrame of every key's inner ``to_pandas()`` stacked, indexed by ``key`` first,
+        with the ``count`` of rows of each key where the inner frame has none."""
+        pd = pandas()
+        frames = {}
+        for i, key in enumerate(self.keys.tolist()):
+            one = entry(self.result, i)
+            frame = one.to_pandas() if hasattr(one, "to_pandas") else pd.DataFrame(np.atleast_2d(np.asarray(one)))
+            if "count" not in frame.columns:
+                frame.insert(0, "count", self.count[i])
+            frames[key] = frame
+        return pd.concat(frames, names=["key", *frames[self.keys[0].item()].index.names])
+
+
+def entry(stacked: Any, i: int) -> Any:
+    """Entry ``i`` of a result stacked by :func:`stack` (``columns`` is not stacked)."""
+    if hasattr(stacked, "_fields"):
+        return type(stacked)(*[v if f == "columns" or v is None else entry(v, i)
+                               for f, v in zip(stacked._fields, stacked, strict=True)])
+    return jax.tree.map(lambda x: x[i], stacked)
+
+
+def stack(results: list) -> Any:
+    """One result whose every field holds ``results``' values along a leading axis (``columns``,
+    the same for every key, once)."""
+    first = results[0]
+    if hasattr(first, "_fields"):
+        return type(first)(*[v if f == "columns" or v is None else stack([r[i] for r in results])
+                             for i, (f, v) in enumerate(zip(first._fields, first, strict=True))])
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *results)
+
+
+def like_no_rows(result: Any) -> Any:
+    """``result`` with every float value NaN and every integer 0: a key that met no rows."""
+
+    def blank(x):
+        x = np.asarray(x)
+        if np.issubdtype(x.dtype, np.floating):
+            return np.full_like(x, np.nan)
+        return np.zeros_like(x) if np.issubdtype(x.dtype, np.integer) else x
+
+    return jax.tree.map(blank, result)
+
+
+def check_num_keys(num_keys: Any) -> None:
+    if isinstance(num_keys, bool) or not isinstance(num_keys, (int, np.integer)) or num_keys <= 0:
+        raise UsageError(f"GroupBy num_keys must be a positive integer (keys are 0..num_keys-1), got {num_keys!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBy(Wrapper):
+    """``inner`` per integer key, on rows ``(keys, data)`` (``keys``: ``(rows,)`` integers).
+
+    Attributes:
+      inner: the combiner run per key on ``data`` (any combiner; ``Weighted(...)`` too).
+      num_keys: keys run ``0..num_keys-1``.
+      out_of_range: ``"raise"`` (a key outside ``[0, num_keys)`` is one line: before compute
+        when the data is in memory, else when the run ends) or ``"other"`` (such rows fold into
+        one more row of the result, key ``-1``).
+    """
+
+    num_keys: int = 0
+    out_of_range: str = "raise"
+
+    def __post_init__(self):
+        if not isinstance(self.inner, Combiner):
+            raise UsageError(f"GroupBy needs a sharded_scan Combiner to run per key, got {type(self.inner).__name__}.")
+        check_one_pass(self.inner, "GroupBy")
+        check_num_keys(self.num_keys)
+        if self.out_of_range not in OUT_OF_RANGE:
+            raise UsageError(f"GroupBy out_of_range must be one of {OUT_OF_RANGE}, got {self.out_of_range!r}.")
+
+    @property
+    def slots(self) -> int:
+        """Accumulators per shard: one per key, and the ``other`` row when asked."""
+        return self.num_keys + (self.out_of_range == "other")
+
+    @property
+    def takes_string_ids(self) -> bool:
+        return self.inner.takes_string_ids
+
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return (1, *self.inner.data_part)
+
+    def fingerprint(self):
+        return {"combiner": "GroupBy", "num_keys": repr(self.num_keys), "out_of_range": repr(self.out_of_range),
+                "inner": self.inner.fingerprint()}
+
+    def check_spec(self, spec):
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise UsageError("GroupBy runs on data (keys, data): a pair whose first item holds one integer key a row.")
+        keys, data = spec
+        if not isinstance(keys, jax.ShapeDtypeStruct) or keys.shape != ():
+            shape = getattr(keys, "shape", type(keys).__name__)
+            raise UsageError(f"GroupBy keys must be one integer a row (shape (rows,)), got rows of {shape}; "
+                             "pass a 1-D array of keys.")
+        if not np.issubdtype(np.dtype(keys.dtype), np.integer):
+            raise UsageError(f"GroupBy keys must be integers, got {np.dtype(keys.dtype).name}; "
+                             "map each group to an integer 0..num_keys-1 (e.g. pandas.factorize).")
+        self.inner.check_spec(data)
+
+    def check_rows(self, rows):
+        keys = np.asarray(rows[0])
+        if self.out_of_range == "raise" and keys.size:
+            low, high = keys.min(), keys.max()
+            if low < 0 or high >= self.num_keys:
+                bad = int(np.count_nonzero((keys < 0) | (keys >= self.num_keys)))
+                raise UsageError(
+                    f"{bad} rows have keys outside 0..{self.num_keys - 1} (from {low} to {high}); pass "
+                    f"num_keys={int(high) + 1 if low >= 0 else 'a larger value after remapping the keys'}, "
+                    "or out_of_range='other' to count them in an 'other' row."
+                )
+        self.inner.check_rows(rows[1])
+
+    def operands(self, spec):
+        return self.inner.operands(spec[1])
+
+    def partition(self, mesh):
+        parts = self.inner.partition(mesh)
+        if parts is None:
+            return None
+        return GroupedAcc(jax.tree.map(lambda p: P(None, *p), parts, is_leaf=lambda x: isinstance(x, P)), P())
+
+    def convert(self, acc, source):
+        return GroupedAcc(jax.vmap(lambda a: self.inner.convert(a, source.inner))(acc.value), acc.count)
+
+    def init(self, spec):
+        one = self.inner.init(spec[1])
+        value = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.slots, *x.shape)), one)
+        return GroupedAcc(value, wide.zeros((self.num_keys + 1,)))
+
+    def add(self, acc, batch, mask):
+        keys, data = batch
+        inside = (keys >= 0) & (keys < self.num_keys)
+        slot = jnp.where(inside, keys, self.num_keys).astype(jnp.int32)
+        counts = jax.ops.segment_sum(mask.astype(jnp.int32), slot, self.num_keys + 1)
+        folded = mask if self.out_of_range == "other" else mask & inside
+        value = self.inner.add_keyed(acc.value, data, folded, jnp.minimum(slot, self.slots - 1), self.slots)
+        return GroupedAcc(value, wide.add_int32(acc.count, counts))
+
+    def merge(self, a, b):
+        return GroupedAcc(jax.vmap(self.inner.merge)(a.value, b.value), wide.add(a.count, b.count))
+
+    def finalize(self, acc):
+        count = np.asarray(wide.to_int(acc.count), np.int64)
+        outside = int(count[self.num_keys])
+        if self.out_of_range == "raise" and outside:
+            problem = f"{outside} rows have keys outside 0..{self.num_keys - 1}"
+            raise UsageError(
+                f"{problem}; pass a larger num_keys, or out_of_range='other' to count them in an 'other' row.",
+                cli=f"{problem}; pass a larger --config.combiner.kwargs.num_keys, or "
+                    "--config.combiner.kwargs.out_of_range=other to count them in an 'other' row.",
+            )
+        count = count[: self.slots]
+        results = [self.inner.finalize(jax.tree.map(lambda x, k=k: x[k], acc.value)) if count[k] else None
+                   for k in range(self.slots)]
+        empty = np.flatnonzero(count == 0)
+        if empty.size:
+            blank = self._no_rows_result(acc.value, int(empty[0]), next((r for r in results if r is not None), None))
+            for k in empty:
+                results[k] = blank
+        keys = np.arange(self.slots)
+        if self.out_of_range == "other":
+            keys[-1] = OTHER_KEY
+        return GroupByResult(stack(results), count, keys)
+
+    def _no_rows_result(self, value, k: int, template):
+        """The inner result of a key that met no rows: the inner finalize of its (identity)
+        accumulator, without numpy's warnings of empty means; where that is an error (a fit
+        of no rows), ``template`` with NaN for every float."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return self.inner.finalize(jax.tree.map(lambda x: x[k], value))
+        except UsageError:
+            if template is None:
+                raise
+            return like_no_rows(template)

@@ -1,0 +1,144 @@
+"""Weighted reductions: any combiner that has a weighted form, on rows ``(w, data)``.
+
+:class:`Weighted` runs ``inner.weighted()`` (:meth:`~sharded_scan.combiners.base.Combiner.weighted`)
+and guards its weights: a zero weight is an omitted row (masked like padding), and a
+negative or non-finite one is one line, before compute when the data is in memory, else
+when the run ends (counted exactly on the way; ``nan_policy="omit"`` skips non-finite ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.passes import check_one_pass
+from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.dtypes import accumulator_dtype, check_numeric
+from sharded_scan.errors import UsageError
+
+
+class WeightedAcc(NamedTuple):
+    """The weighted combiner's accumulator and how many real rows had a negative or non-finite weight."""
+
+    value: Any
+    bad_weights: wide.Wide
+
+
+BAD_WEIGHTS = "weights must be finite and >= 0 (a zero weight omits its row)"
+
+
+def check_weight_spec(spec: Any, who: str = "Weighted") -> None:
+    """Raises unless ``spec`` is a pair whose first item holds one number a row."""
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        raise UsageError(f"{who} runs on data (weights, data): a pair whose first item holds one weight a row.")
+    w = spec[0]
+    if not isinstance(w, jax.ShapeDtypeStruct) or w.shape != ():
+        shape = getattr(w, "shape", type(w).__name__)
+        raise UsageError(f"{who} weights must be one number a row (shape (rows,)), got rows of {shape}; "
+                         "pass a 1-D array of weights.")
+    check_numeric(w.dtype, who)
+
+
+def usable(w: jax.Array) -> jax.Array:
+    """Where a weight is finite and >= 0."""
+    return (w >= 0) & jnp.isfinite(w) if jnp.issubdtype(w.dtype, jnp.inexact) else w >= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighted(Wrapper):
+    """``inner`` weighted per row, on rows ``(weights, data)`` (``weights``: ``(rows,)``, >= 0).
+
+    A zero weight is an omitted row. Wrap it in :class:`~sharded_scan.GroupBy` for weighted
+    statistics per key: ``GroupBy(Weighted(Sum()), K)`` on ``(keys, (w, X))``.
+
+    Attributes:
+      inner: a combiner with a weighted form (:meth:`~sharded_scan.Combiner.weighted`).
+    """
+
+    def __post_init__(self):
+        if not isinstance(self.inner, Combiner):
+            raise UsageError(f"Weighted needs a sharded_scan Combiner, got {type(self.inner).__name__}.")
+        check_one_pass(self.inner, "Weighted")
+        self.inner.weighted()  # one line now when the inner combiner takes no weights
+
+    @property
+    def form(self) -> Combiner:
+        """The inner combiner's weighted form."""
+        return self.inner.weighted()
+
+    @property
+    def additive(self) -> bool:
+        return self.form.additive
+
+    @property
+    def data_part(self) -> tuple[int, ...]:
+        return (1, *self.inner.data_part)
+
+    def fingerprint(self):
+        return {"combiner": "Weighted", "inner": self.inner.fingerprint()}
+
+    def check_spec(self, spec):
+        check_weight_spec(spec)
+        self.form.check_spec(spec)
+
+    def check_rows(self, rows):
+        w = np.asarray(rows[0])
+        bad = ~((w >= 0) & np.isfinite(w)) if np.issubdtype(w.dtype, np.inexact) else w < 0
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            raise UsageError(f"{int(bad.sum())} rows have negative or non-finite weights (row {first}: {w[first]}); "
+                             f"{BAD_WEIGHTS}.")
+        self.form.check_rows(rows)
+
+    def operands(self, spec):
+        return self.form.operands(self._float_weights(spec))
+
+    def partition(self, mesh):
+        parts = self.form.partition(mesh)
+        return None if parts is None else WeightedAcc(parts, P())
+
+    def convert(self, acc, source):
+        return WeightedAcc(self.form.convert(acc.value, source.form), acc.bad_weights)
+
+    def init(self, spec):
+        return WeightedAcc(self.form.init(self._float_weights(spec)), wide.zeros())
+
+    def _float_weights(self, data):
+        """``data`` with its weights in their float accumulator dtype (a spec, or rows)."""
+        w, rest = data
+        dtype = accumulator_dtype(w.dtype)
+        if isinstance(w, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(w.shape, dtype), rest
+        return w.astype(dtype), rest
+
+    def _split(self, batch, mask):
+        ok = usable(batch[0])
+        return self._float_weights(batch), mask & ok & (batch[0] != 0), mask & ~ok
+
+    def add(self, acc, batch, mask):
+        batch, keep, bad = self._split(batch, mask)
+        return WeightedAcc(self.form.add(acc.value, batch, keep), wide.count_rows(acc.bad_weights, bad))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        batch, keep, bad = self._split(batch, mask)
+        counts = jax.ops.segment_sum(bad.astype(jnp.int32), keys, num_keys)
+        return WeightedAcc(self.form.add_keyed(acc.value, batch, keep, keys, num_keys),
+                           wide.add_int32(acc.bad_weights, counts))
+
+    def merge(self, a, b):
+        return WeightedAcc(self.form.merge(a.value, b.value), wide.add(a.bad_weights, b.bad_weights))
+
+    def finalize(self, acc):
+        bad = int(wide.to_int(acc.bad_weights))
+        if bad:
+            problem = f"{bad} rows have negative or non-finite weights; {BAD_WEIGHTS}: fix the weights, or pass"
+            raise UsageError(f"{problem} nan_policy='omit' to skip rows with NaN or Inf.",
+                             cli=f"{problem} --config.nan_policy=omit to skip rows with NaN or Inf.")
+        return self.form.finalize(acc.value)

@@ -1,0 +1,193 @@
+"""GroupBy and Weighted: per-key and weighted reductions against numpy per group."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from launch import data as launch_data
+from launch.data import make_combiner, make_source
+from sharded_scan.combiners import sums, wide
+from tests.helpers import assert_usage_error
+
+K = 7
+RUN = {"microbatch": 64, "steps_per_call": 2}  # one layout for every case: programs shared
+
+
+def data(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    keys = rng.zipf(1.5, n).astype(np.int32) % K
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    w = rng.random(n).astype(np.float32)
+    w[::5] = 0
+    return keys, x, w
+
+
+def test_groupby_sum_is_numpy_per_key():
+    keys, x, _ = data(997)
+    r = ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), **RUN)
+    np.testing.assert_allclose(r.sum, np.stack([x[keys == k].sum(0) for k in range(K)]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(r.count, np.bincount(keys, minlength=K))
+    np.testing.assert_array_equal(r.keys, np.arange(K))
+
+
+def test_weighted_sum_is_np_average_parts_and_zero_weight_omits():
+    keys, x, w = data()
+    r = ss.run(ss.Weighted(ss.Sum()), (w, x), **RUN)
+    np.testing.assert_allclose(r.sum / r.weight, np.average(x, axis=0, weights=w), rtol=1e-5)
+    assert r.count == np.count_nonzero(w)
+    g = ss.run(ss.GroupBy(ss.Weighted(ss.Sum()), K), (keys, (w, x)), **RUN)
+    for k in range(K):
+        np.testing.assert_allclose(g.sum[k], (w[keys == k, None] * x[keys == k]).sum(0), rtol=1e-5, atol=1e-5)
+        assert g.result.count[k] == np.count_nonzero(w[keys == k])
+
+
+def test_keys_out_of_range_are_one_line_or_an_other_row():
+    keys, x, _ = data()
+    bad = keys.copy()
+    bad[[3, 10]] = [K, -2]
+    with pytest.raises(ss.UsageError, match="2 rows have keys outside 0..6") as err:
+        ss.run(ss.GroupBy(ss.Sum(), K), (bad, x), **RUN)
+    assert "\n" not in str(err.value)
+    r = ss.run(ss.GroupBy(ss.Sum(), K, out_of_range="other"), (bad, x), **RUN)
+    assert r.keys[-1] == -1 and r.count[-1] == 2
+    np.testing.assert_allclose(r.sum[-1], x[[3, 10]].sum(0), rtol=1e-6)
+    inside = (bad >= 0) & (bad < K)
+    np.testing.assert_array_equal(r.count[:K], np.bincount(bad[inside], minlength=K))
+
+
+@pytest.mark.parametrize("combiner, rows, message", [
+    (lambda: ss.GroupBy(ss.Sum(), 0), None, "num_keys must be a positive integer"),
+    (lambda: ss.GroupBy(ss.Sum(), 3, out_of_range="drop"), None, "out_of_range must be one of"),
+    (lambda: ss.GroupBy(ss.Quantiles(qs=[0.5], exact=True), 3), None, "reads the data several times"),
+    (lambda: ss.Weighted(ss.Gradient(lambda p, x: x @ p, np.ones(3))),
+     None, "takes no weights"),
+    (lambda: ss.GroupBy(ss.Sum(), K), lambda k, x, w: (k.astype(np.float32), x), "keys must be integers"),
+    (lambda: ss.GroupBy(ss.Sum(), K), lambda k, x, w: (np.stack([k, k], 1), x), "one integer a row"),
+    (lambda: ss.GroupBy(ss.Sum(), K), lambda k, x, w: x, "runs on data \\(keys, data\\)"),
+    (lambda: ss.Weighted(ss.Sum()), lambda k, x, w: (np.stack([w, w], 1), x), "one number a row"),
+    (lambda: ss.Weighted(ss.Sum()), lambda k, x, w: (w[:-1], x), "different row counts"),
+    (lambda: ss.Weighted(ss.Sum()), lambda k, x, w: (np.where(np.arange(w.size) == 4, -1, w), x),
+     "1 rows have negative or non-finite weights \\(row 4"),
+    (lambda: ss.Weighted(ss.Sum()), lambda k, x, w: (np.where(np.arange(w.size) == 4, np.inf, w), x),
+     "negative or non-finite weights"),
+])
+def test_bad_inputs_are_one_line(combiner, rows, message):
+    keys, x, w = data(50)
+    with pytest.raises(ss.UsageError, match=message) as err:
+        ss.run(combiner(), rows(keys, x, w), **RUN)
+    assert "\n" not in str(err.value)
+
+
+def test_fast_add_keyed_agree_with_numpy_per_key():
+    """The built-ins' segment reductions (and from_fn's default) fold each row into its key's accumulator."""
+    keys, x, w = data(300, seed=1)
+    mask = np.arange(300) < 290  # the last rows are padding
+    groups = [(keys == k) & mask for k in range(K)]
+    ints = np.random.default_rng(1).integers(-2**31, 2**31 - 1, (300, 2), dtype=np.int64).astype(np.int32)
+
+    def keyed(combiner, rows):
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows)
+        acc = jax.tree.map(lambda a: jnp.broadcast_to(a, (K, *a.shape)), combiner.init(spec))
+        return jax.jit(lambda a, r: combiner.add_keyed(a, r, mask, keys, K))(acc, rows)
+
+    r = keyed(ss.Sum(), ints)
+    np.testing.assert_array_equal(wide.to_int(r.sum), [ints[g].astype(np.int64).sum(0) for g in groups])
+    np.testing.assert_array_equal(wide.to_int(r.count), [g.sum() for g in groups])
+    counts = keyed(ss.Histogram(5, (-2, 2)).weighted(), (w, x))
+    np.testing.assert_allclose(counts, [[np.histogram(x[g, j], 5, (-2, 2), weights=w[g])[0] for j in range(3)]
+                                        for g in groups], atol=1e-5)
+    counts = wide.to_int(keyed(ss.Histogram(5, (-2, 2)), x))
+    np.testing.assert_array_equal(counts, [[np.histogram(x[g, j], 5, (-2, 2))[0] for j in range(3)] for g in groups])
+    gram = keyed(ss.Gram(block=2), x)  # the triangle's block rows
+    full = [sums.triangle_full(jax.tree.map(lambda a, k=k: a[k], gram)) for k in range(K)]
+    np.testing.assert_allclose(full, [x[g].T @ x[g] for g in groups], rtol=1e-5, atol=1e-4)
+    squares = ss.from_fn(lambda c, b: c + jnp.sum(b * b, 0), np.zeros(3, np.float32))
+    np.testing.assert_allclose(keyed(squares, x), [(x[g] ** 2).sum(0) for g in groups], rtol=1e-5)
+
+
+def test_keys_out_of_range_in_data_not_in_memory_fail_the_run_in_one_line_and_names_reach_to_pandas():
+    pd = pytest.importorskip("pandas")
+    keys, x, _ = data(300)
+    frame = pd.DataFrame(x, columns=["a", "b", "c"])
+    table = ss.run(ss.GroupBy(ss.Sum(), K), (keys, frame), **RUN).to_pandas()
+    assert table.index.names == ["key", None] and table.loc[(2, "b"), "count"] == np.count_nonzero(keys == 2)
+    np.testing.assert_allclose(table.loc[(2, "b"), "sum"], x[keys == 2, 1].sum(), rtol=1e-5)
+    keys[5] = K
+    with pytest.raises(ss.UsageError, match="1 rows have keys outside 0..6; pass a larger num_keys") as err:
+        ss.run(ss.GroupBy(ss.Sum(), K), (keys, frame), **RUN)
+    assert "\n" not in str(err.value)
+
+
+def test_groupby_resumes_and_splits_a_weighted_gram_per_key_over_model(tmp_path):
+    keys, x, w = data(2500)
+
+    class StopError(Exception):
+        pass
+
+    def stop_at_2(progress):
+        if progress.step == 2:
+            raise StopError
+
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    with pytest.raises(StopError):
+        ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, progress=stop_at_2, **RUN)
+    resumed = ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, **RUN)
+    np.testing.assert_allclose(resumed.sum, [x[keys == k].sum(0) for k in range(K)], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(resumed.count, np.bincount(keys, minlength=K))
+
+    job = ss.GroupBy(ss.Weighted(ss.Gram()), K)
+    gram = ss.run(job, (keys, (w, x)), mesh="data:4,model:2", **RUN)  # (K, d, d) split by columns over model
+    np.testing.assert_allclose(gram.result, [(x[keys == k] * w[keys == k, None]).T @ x[keys == k] for k in range(K)],
+                               rtol=1e-5, atol=1e-4)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), (keys, (w, x)))
+    split = job.for_mesh(ss.make_mesh("data:4,model:2"))
+    triangles = job.add(job.init(spec), (keys, (w, x)), np.ones(len(keys), bool))
+    columns = split.convert(triangles, job)  # a resume of the triangles on a model axis
+    np.testing.assert_allclose(split.finalize(jax.device_get(columns)).result, gram.result, rtol=1e-5, atol=1e-4)
+
+
+def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    config = importlib.import_module("configs.groupby").get_config("quick")
+    assert make_combiner(config.combiner, config.data) == ss.GroupBy(ss.Moments(), 10)
+    source = make_source(config.data)
+    synthetic = source.read(0, 1000)[0]
+    counts = np.bincount(synthetic, minlength=10)
+    assert len(counts) == 10 and counts[0] > 2 * counts[9] > 0  # Zipf frequencies over keys 0..9
+    np.testing.assert_array_equal(source.read(300, 700)[0], synthetic[300:700])  # the same keys however cut
+
+    keys, x, w = data()
+    frame = pd.DataFrame({"k": keys, "a": x[:, 0], "w": w, "b": x[:, 1], "c": x[:, 2]})
+    frame.to_parquet(tmp_path / "rows.parquet")
+    config.data.update(kind="parquet", path=str(tmp_path / "rows.parquet"), key="k", weight="w")
+    config.combiner.inner, config.combiner.kwargs.num_keys = {"name": "Sum", "kwargs": {}}, K
+    got = ss.run(make_combiner(config.combiner, config.data), make_source(config.data), **RUN).to_pandas()
+    want = frame[["a", "b", "c"]].mul(frame.w, axis=0).groupby(frame.k).sum().stack()
+    np.testing.assert_allclose(got["sum"], want, rtol=1e-5, atol=1e-5)
+    assert got.index.tolist() == want.index.tolist()  # (key, column name)
+    config.combiner = {"name": "Sum", "kwargs": {}}
+    assert_usage_error(lambda: make_combiner(config.combiner, config.data), ["config.data.key='k'", "GroupBy"])
+
+
+@pytest.mark.parametrize("dtype, mesh", [(np.float64, "data:1"), (np.float32, "data:3"), (np.float64, "data:8")])
+def test_groupby_moments_is_pandas_groupby_on_1_3_and_8_devices(dtype, mesh):
+    pd = pytest.importorskip("pandas")
+    rows = 2999  # ragged on every split
+    keys = launch_data.ZipfKeys(rows, 40, seed=3).read(0, rows)
+    x = np.random.default_rng(3).normal(5, 2, size=(rows, 2)).astype(dtype)
+    got = ss.run(ss.GroupBy(ss.Moments(), 40), (keys, x), mesh=mesh, **RUN)
+    frame = pd.DataFrame(x.astype(np.float64)).groupby(keys)
+    present = np.unique(keys)
+    rtol = 1e-12 if dtype == np.float64 else 1e-6
+    np.testing.assert_array_equal(got.count[present], frame.size())
+    np.testing.assert_allclose(got.mean[present], frame.mean(), rtol=rtol)
+    np.testing.assert_allclose(got.var[present], frame.var(ddof=0), rtol=max(rtol, 1e-9 if dtype == np.float64 else 0))
+    np.testing.assert_array_equal(got.min[present], frame.min().astype(dtype))
+    np.testing.assert_array_equal(got.max[present], frame.max().astype(dtype))
+    absent = np.setdiff1d(np.arange(40), present)
+    assert np.isnan(got.mean[absent]).all() and (got.count[absent] == 0).all()
