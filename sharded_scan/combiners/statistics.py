@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import numpy as np
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.combiners.sums import OUTER_PRODUCTS_AT_ONCE, check_matrix_spec
 from sharded_scan.errors import UsageError
 
 
@@ -70,7 +70,8 @@ def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool) -> tuple[Centered
     return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost), delta, share
 
 
-def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -> CenteredAcc:
+def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, weights=None,
+                  before=None) -> CenteredAcc:
     """Folds a micro-batch's real rows into ``acc`` in one pass over them.
 
     The rows are measured from the accumulator's mean ``c = shift + mean`` as
@@ -78,13 +79,43 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -
     accumulator's ``shift`` is the mean of a few of the micro-batch's real rows; after each
     fold TwoSum moves it onto the running mean). With ``S1, S2`` their sum and sum of squares
     (outer products), :func:`folded` adds them by Chan's formula. An empty micro-batch (no
-    real row) leaves ``acc`` exactly as it was.
+    real row) leaves ``acc`` exactly as it was. ``weights`` (per row, 0 where ``mask`` is
+    False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1.
     """
     shift, dev, nb = deviations(acc, x, mask)
-    s1 = jnp.sum(dev, axis=0)
-    s2 = jnp.matmul(dev.T, dev, preferred_element_type=dev.dtype) if full else jnp.sum(dev * dev, axis=0)
-    weight = nb.astype(dev.dtype)
-    return folded(acc, shift, nb, wide.to_float(acc.count, dev.dtype), weight, s1, s2, full)[0]
+    wdev = dev if weights is None else dev * weights[:, None]
+    s1 = jnp.sum(wdev, axis=0)
+    s2 = jnp.matmul(wdev.T, dev, preferred_element_type=dev.dtype) if full else jnp.sum(wdev * dev, axis=0)
+    weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
+    before = wide.to_float(acc.count, dev.dtype) if before is None else before
+    return folded(acc, shift, nb, before, weight, s1, s2, full)[0]
+
+
+def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int):
+    """:func:`deviations` per key (``acc`` with a leading ``num_keys`` axis): ``(shift, dev, nb,
+    keys)``, a fresh key's reference point its first real row in the micro-batch (a constant
+    column's deviations are still exactly 0), ``nb`` the real rows per key and ``keys`` clipped
+    into range (padding rows may hold any key)."""
+    x = x.astype(acc.m2.dtype)
+    keys = jnp.clip(keys, 0, num_keys - 1)
+    nb = jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
+    rows = x.shape[0]
+    first = jax.ops.segment_min(jnp.where(mask, jnp.arange(rows), rows), keys, num_keys)
+    fresh = wide.is_zero(acc.count) & (nb > 0)
+    shift = jnp.where(fresh[:, None], x[jnp.minimum(first, rows - 1)], acc.shift)
+    return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
+
+
+def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bool, weights=None, before=None):
+    """:func:`centered_fold` per key: the sums of each key's rows by segment sums (per-row outer
+    products for the full co-moments), folded into each key's accumulator by the same formulas."""
+    shift, dev, nb, keys = keyed_deviations(acc, x, mask, keys, num_keys)
+    wdev = dev if weights is None else dev * weights[:, None]
+    s1 = jax.ops.segment_sum(wdev, keys, num_keys)
+    s2 = jax.ops.segment_sum(wdev[:, :, None] * dev[:, None, :] if full else wdev * dev, keys, num_keys)
+    weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
+    before = wide.to_float(acc.count, dev.dtype) if before is None else before
+    return jax.vmap(lambda *a: folded(*a, full)[0])(acc, shift, nb, before, weight, s1, s2)
 
 
 def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -201,9 +232,48 @@ class CovarianceResult(NamedTuple):
         return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
 
 
+class CoMoments(Combiner):
+    """The centred co-moments of rows X (n, d), and their keyed and weighted forms: what
+    :class:`Covariance` and :class:`~sharded_scan.Correlation` accumulate; a subclass says what
+    its :meth:`result` makes of them."""
+
+    def check_spec(self, spec):
+        super().check_spec(spec)
+        check_matrix_spec(spec, type(self).__name__)
+
+    def init(self, spec):
+        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
+
+    def add(self, acc, batch, mask):
+        return centered_fold(acc, batch, mask, full=True)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        if batch.shape[0] * batch.shape[1] ** 2 > OUTER_PRODUCTS_AT_ONCE:  # per-row outer products: too many
+            return super().add_keyed(acc, batch, mask, keys, num_keys)
+        return centered_fold_keyed(acc, batch, mask, keys, num_keys, full=True)
+
+    def merge(self, a, b):
+        return centered_merge(a, b, full=True)
+
+    def weighted(self):
+        return WeightedCentred(self)
+
+    def finalize(self, acc):
+        return self.result(acc)
+
+    def result(self, acc: CenteredAcc, weight: float | None = None, weight_sq: float | None = None):
+        """The host result of the merged co-moments; ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of
+        a weighted run (None: every row weighed 1)."""
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class Covariance(Combiner):
+class Covariance(CoMoments):
     """The covariance matrix of rows X (n, d), stable for data far from zero.
+
+    Weighted (``Weighted(Covariance())`` on ``(w, X)``), like ``np.cov(X, rowvar=False,
+    aweights=w, ddof=ddof)``: the divisor is ``Σw - ddof Σw²/Σw`` (reliability weights; at
+    ``ddof=0``, ``Σw``).
 
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
@@ -215,23 +285,108 @@ class Covariance(Combiner):
 
     def check_spec(self, spec):
         super().check_spec(spec)
-        check_matrix_spec(spec, type(self).__name__)
         check_ddof(self.ddof, type(self).__name__)
 
-    def init(self, spec):
-        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
-
-    def add(self, acc, batch, mask):
-        return centered_fold(acc, batch, mask, full=True)
-
-    def merge(self, a, b):
-        return centered_merge(a, b, full=True)
-
-    def finalize(self, acc):
+    def result(self, acc, weight=None, weight_sq=None):
         count = wide.to_int(acc.count)
         if no_rows(count, "Covariance"):
             return CovarianceResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
-        return CovarianceResult(count, host_mean(acc), _divide(host_m2(acc), count - self.ddof))
+        cov = _divide(host_m2(acc), divisor(count, self.ddof, weight, weight_sq))
+        return CovarianceResult(count, host_mean(acc), cov)
+
+
+def divisor(count: int, ddof: int, weight: float | None, weight_sq: float | None) -> float:
+    """The divisor of a (co)variance of ``count`` rows: ``count - ddof``; weighted, as
+    ``np.cov(aweights=)``: ``Σw - ddof Σw² / Σw``."""
+    if weight is None:
+        return count - ddof
+    return weight - ddof * weight_sq / weight if weight > 0 else 0.0
+
+
+class WeightedCentredAcc(NamedTuple):
+    """The unweighted combiner's accumulator, and ``Σw``, ``Σw²`` (less ``lost``, their Kahan terms)."""
+
+    value: Any
+    weights: jax.Array  # (2,)
+    lost: jax.Array     # (2,)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedCentred(Combiner):
+    """The weighted form of :class:`Moments`, :class:`Covariance` and ``Correlation``, on rows ``(w, X)``.
+
+    Each row weighs ``w`` (``Weighted`` hands it rows of ``w > 0`` only; a zero weight omits a
+    row): the means ``Σ w x / Σw`` (``np.average``), the centred moments ``Σ w (x - mean)^k``
+    by the unweighted formulas with weights for counts (Chan's, Pébay's). Variances divide by
+    ``Σw - ddof Σw²/Σw``, as ``np.cov(aweights=)`` (at ``ddof=0``: ``Σw``, as
+    ``np.average`` and scikit-learn's ``StandardScaler(sample_weight)``); skewness and kurtosis
+    are those of the weighted central moments (integer weights: scipy's of the repeated rows).
+    ``count`` counts the rows of positive weight.
+    """
+
+    unweighted: Combiner
+
+    def fingerprint(self):
+        return {**self.unweighted.fingerprint(), "weighted": "True"}
+
+    def check_spec(self, spec):
+        self.unweighted.check_spec(spec[1])
+
+    def init(self, spec):
+        zeros = jnp.zeros((2,), accumulator_dtype(spec[1].dtype))
+        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
+
+    def _fold(self, acc, batch, mask, keyed=None):
+        w, x = batch
+        dtype = acc.weights.dtype
+        w = masked(w, mask).astype(dtype)
+        before = acc.weights[0] - acc.lost[0]
+        if keyed is None:
+            sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
+            if isinstance(self.unweighted, Moments):
+                value = moments_fold(acc.value, x, mask, weights=w, before=before)
+            else:
+                value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before)
+            return value, sums
+        keys, num_keys = keyed
+        before = acc.weights[:, 0] - acc.lost[:, 0]
+        keys = jnp.clip(keys, 0, num_keys - 1)
+        sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
+        if isinstance(self.unweighted, Moments):
+            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before)
+        else:
+            value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before)
+        return value, sums
+
+    def add(self, acc, batch, mask):
+        value, sums = self._fold(acc, batch, mask)
+        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        d = batch[1].shape[1]
+        if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
+            return super().add_keyed(acc, batch, mask, keys, num_keys)
+        value, sums = self._fold(acc, batch, mask, (keys, num_keys))
+        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+
+    def merge(self, a, b):
+        na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
+        if isinstance(self.unweighted, Moments):
+            value = moments_merge(a.value, b.value, na, nb)
+        else:
+            value = merged(a.value, b.value, na, nb, full=True)[0]
+        return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
+
+    def finalize(self, acc):
+        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
+        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
+
+
+def _kahan(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum)."""
+    y = more - lost
+    new = total + y
+    return new, (new - total) - y
 
 
 class MomentsResult(NamedTuple):
@@ -306,41 +461,70 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     """``acc`` with the rows ``keep`` folded in, in one pass: the centred moments by Chan's and
     Pébay's formulas from the power sums of the rows' deviations from ``acc``'s mean, Σ|x|
     and the counts. ``seen`` (a superset of ``keep``: the real rows, also those a ``nan_policy``
-    skips; None: ``keep``) counts the NaNs. ``weights`` (per row) and ``before`` (``acc``'s
-    weight) for a weighted fold; else every row weighs 1."""
+    skips; None: ``keep``) counts the NaNs. ``weights`` (per row, 0 where ``keep`` is False) and
+    ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     shift, dev, nb = deviations(c, x, keep)
+    kept = masked(x, keep)
+    sums = column_sums(*_powers(dev, kept, weights))
+    zeros = sums[5] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
+    weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
+    # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
+    # only then are the NaNs counted (a pass over the rows that clean data never pays).
+    maybe = jnp.any(jnp.isnan(sums[0])) if seen is None else jnp.any(jnp.isnan(sums[0])) | jnp.any(seen & ~keep)
+    rows = keep if seen is None else seen
+    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
+                        lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
+    low, high = jnp.min(masked(x, keep, jnp.inf), axis=0), jnp.max(masked(x, keep, -jnp.inf), axis=0)
+    before = wide.to_float(c.count, x.dtype) if before is None else before
+    counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
+    return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
+
+
+def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None) -> MomentsAcc:
+    """:func:`moments_fold` per key (``acc`` with a leading ``num_keys`` axis): each key's power
+    sums, counts, minima and maxima by segment reductions, folded by the same formulas."""
+    c = acc.centered
+    x = x.astype(c.m2.dtype)
+    shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
+    kept = masked(x, keep)
+    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), masked(jnp.isnan(x), keep))
+    sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
+    low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
+    high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
+    weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
+    before = wide.to_float(c.count, x.dtype) if before is None else before
+    counts = sums[:, 5:][:, ::-1].astype(jnp.int32)  # nans, zeros
+    return jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+
+
+def _powers(dev, kept, weights):
+    """Per row: the (weighted) deviations and their squares, cubes, fourth powers, ``|x|`` and
+    whether ``x`` is 0 (6 arrays ``(rows, d)``; ``kept``: the rows, 0 where not kept)."""
     wdev = dev if weights is None else dev * weights[:, None]
     w2 = wdev * dev
-    kept = masked(x, keep)
     size = jnp.abs(kept)
-    s1, s2, s3, s4, l1, zeros = column_sums(
-        wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev,
-        size if weights is None else size * weights[:, None], (kept == 0).astype(x.dtype))
-    zeros = zeros - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
-    weight = nb.astype(x.dtype) if weights is None else jnp.sum(masked(weights, keep))
-    before = wide.to_float(c.count, x.dtype) if before is None else before
+    return (wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev,
+            size if weights is None else size * weights[:, None], (kept == 0).astype(kept.dtype))
+
+
+def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high) -> MomentsAcc:
+    """``acc`` (of weight ``before``) with a micro-batch of ``nb`` real rows of weight ``weight``:
+    ``sums`` ``(5, d)``, the (weighted) power sums of their deviations from ``acc``'s mean and Σ|x|;
+    ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima."""
+    c = acc.centered
+    s1, s2, s3, s4, l1 = sums
     centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False)
-    m2b = s2 - s1 * delta
     m34b = batch_moments(s1, s2, s3, s4, delta)
-    cross = pebay(before, share, delta, c.m2 - c.m2_lost, m2b, acc.higher[0] - acc.higher_lost[0], m34b[0])
+    cross = pebay(before, share, delta, c.m2 - c.m2_lost, s2 - s1 * delta, acc.higher[0] - acc.higher_lost[0], m34b[0])
     y = jnp.concatenate([m34b + cross, l1[None]]) - acc.higher_lost
     higher = acc.higher + y
     some = nb > 0
-    # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
-    # only then are the NaNs counted (a pass over the rows that clean data never pays).
-    maybe = jnp.any(jnp.isnan(s1)) if seen is None else jnp.any(jnp.isnan(s1)) | jnp.any(seen & ~keep)
-    rows = keep if seen is None else seen
-    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
-                        lambda: jnp.zeros_like(s1, jnp.int32))  # zeros_like: varying like s1 inside shard_map
     return MomentsAcc(
-        centered,
-        jnp.minimum(acc.min, jnp.min(masked(x, keep, jnp.inf), axis=0)),
-        jnp.maximum(acc.max, jnp.max(masked(x, keep, -jnp.inf), axis=0)),
-        jnp.where(some, higher, acc.higher),
-        jnp.where(some, (higher - acc.higher) - y, acc.higher_lost),
-        wide.add_int32(acc.counts, jnp.stack([nans, zeros.astype(jnp.int32)])),  # < 2^24 rows a batch: exact
+        centered, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high),
+        jnp.where(some, higher, acc.higher), jnp.where(some, (higher - acc.higher) - y, acc.higher_lost),
+        wide.add_int32(acc.counts, counts),
     )
 
 
@@ -413,8 +597,20 @@ class Moments(Combiner):
     def add_omitting(self, acc, batch, mask, keep):
         return moments_fold(acc, batch, keep, mask)
 
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return moments_fold_keyed(acc, batch, mask, keys, num_keys)
+
     def merge(self, a, b):
         return moments_merge(a, b)
 
+    def weighted(self):
+        return WeightedCentred(self)
+
     def finalize(self, acc):
-        return moments_result(acc, self.ddof)
+        return self.result(acc)
+
+    def result(self, acc: MomentsAcc, weight: float | None = None, weight_sq: float | None = None) -> MomentsResult:
+        """The host result (``columns`` None); ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of a
+        weighted run (None: every row weighed 1)."""
+        count = int(wide.to_int(acc.centered.count))
+        return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq))
