@@ -140,7 +140,8 @@ def test_result_table_is_one_row_per_column_and_json_has_no_nan():
     frame = pd.DataFrame(x, columns=["a", "b"])
     arrays = named_arrays(ss.run(ss.Moments(), frame, microbatch=2))
     table = pd.read_csv(__import__("io").StringIO(result_table(arrays)))
-    assert list(table.columns) == ["column", "mean", "var", "min", "max"]
+    assert list(table.columns) == ["column", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros",
+                                   "norm_l1", "norm_l2"]
     assert table["column"].tolist() == ["a", "b"]
     np.testing.assert_allclose(table["mean"], [3.0, np.nan]), np.testing.assert_allclose(table["max"], [5.0, np.nan])
     got = json.loads(result_json(arrays))

@@ -7,7 +7,8 @@ from sharded_scan import combiners
 
 CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
-    "Sum", "Gram", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient", "from_fn",
+    "Sum", "Gram", "Covariance", "Correlation", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient",
+    "from_fn",
     "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
     "run_in_workdir", "Describe", "GroupBy", "Weighted",
     "from_datasketches",
@@ -17,7 +18,9 @@ RESULT_FIELDS = {
     "WeightedSumResult": ("sum", "count", "weight", "columns"),
     "GroupByResult": ("result", "count", "keys"),
     "CovarianceResult": ("count", "mean", "cov", "columns"),
-    "MomentsResult": ("count", "mean", "var", "min", "max", "columns"),
+    "CorrelationResult": ("count", "mean", "corr", "columns"),
+    "MomentsResult": ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1",
+                      "norm_l2", "columns"),
     "PCAResult": ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values", "columns"),
     "LinearRegressionResult": ("coef", "intercept", "rank", "cond", "columns"),
     "HistogramResult": ("counts", "edges", "columns"),
@@ -46,7 +49,8 @@ def test_result_field_names_are_the_contracts():
 
 def test_builtins_are_combiners_and_the_additive_ones_say_so():
     built = {
-        "Sum": ss.Sum(), "Gram": ss.Gram(), "Covariance": ss.Covariance(), "Moments": ss.Moments(),
+        "Sum": ss.Sum(), "Gram": ss.Gram(), "Covariance": ss.Covariance(), "Correlation": ss.Correlation(),
+        "Moments": ss.Moments(),
         "PCA": ss.PCA(1), "LinearRegression": ss.LinearRegression(), "Histogram": ss.Histogram(2, (0, 1)),
         "Gradient": ss.Gradient(lambda p, x: x @ p, np.ones(2, np.float32)),
         "from_fn": ss.from_fn(lambda c, b: c + b.sum(0), np.zeros(2, np.float32)),

@@ -4,6 +4,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import scipy.stats
 
 import sharded_scan as ss
 from tests.helpers import assert_usage_error, f64, rel_err
@@ -30,6 +31,14 @@ def check_moments(got, x, ddof, tol=1e-5):
     assert rel_err(got.var, x.var(0, ddof=ddof)) < tol
     np.testing.assert_array_equal(got.min, x.min(0))
     np.testing.assert_array_equal(got.max, x.max(0))
+    with np.errstate(invalid="ignore", divide="ignore"):  # scipy's NaN for one row, or a constant column
+        skew, kurt = scipy.stats.skew(x), scipy.stats.kurtosis(x)
+    np.testing.assert_allclose(got.skewness, np.where(x.var(0) > 0, skew, np.nan), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got.kurtosis, np.where(x.var(0) > 0, kurt, np.nan), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(got.nan_count, np.isnan(x).sum(0))
+    np.testing.assert_array_equal(got.zeros, (x == 0).sum(0))
+    assert rel_err(got.norm_l1, np.abs(x).sum(0)) < 1e-6
+    assert rel_err(got.norm_l2, np.linalg.norm(x, axis=0)) < 1e-6
 
 
 # 1009 rows on every mesh; 1 and 3 rows (empty shards merged in, one row, ddof=1 on 3) where
@@ -93,8 +102,11 @@ def test_merge_is_associative_with_init_as_identity(combiner):
     left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
     right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
     assert left.columns is right.columns is None  # set by the engine, not by finalize
-    for got, want in zip(left[:-1], right[:-1], strict=True):
-        assert rel_err(got, want) < 1e-6
+    for name, got, want in zip(left._fields[:-1], left[:-1], right[:-1], strict=True):
+        if name in ("skewness", "kurtosis"):  # quotients of float32 moments: absolute, as promised against scipy
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        else:
+            assert rel_err(got, want) < 1e-6
 
 
 def test_masked_rows_never_count():
@@ -233,3 +245,23 @@ def test_pca_keeps_small_components_of_ill_conditioned_data_like_scikit_learn():
         assert rel_err(got.mean, want.mean_) < 1e-6
     covariance = ss.run(ss.PCA(d, solver="comoments"), x, mesh="data:8", microbatch=64)
     assert np.abs(covariance.singular_values / want.singular_values_ - 1).max() > 1e-3  # the test can fail
+
+
+@pytest.mark.parametrize("policy", ["propagate", "omit"])
+def test_moments_count_nans_and_zeros_per_column_also_where_omitted(policy):
+    x = rows(203, offset=1e4, seed=11)
+    x[::10, 1] = 0.0
+    x[[5, 50, 150], 2] = np.nan
+    x[7, 3] = np.inf
+    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=8, steps_per_call=2, nan_policy=policy)
+    np.testing.assert_array_equal(got.nan_count, [0, 0, 3, 0])  # the NaN rows, skipped or not
+    kept = x[np.isfinite(x).all(1)] if policy == "omit" else x
+    assert got.count == len(kept)
+    np.testing.assert_array_equal(got.zeros, (kept == 0).sum(0))
+    if policy == "omit":
+        check_moments(got._replace(nan_count=np.zeros(4, int)), kept, 0)
+    else:  # numpy's: NaN and inf reach their columns' moments
+        assert np.isnan(got.skewness[2:]).all() and np.isnan(got.kurtosis[2:]).all()
+    table = got.to_pandas()
+    assert list(table.columns) == list(got._fields[:-1])
+    assert table["nan_count"].dtype == np.int64 and table.loc[2, "nan_count"] == 3

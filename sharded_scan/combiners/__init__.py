@@ -1,6 +1,7 @@
 """The Combiner protocol and the built-in reductions."""
 
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner
+from sharded_scan.combiners.correlation import Correlation, CorrelationResult
 from sharded_scan.combiners.describe import Describe, DescribeResult
 from sharded_scan.combiners.distinct import DistinctCount, DistinctCountResult
 from sharded_scan.combiners.functional import from_fn
@@ -21,6 +22,8 @@ __all__ = [
     "PCA",
     "AdditiveCombiner",
     "Combiner",
+    "Correlation",
+    "CorrelationResult",
     "Covariance",
     "CovarianceResult",
     "Describe",

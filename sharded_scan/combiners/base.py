@@ -169,6 +169,15 @@ class Combiner(abc.ABC):
             params = dict(vars(self))
         return {"combiner": type(self).__name__, **{k: repr(v) for k, v in params.items()}}
 
+    def add_omitting(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array) -> PyTree:
+        """Folds the rows where ``keep`` (``mask`` less the rows ``nan_policy="omit"`` skips).
+
+        The default is ``add(acc, batch, keep)``; a combiner that reports what was skipped
+        (``Moments``' ``nan_count``) reads ``mask``, the real rows, too.
+        """
+        del mask
+        return self.add(acc, batch, keep)
+
 
 class AdditiveCombiner(Combiner):
     """A combiner whose merge is leafwise addition: partials are combined by ``psum``."""

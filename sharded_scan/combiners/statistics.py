@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import numpy as np
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.combiners.sums import OUTER_PRODUCTS_AT_ONCE, check_matrix_spec
 from sharded_scan.errors import UsageError
 
 
@@ -50,48 +50,106 @@ def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
 
 def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
     """Chan's pairwise combination; exact identity when either side has no rows."""
+    dtype = a.m2.dtype
+    return merged(a, b, wide.to_float(a.count, dtype), wide.to_float(b.count, dtype), full)[0]
+
+
+def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool) -> tuple[CenteredAcc, jax.Array, jax.Array]:
+    """:func:`centered_merge` of accumulators of weights ``na`` and ``nb`` (their row counts when
+    unweighted); also returns ``delta``, ``b``'s mean minus ``a``'s, and ``nb / (na + nb)``."""
     n = wide.add(a.count, b.count)
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     shift = jnp.where(a_empty, b.shift, a.shift)
     mean_a = a.mean + (a.shift - shift)   # the shifts are close, so their difference is exact
     mean_b = b.mean + (b.shift - shift)
     delta = mean_b - mean_a
-    na, nb = wide.to_float(a.count, delta.dtype), wide.to_float(b.count, delta.dtype)
-    nf = jnp.maximum(wide.to_float(n, delta.dtype), 1)
-    mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * (nb / nf)))
-    m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * (nb / nf))
-    return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost)
+    total = na + nb
+    share = nb / jnp.where(total > 0, total, 1)
+    mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * share))
+    m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * share)
+    return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost), delta, share
 
 
-def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool) -> CenteredAcc:
+def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, weights=None,
+                  before=None) -> CenteredAcc:
     """Folds a micro-batch's real rows into ``acc`` in one pass over them.
 
     The rows are measured from the accumulator's mean ``c = shift + mean`` as
-    ``(x - shift) - mean``, so that ``c`` is never rounded (a fresh accumulator's
-    ``shift`` is the mean of a few of the micro-batch's real rows; after each fold TwoSum moves it onto
-    the running mean). With ``S1, S2`` their sum and sum of squares (outer products),
-    ``delta = S1 / n_b`` is the micro-batch's mean minus ``c`` and Chan's formula gives
-    ``M2 = M2_a + (S2 - S1 delta) + delta² n_a n_b / n``. An empty micro-batch
-    (no real row) leaves ``acc`` exactly as it was.
+    ``(x - shift) - mean`` (:func:`deviations`), so that ``c`` is never rounded (a fresh
+    accumulator's ``shift`` is the mean of a few of the micro-batch's real rows; after each
+    fold TwoSum moves it onto the running mean). With ``S1, S2`` their sum and sum of squares
+    (outer products), :func:`folded` adds them by Chan's formula. An empty micro-batch (no
+    real row) leaves ``acc`` exactly as it was. ``weights`` (per row, 0 where ``mask`` is
+    False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1.
     """
-    dtype = acc.m2.dtype
-    x = x.astype(dtype)
+    shift, dev, nb = deviations(acc, x, mask)
+    wdev = dev if weights is None else dev * weights[:, None]
+    s1 = jnp.sum(wdev, axis=0)
+    s2 = jnp.matmul(wdev.T, dev, preferred_element_type=dev.dtype) if full else jnp.sum(wdev * dev, axis=0)
+    weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
+    before = wide.to_float(acc.count, dev.dtype) if before is None else before
+    return folded(acc, shift, nb, before, weight, s1, s2, full)[0]
+
+
+def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int):
+    """:func:`deviations` per key (``acc`` with a leading ``num_keys`` axis): ``(shift, dev, nb,
+    keys)``, a fresh key's reference point its first real row in the micro-batch (a constant
+    column's deviations are still exactly 0), ``nb`` the real rows per key and ``keys`` clipped
+    into range (padding rows may hold any key)."""
+    x = x.astype(acc.m2.dtype)
+    keys = jnp.clip(keys, 0, num_keys - 1)
+    nb = jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
+    rows = x.shape[0]
+    first = jax.ops.segment_min(jnp.where(mask, jnp.arange(rows), rows), keys, num_keys)
+    fresh = wide.is_zero(acc.count) & (nb > 0)
+    shift = jnp.where(fresh[:, None], x[jnp.minimum(first, rows - 1)], acc.shift)
+    return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
+
+
+def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bool, weights=None, before=None):
+    """:func:`centered_fold` per key: the sums of each key's rows by segment sums (per-row outer
+    products for the full co-moments), folded into each key's accumulator by the same formulas."""
+    shift, dev, nb, keys = keyed_deviations(acc, x, mask, keys, num_keys)
+    wdev = dev if weights is None else dev * weights[:, None]
+    s1 = jax.ops.segment_sum(wdev, keys, num_keys)
+    s2 = jax.ops.segment_sum(wdev[:, :, None] * dev[:, None, :] if full else wdev * dev, keys, num_keys)
+    weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
+    before = wide.to_float(acc.count, dev.dtype) if before is None else before
+    return jax.vmap(lambda *a: folded(*a, full)[0])(acc, shift, nb, before, weight, s1, s2)
+
+
+def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(shift, dev, nb)``: the reference point (a fresh accumulator's from the real rows),
+    the real rows measured from the accumulator's mean (0 where ``mask`` is False), and how
+    many real rows there are (int32)."""
+    x = x.astype(acc.m2.dtype)
     nb = row_count(mask)
     fresh = wide.is_zero(acc.count)
     shift = jnp.where(fresh, reference_point(acc.shift, x, mask, nb), acc.shift)
-    dev = masked((x - shift) - acc.mean, mask)
-    n = wide.add_int32(acc.count, nb)
-    before = wide.to_float(acc.count, dtype)
-    s1 = jnp.sum(dev, axis=0)
-    delta = s1 / jnp.maximum(nb, 1).astype(dtype)
-    s2 = jnp.matmul(dev.T, dev, preferred_element_type=dtype) if full else jnp.sum(dev * dev, axis=0)
-    weight = nb.astype(dtype) / jnp.maximum(before + nb.astype(dtype), 1)
-    y = (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * weight) - acc.m2_lost
+    return shift, masked((x - shift) - acc.mean, mask), nb
+
+
+def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool) -> tuple[CenteredAcc, jax.Array, ...]:
+    """``acc`` with a micro-batch added by Chan's formula, from the batch's sums about ``acc``'s mean.
+
+    ``rows`` real rows (int32) of total weight ``weight`` (their number when unweighted) were
+    measured from the mean with reference point ``shift`` (:func:`deviations`); ``before`` is
+    ``acc``'s weight, ``s1, s2`` the (weighted) sums of the deviations and of their squares
+    (outer products). ``delta = S1 / w_b`` is the batch's mean minus ``acc``'s and
+    ``M2 = M2_a + (S2 - S1 delta) + delta² w_a w_b / w``. Also returns ``delta`` and
+    ``w_b / w`` (what the higher moments' update needs).
+    """
+    dtype = acc.m2.dtype
+    delta = s1 / jnp.where(weight > 0, weight, 1)
+    share = weight / jnp.where(before + weight > 0, before + weight, 1)
+    y = (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * share) - acc.m2_lost
     m2 = acc.m2 + y
     lost = (m2 - acc.m2) - y
-    moved, mean = _two_sum(shift, acc.mean + delta * weight)
-    some = nb > 0
-    return CenteredAcc(n, jnp.where(some, moved, acc.shift), jnp.where(some, mean, acc.mean), m2, lost)
+    moved, mean = _two_sum(shift, acc.mean + delta * share)
+    some = rows > 0
+    out = CenteredAcc(wide.add_int32(acc.count, rows), jnp.where(some, moved, acc.shift),
+                      jnp.where(some, mean, acc.mean), m2, lost)
+    return out, delta.astype(dtype), share
 
 
 HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
@@ -174,9 +232,48 @@ class CovarianceResult(NamedTuple):
         return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
 
 
+class CoMoments(Combiner):
+    """The centred co-moments of rows X (n, d), and their keyed and weighted forms: what
+    :class:`Covariance` and :class:`~sharded_scan.Correlation` accumulate; a subclass says what
+    its :meth:`result` makes of them."""
+
+    def check_spec(self, spec):
+        super().check_spec(spec)
+        check_matrix_spec(spec, type(self).__name__)
+
+    def init(self, spec):
+        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
+
+    def add(self, acc, batch, mask):
+        return centered_fold(acc, batch, mask, full=True)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        if batch.shape[0] * batch.shape[1] ** 2 > OUTER_PRODUCTS_AT_ONCE:  # per-row outer products: too many
+            return super().add_keyed(acc, batch, mask, keys, num_keys)
+        return centered_fold_keyed(acc, batch, mask, keys, num_keys, full=True)
+
+    def merge(self, a, b):
+        return centered_merge(a, b, full=True)
+
+    def weighted(self):
+        return WeightedCentred(self)
+
+    def finalize(self, acc):
+        return self.result(acc)
+
+    def result(self, acc: CenteredAcc, weight: float | None = None, weight_sq: float | None = None):
+        """The host result of the merged co-moments; ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of
+        a weighted run (None: every row weighed 1)."""
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class Covariance(Combiner):
+class Covariance(CoMoments):
     """The covariance matrix of rows X (n, d), stable for data far from zero.
+
+    Weighted (``Weighted(Covariance())`` on ``(w, X)``), like ``np.cov(X, rowvar=False,
+    aweights=w, ddof=ddof)``: the divisor is ``Σw - ddof Σw²/Σw`` (reliability weights; at
+    ``ddof=0``, ``Σw``).
 
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
@@ -188,49 +285,296 @@ class Covariance(Combiner):
 
     def check_spec(self, spec):
         super().check_spec(spec)
-        check_matrix_spec(spec, type(self).__name__)
         check_ddof(self.ddof, type(self).__name__)
 
-    def init(self, spec):
-        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
-
-    def add(self, acc, batch, mask):
-        return centered_fold(acc, batch, mask, full=True)
-
-    def merge(self, a, b):
-        return centered_merge(a, b, full=True)
-
-    def finalize(self, acc):
+    def result(self, acc, weight=None, weight_sq=None):
         count = wide.to_int(acc.count)
         if no_rows(count, "Covariance"):
             return CovarianceResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
-        return CovarianceResult(count, host_mean(acc), _divide(host_m2(acc), count - self.ddof))
+        cov = _divide(host_m2(acc), divisor(count, self.ddof, weight, weight_sq))
+        return CovarianceResult(count, host_mean(acc), cov)
+
+
+def divisor(count: int, ddof: int, weight: float | None, weight_sq: float | None) -> float:
+    """The divisor of a (co)variance of ``count`` rows: ``count - ddof``; weighted, as
+    ``np.cov(aweights=)``: ``Σw - ddof Σw² / Σw``."""
+    if weight is None:
+        return count - ddof
+    return weight - ddof * weight_sq / weight if weight > 0 else 0.0
+
+
+class WeightedCentredAcc(NamedTuple):
+    """The unweighted combiner's accumulator, and ``Σw``, ``Σw²`` (less ``lost``, their Kahan terms)."""
+
+    value: Any
+    weights: jax.Array  # (2,)
+    lost: jax.Array     # (2,)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedCentred(Combiner):
+    """The weighted form of :class:`Moments`, :class:`Covariance` and ``Correlation``, on rows ``(w, X)``.
+
+    Each row weighs ``w`` (``Weighted`` hands it rows of ``w > 0`` only; a zero weight omits a
+    row): the means ``Σ w x / Σw`` (``np.average``), the centred moments ``Σ w (x - mean)^k``
+    by the unweighted formulas with weights for counts (Chan's, Pébay's). Variances divide by
+    ``Σw - ddof Σw²/Σw``, as ``np.cov(aweights=)`` (at ``ddof=0``: ``Σw``, as
+    ``np.average`` and scikit-learn's ``StandardScaler(sample_weight)``); skewness and kurtosis
+    are those of the weighted central moments (integer weights: scipy's of the repeated rows).
+    ``count`` counts the rows of positive weight.
+    """
+
+    unweighted: Combiner
+
+    def fingerprint(self):
+        return {**self.unweighted.fingerprint(), "weighted": "True"}
+
+    def check_spec(self, spec):
+        self.unweighted.check_spec(spec[1])
+
+    def init(self, spec):
+        zeros = jnp.zeros((2,), accumulator_dtype(spec[1].dtype))
+        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
+
+    def _fold(self, acc, batch, mask, keyed=None):
+        w, x = batch
+        dtype = acc.weights.dtype
+        w = masked(w, mask).astype(dtype)
+        before = acc.weights[0] - acc.lost[0]
+        if keyed is None:
+            sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
+            if isinstance(self.unweighted, Moments):
+                value = moments_fold(acc.value, x, mask, weights=w, before=before)
+            else:
+                value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before)
+            return value, sums
+        keys, num_keys = keyed
+        before = acc.weights[:, 0] - acc.lost[:, 0]
+        keys = jnp.clip(keys, 0, num_keys - 1)
+        sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
+        if isinstance(self.unweighted, Moments):
+            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before)
+        else:
+            value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before)
+        return value, sums
+
+    def add(self, acc, batch, mask):
+        value, sums = self._fold(acc, batch, mask)
+        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        d = batch[1].shape[1]
+        if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
+            return super().add_keyed(acc, batch, mask, keys, num_keys)
+        value, sums = self._fold(acc, batch, mask, (keys, num_keys))
+        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+
+    def merge(self, a, b):
+        na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
+        if isinstance(self.unweighted, Moments):
+            value = moments_merge(a.value, b.value, na, nb)
+        else:
+            value = merged(a.value, b.value, na, nb, full=True)[0]
+        return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
+
+    def finalize(self, acc):
+        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
+        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
+
+
+def _kahan(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum)."""
+    y = more - lost
+    new = total + y
+    return new, (new - total) - y
 
 
 class MomentsResult(NamedTuple):
-    """Per column: row count, mean, variance (``np.var`` with ``ddof``), min and max."""
+    """Per column: row count, mean, variance (``np.var`` with ``ddof``), min and max, skewness and
+    excess kurtosis (``scipy.stats.skew``/``kurtosis`` with their defaults: biased, Fisher's),
+    the real rows holding NaN (``nan_count``, also those ``nan_policy="omit"`` skipped) and 0
+    (``zeros``, of the rows counted), ``norm_l1`` (``Σ|x|``) and ``norm_l2`` (``√Σx²``)."""
 
     count: np.ndarray
     mean: np.ndarray
     var: np.ndarray
     min: np.ndarray
     max: np.ndarray
+    skewness: np.ndarray
+    kurtosis: np.ndarray
+    nan_count: np.ndarray
+    zeros: np.ndarray
+    norm_l1: np.ndarray
+    norm_l2: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
     def to_pandas(self):
-        """A DataFrame: a row per column, ``count, mean, var, min, max`` (``df.agg([...]).T``)."""
-        return frame(self, ("count", "mean", "var", "min", "max"))
+        """A DataFrame: a row per column, a column per statistic (``df.agg([...]).T``)."""
+        return frame(self, MomentsResult._fields[:-1])
 
 
 class MomentsAcc(NamedTuple):
     centered: CenteredAcc
     min: jax.Array
     max: jax.Array
+    higher: jax.Array       # (3, d): M3, M4 (about the mean) and Σ|x|, less higher_lost
+    higher_lost: jax.Array  # (3, d) Kahan compensation of higher
+    counts: wide.Wide       # (2, d): real rows holding NaN, rows counted holding 0
+
+
+def moments_init(d: int, dtype) -> MomentsAcc:
+    """The identity of :class:`Moments` of ``d`` columns: no rows."""
+    higher = jnp.zeros((3, d), dtype)
+    return MomentsAcc(centered_init(d, dtype, full=False), jnp.full((d,), jnp.inf, dtype),
+                      jnp.full((d,), -jnp.inf, dtype), higher, higher, wide.zeros((2, d)))
+
+
+def batch_moments(s1, s2, s3, s4, delta):
+    """M3, M4 of a micro-batch about its own mean, from its (weighted) power sums about another
+    point (``delta``: the batch's mean from there, small, so nothing cancels)."""
+    return jnp.stack([s3 - delta * (3 * s2 - 2 * s1 * delta),
+                      s4 - delta * (4 * s3 - delta * (6 * s2 - 3 * s1 * delta))])
+
+
+def pebay(before, share, delta, m2a, m2b, m3a, m3b) -> jax.Array:
+    """``(2, d)``: what Pébay's pairwise formulas add to ``M3a + M3b`` and ``M4a + M4b``.
+
+    Two sets of rows of weights ``wa, wb`` (``before = wa``, ``share = wb / (wa + wb)``), whose
+    means differ by ``delta``, with central moments ``M2, M3`` (Pébay 2008, eqs. 2.1-2.2)::
+
+        M3 = M3a + M3b + δ³ c (pa - pb) + 3 δ (pa M2b - pb M2a)
+        M4 = M4a + M4b + δ⁴ c (pa² - pa pb + pb²) + 6 δ² (pa² M2b + pb² M2a) + 4 δ (pa M3b - pb M3a)
+
+    with ``pa, pb`` the two shares of the weight and ``c = wa pb`` (``wa wb / w``).
+    """
+    pb = share
+    pa = jnp.where(before > 0, 1 - share, 0)
+    c = before * share
+    d2 = delta * delta
+    m3 = d2 * delta * c * (pa - pb) + 3 * delta * (pa * m2b - pb * m2a)
+    m4 = (d2 * d2 * c * (pa * pa - pa * pb + pb * pb) + 6 * d2 * (pa * pa * m2b + pb * pb * m2a)
+          + 4 * delta * (pa * m3b - pb * m3a))
+    return jnp.stack([m3, m4])
+
+
+def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None) -> MomentsAcc:
+    """``acc`` with the rows ``keep`` folded in, in one pass: the centred moments by Chan's and
+    Pébay's formulas from the power sums of the rows' deviations from ``acc``'s mean, Σ|x|
+    and the counts. ``seen`` (a superset of ``keep``: the real rows, also those a ``nan_policy``
+    skips; None: ``keep``) counts the NaNs. ``weights`` (per row, 0 where ``keep`` is False) and
+    ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1."""
+    c = acc.centered
+    x = x.astype(c.m2.dtype)
+    shift, dev, nb = deviations(c, x, keep)
+    kept = masked(x, keep)
+    sums = column_sums(*_powers(dev, kept, weights))
+    zeros = sums[5] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
+    weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
+    # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
+    # only then are the NaNs counted (a pass over the rows that clean data never pays).
+    maybe = jnp.any(jnp.isnan(sums[0])) if seen is None else jnp.any(jnp.isnan(sums[0])) | jnp.any(seen & ~keep)
+    rows = keep if seen is None else seen
+    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
+                        lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
+    low, high = jnp.min(masked(x, keep, jnp.inf), axis=0), jnp.max(masked(x, keep, -jnp.inf), axis=0)
+    before = wide.to_float(c.count, x.dtype) if before is None else before
+    counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
+    return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
+
+
+def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None) -> MomentsAcc:
+    """:func:`moments_fold` per key (``acc`` with a leading ``num_keys`` axis): each key's power
+    sums, counts, minima and maxima by segment reductions, folded by the same formulas."""
+    c = acc.centered
+    x = x.astype(c.m2.dtype)
+    shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
+    kept = masked(x, keep)
+    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), masked(jnp.isnan(x), keep))
+    sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
+    low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
+    high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
+    weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
+    before = wide.to_float(c.count, x.dtype) if before is None else before
+    counts = sums[:, 5:][:, ::-1].astype(jnp.int32)  # nans, zeros
+    return jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+
+
+def _powers(dev, kept, weights):
+    """Per row: the (weighted) deviations and their squares, cubes, fourth powers, ``|x|`` and
+    whether ``x`` is 0 (6 arrays ``(rows, d)``; ``kept``: the rows, 0 where not kept)."""
+    wdev = dev if weights is None else dev * weights[:, None]
+    w2 = wdev * dev
+    size = jnp.abs(kept)
+    return (wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev,
+            size if weights is None else size * weights[:, None], (kept == 0).astype(kept.dtype))
+
+
+def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high) -> MomentsAcc:
+    """``acc`` (of weight ``before``) with a micro-batch of ``nb`` real rows of weight ``weight``:
+    ``sums`` ``(5, d)``, the (weighted) power sums of their deviations from ``acc``'s mean and Σ|x|;
+    ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima."""
+    c = acc.centered
+    s1, s2, s3, s4, l1 = sums
+    centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False)
+    m34b = batch_moments(s1, s2, s3, s4, delta)
+    cross = pebay(before, share, delta, c.m2 - c.m2_lost, s2 - s1 * delta, acc.higher[0] - acc.higher_lost[0], m34b[0])
+    y = jnp.concatenate([m34b + cross, l1[None]]) - acc.higher_lost
+    higher = acc.higher + y
+    some = nb > 0
+    return MomentsAcc(
+        centered, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high),
+        jnp.where(some, higher, acc.higher), jnp.where(some, (higher - acc.higher) - y, acc.higher_lost),
+        wide.add_int32(acc.counts, counts),
+    )
+
+
+def column_sums(*values: jax.Array) -> tuple[jax.Array, ...]:
+    """The column sums of ``values`` (``(rows, d)`` each)."""
+    return tuple(jnp.sum(v, axis=0) for v in values)
+
+
+def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None) -> MomentsAcc:
+    """Two :class:`Moments` accumulators as one (of weights ``na``, ``nb``: their counts when None)."""
+    dtype = a.min.dtype
+    na = wide.to_float(a.centered.count, dtype) if na is None else na
+    nb = wide.to_float(b.centered.count, dtype) if nb is None else nb
+    centered, delta, share = merged(a.centered, b.centered, na, nb, full=False)
+    cross = pebay(na, share, delta, a.centered.m2, b.centered.m2, a.higher[0], b.higher[0])
+    either_empty = wide.is_zero(a.centered.count) | wide.is_zero(b.centered.count)
+    cross = jnp.where(either_empty, 0, cross)  # exactly the other side (no inf·0 from a far shift)
+    higher = a.higher + b.higher + jnp.concatenate([cross, jnp.zeros_like(cross[:1])])
+    return MomentsAcc(centered, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max), higher,
+                      a.higher_lost + b.higher_lost, wide.add(a.counts, b.counts))
+
+
+def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> MomentsResult:
+    """The host result of a merged :class:`Moments` accumulator (``columns`` None). ``weight``
+    (float64) and ``dof`` (the variance's divisor) of a weighted one; else from the count."""
+    count = wide.to_int(acc.centered.count)
+    counts = wide.to_int(acc.counts)
+    higher = np.asarray(acc.higher, np.float64) - np.asarray(acc.higher_lost, np.float64)
+    d = np.shape(acc.min)[0]
+    if no_rows(count, "Moments"):
+        nan = np.full(d, np.nan)
+        return MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[0], counts[1], np.zeros(d), np.zeros(d))
+    weight = float(count) if weight is None else weight
+    m2 = host_m2(acc.centered)
+    mean = host_mean(acc.centered)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m2n, m3n, m4n = m2 / weight, higher[0] / weight, higher[1] / weight
+        skewness = np.where(m2 > 0, m3n / m2n**1.5, np.nan)
+        kurtosis = np.where(m2 > 0, m4n / (m2n * m2n) - 3.0, np.nan)
+    return MomentsResult(
+        count, mean, _divide(m2, count - ddof if dof is None else dof), np.asarray(acc.min), np.asarray(acc.max),
+        skewness, kurtosis, counts[0], counts[1], higher[2], np.sqrt(m2 + weight * mean * mean),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Moments(Combiner):
-    """Per-column count, mean, variance, min and max of rows X (n, d).
+    """Per-column count, mean, variance, min, max, skewness, kurtosis, NaN and zero counts and
+    L1/L2 norms of rows X (n, d), in one pass; the centred moments merge by Chan's and Pébay's
+    pairwise formulas, as exactly as the variance.
 
     Args:
       ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like
@@ -245,32 +589,28 @@ class Moments(Combiner):
         check_ddof(self.ddof, type(self).__name__)
 
     def init(self, spec):
-        d, dtype = spec.shape[0], accumulator_dtype(spec.dtype)
-        return MomentsAcc(
-            centered_init(d, dtype, full=False), jnp.full((d,), jnp.inf, dtype), jnp.full((d,), -jnp.inf, dtype)
-        )
+        return moments_init(spec.shape[0], accumulator_dtype(spec.dtype))
 
     def add(self, acc, batch, mask):
-        x = batch.astype(acc.min.dtype)
-        return MomentsAcc(
-            centered_fold(acc.centered, x, mask, full=False),
-            jnp.minimum(acc.min, jnp.min(masked(x, mask, jnp.inf), axis=0)),
-            jnp.maximum(acc.max, jnp.max(masked(x, mask, -jnp.inf), axis=0)),
-        )
+        return moments_fold(acc, batch, mask)
+
+    def add_omitting(self, acc, batch, mask, keep):
+        return moments_fold(acc, batch, keep, mask)
+
+    def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return moments_fold_keyed(acc, batch, mask, keys, num_keys)
 
     def merge(self, a, b):
-        return MomentsAcc(
-            centered_merge(a.centered, b.centered, full=False), jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max)
-        )
+        return moments_merge(a, b)
+
+    def weighted(self):
+        return WeightedCentred(self)
 
     def finalize(self, acc):
-        count = wide.to_int(acc.centered.count)
-        if no_rows(count, "Moments"):
-            return MomentsResult(count, *(np.full(np.shape(acc.min), np.nan) for _ in range(4)))
-        return MomentsResult(
-            count,
-            host_mean(acc.centered),
-            _divide(host_m2(acc.centered), count - self.ddof),
-            np.asarray(acc.min),
-            np.asarray(acc.max),
-        )
+        return self.result(acc)
+
+    def result(self, acc: MomentsAcc, weight: float | None = None, weight_sq: float | None = None) -> MomentsResult:
+        """The host result (``columns`` None); ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of a
+        weighted run (None: every row weighed 1)."""
+        count = int(wide.to_int(acc.centered.count))
+        return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq))

@@ -180,8 +180,9 @@ class NonFinite(Wrapper):
         for leaf in jax.tree.leaves(batch):
             if _is_float(leaf):
                 finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
-        keep = mask & finite if self.policy == "omit" else mask
-        return NonFiniteAcc(self.inner.add(acc.value, batch, keep), wide.count_rows(acc.bad_rows, mask & ~finite))
+        value = self.inner.add_omitting(acc.value, batch, mask, mask & finite) if self.policy == "omit" else (
+            self.inner.add(acc.value, batch, mask))
+        return NonFiniteAcc(value, wide.count_rows(acc.bad_rows, mask & ~finite))
 
     def merge(self, a, b):
         return NonFiniteAcc(self.inner.merge(a.value, b.value), wide.add(a.bad_rows, b.bad_rows))

@@ -1,0 +1,57 @@
+"""Pearson correlation from the stable centred co-moments :class:`Covariance` keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.results import frame, labels
+from sharded_scan.combiners.statistics import CoMoments, host_m2, host_mean, no_rows
+
+
+class CorrelationResult(NamedTuple):
+    """Row count, column means and the (d, d) Pearson correlations, like ``np.corrcoef(x, rowvar=False)``."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    corr: np.ndarray
+    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+
+    def to_pandas(self):
+        """The correlation matrix as a DataFrame named by the columns both ways, like ``df.corr()``."""
+        return frame(self, ("corr",), spread={"corr": labels(self, np.shape(self.corr)[0])})
+
+
+@dataclasses.dataclass(frozen=True)
+class Correlation(CoMoments):
+    """Pearson correlations of the columns of rows X (n, d), in one pass, stable far from zero.
+
+    ``M2 / √(diag M2 diag M2ᵀ)`` of the centred co-moments (Chan's merge, as ``Covariance``),
+    clipped to ``[-1, 1]`` with an exact 1 on the diagonal, like ``np.corrcoef``. A constant
+    column (zero variance) has NaN correlations, with one ``RuntimeWarning`` naming it (numpy
+    warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
+    correlations (the divisor cancels).
+    """
+
+    def result(self, acc, weight=None, weight_sq=None):
+        del weight, weight_sq  # the divisor cancels
+        count = wide.to_int(acc.count)
+        if no_rows(count, "Correlation"):
+            return CorrelationResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
+        m2 = host_m2(acc)
+        scale = np.sqrt(np.diagonal(m2))
+        constant = np.flatnonzero(scale == 0)
+        if constant.size:
+            warnings.warn(
+                f"Correlation: columns {constant.tolist()} are constant (zero variance): their correlations are NaN, "
+                "as np.corrcoef's.", RuntimeWarning, stacklevel=2,
+            )
+        with np.errstate(divide="ignore", invalid="ignore"):
+            corr = np.clip(m2 / np.outer(scale, scale), -1.0, 1.0)
+        live = scale > 0
+        corr[np.diag(live)] = 1.0
+        return CorrelationResult(count, host_mean(acc), corr)
