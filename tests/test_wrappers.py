@@ -96,7 +96,8 @@ def test_users_protocol_holds_no_engine_policy():
     members = {name for name in dir(ss.Combiner) if not name.startswith("_")}
     assert members == {
         "init", "add", "merge", "finalize", "additive", "check_spec", "fingerprint", "for_mesh", "partition",
-        "convert", "operands", "bind", "takes_string_ids", "check_rows", "add_keyed", "weighted", "data_part",
+        "convert", "operands", "bind", "takes_string_ids", "check_rows", "add_keyed", "add_omitting", "weighted",
+        "data_part",
     }
     raising = apply_policies(ss.Sum(), nan_policy="raise")
     assert wrappers.innermost(raising) == ss.Sum() and wrappers.innermost(ss.Sum()) == ss.Sum()
