@@ -322,6 +322,22 @@ class WeightedBrackets(Brackets):
                                                               int(self.low[j]), int(self.high[j]))
 
 
+def nan_columns(acc) -> np.ndarray:
+    """``(d, 1)``: which columns of a merged sketch accumulator held a NaN (their largest key is NaN's)."""
+    high_keys = np.asarray(acc.high).reshape(-1)
+    return ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
+
+
+def refined(brackets, refine_pass):
+    """Yields ``refine_pass(bounds)`` passes until every bracket is closed; returns the passes run, the sketch's too."""
+    passes = 1
+    while brackets.open:
+        bounds = brackets.bounds()
+        brackets.narrow(bounds, (yield refine_pass(bounds)))
+        passes += 1
+    return passes
+
+
 def weighted_exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
     """The passes of ``Weighted(Quantiles(exact=True, method="inverted_cdf"))``: the weighted sketch
     (``sketch``), then weight counts that narrow each answer by ``bits`` bits of its key."""
@@ -329,15 +345,9 @@ def weighted_exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
     acc = yield SketchPass(sketch)
     rows = int(wide.to_int(acc.count))
     d = np.asarray(acc.low).size
-    high_keys = np.asarray(acc.high).reshape(-1)
-    nan = ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
     targets = np.broadcast_to(qs[None, :] * float(acc.weight), (d, len(qs)))
-    brackets = WeightedBrackets(acc, targets, (qs[None, :] == 0) | (qs[None, :] == 1) | nan, bits)
-    passes = 1
-    while brackets.open:
-        bounds = brackets.bounds()
-        brackets.narrow(bounds, (yield WeightedRefinePass(bounds)))
-        passes += 1
+    brackets = WeightedBrackets(acc, targets, (qs[None, :] == 0) | (qs[None, :] == 1) | nan_columns(acc), bits)
+    passes = yield from refined(brackets, WeightedRefinePass)
     keys = brackets.keys
     return result_from_keys(acc, qs, (keys, keys, np.zeros(keys.shape)), rows, 0.0, passes)
 
@@ -352,16 +362,10 @@ def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner
     d = np.asarray(acc.low).size
     low, high, weight = (np.broadcast_to(a, (d, len(qs))) for a in method_ranks(qs, rows, method))
     both = not np.array_equal(low, high)  # linear and midpoint read two ranks, the others one
-    high_keys = np.asarray(acc.high).reshape(-1)
-    nan = ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
     ranks = np.concatenate([low, high], axis=1) if both else low
     ends = np.tile(qs, 2 if both else 1)[None, :]
-    brackets = Brackets(acc, ranks, (ends == 0) | (ends == 1) | nan, bits)
-    passes = 1
-    while brackets.open:
-        bounds = brackets.bounds()
-        brackets.narrow(bounds, (yield RefinePass(bounds)))
-        passes += 1
+    brackets = Brackets(acc, ranks, (ends == 0) | (ends == 1) | nan_columns(acc), bits)
+    passes = yield from refined(brackets, RefinePass)
     keys = brackets.keys
     picks = (keys[:, : len(qs)], keys[:, len(qs):] if both else keys, weight)
     return result_from_keys(acc, qs, picks, rows, 0.0, passes)

@@ -320,6 +320,10 @@ class TopK(Combiner):
         )
         return TopKAcc(keys, count, slack, held.reshape(a.held.shape), bound, a.kind)
 
+    def _sketch(self, acc):
+        """The per-column records DataSketches' Frequent Items bytes are written from."""
+        return frequent_state(acc)
+
     def finalize(self, acc):
         keys, to_host = np.asarray(acc.keys), self.counts.to_host
         count, slack = to_host(acc.count), to_host(acc.slack)
@@ -336,7 +340,7 @@ class TopK(Combiner):
             counts[j, : len(top)], errors[j, : len(top)] = count[j, top], slack[j, top]
             bounds[j] = max(bound[j], (count[j, rest] + slack[j, rest]).max(initial=0))
             certain[j] = len(top) == 0 or counts[j, len(top) - 1] >= bounds[j]
-        sketch = frequent_state(acc) if wide.is_wide(acc.count) else None  # weighted counts: no DataSketches form
+        sketch = self._sketch(acc)
         if np.ndim(acc.held) == 0:
             return TopKResult(values[0], counts[0], errors[0], bounds[0], certain[0], sketch)
         return TopKResult(values, counts, errors, bounds, certain, sketch)
@@ -352,6 +356,9 @@ class WeightedTopK(TopK):
     rounding of the sums)."""
 
     counts = WeightCounts
+
+    def _sketch(self, acc):
+        return None  # sums of weights: DataSketches' Frequent Items counts are integers
 
     def check_spec(self, spec):
         super().check_spec(spec[1])
