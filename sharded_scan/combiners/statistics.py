@@ -13,6 +13,7 @@ a sum of their squares.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -467,7 +468,8 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     x = x.astype(c.m2.dtype)
     shift, dev, nb = deviations(c, x, keep)
     kept = masked(x, keep)
-    sums = column_sums(*_powers(dev, kept, weights))
+    *sums, low, high = column_reductions(_powers(dev, kept, weights), masked(x, keep, jnp.inf),
+                                        masked(x, keep, -jnp.inf))
     zeros = sums[5] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
     weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
     # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
@@ -476,7 +478,6 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     rows = keep if seen is None else seen
     nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
                         lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
-    low, high = jnp.min(masked(x, keep, jnp.inf), axis=0), jnp.max(masked(x, keep, -jnp.inf), axis=0)
     before = wide.to_float(c.count, x.dtype) if before is None else before
     counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
     return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
@@ -528,9 +529,37 @@ def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low
     )
 
 
-def column_sums(*values: jax.Array) -> tuple[jax.Array, ...]:
-    """The column sums of ``values`` (``(rows, d)`` each)."""
-    return tuple(jnp.sum(v, axis=0) for v in values)
+# column_reductions folds at most this many rows one after another, then adds the partials by jnp.sum.
+SEQUENTIAL_ROWS = 512
+# Columns from which XLA:CPU's separate reductions (vectorized along the columns) beat one
+# variadic pass (measured on 2 cores: one pass 4.2x faster at d=4, 2.5x at 8, 1.3x at 16; 0.8x at 32).
+ONE_PASS_BELOW_WIDTH = 32
+
+
+def column_reductions(sums, low: jax.Array, high: jax.Array) -> list[jax.Array]:
+    """The column sums of each of ``sums``, the column minima of ``low`` and maxima of ``high``
+    (``(rows, d)`` each).
+
+    Narrow rows (``d <`` :data:`ONE_PASS_BELOW_WIDTH`) in one pass over the micro-batch, a
+    variadic ``lax.reduce``, where separate reductions would read it once each: it folds groups
+    of ``g`` rows (``g`` the largest power of two dividing the row count, at most
+    :data:`SEQUENTIAL_ROWS`) one after another into ``rows / g`` partials, which ``jnp.sum``
+    adds, so the rounding stays that of short sums.
+    """
+    rows, d = low.shape
+    if d >= ONE_PASS_BELOW_WIDTH:
+        return [*(jnp.sum(v, axis=0) for v in sums), jnp.min(low, axis=0), jnp.max(high, axis=0)]
+    seq = math.gcd(rows, SEQUENTIAL_ROWS)
+    values = [v.reshape(seq, rows // seq, d) for v in (*sums, low, high)]
+    k = len(sums)
+
+    def fold(a, b):
+        return (*(p + q for p, q in zip(a[:k], b[:k], strict=True)), jnp.minimum(a[k], b[k]),
+                jnp.maximum(a[k + 1], b[k + 1]))
+
+    inits = tuple(jnp.asarray(i, low.dtype) for i in (*(0,) * k, jnp.inf, -jnp.inf))
+    partial = jax.lax.reduce(tuple(values), inits, fold, (0,))
+    return [*(jnp.sum(p, axis=0) for p in partial[:k]), jnp.min(partial[k], axis=0), jnp.max(partial[k + 1], axis=0)]
 
 
 def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None) -> MomentsAcc:
