@@ -282,7 +282,8 @@ class TopK(Combiner):
         at, hit = _lookup(s, jnp.full((d,), real), acc.keys)
         hit &= monitored
         count = c.add(acc.count, c.of(jnp.where(hit, jnp.take_along_axis(runs, jnp.minimum(at, mb - 1), 1), 0)))
-        _, known = _lookup(jnp.sort(acc.keys, axis=1), held, s)
+        # A monitored key found in the batch sits at its run's first row: those runs are known.
+        known = jnp.zeros((d, mb), bool).at[jnp.arange(d)[:, None], jnp.where(hit, at, mb)].set(True, mode="drop")
         keys, count, slack, held, bound = keep_largest(
             jnp.concatenate([acc.keys, s], axis=1), c.concat(count, c.of(runs)),
             c.concat(acc.slack, c.spread(acc.bound, mb)), jnp.concatenate([monitored, first & ~known], axis=1),
