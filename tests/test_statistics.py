@@ -54,6 +54,15 @@ def test_covariance_and_moments_match_numpy(mesh, n):
     check_moments(ss.run(ss.Moments(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
 
 
+@pytest.mark.parametrize("d", [3, 40])
+def test_moments_of_long_micro_batches_match_numpy(d):
+    # 1536 rows a micro-batch: narrow rows fold 512-row groups in one pass and add 3 partials (a
+    # ragged last one, padding never a minimum or a zero); from d = 32 the separate reductions.
+    x = rows(5001, d, seed=4, offset=3.0)
+    x[[7, 4000], 0] = 0.0
+    check_moments(ss.run(ss.Moments(), x, microbatch=1536, steps_per_call=1), x, 0)
+
+
 def test_default_ddof_is_numpys():
     x = rows(97)
     got = ss.run(ss.Covariance(), x, microbatch=8)
