@@ -42,6 +42,9 @@ import pyarrow.parquet as pq
 
 import sharded_scan as ss
 from bench.tuning import interleaved_best
+from sharded_scan.engine import run_program
+from sharded_scan.prefetch import place, read_local
+from sharded_scan.program import build_program, to_host
 from sharded_scan.sources import ParquetSource
 
 FLOATS = [f"f{i}" for i in range(8)]
@@ -84,6 +87,17 @@ def duck(sql: str, path: str) -> list:
 
 
 # the rows -------------------------------------------------------------------------------
+# sharded_scan's combiner and columns for each row.
+OURS = {"moments": (ss.Moments(), FLOATS), "covariance": (ss.Covariance(), FLOATS),
+        "quantiles": (ss.Quantiles(num_buckets=100), FLOATS), "distinct": (ss.DistinctCount(exact_up_to=0), IDS),
+        "topk": (ss.TopK(k=TOP), ZIPF)}
+
+
+def run_ours(path: str, row: str) -> Any:
+    combiner, columns = OURS[row]
+    return ss.run(combiner, ParquetSource(path, columns=columns))
+
+
 def moments(path: str) -> dict[str, Callable[[], np.ndarray]]:
     """Each caller's means (what the error compares)."""
     agg = ", ".join(f"avg({c}), var_pop({c}), min({c}), max({c})" for c in FLOATS)
@@ -93,7 +107,7 @@ def moments(path: str) -> dict[str, Callable[[], np.ndarray]]:
         return np.stack([x.mean(0), x.var(0), x.min(0), x.max(0)])[0]
 
     return {
-        "sharded_scan": lambda: ss.run(ss.Moments(), ParquetSource(path, columns=FLOATS)).mean,
+        "sharded_scan": lambda: run_ours(path, "moments").mean,
         "duckdb": lambda: np.array(duck(f"SELECT {agg} FROM FILE", path)[0][0::4]),
         "polars": lambda: pl.scan_parquet(path).select(
             [pl.col(c).mean() for c in FLOATS] + [pl.col(c).var(ddof=0).alias(f"v{c}") for c in FLOATS]
@@ -114,7 +128,7 @@ def covariance(path: str) -> dict[str, Callable[[], np.ndarray]]:
 
     sql = "SELECT " + ", ".join(f"covar_samp({a}, {b})" for a, b in pairs) + " FROM FILE"
     return {
-        "sharded_scan": lambda: ss.run(ss.Covariance(), ParquetSource(path, columns=FLOATS)).cov,
+        "sharded_scan": lambda: run_ours(path, "covariance").cov,
         "duckdb": lambda: square(duck(sql, path)[0]),
         "polars": lambda: square(pl.scan_parquet(path).select(
             [pl.cov(a, b).alias(f"{a}_{b}") for a, b in pairs]).collect().to_numpy()[0]),
@@ -141,7 +155,7 @@ def quantiles(path: str, equal_error_k: int) -> dict[str, Callable[[], np.ndarra
     """(8, 99) answers."""
     qlist = "[" + ", ".join(f"{q:.2f}" for q in QS) + "]"
     return {
-        "sharded_scan": lambda: ss.run(ss.Quantiles(num_buckets=100), ParquetSource(path, columns=FLOATS)).quantiles,
+        "sharded_scan": lambda: run_ours(path, "quantiles").quantiles,
         "duckdb approx": lambda: np.array(duck("SELECT " + ", ".join(
             f"approx_quantile({c}, {qlist})" for c in FLOATS) + " FROM FILE", path)[0]),
         "duckdb exact": lambda: np.array(duck("SELECT " + ", ".join(
@@ -154,7 +168,7 @@ def quantiles(path: str, equal_error_k: int) -> dict[str, Callable[[], np.ndarra
 
 def distinct(path: str) -> dict[str, Callable[[], np.ndarray]]:
     return {
-        "sharded_scan": lambda: ss.run(ss.DistinctCount(exact_up_to=0), ParquetSource(path, columns=IDS)).count,
+        "sharded_scan": lambda: run_ours(path, "distinct").count,
         "duckdb approx": lambda: np.array(duck("SELECT " + ", ".join(
             f"approx_count_distinct({c})" for c in IDS) + " FROM FILE", path)[0]),
         "duckdb exact": lambda: np.array(duck("SELECT " + ", ".join(
@@ -174,7 +188,7 @@ def top_k(path: str) -> dict[str, Callable[[], np.ndarray]]:
         return values[np.argsort(-counts, kind="stable")[:TOP]]
 
     return {
-        "sharded_scan": lambda: ss.run(ss.TopK(k=TOP), ParquetSource(path, columns=ZIPF)).values,
+        "sharded_scan": lambda: run_ours(path, "topk").values,
         "duckdb": lambda: np.array([r[0] for r in duck(
             f"SELECT {ZIPF}, count(*) AS n FROM FILE GROUP BY {ZIPF} ORDER BY n DESC LIMIT {TOP}", path)]),
         "polars": lambda: pl.scan_parquet(path).select(pl.col(ZIPF).value_counts(sort=True).head(TOP)).unnest(
@@ -203,12 +217,48 @@ def relative(want: np.ndarray) -> Callable[[np.ndarray], float]:
     return lambda got: float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def measure(name: str, calls: dict[str, Callable[[], Any]], error: Callable[[Any], float], repeats: int) -> dict:
+def measure(name: str, calls: dict[str, Callable[[], Any]], error: Callable[[Any], float], repeats: int,
+            parts: Callable[[], dict] | None = None) -> dict:
+    """The row's seconds, ratios and errors; ``parts``: sharded_scan's :func:`profile`, when asked."""
     errors = {caller: error(call()) for caller, call in calls.items()}  # warm: compiled, file cached
     seconds = interleaved_best(calls, repeats)
     ours = seconds["sharded_scan"]
-    return {"row": name, "seconds": seconds, "error": errors,
-            "ratio": {c: t / ours for c, t in seconds.items() if c != "sharded_scan"}}
+    out = {"row": name, "seconds": seconds, "error": errors,
+           "ratio": {c: t / ours for c, t in seconds.items() if c != "sharded_scan"}}
+    return out if parts is None else {**out, "profile": parts()}
+
+
+def profile(path: str, row: str, repeats: int) -> dict[str, float]:
+    """Where sharded_scan's seconds go on ``row`` (best of ``repeats`` each, the parts timed apart): the whole
+    ``run``; every step's rows read from the file (``read``: Parquet decode and the cast into rows)
+    and placed on the devices (``place``); the compiled steps alone on the placed rows (``steps``);
+    the merge and ``finalize`` (``merge``); the run's own set-up (``build``: spec checks, admission,
+    fingerprint). The run overlaps reads with steps on the same cores, so the parts add up to more."""
+    combiner, columns = OURS[row]
+    source, options = ParquetSource(path, columns=columns), ss.RunOptions.make(None)
+    program = build_program(combiner, source, options)
+    layout = program.layout
+    cursors = range(0, layout.num_rows, layout.rows_per_step)
+    host = [read_local(source, layout, c) for c in cursors]
+    placed = [place(h, layout, program.mesh) for h in host]
+
+    def steps():
+        partials = program.init()
+        for c, batch in zip(cursors, placed, strict=True):
+            partials = program.step(partials, batch, min(layout.rows_per_step, layout.num_rows - c))
+        return jax.block_until_ready(partials)
+
+    partials = steps()
+    seconds = interleaved_best({
+        "run": lambda: run_program(program, source),
+        "build": lambda: build_program(combiner, source, options),
+        "read": lambda: [read_local(source, layout, c) for c in cursors],
+        "place": lambda: jax.block_until_ready([place(h, layout, program.mesh) for h in host]),
+        "steps": steps,
+        "merge": lambda: program.finalize(to_host(program.merge(partials))),
+    }, repeats)
+    return {**seconds, "num_steps": len(cursors), "microbatch": layout.microbatch,
+            "steps_per_call": layout.steps_per_call}
 
 
 def print_row(r: dict) -> None:
@@ -216,6 +266,10 @@ def print_row(r: dict) -> None:
     for caller, t in r["seconds"].items():
         ratio = "" if caller == "sharded_scan" else f"{r['ratio'][caller]:7.2f}x"
         print(f"  {caller:<24}{t:9.3f} s  {ratio:>8}   error {r['error'][caller]:.2g}")
+    if "profile" in r:
+        p = r["profile"]
+        print(f"  sharded_scan's parts: {p['num_steps']} steps of {p['steps_per_call']} x {p['microbatch']} rows a "
+              "shard; " + ", ".join(f"{k} {p[k]:.3f} s" for k in ("run", "read", "place", "steps", "merge", "build")))
 
 
 def main() -> None:
@@ -224,6 +278,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6; quick 2^18)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 3; quick 2)")
     parser.add_argument("--only", help="comma-separated rows: moments,covariance,quantiles,distinct,topk")
+    parser.add_argument("--profile", action="store_true", help="also time sharded_scan's parts (profile())")
     parser.add_argument("--devices", type=int, default=DEVICES, help=f"simulated CPU devices (default {DEVICES})")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
@@ -236,26 +291,32 @@ def main() -> None:
         print(f"{rows} rows, {os.path.getsize(path) / 2**20:.0f} MiB Parquet; {jax.device_count()} devices, "
               f"{os.cpu_count()} cores; best of {repeats}", flush=True)
         floats = read_columns(path, FLOATS).astype(np.float64)
+
+        def parts(row: str) -> Callable[[], dict] | None:
+            return (lambda: profile(path, row, repeats)) if args.profile else None
+
         if "moments" in only:
-            out.append(measure("moments (8 columns)", moments(path), relative(floats.mean(0)), repeats))
+            out.append(measure("moments (8 columns)", moments(path), relative(floats.mean(0)), repeats,
+                               parts("moments")))
         if "covariance" in only:
             out.append(measure("covariance (8 x 8)", covariance(path), relative(np.cov(floats, rowvar=False)),
-                               repeats))
+                               repeats, parts("covariance")))
         if "quantiles" in only:
-            ours = ss.run(ss.Quantiles(num_buckets=100), ParquetSource(path, columns=FLOATS))
+            ours = run_ours(path, "quantiles")
             k = kll_k_for(float(np.max(ours.rank_error)))
             out.append(measure(f"quantiles (99 a column; sharded_scan's bound {np.max(ours.rank_error):.2g}, "
                                f"datasketches k={k} for it)", quantiles(path, k), rank_error(np.sort(floats, 0)),
-                               repeats))
+                               repeats, parts("quantiles")))
         if "distinct" in only:
             ids = read_columns(path, IDS)
             want = np.array([len(np.unique(ids[:, j])) for j in range(len(IDS))], np.float64)
-            out.append(measure("distinct counts (2 id columns)", distinct(path), relative(want), repeats))
+            out.append(measure("distinct counts (2 id columns)", distinct(path), relative(want), repeats,
+                               parts("distinct")))
         if "topk" in only:
             values, counts = np.unique(pq.read_table(path, columns=[ZIPF]).column(0).to_numpy(), return_counts=True)
             true_top = set(values[np.argsort(-counts, kind="stable")[:TOP]].tolist())
             missed = lambda got: float(TOP - len(true_top & set(np.asarray(got).ravel().tolist())))  # noqa: E731
-            out.append(measure(f"top-{TOP} (Zipf 1.1)", top_k(path), missed, repeats))
+            out.append(measure(f"top-{TOP} (Zipf 1.1)", top_k(path), missed, repeats, parts("topk")))
     for r in out:
         print_row(r)
     os.makedirs(RESULTS, exist_ok=True)
