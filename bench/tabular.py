@@ -3,6 +3,7 @@
     python -m bench.tabular            # 4·10^6 rows (8 float32 + 3 int32 columns), best of 3
     python -m bench.tabular --quick    # 2^18 rows, best of 2 (a minute)
     python -m bench.tabular --devices 8   # simulated CPU devices (default: one a core, at most 8)
+    python -m bench.tabular --profile     # also sharded_scan's parts per row (profile())
 
 Every caller reads the file itself (warm: the page cache holds it after the first call) and
 returns per-column answers; the table prints seconds, each peer's ratio (its time over
@@ -14,7 +15,7 @@ sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
 - quantiles (99 a float column): DuckDB ``approx_quantile`` (t-digest) and exact ``quantile_disc``,
   ``np.quantile`` of the read table, the ``datasketches`` KLL (``vector_of_kll_floats_sketches``,
   all columns at once) at its default k=200 and at the k whose rank error bound matches
-  sharded_scan's (``--equal_error``); error: the largest normalized rank error;
+  sharded_scan's; error: the largest normalized rank error;
 - distinct counts (2 int32 id columns, 10^5 and ~rows/2 distinct): DuckDB ``approx_count_distinct``
   and ``count(DISTINCT)``, Polars ``approx_n_unique`` and ``n_unique``; error: relative
   (``datasketches``' HLL takes one value per Python call: no vectorized update, so no peer);
@@ -22,6 +23,29 @@ sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
   ``value_counts``, ``np.unique`` counts of the read column; error: true top-100 values missed.
 
 JSON goes to ``bench/results/tabular[_quick].json``.
+
+Why the rows below 1.0x stay there (2·10^6 rows, 2 cores, 2 devices; ``--profile``, and
+``jax.profiler`` traces of each combiner's ``add`` over the same rows on one device):
+
+- moments and covariance against Polars: the run is the read. ``ParquetSource`` reads the 8
+  columns into rows in 0.06-0.10 s (pyarrow's decode, 0.031 s as ``pq.read_table`` alone; the
+  cast of 8 columns into one row-major ``(rows, 8)`` array, 0.015-0.02 s; a scan set up per
+  step), while the steps take 0.027-0.031 s (moments, 0.046-0.053 before its one-pass
+  reduction) and 0.018-0.022 s (covariance) and the merge 0.004 s. Polars' whole query (its
+  own Parquet decoder, fused aggregation) takes 0.026-0.031 s: less than pyarrow's decode alone,
+  so no change to the compute reaches it while the rows come through pyarrow.
+- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 0.6 s of
+  0.8 s; 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
+  53%; the compaction, 34%). Both peers answer at 2.5x and 30x sharded_scan's rank error; at
+  equal error (the KLL at k≈7000) sharded_scan is faster.
+- distinct counts against the approximate DuckDB and Polars counts: a run of 0.05 s is the
+  read (0.02-0.03 s), the steps (0.010 s: hashing and one scatter-max a micro-batch), the merge
+  and finalize (0.004 s) and the run's set-up (0.003 s); the peers' whole query is 0.013-0.02 s.
+- top-100 against DuckDB, Polars and numpy: the steps are 0.11 s of 0.16 s; per micro-batch
+  ``TopK`` sorts 16384 keys and selects the 4096 largest of 20480 candidates with
+  ``lax.top_k`` (an XLA:CPU custom call), about 0.5 ms and 40% of its ``add`` each (sorting
+  once per step instead would sort as many keys: n log n does not shrink); the peers count the
+  2·10^6 ids in one hash aggregation (exact, in memory).
 """
 
 from __future__ import annotations
@@ -53,8 +77,9 @@ ZIPF = "zipf"
 QS = np.arange(1, 100) / 100
 TOP = 100
 # One simulated CPU device a core, as many as each peer's threads: on 2 cores 8 devices were a
-# handicap no user needs (the 8 device programs share the cores with the reader: every row 1.1-1.2x
-# slower than at 2 devices; 1 device leaves a core idle in the sorts, quantiles 1.25x slower).
+# handicap no user needs (8 device programs share the cores with the reader: 4 of the 5 rows 1.1-1.2x
+# slower than at 2 devices, top-k 1.05x faster; 1 device leaves a core idle in the sorts: quantiles
+# 1.25x slower).
 DEVICES = max(1, min(os.cpu_count() or 1, 8))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
