@@ -3,7 +3,9 @@
 For ``Sum``, ``Gram`` (d=256, 1024), ``Quantiles`` and ``LinearRegression`` under
 ``logical_shards=S`` (S = 1..256 on up to 8 simulated CPU devices): merge seconds (best of
 ``--repeats`` after a warm call), the extra states a device holds while merging (array sizes:
-``memory_stats()`` is None on CPU), the bytes a device receives, and the checkpoint bytes per
+``memory_stats()`` is None on CPU), the bytes a device receives, the merges the busiest device
+runs one after another (its depth: what the seconds are on a pod, where devices do not share
+cores; here 8 simulated devices share 2 cores), and the checkpoint bytes per
 save (every logical shard's state: this bench does not change them). ``before`` is main's path
 (:func:`before_merge`: every partial all-gathered onto every device, then folded shard by shard on
 one device per process, or in one SPMD program for a sum); ``after`` is :meth:`Program.merge`.
@@ -11,8 +13,8 @@ one device per process, or in one SPMD program for a sum); ``after`` is :meth:`P
 The projection to 256, 1,024 and 4,096 chips (one shard a chip, 4 chips a host) takes the
 measured seconds of one merge (``m``, the slope of ``before`` against S) and an assumed
 inter-host bandwidth (``--gbps``): before, every process folds every shard after an all-gather
-of all of them, ``m * (N - 1) + N * state / bw``; after, each host folds its 4 and the hosts
-pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's).
+of all of them, ``m * (N - 1) + N * state / bw``; after, each host's 4 chips pair up and the hosts
+pair up, ``m * 2 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's).
 
     python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
     python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
@@ -95,14 +97,19 @@ def point(name: str, shards: int, repeats: int) -> dict:
         if not (prog.combiner.additive and options.logical_shards is None) else "psum",
         "checkpoint_bytes_per_save": shards * state,
         # before: the all-gather's S states on every device; after, the process tree: the fold's
-        # stack (log2 of the process's shards), the one taken, a round's partner and merge; the
+        # stack (log2 of the device's own shards), the one taken, a partner and merge; the
         # device tree of a sum: the halves of its level-by-level fold, a round's partner and merge.
         "extra_states_before": shards,
-        "extra_states_after": shards.bit_length() + 3 if prog.merges_by_process_tree else per_device + 2,
-        # into the device that merges (after: a process's merging device takes its other devices'
-        # shards one at a time, then a round's partner and the broadcast; one process here)
+        "extra_states_after": per_device.bit_length() + 3 if prog.merges_by_process_tree else per_device + 2,
+        # into the device that merges: a state a round (the process tree: one process here, its
+        # devices' rounds; a sum's: the rounds and the broadcast)
         "bytes_in_before": (shards - per_device) * state,
-        "bytes_in_after": ((shards - per_device) if prog.merges_by_process_tree else 2 * rounds) * state,
+        "bytes_in_after": (1 if prog.merges_by_process_tree else 2) * rounds * state,
+        # merges the busiest device runs one after another: before, one device folds all S;
+        # after, device 0 folds its own, then a merge a round (a sum: its own at log2 levels)
+        "merge_depth_before": shards - 1,
+        "merge_depth_after": (per_device - 1 if prog.merges_by_process_tree else (per_device - 1).bit_length())
+        + rounds,
         "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
     }
     if shards * state * devices <= BEFORE_BUDGET:
@@ -147,8 +154,8 @@ def projection(points: list[dict], gbps: float) -> dict:
     state, bw = points[0]["state_bytes"], gbps * 1e9
     return {"merge_seconds": m, **{str(n): {
         "before": m * (n - 1) + n * state / bw,
-        "after": m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
-        "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": 5 * state,
+        "after": m * math.log2(CHIPS_PER_HOST) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
+        "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": 4 * state,
         "checkpoint_bytes_per_save": n * state} for n in CHIPS}}
 
 

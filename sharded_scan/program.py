@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -103,16 +104,32 @@ def tree_fold(merge: Callable, items: Iterable) -> Any:
     are one subtree. Items are taken one at a time (an iterator is consumed lazily), and at
     most ``log2(len(items)) + 1`` merged ones are held at once.
     """
-    stack: list[tuple[int, Any]] = []  # (items under it, merged), sizes strictly decreasing powers of two
-    for item in items:
-        size = 1
-        while stack and stack[-1][0] == size:
-            item, size = merge(stack.pop()[1], item), 2 * size
-        stack.append((size, item))
-    merged = stack.pop()[1]
-    while stack:
-        merged = merge(stack.pop()[1], merged)
-    return merged
+    return tree_folds([merge], [items])[0]
+
+
+def tree_folds(merges: list[Callable], streams: list[Iterable]) -> list[Any]:
+    """:func:`tree_fold` of each of ``streams`` by its own ``merges[k]``, taking one item of each
+    in turn: the folds' merges are issued interleaved, so folds on different devices run at once
+    (JAX dispatches asynchronously)."""
+    stacks: list[list[tuple[int, Any]]] = [[] for _ in streams]  # (items under it, merged), sizes decreasing
+    for items in itertools.zip_longest(*streams, fillvalue=_NONE):
+        for merge, stack, item in zip(merges, stacks, items, strict=True):
+            if item is _NONE:
+                continue
+            size = 1
+            while stack and stack[-1][0] == size:
+                item, size = merge(stack.pop()[1], item), 2 * size
+            stack.append((size, item))
+    folded = []
+    for merge, stack in zip(merges, stacks, strict=True):
+        merged = stack.pop()[1]
+        while stack:
+            merged = merge(stack.pop()[1], merged)
+        folded.append(merged)
+    return folded
+
+
+_NONE = object()  # a stream of tree_folds that has ended
 
 
 def stacked(combiner: Combiner, spec: PyTree, count: int) -> PyTree:
@@ -351,14 +368,25 @@ _index = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
 _lead = jax.jit(lambda tree: jax.tree.map(lambda x: x[None], tree))
 
 
-def own_states(partials: PyTree, device: jax.Device) -> Iterator[PyTree]:
-    """This process's shards of the stacked ``partials``, one at a time, in shard order, on ``device``."""
+def own_blocks(partials: PyTree) -> list[PyTree]:
+    """This process's blocks of the stacked ``partials`` (one per ``data`` row it holds), in shard
+    order, each on a device that holds it."""
     leaves, treedef = jax.tree.flatten(partials)
-    blocks = [sorted({s.index[0].start or 0: s.data for s in x.addressable_shards}.items()) for x in leaves]
-    for i in range(len(blocks[0])):
-        block = treedef.unflatten([b[i][1] for b in blocks])  # on the device that holds it
-        for j in range(jax.tree.leaves(block)[0].shape[0]):
-            yield jax.device_put(_index(block, j), device)
+    devices = dict(sorted({s.index[0].start or 0: s.device for s in leaves[0].addressable_shards}.items()))
+    on = [{s.device: s.data for s in x.addressable_shards} for x in leaves]
+    return [treedef.unflatten([by_device[d] for by_device in on]) for d in devices.values()]
+
+
+def states_of(block: PyTree, device: jax.Device | None = None) -> Iterator[PyTree]:
+    """The shards of a stacked ``block``, one at a time, in order, on its device (or ``device``)."""
+    for j in range(jax.tree.leaves(block)[0].shape[0]):
+        state = _index(block, j)
+        yield state if device is None else jax.device_put(state, device)
+
+
+def device_of(state: PyTree) -> jax.Device:
+    """The one device that holds ``state``."""
+    return next(iter(jax.tree.leaves(state)[0].devices()))
 
 
 def global_state(state: PyTree, leaders: Mesh) -> PyTree:
@@ -477,19 +505,30 @@ class Program:
         return merge(partials, self.operands)
 
     def process_tree_merge(self, partials: PyTree) -> PyTree:
-        """The process tree (:meth:`merges_by_process_tree`): each process folds its own shards
-        on its first device in :func:`tree_fold`'s tree, by a pairwise merge compiled for one
-        device; then the processes run the device tree's rounds, one device each."""
+        """The process tree (:meth:`merges_by_process_tree`): each device folds its own shards on
+        itself in :func:`tree_fold`'s tree (all devices at once, :func:`tree_folds`), then the
+        process's devices their results (one state moved a merge, onto the left one's device),
+        by a pairwise merge compiled for one device; then the processes run the device tree's
+        rounds, one device each. Where a device's shards are not one subtree of the tree (one
+        process holding a count of them that is not a power of two), the process's shards fold
+        one after another on its first device instead."""
         leaders = process_leaders(self.mesh)
-        device = leaders.devices.flat[leader_index(self.mesh)]
-        merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
-        operands = jax.device_put(self.host_operands, device)
-        state = tree_fold(lambda a, b: merge(a, b, operands), own_states(partials, device))
         me, count = leader_index(self.mesh), leaders.size
+        device = leaders.devices.flat[me]
+        merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
+        blocks = own_blocks(partials)
+        operands = {d: jax.device_put(self.host_operands, d) for d in {device, *map(device_of, blocks)}}
+        on_left = lambda a, b: merge(a, jax.device_put(b, device_of(a)), operands[device_of(a)])  # noqa: E731
+        if power_of_two_or_alone(self.layout.shards_per_device, len(blocks)):
+            streams = [states_of(block) for block in blocks]
+            state = tree_fold(on_left, tree_folds([on_left] * len(blocks), streams))
+        else:
+            state = tree_fold(on_left, (s for block in blocks for s in states_of(block, device)))
+        state = jax.device_put(state, device)
         for stride in tree_strides(count):
             partner = local_state(compile_exchange(self.combiner, leaders, stride)(global_state(state, leaders)))
             if receives(stride, count)(me):
-                state = merge(state, partner, operands)
+                state = merge(state, partner, operands[device])
         if count == 1:
             return state
         broadcast = compile_broadcast(self.combiner, leaders)(global_state(state, leaders))

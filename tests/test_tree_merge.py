@@ -10,7 +10,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import program
-from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
+from sharded_scan.program import device_of, program_for_spec, receives, tree_fold, tree_folds, tree_strides
 
 
 def pair(a, b):
@@ -31,6 +31,10 @@ def test_tree_fold_is_the_fixed_balanced_tree_taking_items_lazily():
         items = (taken.append(i) or i for i in range(n))
         assert tree_fold(pair, items) == levels_reference(list(range(n)))
         assert taken == list(range(n))
+    taken = []
+    streams = [map(lambda i, k=k: taken.append((k, i)) or i, range(n)) for k, n in enumerate([5, 1, 8])]
+    assert tree_folds([pair] * 3, streams) == [levels_reference(list(range(n))) for n in [5, 1, 8]]
+    assert taken[:4] == [(0, 0), (1, 0), (2, 0), (0, 1)]  # one item of each in turn
 
 
 @pytest.mark.parametrize("per_member", [1, 2, 4, 8])
@@ -78,6 +82,23 @@ def test_a_merge_that_is_not_commutative_keeps_the_rows_in_order(mesh, shards, r
     prog = program_for_spec(FirstAndLast(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
     assert getattr(prog, route) and prog.layout.num_steps() == 1  # one step: shard i holds the i-th block of rows
     np.testing.assert_array_equal(ss.run(FirstAndLast(), x, options), x[[0, -1]])
+
+
+def test_each_device_folds_its_own_shards_on_itself_then_the_devices_pair_up(monkeypatch):
+    calls = []
+    real = program.compile_pair_merge
+
+    def recording(*args):
+        merge = real(*args)
+        return lambda a, b, operands: calls.append((device_of(a), device_of(b))) or merge(a, b, operands)
+
+    monkeypatch.setattr(program, "compile_pair_merge", recording)
+    x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2)
+    options = ss.RunOptions(mesh="data:8", logical_shards=32, microbatch=16, steps_per_call=8)
+    np.testing.assert_array_equal(ss.run(FirstAndLast(), x, options), x[[0, -1]])
+    assert all(a == b for a, b in calls)  # both states on the device that merges
+    merges = [sum(a == d for a, _ in calls) for d in jax.devices()]
+    assert merges == [3 + 3, 3, 3 + 1, 3, 3 + 2, 3, 3 + 1, 3]  # its 4 shards', then the devices' tree
 
 
 def test_a_logical_shards_sum_merges_by_the_device_tree_and_never_gathers():
