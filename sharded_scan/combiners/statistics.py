@@ -336,7 +336,7 @@ class WeightedCentred(Combiner):
         zeros = jnp.zeros((2,), accumulator_dtype(spec[1].dtype))
         return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
 
-    def _fold(self, acc, batch, mask, keyed=None):
+    def _fold(self, acc, batch, mask, keyed=None, seen=None):
         w, x = batch
         dtype = acc.weights.dtype
         w = masked(w, mask).astype(dtype)
@@ -344,7 +344,7 @@ class WeightedCentred(Combiner):
         if keyed is None:
             sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
             if isinstance(self.unweighted, Moments):
-                value = moments_fold(acc.value, x, mask, weights=w, before=before)
+                value = moments_fold(acc.value, x, mask, seen, weights=w, before=before)
             else:
                 value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before)
             return value, sums
@@ -353,20 +353,26 @@ class WeightedCentred(Combiner):
         keys = jnp.clip(keys, 0, num_keys - 1)
         sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
         if isinstance(self.unweighted, Moments):
-            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before)
+            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before, seen=seen)
         else:
             value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before)
         return value, sums
 
     def add(self, acc, batch, mask):
-        value, sums = self._fold(acc, batch, mask)
+        return self.add_omitting(acc, batch, mask, mask)
+
+    def add_omitting(self, acc, batch, mask, keep):
+        value, sums = self._fold(acc, batch, keep, seen=mask)
         return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
+
+    def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         d = batch[1].shape[1]
         if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
-            return super().add_keyed(acc, batch, mask, keys, num_keys)
-        value, sums = self._fold(acc, batch, mask, (keys, num_keys))
+            return super().add_keyed(acc, batch, keep, keys, num_keys)
+        value, sums = self._fold(acc, batch, keep, (keys, num_keys), seen=mask)
         return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
 
     def merge(self, a, b):
@@ -482,14 +488,16 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
 
 
-def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None) -> MomentsAcc:
+def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None,
+                       seen=None) -> MomentsAcc:
     """:func:`moments_fold` per key (``acc`` with a leading ``num_keys`` axis): each key's power
     sums, counts, minima and maxima by segment reductions, folded by the same formulas."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
     kept = masked(x, keep)
-    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), masked(jnp.isnan(x), keep))
+    nans = masked(jnp.isnan(x), keep if seen is None else seen)
+    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), nans)
     sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
     low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
     high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
@@ -599,6 +607,9 @@ class Moments(Combiner):
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return moments_fold_keyed(acc, batch, mask, keys, num_keys)
+
+    def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
+        return moments_fold_keyed(acc, batch, keep, keys, num_keys, seen=mask)
 
     def merge(self, a, b):
         return moments_merge(a, b)
