@@ -29,12 +29,21 @@ class Factor(NamedTuple):
       centred: ``(k, p)`` with ``centredᵀ centred = Σ (z - mean)(z - mean)ᵀ``.
       noise: the relative size below which singular values of the column-scaled
         factor are rounding noise of the accumulation.
+      weight: ``Σw`` of weighted rows (then ``mean`` is the weighted mean and ``centred``
+        factors ``Σ w (z - mean)(z - mean)ᵀ``; ``count`` the rows of positive weight); None:
+        every row weighs 1.
     """
 
     count: int
     mean: np.ndarray
     centred: np.ndarray
     noise: float
+    weight: float | None = None
+
+    @property
+    def total(self) -> float:
+        """``Σw``, or the row count when unweighted."""
+        return self.count if self.weight is None else self.weight
 
 
 def check_finite(factor: Factor) -> None:
@@ -46,7 +55,7 @@ def check_finite(factor: Factor) -> None:
 
 def uncentred(factor: Factor) -> np.ndarray:
     """A factor of ``Σ z zᵀ`` (no intercept): the centred one with ``√n · mean`` stacked on."""
-    return np.vstack([np.sqrt(factor.count) * factor.mean[None, :], factor.centred])
+    return np.vstack([np.sqrt(factor.total) * factor.mean[None, :], factor.centred])
 
 
 class Solution(NamedTuple):
@@ -156,7 +165,7 @@ def diagnostics(factor: Factor, solution: Solution, l2: float = 0.0, fit_interce
         coef_stderr = residual_std[:, None] * np.linalg.norm(inverse, axis=1)[None, :]
         if fit_intercept:  # Var = σ² (1/n + x̄ᵀ(XᵀX)⁻¹x̄), X centred
             spread = np.linalg.norm(inverse.T @ factor.mean[:d])
-            intercept_stderr = residual_std * np.sqrt(1 / factor.count + spread**2)
+            intercept_stderr = residual_std * np.sqrt(1 / factor.total + spread**2)
     return Diagnostics(r2, residual_std, coef_stderr, intercept_stderr)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
 from sharded_scan.combiners.lstsq import check_has_rows, diagnostics, least_squares
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, WeightedFactored, check_solver
 from sharded_scan.errors import UsageError
 
 
@@ -35,6 +35,12 @@ class LinearRegressionResult(NamedTuple):
     ``r2`` and ``residual_std`` still describe its residuals), for a rank-deficient ``X``, and
     when ``n <= rank + intercept`` (no degree of freedom; ``residual_std`` NaN too);
     ``intercept_stderr`` is NaN without ``fit_intercept`` (the intercept is fixed at 0).
+
+    Weighted (``Weighted(LinearRegression())`` on ``(w, (X, y))``) the fit is scikit-learn's with
+    ``sample_weight`` and the diagnostics statsmodels ``WLS(weights=)``'s on the rows of positive
+    weight: a zero weight is an omitted row, so ``n`` above counts the rows of positive weight
+    (statsmodels would count zero-weight rows in ``nobs``), RSS and TSS are weighted, and ``Σw``
+    stands for ``n`` in the intercept's standard error.
     """
 
     coef: np.ndarray
@@ -134,8 +140,29 @@ class LinearRegression(Combiner):
     def merge(self, a, b):
         return a._replace(rows=self._solver(a.targets.shape).merge(a.rows, b.rows))
 
+    def weighted(self):
+        return WeightedFactored(self)
+
+    def add_weighted(self, acc, batch, mask, w, before):
+        """:meth:`add` of rows weighing ``w`` (``before``: ``Σw`` so far), for :class:`WeightedFactored`."""
+        x, y = batch
+        dtype = acc.targets.dtype
+        rows = self._solver(acc.targets.shape).add_weighted(acc.rows, stacked(x, y, dtype), mask, w.astype(dtype),
+                                                            before.astype(dtype))
+        return acc._replace(rows=rows)
+
+    def merge_weighted(self, a, b, wa, wb):
+        dtype = a.targets.dtype
+        return a._replace(rows=self._solver(a.targets.shape).merge_weighted(a.rows, b.rows, wa.astype(dtype),
+                                                                            wb.astype(dtype)))
+
     def finalize(self, acc):
-        factor = self._solver(np.shape(acc.targets)).factor(acc.rows)
+        return self.result(acc)
+
+    def result(self, acc: RegressionAcc, weight: float | None = None, weight_sq: float | None = None):
+        """The host result; ``weight`` ``Σw`` of a weighted run (None: every row weighs 1)."""
+        del weight_sq
+        factor = self._solver(np.shape(acc.targets)).factor(acc.rows)._replace(weight=weight)
         check_has_rows(factor, "LinearRegression")
         t = int(np.prod(np.shape(acc.targets)))
         solution = least_squares(factor, factor.mean.size - t, self.l2, self.fit_intercept)

@@ -311,8 +311,30 @@ class WeightedCentredAcc(NamedTuple):
     lost: jax.Array     # (2,)
 
 
+class WeightSums(Combiner):
+    """A weighted form that keeps ``Σw`` and ``Σw²`` (Kahan-compensated) beside ``unweighted``'s
+    accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
+
+    unweighted: Combiner
+
+    def fingerprint(self):
+        return {**self.unweighted.fingerprint(), "weighted": "True"}
+
+    def check_spec(self, spec):
+        self.unweighted.check_spec(spec[1])
+
+    def init(self, spec):
+        dtype = accumulator_dtype(np.result_type(*(leaf.dtype for leaf in jax.tree.leaves(spec[1]))))
+        zeros = jnp.zeros((2,), dtype)
+        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
+
+    def finalize(self, acc):
+        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
+        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
+
+
 @dataclasses.dataclass(frozen=True)
-class WeightedCentred(Combiner):
+class WeightedCentred(WeightSums):
     """The weighted form of :class:`Moments`, :class:`Covariance` and ``Correlation``, on rows ``(w, X)``.
 
     Each row weighs ``w`` (``Weighted`` hands it rows of ``w > 0`` only; a zero weight omits a
@@ -325,16 +347,6 @@ class WeightedCentred(Combiner):
     """
 
     unweighted: Combiner
-
-    def fingerprint(self):
-        return {**self.unweighted.fingerprint(), "weighted": "True"}
-
-    def check_spec(self, spec):
-        self.unweighted.check_spec(spec[1])
-
-    def init(self, spec):
-        zeros = jnp.zeros((2,), accumulator_dtype(spec[1].dtype))
-        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
 
     def _fold(self, acc, batch, mask, keyed=None, seen=None):
         w, x = batch
@@ -363,7 +375,7 @@ class WeightedCentred(Combiner):
 
     def add_omitting(self, acc, batch, mask, keep):
         value, sums = self._fold(acc, batch, keep, seen=mask)
-        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+        return WeightedCentredAcc(value, *kahan_add(acc.weights, acc.lost, sums))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
@@ -373,7 +385,7 @@ class WeightedCentred(Combiner):
         if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
             return super().add_keyed(acc, batch, keep, keys, num_keys)
         value, sums = self._fold(acc, batch, keep, (keys, num_keys), seen=mask)
-        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+        return WeightedCentredAcc(value, *kahan_add(acc.weights, acc.lost, sums))
 
     def merge(self, a, b):
         na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
@@ -383,12 +395,8 @@ class WeightedCentred(Combiner):
             value = merged(a.value, b.value, na, nb, full=True)[0]
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
 
-    def finalize(self, acc):
-        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
-        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
 
-
-def _kahan(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
+def kahan_add(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum)."""
     y = more - lost
     new = total + y
