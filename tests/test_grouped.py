@@ -208,6 +208,3 @@ def test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas():
     r = ss.run(ss.Weighted(ss.Moments()), (w, x), nan_policy="omit", **RUN)
     np.testing.assert_array_equal(r.nan_count, np.isnan(x[w > 0]).sum(0))  # a zero weight omits its row
     np.testing.assert_allclose(r.mean, np.average(x[kept], axis=0, weights=w[kept]), rtol=1e-12)
-    gw = ss.run(ss.GroupBy(ss.Weighted(ss.Moments()), K), (keys, (w, x)), nan_policy="omit", **RUN)
-    np.testing.assert_array_equal(gw.nan_count, frame[w > 0].isna().groupby(keys[w > 0]).sum().reindex(range(K),
-                                                                                                    fill_value=0))
