@@ -1,4 +1,4 @@
-"""configs/quantiles.py, distinct.py, topk.py (their quick runs are in test_launch.py): answers, bad kwargs."""
+"""configs/quantiles.py, distinct.py, topk.py (quick runs in test_launch.py), correlation.py: answers, bad kwargs."""
 
 import importlib
 
@@ -50,3 +50,13 @@ def test_cli_prints_one_line_for_quantiles_outside_0_1(tmp_path):
     )))
     assert "qs" in line and "[0, 1]" in line, line
     assert not workdir.exists()
+
+
+def test_quick_correlation_config_gives_np_corrcoef():
+    config = quick("correlation")
+    source = make_source(config.data)
+    got = ss.run(make_combiner(config.combiner), source, mesh="data:4", microbatch=config.microbatch)
+    x = source.read(0, source.num_rows).astype(np.float64)
+    assert got.count == source.num_rows
+    np.testing.assert_allclose(got.mean, x.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.corr, np.corrcoef(x, rowvar=False), atol=1e-5)

@@ -184,3 +184,86 @@ def test_resumes_from_a_checkpoint_on_another_device_count(tmp_path):
     assert report.resumed_from_cursor and 0 < report.rows_this_run < 1009  # the saved partials were folded
     coef, intercept = lstsq(x, y)
     assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4
+
+
+def ols(x, y, fit_intercept=True):
+    """statsmodels' OLS of one target on ``x`` (a constant first when ``fit_intercept``)."""
+    sm = pytest.importorskip("statsmodels.api")
+    return sm.OLS(f64(y), sm.add_constant(f64(x), has_constant="add") if fit_intercept else f64(x)).fit()
+
+
+def assert_diagnostics_match(got, want, rtol, fit_intercept=True):
+    """``got``'s r2, residual_std and standard errors (one target) against statsmodels' fit ``want``."""
+    assert abs(got.r2 - want.rsquared) < rtol * (1 - want.rsquared)  # relative to the unexplained part
+    np.testing.assert_allclose(got.residual_std, np.sqrt(want.scale), rtol=rtol)
+    bse = want.bse[1:] if fit_intercept else want.bse
+    np.testing.assert_allclose(got.coef_stderr, bse, rtol=rtol)
+    if fit_intercept:
+        np.testing.assert_allclose(got.intercept_stderr, want.bse[0], rtol=rtol)
+    else:
+        assert np.isnan(got.intercept_stderr)  # fixed at 0, not estimated
+
+
+# The meshes, micro-batch and float32 (n, 4) rows of test_least_squares_matches_lstsq: no new compilations.
+@pytest.mark.parametrize("mesh, n", [("data:1", 1009), ("data:8", 203)])
+def test_diagnostics_are_statsmodels_ols_in_float32(mesh, n):
+    x, y = problem(n, seed=7)
+    x[:, 0] += 100  # an offset the centred factor must not feel
+    got = ss.run(ss.LinearRegression(), (x, y), mesh=mesh, microbatch=8, steps_per_call=2)
+    assert np.ndim(got.r2) == np.ndim(got.residual_std) == np.ndim(got.intercept_stderr) == 0
+    assert got.coef_stderr.shape == (4,)
+    assert_diagnostics_match(got, ols(x, y), rtol=5e-4)  # measured: 5e-5 (the float32 accumulation)
+    table = got.to_pandas()
+    np.testing.assert_array_equal(table["coef_stderr"], got.coef_stderr)
+    assert (table["r2"] == got.r2).all()
+
+
+def test_diagnostics_are_statsmodels_ols_in_float64_per_target():
+    import jax
+
+    x, y = problem(1009, t=2, seed=8)
+    x, y = f64(x), f64(y)
+    x[:, 0] += 100
+    with jax.enable_x64(True):
+        fits = {b: ss.run(ss.LinearRegression(fit_intercept=b), (x, y), mesh="data:8", microbatch=8, steps_per_call=2)
+                for b in (True, False)}
+    for fit_intercept, got in fits.items():
+        assert got.r2.shape == got.residual_std.shape == got.intercept_stderr.shape == (2,)
+        assert got.coef_stderr.shape == (2, 4)
+        for j in range(2):
+            one = got._replace(**{f: getattr(got, f)[j] for f in ("r2", "residual_std", "coef_stderr",
+                                                                   "intercept_stderr")})
+            assert_diagnostics_match(one, ols(x, y[:, j], fit_intercept), rtol=1e-9, fit_intercept=fit_intercept)
+    assert list(fits[True].to_pandas().columns[2:4]) == ["coef_stderr_0", "coef_stderr_1"]
+
+
+def test_standard_errors_are_nan_where_the_ols_formula_does_not_hold():
+    # The mesh and micro-batch of test_singular_system_gets_the_minimum_norm_solution_like_lstsq.
+    import warnings
+
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    x, y = problem(50, seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NaN by decision, not by numpy's 0/0
+        ridge = ss.run(ss.LinearRegression(l2=1.0), (x, y), mesh="data:3", microbatch=8)
+        x_singular = x.copy()
+        x_singular[:, 3] = 2 * x_singular[:, 1]
+        singular = ss.run(ss.LinearRegression(), (x_singular, y), mesh="data:3", microbatch=8)
+        exact = ss.run(ss.LinearRegression(), (x[:5], y[:5]), mesh="data:3", microbatch=8)  # n = 5 parameters
+    # Ridge: R² and the residual standard error of its own residuals; no OLS standard errors.
+    residual = f64(y) - linear_model.Ridge(alpha=1.0).fit(f64(x), f64(y)).predict(f64(x))
+    rss, tss = (residual**2).sum(), ((f64(y) - f64(y).mean()) ** 2).sum()
+    assert abs(ridge.r2 - (1 - rss / tss)) < 1e-4 * rss / tss
+    np.testing.assert_allclose(ridge.residual_std, np.sqrt(rss / (50 - 5)), rtol=1e-4)
+    assert np.isnan(ridge.coef_stderr).all() and np.isnan(ridge.intercept_stderr)
+    # Rank-deficient: statsmodels' pinv fit has the same residuals and n - rank - 1 degrees of freedom.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # statsmodels says the design is rank-deficient: we know
+        want = ols(x_singular, y)
+    assert singular.rank == 3 and want.df_resid == 50 - 4
+    assert abs(singular.r2 - want.rsquared) < 1e-4 * (1 - want.rsquared)
+    np.testing.assert_allclose(singular.residual_std, np.sqrt(want.scale), rtol=1e-4)
+    assert np.isnan(singular.coef_stderr).all() and np.isnan(singular.intercept_stderr)
+    # As many parameters as rows: a perfect fit with no degree of freedom left.
+    assert exact.rank == 4 and abs(exact.r2 - 1) < 1e-4
+    assert np.isnan(exact.residual_std) and np.isnan(exact.coef_stderr).all() and np.isnan(exact.intercept_stderr)

@@ -178,6 +178,12 @@ class Combiner(abc.ABC):
         del mask
         return self.add(acc, batch, keep)
 
+    def add_keyed_omitting(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array, keys: jax.Array,
+                           num_keys: int) -> PyTree:
+        """:meth:`add_omitting` per key, as :meth:`add_keyed` is :meth:`add` per key (for ``GroupBy``)."""
+        del mask
+        return self.add_keyed(acc, batch, keep, keys, num_keys)
+
 
 class AdditiveCombiner(Combiner):
     """A combiner whose merge is leafwise addition: partials are combined by ``psum``."""

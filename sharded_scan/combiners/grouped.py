@@ -208,12 +208,18 @@ class GroupBy(Wrapper):
         return GroupedAcc(value, wide.zeros((self.num_keys + 1,)))
 
     def add(self, acc, batch, mask):
+        return self.add_omitting(acc, batch, mask, mask)
+
+    def add_omitting(self, acc, batch, mask, keep):
+        """Folds the rows ``keep`` per key (``count`` counts them); ``inner`` sees ``mask``, the
+        real rows, too (``Moments`` counts NaNs in those a ``nan_policy`` skips)."""
         keys, data = batch
         inside = (keys >= 0) & (keys < self.num_keys)
         slot = jnp.where(inside, keys, self.num_keys).astype(jnp.int32)
-        counts = jax.ops.segment_sum(mask.astype(jnp.int32), slot, self.num_keys + 1)
-        folded = mask if self.out_of_range == "other" else mask & inside
-        value = self.inner.add_keyed(acc.value, data, folded, jnp.minimum(slot, self.slots - 1), self.slots)
+        counts = jax.ops.segment_sum(keep.astype(jnp.int32), slot, self.num_keys + 1)
+        ours = inside | (self.out_of_range == "other")  # the rows folded into a slot
+        value = self.inner.add_keyed_omitting(acc.value, data, mask & ours, keep & ours,
+                                              jnp.minimum(slot, self.slots - 1), self.slots)
         return GroupedAcc(value, wide.add_int32(acc.count, counts))
 
     def merge(self, a, b):

@@ -29,12 +29,21 @@ class Factor(NamedTuple):
       centred: ``(k, p)`` with ``centredᵀ centred = Σ (z - mean)(z - mean)ᵀ``.
       noise: the relative size below which singular values of the column-scaled
         factor are rounding noise of the accumulation.
+      weight: ``Σw`` of weighted rows (then ``mean`` is the weighted mean and ``centred``
+        factors ``Σ w (z - mean)(z - mean)ᵀ``; ``count`` the rows of positive weight); None:
+        every row weighs 1.
     """
 
     count: int
     mean: np.ndarray
     centred: np.ndarray
     noise: float
+    weight: float | None = None
+
+    @property
+    def total(self) -> float:
+        """``Σw``, or the row count when unweighted."""
+        return self.count if self.weight is None else self.weight
 
 
 def check_finite(factor: Factor) -> None:
@@ -46,7 +55,7 @@ def check_finite(factor: Factor) -> None:
 
 def uncentred(factor: Factor) -> np.ndarray:
     """A factor of ``Σ z zᵀ`` (no intercept): the centred one with ``√n · mean`` stacked on."""
-    return np.vstack([np.sqrt(factor.count) * factor.mean[None, :], factor.centred])
+    return np.vstack([np.sqrt(factor.total) * factor.mean[None, :], factor.centred])
 
 
 class Solution(NamedTuple):
@@ -80,8 +89,7 @@ def least_squares(factor: Factor, d: int, l2: float = 0.0, fit_intercept: bool =
       (centred) ``X`` and its condition number (inf only for an exactly zero singular value).
     """
     check_finite(factor)
-    f = factor.centred if fit_intercept else uncentred(factor)
-    f = np.linalg.qr(f, mode="r")  # triangular (a triangular factor comes back as it was, up to signs)
+    f = _triangular(factor, fit_intercept)
     fx, fy = f[:, :d], f[:, d:]
     xs, scale = _unit_columns(fx)
     u, s, vt = np.linalg.svd(xs, full_matrices=False)
@@ -104,6 +112,61 @@ def least_squares(factor: Factor, d: int, l2: float = 0.0, fit_intercept: bool =
     mean_x, mean_y = factor.mean[:d], factor.mean[d:]
     intercept = mean_y - coef.T @ mean_x if fit_intercept else np.zeros(fy.shape[1])
     return Solution(coef.T, intercept, np.int64(rank), np.float64(cond))
+
+
+def _triangular(factor: Factor, fit_intercept: bool) -> np.ndarray:
+    """A triangular factor of the (centred when ``fit_intercept``) ``ZᵀZ`` (a triangular
+    factor comes back as it was, up to signs)."""
+    return np.linalg.qr(factor.centred if fit_intercept else uncentred(factor), mode="r")
+
+
+class Diagnostics(NamedTuple):
+    r2: np.ndarray                # (t,)
+    residual_std: np.ndarray      # (t,)
+    coef_stderr: np.ndarray       # (t, d)
+    intercept_stderr: np.ndarray  # (t,)
+
+
+def diagnostics(factor: Factor, solution: Solution, l2: float = 0.0, fit_intercept: bool = True) -> Diagnostics:
+    """The fit's R², residual standard error and standard errors, as statsmodels ``OLS`` reports them.
+
+    From the same factor as the fit: the residual sum of squares of ``solution``'s
+    coefficients is ``‖F_y - F_x coef‖²`` (``FᵀF`` the centred co-moments, or the uncentred
+    ones without an intercept), so no second pass over the data.
+
+    Args:
+      factor: of ``Z = [X | Y]``, as given to :func:`least_squares`.
+      solution: what :func:`least_squares` found for the same ``l2`` and ``fit_intercept``.
+      l2: the ridge penalty of the fit.
+      fit_intercept: whether the fit centred the data.
+
+    Returns:
+      Per target: ``r2`` (``1 - RSS / TSS``; TSS about the mean with an intercept, about
+      zero without one, as statsmodels; NaN for a ``y`` with TSS 0), ``residual_std``
+      (``√(RSS / (n - rank - intercept))``, statsmodels' ``√scale``; NaN when that is no
+      degree of freedom), and the standard errors of the coefficients and intercept
+      (statsmodels' ``bse``): NaN for a ridge fit (the OLS formula does not hold for a
+      biased estimator), a rank-deficient ``X``, no degree of freedom, and, without an
+      intercept, for the intercept (fixed at 0, not estimated).
+    """
+    d = solution.coef.shape[1]
+    f = _triangular(factor, fit_intercept)
+    fx, fy = f[:, :d], f[:, d:]
+    rss = np.sum((fy - fx @ solution.coef.T) ** 2, axis=0)
+    tss = np.sum(fy**2, axis=0)
+    r2 = 1 - rss / np.where(tss > 0, tss, 1.0)
+    r2 = np.where(tss > 0, r2, np.nan)
+    dof = factor.count - int(solution.rank) - int(fit_intercept)
+    residual_std = np.sqrt(rss / dof) if dof > 0 else np.full(rss.shape, np.nan)
+    coef_stderr = np.full(solution.coef.shape, np.nan)
+    intercept_stderr = np.full(rss.shape, np.nan)
+    if l2 == 0 and solution.rank == d and dof > 0:
+        inverse = _back_substitution(fx[:d], np.eye(d))  # R⁻¹: (XᵀX)⁻¹ = R⁻¹R⁻ᵀ
+        coef_stderr = residual_std[:, None] * np.linalg.norm(inverse, axis=1)[None, :]
+        if fit_intercept:  # Var = σ² (1/n + x̄ᵀ(XᵀX)⁻¹x̄), X centred
+            spread = np.linalg.norm(inverse.T @ factor.mean[:d])
+            intercept_stderr = residual_std * np.sqrt(1 / factor.total + spread**2)
+    return Diagnostics(r2, residual_std, coef_stderr, intercept_stderr)
 
 
 def _back_substitution(r: np.ndarray, rhs: np.ndarray) -> np.ndarray:

@@ -10,14 +10,19 @@ import numpy as np
 from sharded_scan.combiners.base import Combiner, accumulator_dtype
 from sharded_scan.combiners.lstsq import check_has_rows, principal_axes
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, WeightedFactored, check_solver
+from sharded_scan.combiners.statistics import divisor
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 
 
 class PCAResult(NamedTuple):
     """The top ``k`` principal axes (rows), their variances and ratios, the mean, and the
-    singular values of the centred data (scikit-learn's ``singular_values_``)."""
+    singular values of the centred data (scikit-learn's ``singular_values_``).
+
+    Weighted (``Weighted(PCA(k))`` on ``(w, X)``): the axes of the weighted covariance about the
+    weighted mean, ``explained_variance`` divided by ``Σw - Σw²/Σw`` as ``np.cov(aweights=)``
+    (ddof 1, as the unweighted ``n - 1``), the singular values those of the ``√w``-scaled rows."""
 
     components: np.ndarray
     explained_variance: np.ndarray
@@ -75,13 +80,29 @@ class PCA(Combiner):
     def merge(self, a, b):
         return self._solver().merge(a, b)
 
+    def weighted(self):
+        return WeightedFactored(self)
+
+    def add_weighted(self, acc, batch, mask, w, before):
+        """:meth:`add` of rows weighing ``w`` (``before``: ``Σw`` so far), for :class:`WeightedFactored`."""
+        dtype = accumulator_dtype(batch.dtype)
+        return self._solver().add_weighted(acc, batch, mask, w.astype(dtype), before.astype(dtype))
+
+    def merge_weighted(self, a, b, wa, wb):
+        return self._solver().merge_weighted(a, b, wa, wb)
+
     def finalize(self, acc):
-        factor = self._solver().factor(acc)
+        return self.result(acc)
+
+    def result(self, acc, weight: float | None = None, weight_sq: float | None = None) -> PCAResult:
+        """The host result; ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of a weighted run (None:
+        every row weighs 1; the variances then divide by ``Σw - Σw²/Σw``, ``np.cov(aweights=)``'s)."""
+        factor = self._solver().factor(acc)._replace(weight=weight)
         check_has_rows(factor, "PCA")
         axes = principal_axes(factor)
         squares = axes.singular_values**2
         with np.errstate(divide="ignore", invalid="ignore"):
-            variance = squares / (factor.count - 1)
+            variance = squares / divisor(factor.count, 1, weight, weight_sq)
             ratio = squares / squares.sum()
         k = self.k
         return PCAResult(axes.components[:k], variance[:k], ratio[:k], factor.mean, axes.singular_values[:k])

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
-from sharded_scan.combiners.lstsq import check_has_rows, least_squares
+from sharded_scan.combiners.lstsq import check_has_rows, diagnostics, least_squares
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, check_solver
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, WeightedFactored, check_solver
 from sharded_scan.errors import UsageError
 
 
@@ -24,21 +24,46 @@ class LinearRegressionResult(NamedTuple):
     exactly singular ``X`` shows a ``cond`` of about 1/eps of the accumulator dtype (not
     inf), singular values below the accumulation's rounding do not count to ``rank``,
     and a rank-deficient ``X`` gets the minimum-norm solution.
+
+    The diagnostics come from the same factor (no second pass), per target like
+    ``intercept``, and read as statsmodels ``OLS``'s: ``r2`` its ``rsquared`` (``1 - RSS/TSS``,
+    TSS about the mean with an intercept, about zero without; NaN for a constant ``y``),
+    ``residual_std`` its ``sqrt(scale)`` (``√(RSS / (n - rank - intercept))``, the residual
+    standard error), ``coef_stderr`` (shaped like ``coef``) and ``intercept_stderr`` its
+    ``bse``. The standard errors are NaN for a ridge fit (``l2 > 0``: the OLS formula does
+    not hold for a biased estimator, and the ridge one needs a choice of degrees of freedom;
+    ``r2`` and ``residual_std`` still describe its residuals), for a rank-deficient ``X``, and
+    when ``n <= rank + intercept`` (no degree of freedom; ``residual_std`` NaN too);
+    ``intercept_stderr`` is NaN without ``fit_intercept`` (the intercept is fixed at 0).
+
+    Weighted (``Weighted(LinearRegression())`` on ``(w, (X, y))``) the fit is scikit-learn's with
+    ``sample_weight`` and the diagnostics statsmodels ``WLS(weights=)``'s on the rows of positive
+    weight: a zero weight is an omitted row, so ``n`` above counts the rows of positive weight
+    (statsmodels would count zero-weight rows in ``nobs``), RSS and TSS are weighted, and ``Σw``
+    stands for ``n`` in the intercept's standard error.
     """
 
     coef: np.ndarray
     intercept: np.ndarray
     rank: np.ndarray
     cond: np.ndarray
+    r2: np.ndarray
+    residual_std: np.ndarray
+    coef_stderr: np.ndarray
+    intercept_stderr: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
     def to_pandas(self):
-        """A DataFrame: a row per column of X, its ``coef`` (``coef_0..`` per target), and the
-        ``intercept`` (one target), ``rank`` and ``cond`` repeated."""
+        """A DataFrame: a row per column of X, its ``coef`` and ``coef_stderr`` (``coef_0..``,
+        ``coef_stderr_0..`` per target), and the ``rank``, ``cond`` and (one target) ``intercept``,
+        ``r2``, ``residual_std`` and ``intercept_stderr`` repeated."""
         if np.ndim(self.coef) == 1:
-            return frame(self, ("coef", "intercept", "rank", "cond"))
-        names = [f"coef_{i}" for i in range(np.shape(self.coef)[0])]
-        return frame(self, (("coef", np.transpose(self.coef)), "rank", "cond"), spread={"coef": names})
+            return frame(self, ("coef", "coef_stderr", "intercept", "rank", "cond", "r2", "residual_std",
+                                "intercept_stderr"))
+        targets = range(np.shape(self.coef)[0])
+        fields = (("coef", np.transpose(self.coef)), ("coef_stderr", np.transpose(self.coef_stderr)), "rank", "cond")
+        spread = {"coef": [f"coef_{i}" for i in targets], "coef_stderr": [f"coef_stderr_{i}" for i in targets]}
+        return frame(self, fields, spread=spread)
 
 
 class RegressionAcc(NamedTuple):
@@ -115,13 +140,37 @@ class LinearRegression(Combiner):
     def merge(self, a, b):
         return a._replace(rows=self._solver(a.targets.shape).merge(a.rows, b.rows))
 
+    def weighted(self):
+        return WeightedFactored(self)
+
+    def add_weighted(self, acc, batch, mask, w, before):
+        """:meth:`add` of rows weighing ``w`` (``before``: ``Σw`` so far), for :class:`WeightedFactored`."""
+        x, y = batch
+        dtype = acc.targets.dtype
+        rows = self._solver(acc.targets.shape).add_weighted(acc.rows, stacked(x, y, dtype), mask, w.astype(dtype),
+                                                            before.astype(dtype))
+        return acc._replace(rows=rows)
+
+    def merge_weighted(self, a, b, wa, wb):
+        dtype = a.targets.dtype
+        return a._replace(rows=self._solver(a.targets.shape).merge_weighted(a.rows, b.rows, wa.astype(dtype),
+                                                                            wb.astype(dtype)))
+
     def finalize(self, acc):
-        factor = self._solver(np.shape(acc.targets)).factor(acc.rows)
+        return self.result(acc)
+
+    def result(self, acc: RegressionAcc, weight: float | None = None, weight_sq: float | None = None):
+        """The host result; ``weight`` ``Σw`` of a weighted run (None: every row weighs 1)."""
+        del weight_sq
+        factor = self._solver(np.shape(acc.targets)).factor(acc.rows)._replace(weight=weight)
         check_has_rows(factor, "LinearRegression")
         t = int(np.prod(np.shape(acc.targets)))
         solution = least_squares(factor, factor.mean.size - t, self.l2, self.fit_intercept)
-        if np.ndim(acc.targets) == 0:  # y of shape (n,): coef (d,), a scalar intercept
-            return LinearRegressionResult(
-                solution.coef[0], np.float64(solution.intercept[0]), solution.rank, solution.cond
-            )
-        return LinearRegressionResult(solution.coef, solution.intercept, solution.rank, solution.cond)
+        fit = diagnostics(factor, solution, self.l2, self.fit_intercept)
+        per_target = (solution.coef, solution.intercept, fit.r2, fit.residual_std, fit.coef_stderr,
+                      fit.intercept_stderr)
+        if np.ndim(acc.targets) == 0:  # y of shape (n,): coef (d,), scalars per target
+            per_target = tuple(v[0] if v.ndim > 1 else np.float64(v[0]) for v in per_target)
+        coef, intercept, r2, residual_std, coef_stderr, intercept_stderr = per_target
+        return LinearRegressionResult(coef, intercept, solution.rank, solution.cond, r2, residual_std, coef_stderr,
+                                      intercept_stderr)

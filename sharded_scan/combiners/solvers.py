@@ -11,25 +11,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners import statistics, tsqr, whitened, wide
+from sharded_scan.combiners.base import Combiner, masked
 from sharded_scan.combiners.lstsq import Factor
 from sharded_scan.errors import UsageError
 
 
 class Solver(NamedTuple):
-    """``init(p, dtype)``, ``add(acc, z, mask)``, ``merge(a, b)`` on devices; ``factor(host acc)``."""
+    """``init(p, dtype)``, ``add(acc, z, mask)``, ``merge(a, b)`` on devices; ``factor(host acc)``;
+    weighted: ``add_weighted(acc, z, mask, w, before)``, ``merge_weighted(a, b, wa, wb)`` (``w``
+    per row, 0 where ``mask`` is False; ``before``, ``wa``, ``wb`` the accumulators' ``Σw``)."""
 
     init: Callable[[int, Any], Any]
     add: Callable
     merge: Callable
     factor: Callable[[Any], Factor]
+    add_weighted: Callable
+    merge_weighted: Callable
 
 
 def _comoments_factor(acc: statistics.CenteredAcc) -> Factor:
@@ -46,17 +53,21 @@ def _comoments_factor(acc: statistics.CenteredAcc) -> Factor:
 def _whitened(targets: int) -> Solver:
     # Jitted (once per `targets`): a direct call compiles one program instead of running
     # the loops op by op; inside the engine's step it is inlined like any function.
+    merge = jax.jit(functools.partial(whitened.merge, targets=targets))
     return Solver(
         whitened.init,
         jax.jit(functools.partial(whitened.add, targets=targets)),
-        jax.jit(functools.partial(whitened.merge, targets=targets)),
+        merge,
         whitened.factor,
+        jax.jit(lambda acc, z, mask, w, before: whitened.add(acc, z, mask, targets, w)),
+        lambda a, b, wa, wb: merge(a, b),  # the √w-scaled rows carry their weights
     )
 
 
 def _tsqr(targets: int) -> Solver:
     del targets
-    return Solver(tsqr.init, tsqr.add, tsqr.merge, tsqr.factor)
+    return Solver(tsqr.init, tsqr.add, tsqr.merge, tsqr.factor,
+                  lambda acc, z, mask, w, before: tsqr.add(acc, z, mask, w), lambda a, b, wa, wb: tsqr.merge(a, b))
 
 
 def _comoments(targets: int) -> Solver:
@@ -66,6 +77,8 @@ def _comoments(targets: int) -> Solver:
         lambda acc, z, mask: statistics.centered_fold(acc, z, mask, full=True),
         lambda a, b: statistics.centered_merge(a, b, full=True),
         _comoments_factor,
+        lambda acc, z, mask, w, before: statistics.centered_fold(acc, z, mask, full=True, weights=w, before=before),
+        lambda a, b, wa, wb: statistics.merged(a, b, wa, wb, full=True)[0],
     )
 
 
@@ -78,3 +91,29 @@ def check_solver(who: str, solver: str) -> None:
     """Raises :class:`UsageError` unless ``solver`` names one of :data:`SOLVERS`."""
     if solver not in SOLVERS:
         raise UsageError(f"{who} solver must be one of {', '.join(map(repr, SOLVERS))}; got {solver!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedFactored(statistics.WeightSums):
+    """The weighted form of ``LinearRegression`` and ``PCA``, on rows ``(w, data)``: the solver's
+    factor of ``Σ w (z - mean)(z - mean)ᵀ`` about the weighted mean (rows scaled by ``√w``
+    after centring; the co-moments merged with ``Σw`` for counts), and ``Σw``, ``Σw²``.
+
+    ``unweighted`` gives ``add_weighted(acc, data, mask, w, before)``, ``merge_weighted(a, b,
+    wa, wb)`` and ``result(acc, weight, weight_sq)``. ``Weighted`` hands it rows of ``w > 0``
+    only: a zero weight is an omitted row, so the factor's ``count`` is the rows of positive weight.
+    """
+
+    unweighted: Combiner
+
+    def add(self, acc, batch, mask):
+        w, data = batch
+        w = masked(w, mask).astype(acc.weights.dtype)
+        value = self.unweighted.add_weighted(acc.value, data, mask, w, acc.weights[0] - acc.lost[0])
+        return statistics.WeightedCentredAcc(value, *statistics.kahan_add(acc.weights, acc.lost,
+                                                                          jnp.stack([jnp.sum(w), jnp.sum(w * w)])))
+
+    def merge(self, a, b):
+        wa, wb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
+        return statistics.WeightedCentredAcc(self.unweighted.merge_weighted(a.value, b.value, wa, wb),
+                                             a.weights + b.weights, a.lost + b.lost)

@@ -312,8 +312,30 @@ class WeightedCentredAcc(NamedTuple):
     lost: jax.Array     # (2,)
 
 
+class WeightSums(Combiner):
+    """A weighted form that keeps ``Σw`` and ``Σw²`` (Kahan-compensated) beside ``unweighted``'s
+    accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
+
+    unweighted: Combiner
+
+    def fingerprint(self):
+        return {**self.unweighted.fingerprint(), "weighted": "True"}
+
+    def check_spec(self, spec):
+        self.unweighted.check_spec(spec[1])
+
+    def init(self, spec):
+        dtype = accumulator_dtype(np.result_type(*(leaf.dtype for leaf in jax.tree.leaves(spec[1]))))
+        zeros = jnp.zeros((2,), dtype)
+        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
+
+    def finalize(self, acc):
+        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
+        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
+
+
 @dataclasses.dataclass(frozen=True)
-class WeightedCentred(Combiner):
+class WeightedCentred(WeightSums):
     """The weighted form of :class:`Moments`, :class:`Covariance` and ``Correlation``, on rows ``(w, X)``.
 
     Each row weighs ``w`` (``Weighted`` hands it rows of ``w > 0`` only; a zero weight omits a
@@ -327,17 +349,7 @@ class WeightedCentred(Combiner):
 
     unweighted: Combiner
 
-    def fingerprint(self):
-        return {**self.unweighted.fingerprint(), "weighted": "True"}
-
-    def check_spec(self, spec):
-        self.unweighted.check_spec(spec[1])
-
-    def init(self, spec):
-        zeros = jnp.zeros((2,), accumulator_dtype(spec[1].dtype))
-        return WeightedCentredAcc(self.unweighted.init(spec[1]), zeros, zeros)
-
-    def _fold(self, acc, batch, mask, keyed=None):
+    def _fold(self, acc, batch, mask, keyed=None, seen=None):
         w, x = batch
         dtype = acc.weights.dtype
         w = masked(w, mask).astype(dtype)
@@ -345,7 +357,7 @@ class WeightedCentred(Combiner):
         if keyed is None:
             sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
             if isinstance(self.unweighted, Moments):
-                value = moments_fold(acc.value, x, mask, weights=w, before=before)
+                value = moments_fold(acc.value, x, mask, seen, weights=w, before=before)
             else:
                 value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before)
             return value, sums
@@ -354,21 +366,27 @@ class WeightedCentred(Combiner):
         keys = jnp.clip(keys, 0, num_keys - 1)
         sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
         if isinstance(self.unweighted, Moments):
-            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before)
+            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before, seen=seen)
         else:
             value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before)
         return value, sums
 
     def add(self, acc, batch, mask):
-        value, sums = self._fold(acc, batch, mask)
-        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+        return self.add_omitting(acc, batch, mask, mask)
+
+    def add_omitting(self, acc, batch, mask, keep):
+        value, sums = self._fold(acc, batch, keep, seen=mask)
+        return WeightedCentredAcc(value, *kahan_add(acc.weights, acc.lost, sums))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
+        return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
+
+    def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         d = batch[1].shape[1]
         if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
-            return super().add_keyed(acc, batch, mask, keys, num_keys)
-        value, sums = self._fold(acc, batch, mask, (keys, num_keys))
-        return WeightedCentredAcc(value, *_kahan(acc.weights, acc.lost, sums))
+            return super().add_keyed(acc, batch, keep, keys, num_keys)
+        value, sums = self._fold(acc, batch, keep, (keys, num_keys), seen=mask)
+        return WeightedCentredAcc(value, *kahan_add(acc.weights, acc.lost, sums))
 
     def merge(self, a, b):
         na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
@@ -378,12 +396,8 @@ class WeightedCentred(Combiner):
             value = merged(a.value, b.value, na, nb, full=True)[0]
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
 
-    def finalize(self, acc):
-        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
-        return self.unweighted.result(acc.value, float(weight), float(weight_sq))
 
-
-def _kahan(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
+def kahan_add(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum)."""
     y = more - lost
     new = total + y
@@ -483,14 +497,16 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
 
 
-def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None) -> MomentsAcc:
+def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None,
+                       seen=None) -> MomentsAcc:
     """:func:`moments_fold` per key (``acc`` with a leading ``num_keys`` axis): each key's power
     sums, counts, minima and maxima by segment reductions, folded by the same formulas."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
     kept = masked(x, keep)
-    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), masked(jnp.isnan(x), keep))
+    nans = masked(jnp.isnan(x), keep if seen is None else seen)
+    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), nans)
     sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
     low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
     high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
@@ -628,6 +644,9 @@ class Moments(Combiner):
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return moments_fold_keyed(acc, batch, mask, keys, num_keys)
+
+    def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
+        return moments_fold_keyed(acc, batch, keep, keys, num_keys, seen=mask)
 
     def merge(self, a, b):
         return moments_merge(a, b)

@@ -52,12 +52,19 @@ def init(p: int, dtype) -> TSQRAcc:
     return TSQRAcc(wide.zeros(), jnp.zeros((p,), dtype), jnp.zeros((p + 1, p + 1), dtype))
 
 
-def add(acc: TSQRAcc, z: jax.Array, mask: jax.Array) -> TSQRAcc:
+def add(acc: TSQRAcc, z: jax.Array, mask: jax.Array, weights: jax.Array | None = None) -> TSQRAcc:
+    """Adds the rows ``z`` where ``mask``; with ``weights`` (``(rows,)``) each row scaled by
+    ``√w`` (then ``R``'s corner is ``√Σw`` and ``r0 / √Σw`` the weighted mean's offset)."""
     z = z.astype(acc.r.dtype)
     nb = row_count(mask)
     shift = jnp.where(wide.is_zero(acc.count), reference_point(acc.shift, z, mask, nb), acc.shift)
-    r = jnp.linalg.qr(jnp.concatenate([acc.r, augmented(z, shift, mask)]), mode="r")
+    r = jnp.linalg.qr(jnp.concatenate([acc.r, scaled(augmented(z, shift, mask), weights)]), mode="r")
     return TSQRAcc(wide.add_int32(acc.count, nb), shift, r)
+
+
+def scaled(b: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """The rows ``b`` times ``√w`` (``Σ w bᵀb`` is their Gram); ``b`` itself when unweighted."""
+    return b if weights is None else b * jnp.sqrt(weights.astype(b.dtype))[:, None]
 
 
 def merge(a: TSQRAcc, b: TSQRAcc) -> TSQRAcc:

@@ -117,18 +117,30 @@ class Weighted(Wrapper, MultiPass):
             return jax.ShapeDtypeStruct(w.shape, dtype), rest
         return w.astype(dtype), rest
 
-    def _split(self, batch, mask):
+    def _split(self, batch, mask, keep):
+        """``batch`` with float weights, the rows to fold (``keep``, of positive weight), the real
+        rows of nonzero weight, and the rows ``keep`` holds with a negative or non-finite weight."""
         ok = usable(batch[0])
-        return self._float_weights(batch), mask & ok & (batch[0] != 0), mask & ~ok
+        nonzero = batch[0] != 0
+        return self._float_weights(batch), keep & ok & nonzero, mask & nonzero, keep & ~ok
 
     def add(self, acc, batch, mask):
-        batch, keep, bad = self._split(batch, mask)
-        return WeightedAcc(self.form.add(acc.value, batch, keep), wide.count_rows(acc.bad_weights, bad))
+        return self.add_omitting(acc, batch, mask, mask)
+
+    def add_omitting(self, acc, batch, mask, keep):
+        """Folds the rows of positive weight where ``keep``; the form sees the real rows of
+        nonzero weight as ``mask`` (``Moments`` counts NaNs in those a ``nan_policy`` skips)."""
+        batch, kept, seen, bad = self._split(batch, mask, keep)
+        return WeightedAcc(self.form.add_omitting(acc.value, batch, seen, kept),
+                           wide.count_rows(acc.bad_weights, bad))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
-        batch, keep, bad = self._split(batch, mask)
+        return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
+
+    def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
+        batch, kept, seen, bad = self._split(batch, mask, keep)
         counts = jax.ops.segment_sum(bad.astype(jnp.int32), keys, num_keys)
-        return WeightedAcc(self.form.add_keyed(acc.value, batch, keep, keys, num_keys),
+        return WeightedAcc(self.form.add_keyed_omitting(acc.value, batch, seen, kept, keys, num_keys),
                            wide.add_int32(acc.bad_weights, counts))
 
     def merge(self, a, b):

@@ -39,7 +39,7 @@ from sharded_scan.combiners import dense, wide
 from sharded_scan.combiners.base import row_count
 from sharded_scan.combiners.lstsq import Factor
 from sharded_scan.combiners.statistics import reference_point
-from sharded_scan.combiners.tsqr import augmented, moved
+from sharded_scan.combiners.tsqr import augmented, moved, scaled
 from sharded_scan.layout import REPRODUCIBLE_MICROBATCH
 
 GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor
@@ -346,14 +346,17 @@ def _young_enough(acc: WhitenedAcc, more) -> jax.Array:
     return wide.to_float(acc.count, acc.gram.dtype) + more >= 2 * acc.gram.shape[0]
 
 
-def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0) -> WhitenedAcc:
-    """Folds the rows ``z`` where ``mask`` is True; the last ``targets`` columns of ``z`` are ``y``."""
+def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0, weights: jax.Array | None = None
+        ) -> WhitenedAcc:
+    """Folds the rows ``z`` where ``mask`` is True; the last ``targets`` columns of ``z`` are ``y``.
+    With ``weights`` each row is scaled by ``√w`` (:func:`.tsqr.scaled`; the sums that steer
+    re-centring are then those of the scaled rows, which only moves when it happens)."""
     z = z.astype(acc.gram.dtype)
     nb = row_count(mask)
     fresh = wide.is_zero(acc.count)
     shift = jnp.where(fresh, reference_point(acc.shift, z, mask, nb), acc.shift)
     acc = acc._replace(shift=shift)
-    b = augmented(z, shift, mask)
+    b = scaled(augmented(z, shift, mask), weights)
     sums = row_sums(b)
 
     def whiten(acc):  # an adult folds b; a young shard with enough rows becomes one with its R and b

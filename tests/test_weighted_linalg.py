@@ -1,0 +1,78 @@
+"""Weighted LinearRegression and PCA against scikit-learn's sample_weight, statsmodels' WLS and
+np.cov(aweights=), on every solver; a zero weight omits its row (WLS on the rows of positive weight)."""
+
+import jax
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+
+RUN = {"microbatch": 64, "steps_per_call": 2}  # one layout for every case: programs shared
+
+
+def data(n=1001, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)) * [1, 10, 0.1] + 100  # a large mean, unequal scales
+    y = x @ [1.0, -2.0, 3.0] + rng.normal(size=n)
+    w = rng.random(n) * 3
+    w[::7] = 0
+    return w, x, y
+
+
+def wls(x, y, w, fit_intercept=True):
+    sm = pytest.importorskip("statsmodels.api")
+    keep = w > 0  # statsmodels counts zero-weight rows in nobs; here they are omitted rows
+    design = sm.add_constant(x[keep]) if fit_intercept else x[keep]
+    return sm.WLS(y[keep], design, weights=w[keep]).fit()
+
+
+def assert_is_wls(got, fit, fit_intercept, rtol):
+    bse = fit.bse[1:] if fit_intercept else fit.bse
+    np.testing.assert_allclose(got.coef, fit.params[1:] if fit_intercept else fit.params, rtol=rtol)
+    np.testing.assert_allclose(got.r2, fit.rsquared, rtol=rtol)
+    np.testing.assert_allclose(got.residual_std, np.sqrt(fit.scale), rtol=rtol)
+    np.testing.assert_allclose(got.coef_stderr, bse, rtol=rtol)
+    if fit_intercept:
+        np.testing.assert_allclose([got.intercept, got.intercept_stderr], [fit.params[0], fit.bse[0]], rtol=rtol)
+
+
+@pytest.mark.parametrize("solver, mesh", [("whitened", "data:8"), ("tsqr", "data:1"), ("comoments", "data:3")])
+def test_weighted_regression_and_pca_are_sklearn_wls_and_np_cov_aweights(solver, mesh):
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    w, x, y = data()
+    with jax.enable_x64(True):
+        got = ss.run(ss.Weighted(ss.LinearRegression(solver=solver)), (w, (x, y)), mesh=mesh, **RUN)
+        # PCA runs the same weighted fold; whitened's (4 s to compile) is left to LinearRegression.
+        pca = None if solver == "whitened" else ss.run(ss.Weighted(ss.PCA(2, solver=solver)), (w, x), mesh=mesh, **RUN)
+    want = linear_model.LinearRegression().fit(x, y, sample_weight=w)
+    np.testing.assert_allclose(got.coef, want.coef_, rtol=1e-10)
+    np.testing.assert_allclose(got.intercept, want.intercept_, rtol=1e-10)
+    assert_is_wls(got, wls(x, y, w), True, rtol=1e-9)
+    if pca is None:
+        return
+    values, vectors = np.linalg.eigh(np.cov(x.T, aweights=w, ddof=1))  # PCA's explained_variance: ddof 1
+    np.testing.assert_allclose(pca.explained_variance, values[::-1][:2], rtol=1e-10)
+    np.testing.assert_allclose(np.abs(pca.components), np.abs(vectors[:, ::-1][:, :2].T), atol=1e-10)  # up to sign
+    np.testing.assert_allclose(pca.mean, np.average(x, axis=0, weights=w), rtol=1e-13)
+
+
+def test_weighted_ridge_and_no_intercept_are_sklearn_ridge_and_wls():
+    linear_model = pytest.importorskip("sklearn.linear_model")
+    w, x, y = data(503, seed=1)
+    with jax.enable_x64(True):
+        # The host solve is the same for every solver: the cheapest to compile.
+        ridge = ss.run(ss.Weighted(ss.LinearRegression(l2=30.0, solver="tsqr")), (w, (x, y)), mesh="data:1", **RUN)
+        origin = ss.run(ss.Weighted(ss.LinearRegression(fit_intercept=False, solver="tsqr")), (w, (x, y)),
+                        mesh="data:1", **RUN)
+    want = linear_model.Ridge(alpha=30.0).fit(x, y, sample_weight=w)
+    np.testing.assert_allclose(ridge.coef, want.coef_, rtol=1e-9)
+    np.testing.assert_allclose(ridge.intercept, want.intercept_, rtol=1e-9)
+    assert np.isnan(ridge.coef_stderr).all()
+    assert_is_wls(origin, wls(x, y, w, fit_intercept=False), False, rtol=1e-9)
+
+
+def test_negative_weights_are_one_line_before_compute():
+    w, x, y = data(301, seed=2)
+    w[5] = -1
+    with pytest.raises(ss.UsageError, match="negative or non-finite weights"):
+        ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), (w, (x, y)), mesh="data:1", **RUN)
