@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 
 from bench import analyzers, groupby, tuning  # noqa: E402
 from bench.workloads import Workload, comparable, make_workloads, reference  # noqa: E402
+from sharded_scan import layout  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OURS = "sharded_scan"
@@ -108,8 +109,12 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated workload names")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     parser.add_argument("--keep-openblas-env", action="store_true", help="keep OPENBLAS_* for numpy")
+    parser.add_argument("--min-job-steps", type=int,
+                        help="the step cap's fewest steps a job (layout.MIN_JOB_STEPS); 1 times the uncapped layout")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
+    if args.min_job_steps is not None:
+        layout.MIN_JOB_STEPS = args.min_job_steps  # read by job_steps_cap at each run
     megabytes = args.megabytes or (24 if args.quick else 256)
     repeats = args.repeats or (2 if args.quick else 5)
     started = time.perf_counter()
