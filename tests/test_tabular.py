@@ -67,6 +67,18 @@ def test_every_kind_reads_the_rows_pandas_has_for_any_range(frame, files, kind):
     np.testing.assert_array_equal(fresh.read(0, N), frame["member"].to_numpy(np.int32))
 
 
+def test_parquet_reads_in_any_order_and_blocks_give_the_same_rows(frame, files, monkeypatch):
+    """One scan serves consecutive reads: reads back, skips within a row group (97 rows), across
+    several, and ending on a group's boundary get the rows too; so do casts in small row blocks."""
+    monkeypatch.setattr(ss.sources.tabular, "FILL_BLOCK_ROWS", 7)
+    source = ParquetSource(files / "one.parquet", columns=(X, Y))
+    want_x, want_y = frame[X].to_numpy(np.float64), frame[Y].to_numpy(np.float64)
+    for start, stop in [(0, 97), (97, 150), (160, 170), (150, 160), (500, 700), (3, 4), (990, N), (0, N)]:
+        x, y = source.read(start, stop)
+        np.testing.assert_array_equal(x, want_x[start:stop])
+        np.testing.assert_array_equal(y, want_y[start:stop])
+
+
 @pytest.mark.parametrize("kind", ["parquet", "csv"])
 def test_the_last_steps_read_is_the_rows_then_zeros_in_aligned_arrays(frame, files, kind):
     source = (ParquetSource(files / "one.parquet", columns=(X, Y)) if kind == "parquet"
