@@ -28,18 +28,23 @@ Why the rows below 1.0x stay there (2·10^6 rows, 2 cores, 2 devices; ``--profil
 ``jax.profiler`` traces of each combiner's ``add`` over the same rows on one device):
 
 - moments and covariance against Polars: the run is the read. ``ParquetSource`` reads the 8
-  columns into rows in 0.06-0.10 s (pyarrow's decode, 0.031 s as ``pq.read_table`` alone; the
-  cast of 8 columns into one row-major ``(rows, 8)`` array, 0.015-0.02 s; a scan set up per
-  step), while the steps take 0.027-0.031 s (moments, 0.046-0.053 before its one-pass
-  reduction) and 0.018-0.022 s (covariance) and the merge 0.004 s. Polars' whole query (its
-  own Parquet decoder, fused aggregation) takes 0.026-0.031 s: less than pyarrow's decode alone,
-  so no change to the compute reaches it while the rows come through pyarrow.
+  columns into rows in 0.055-0.065 s (0.085-0.106 s before one scan served consecutive steps and
+  the cast went in row blocks): pyarrow's decode, 0.030-0.035 s (``pq.read_table`` alone, or each
+  row group's ``to_table``), and the cast of 8 columns into one row-major ``(rows, 8)`` array,
+  0.009 s in blocks of 2^16 rows (0.019 s a whole column at a time), while the steps take
+  0.027-0.031 s (moments, 0.046-0.053 before its one-pass reduction) and 0.018-0.022 s
+  (covariance) and the merge 0.004 s. Polars' whole query (its own Parquet decoder, fused
+  aggregation) takes 0.026-0.031 s: less than pyarrow's decode alone, so no change to the
+  compute reaches it while the rows come through pyarrow. Tried: a memory-mapped file decodes
+  1.4x faster (0.024 against 0.034 s) but a file rewritten in place during a mapped read ends
+  the process with SIGBUS instead of one line; two row groups decoded ahead instead of one read
+  faster alone (0.038 against 0.047 s) but not in the runs (within noise).
 - quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 0.6 s of
   0.8 s; 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
   53%; the compaction, 34%). Both peers answer at 2.5x and 30x sharded_scan's rank error; at
   equal error (the KLL at k≈7000) sharded_scan is faster.
-- distinct counts against the approximate DuckDB and Polars counts: a run of 0.05 s is the
-  read (0.02-0.03 s), the steps (0.010 s: hashing and one scatter-max a micro-batch), the merge
+- distinct counts against the approximate DuckDB and Polars counts: a run of 0.04 s is the
+  read (0.011-0.020 s; 0.02-0.03 s before), the steps (0.010 s: hashing and one scatter-max a micro-batch), the merge
   and finalize (0.004 s) and the run's set-up (0.003 s); the peers' whole query is 0.013-0.02 s.
 - top-100 against DuckDB, Polars and numpy: the steps are 0.11 s of 0.16 s; per micro-batch
   ``TopK`` sorts 16384 keys and selects the 4096 largest of 20480 candidates with
