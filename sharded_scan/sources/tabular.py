@@ -440,10 +440,14 @@ class ParquetSource(Source):
         unit = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
         if self._stream is None or not self._stream.reaches(start, int(self._starts[unit])):
             self._stream = _Stream(self._scan(unit), int(self._starts[unit]))
-        for batch, at in self._stream.rows(start, stop):
-            lo, hi = max(start, at), min(stop, at + batch.num_rows)
-            path = self._units[int(np.searchsorted(self._starts, at, side="right")) - 1].path
-            _fill(batch.slice(lo - at, hi - lo), self._selection, lo, path, out, lo - start)
+        try:
+            for batch, at in self._stream.rows(start, stop):
+                lo, hi = max(start, at), min(stop, at + batch.num_rows)
+                path = self._units[int(np.searchsorted(self._starts, at, side="right")) - 1].path
+                _fill(batch.slice(lo - at, hi - lo), self._selection, lo, path, out, lo - start)
+        except BaseException:
+            self._stream = None  # a read that failed (a file changed, bad values) leaves no half-read scan behind
+            raise
         return _leaves(self._selection.columns)[1].unflatten(out)
 
     def _scan(self, unit: int) -> Iterator[Any]:
