@@ -109,3 +109,35 @@ def test_the_sharded_elastic_restore_is_bitwise_the_one_device_fold(tmp_path, mo
     assert folds == [2]  # the sharded read was folded by the process tree, 2 shards a device
     np.testing.assert_array_equal(got[True], got[False])
     assert rel_err(got[True], f64(X).T @ f64(X)) < 1e-5
+
+
+def finished_and_resumed(directory):
+    """In each process: a compact job and a per-shard ``logical_shards=16`` one run to their end, then
+    each resumed from its final checkpoint, the per-shard one without ``logical_shards`` (16 saved
+    shards onto 8: read over the devices, folded over the processes). Run by 2 processes of 4 devices."""
+    folds, tree_fold = [], relayout.process_tree_fold
+    relayout.process_tree_fold = lambda *a: folds.append(a[3]) or tree_fold(*a)
+    out = {}
+    for name, compact, logical in (("compact", True, None), ("per-shard", False, 16)):
+        options = ss.CheckpointOptions(f"{directory}/{name}", every_steps=100, compact=compact)
+        out[name] = ss.run(ss.Gram(), X, mesh="data:-1", checkpoint=options, logical_shards=logical, **KW)
+        out[f"{name} resumed"], report = ss.run_with_report(ss.Gram(), X, mesh="data:-1", checkpoint=options, **KW)
+        assert (report.resumed_from_cursor, report.steps) == (len(X), 0)
+    return out, folds
+
+
+def test_two_processes_save_compact_and_fold_a_sharded_restore(tmp_path):
+    from tests import multiprocess
+
+    got = multiprocess.run_processes("tests.test_compact_checkpoint:finished_and_resumed", 2, 4, timeout=240,
+                                     kwargs={"directory": str(tmp_path)})
+    (first, folds), (second, _) = got
+    assert folds == [2]  # 16 shards read 2 a device and folded over the devices, then the 2 processes
+    for name, value in first.items():
+        np.testing.assert_array_equal(second[name], value, err_msg=name)  # every process the same
+    # A finished job resumed merges its state with identities: bitwise the state saved. The per-shard
+    # one's fold of 16 partials is bitwise the logical_shards=16 merge in one process of 8 devices.
+    np.testing.assert_array_equal(first["per-shard resumed"], first["per-shard"])
+    np.testing.assert_array_equal(first["per-shard"], ss.run(ss.Gram(), X, mesh="data:8", logical_shards=16, **KW))
+    np.testing.assert_array_equal(first["compact resumed"], first["compact"])
+    assert rel_err(first["compact"], f64(X).T @ f64(X)) < 1e-5
