@@ -18,14 +18,26 @@ pair up, ``m * 2 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the
 
     python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
     python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
+
+``--checkpoints`` times checkpoints instead (:func:`checkpoint_point`): for each S, a per-shard
+save (every logical shard's state) beside a compact one (``CheckpointOptions(compact=True)``: the
+partials merged, one state split over the 8 devices): bytes on disk per save, the seconds a save
+takes (until written; after a first save compiled what it runs), the seconds a restore into the
+same program takes after a first one compiled what it runs (per-shard: in place; compact: the
+state read split and laid out in shard 0), and an elastic restore of the per-shard save onto
+``data:8`` without ``logical_shards`` (its S shards read over the devices and folded).
+
+    python -m bench.scale --checkpoints --quick --jobs "Gram d=1024,LinearRegression"
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
+import tempfile
 import time
 
 import jax
@@ -33,6 +45,9 @@ import numpy as np
 
 import sharded_scan as ss
 from sharded_scan import program as pg
+from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
+from sharded_scan.paths import as_path
+from sharded_scan.relayout import compact, relayout
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 CHIPS, CHIPS_PER_HOST = (256, 1024, 4096), 4
@@ -120,6 +135,53 @@ def point(name: str, shards: int, repeats: int) -> dict:
     return out
 
 
+def disk_bytes(directory: str) -> int:
+    """Bytes of the files under ``directory``."""
+    path = as_path(directory)
+    return sum(disk_bytes(p) if p.is_dir() else p.stat().length for p in path.iterdir())
+
+
+def checkpointer(prog: pg.Program, directory: str, compact_saves: bool):
+    """A Checkpointer of ``prog``'s job in ``directory``, opened: its latest checkpoint restored (on the devices)."""
+    ckpt = Checkpointer(CheckpointOptions(directory, every_steps=1, every_seconds=None, keep=1, compact=compact_saves))
+    restored = ckpt.restore_latest(prog.like, prog.fingerprint, functools.partial(relayout, prog), prog.shape_meta,
+                                   functools.partial(compact, prog))
+    if restored is not None:
+        jax.block_until_ready(restored.partials)
+    return ckpt
+
+
+def checkpoint_point(name: str, shards: int, rows: int) -> dict:
+    """Bytes and seconds of a per-shard and a compact save of S = ``shards`` partials, and their restores
+    (``rows``: the job's, the same for every S, at least 16 steps of the largest S: one fingerprint)."""
+    combiner, spec = jobs()[name]
+    options = ss.RunOptions(mesh=f"data:{min(shards, 8)}", logical_shards=shards, microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, rows, options)
+    elastic = pg.program_for_spec(combiner, spec, rows, ss.RunOptions(mesh="data:8", microbatch=32, steps_per_call=1))
+    state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
+    partials = folded_partials(prog)
+    out = {"job": name, "shards": shards, "devices": min(shards, 8), "state_bytes": state}
+    for mode in ("per_shard", "compact"):
+        with tempfile.TemporaryDirectory() as directory:
+            ckpt = checkpointer(prog, directory, mode == "compact")
+            ckpt.save(16, 1, partials, {})  # compiles what a save runs (compact: the merge)
+            ckpt.raise_failure()  # waits for it
+            start = time.perf_counter()
+            ckpt.save(32, 1, partials, {})
+            ckpt.close()  # waits for the write
+            out[f"{mode}_save_seconds"] = time.perf_counter() - start
+            out[f"{mode}_bytes_per_save"] = disk_bytes(os.path.join(directory, "32"))
+            out[f"{mode}_bytes_per_state"] = out[f"{mode}_bytes_per_save"] / state
+            for restore, target in (("restore", prog), ("elastic_restore", elastic)):
+                if restore == "elastic_restore" and (mode == "compact" or shards == 8):
+                    continue  # a compact restore is the same on any mesh; S=8 is in place on data:8
+                checkpointer(target, directory, False).close()  # compiles what the restore runs
+                start = time.perf_counter()
+                checkpointer(target, directory, False).close()
+                out[f"{mode}_{restore}_seconds"] = time.perf_counter() - start
+    return out
+
+
 def process_point(name: str, shards: int, repeats: int) -> dict:
     """One process's merge seconds, before and after, on all devices of every process (run in each)."""
     combiner, spec = jobs()[name]
@@ -166,8 +228,18 @@ def main() -> None:
     parser.add_argument("--gbps", type=float, default=10.0, help="assumed inter-host GB/s for the projection")
     parser.add_argument("--jobs", default=",".join(jobs()))
     parser.add_argument("--processes", type=int, default=0, help="S for the 1-8 process splits (0: none)")
+    parser.add_argument("--checkpoints", action="store_true", help="checkpoint bytes and seconds, per-shard vs compact")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
+    if args.checkpoints:
+        counts = [1, 8, 32] if args.quick else [1, 8, 32, 64, 256]
+        points = [checkpoint_point(name, s, 16 * 32 * counts[-1]) for name in args.jobs.split(",") for s in counts]
+        for p in points:
+            print(json.dumps(p), flush=True)
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "scale_checkpoints.json"), "w") as f:
+            json.dump({"points": points}, f, indent=1)
+        return
     if args.processes:
         points = [p for name in args.jobs.split(",") for p in over_processes(name, args.processes, args.repeats)]
         with open(os.path.join(RESULTS, "scale_processes.json"), "w") as f:

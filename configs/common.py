@@ -45,6 +45,7 @@ def base_config(
             "per_job": config_dict.placeholder(int),  # at most about this many step-based saves over the job
             "ignore_changed_data": False,  # resume although a data file changed since the checkpoint
             "verify_data": "stamps",  # or "digest": also every input file's SHA-256 (one more read of the data)
+            "compact": False,  # one merged state a save (about one state, resume to float rounding), not every shard's
         }
     )
     if quick:  # a save every 2 steps, but only a handful over the job, whatever its size

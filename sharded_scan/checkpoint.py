@@ -4,7 +4,9 @@ A checkpoint is one orbax step directory under ``options.directory`` named by th
 cursor (the next row of the stream to fold), holding three items:
 
 - ``partials``: the accumulator pytree with its leading shard axis, saved sharded
-  (every process writes its own shards);
+  (every process writes its own shards); under :attr:`CheckpointOptions.compact` the
+  partials merged into one state instead, each leaf flat and split over every device
+  (every device writes 1/N of one state);
 - ``meta``: JSON (:func:`checkpoint_meta`, the one schema) with ``cursor``, ``steps``
   (steps done over all runs), ``shards`` and ``axes`` (how the partials are laid out),
   ``devices``, ``processes``, the ``fingerprint``, a digest of every partial and of the
@@ -115,6 +117,17 @@ class CheckpointOptions:
         never loaded. None: the environment variable ``SHARDED_SCAN_CHECKPOINT_KEY`` if set,
         else no signing. The key is never written anywhere (nor shown in this repr); every
         process of a job needs the same one.
+      compact: each save writes ONE state, not one a logical shard: the partials merged by
+        the run's own merge (its tree), each leaf flattened and split over every device of
+        the mesh, so every device (process) writes 1/N of it in parallel and a save is about
+        one state in total, whatever the shard count (per-shard saves: S states). The
+        resume puts the merged state in logical shard 0 and identities in the others, on
+        any device count, and still counts every row exactly once; but the rows before the
+        save are merged in another order than an uninterrupted run merges them, so a result
+        after a resume agrees with it to float rounding, not bitwise (integer counts stay
+        exact). Each save also runs a merge (as long as the final one). False (default):
+        per-shard saves, bitwise resume, for small shard counts. A checkpoint of either kind
+        resumes whatever this option says.
     """
 
     directory: str | os.PathLike
@@ -126,6 +139,7 @@ class CheckpointOptions:
     force_unlock: bool = False
     verify_data: str = "stamps"
     hmac_key: bytes | str | None = dataclasses.field(default=None, repr=False, compare=False)
+    compact: bool = False
 
     def __post_init__(self):
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
@@ -137,7 +151,7 @@ class CheckpointOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
                 raise UsageError(f"checkpoint {name} must be a positive number or None, got {value!r}.")
-        for name in ("ignore_changed_data", "force_unlock"):
+        for name in ("ignore_changed_data", "force_unlock", "compact"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UsageError(f"checkpoint {name} must be True or False, got {getattr(self, name)!r}.")
         if self.verify_data not in VERIFY_DATA:
@@ -204,7 +218,9 @@ def checkpoint_meta(
     """The ``meta`` item of a checkpoint: the one schema, written by :meth:`Checkpointer.save`.
 
     ``shape`` is how the partials are laid out (``{"shards": S, "axes": {...}}``: shard
-    count and the mesh's non-``data`` axes); devices and processes are informational.
+    count and the mesh's non-``data`` axes; a compact save's ``{"shards": 1, "axes": {...},
+    "compact": N}``: one merged state, each leaf flat, padded to a multiple of the N devices
+    that wrote it); devices and processes are informational.
     ``digest`` covers every other field, and with a ``key``, ``hmac`` signs ``digest``
     (:func:`meta_problem` checks both).
     """
@@ -215,6 +231,7 @@ def checkpoint_meta(
         "fingerprint": fingerprint,
         "shards": int(shape["shards"]),
         "axes": dict(shape["axes"]),
+        **({"compact": int(shape["compact"])} if shape.get("compact") else {}),
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "partials_digests": list(partials_digests),
@@ -245,8 +262,9 @@ def meta_problem(meta: Any, key: bytes | None = None) -> str | None:
 
 
 def same_shape(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
-    """Whether a checkpoint's partials are laid out as ``shape`` (restorable in place)."""
-    return int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
+    """Whether a checkpoint's partials are laid out as ``shape`` (restorable in place; a compact one never is)."""
+    return (int(meta["shards"]) == int(shape["shards"]) and dict(meta.get("axes", {})) == dict(shape["axes"])
+            and not meta.get("compact"))
 
 
 def take_lease(directory: str, job: str, force: bool) -> Lease | None:
@@ -280,6 +298,44 @@ class Damaged(Exception):  # noqa: N818 - a finding, handled where it is raised
     """A checkpoint's bytes are not what was saved; the message is the problem."""
 
 
+class SavedPartials:
+    """A checkpoint's partials before they are read: the stored leaves' shapes, and :meth:`read`.
+
+    What :meth:`Checkpointer.restore_latest` hands ``relayout`` for a checkpoint it cannot
+    restore in place, so that the relayout chooses how they are read.
+
+    Attributes:
+      shapes: one ``jax.ShapeDtypeStruct`` a stored leaf, in leaf order (orbax's metadata).
+    """
+
+    def __init__(self, manager: ocp.CheckpointManager, cursor: int, meta: dict[str, Any]):
+        stored = manager.item_metadata(cursor)[PARTIALS]
+        stored = dict(getattr(stored, "tree", stored) or {})
+        self._manager, self._cursor, self._meta = manager, cursor, meta
+        self._keys = sorted(stored, key=int)
+        self.shapes = [jax.ShapeDtypeStruct(tuple(stored[k].shape), np.dtype(stored[k].dtype)) for k in self._keys]
+
+    def read(self, shardings: list[jax.sharding.Sharding] | None = None) -> list[Any]:
+        """Every stored leaf, its digest checked: with ``shardings`` (one a leaf) as global arrays of
+        which each process reads only its own devices' share; without, whole, as host numpy on every
+        process.
+
+        Raises:
+          Damaged: a leaf does not match its digest.
+        """
+        if shardings is None:
+            restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in self._keys}
+        else:
+            restore_args = {k: ocp.ArrayRestoreArgs(sharding=s) for k, s in zip(self._keys, shardings, strict=True)}
+        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+        flat = self._manager.restore(self._cursor, args=args)[PARTIALS]
+        leaves = [flat[k] if shardings is not None else np.asarray(flat[k]) for k in self._keys]
+        problem = _leaf_problem(array_digests(leaves), self._meta)  # every process: one reduction over all
+        if problem is not None:
+            raise Damaged(problem)
+        return leaves
+
+
 class Checkpointer:
     """Saves and restores the running state of one job in ``options.directory``.
 
@@ -310,6 +366,7 @@ class Checkpointer:
         self._manager: ocp.CheckpointManager | None = None
         self._lease: Lease | None = None
         self._job: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._compact: Callable[[PyTree], tuple[list[jax.Array], dict[str, Any]]] | None = None
         self._pending: tuple[int, int] | None = None  # (cursor, bytes) of the save in flight
         self._failure: BaseException | None = None
         self._key = options.key()  # read once; never written anywhere
@@ -337,8 +394,9 @@ class Checkpointer:
         self,
         like: PyTree,
         fingerprint: dict[str, Any],
-        relayout: Callable[[list[np.ndarray], dict[str, Any]], PyTree],
+        relayout: Callable[[SavedPartials, dict[str, Any]], PyTree],
         shape: dict[str, Any],
+        compact: Callable[[PyTree], tuple[list[jax.Array], dict[str, Any]]] | None = None,
     ) -> Restored | None:
         """The newest usable checkpoint of this job, or None; also names the job for :meth:`save`.
 
@@ -346,13 +404,16 @@ class Checkpointer:
         digests do not match its bytes, or that cannot be read, is set aside with a
         warning (all processes agree) and the one before is tried. One laid out as
         ``shape`` is restored in place into ``like``'s shardings (bitwise the state it
-        saved); any other is read as host arrays and handed to ``relayout(leaves, meta)``.
+        saved); any other (another shard count or mesh axes, or a compact save) is handed to
+        ``relayout(saved, meta)`` as :class:`SavedPartials`, whose read checks the digests.
 
         Args:
           like: the partials' ``jax.ShapeDtypeStruct`` leaves, with shardings.
           fingerprint: what names this job; a checkpoint with another one is refused.
           relayout: folds and places partials written with another shape.
           shape: this run's layout of the partials (shard count, non-``data`` axes).
+          compact: what a save under :attr:`CheckpointOptions.compact` writes: the partials
+            merged, as flat leaves split over the devices, and their ``shape`` for the meta.
 
         Raises:
           UsageError: another job holds the directory, the latest checkpoint belongs to
@@ -360,7 +421,7 @@ class Checkpointer:
           StorageError: a damaged checkpoint cannot be set aside.
         """
         fingerprint = self.identity(fingerprint)
-        self._job = (fingerprint, shape)
+        self._job, self._compact = (fingerprint, shape), compact
         signed = gather_json(None if self._key is None else keyed_digest(self._key, "sharded_scan checkpoint key"))
         if len(set(signed)) > 1:
             raise UsageError(f"the processes of this job hold different checkpoint keys ({KEY_ENV} or "
@@ -405,11 +466,7 @@ class Checkpointer:
         if same_shape(meta, shape):
             partials, verified = self._restore_in_place(cursor, like), False
         else:
-            leaves = self._restore_host(cursor)
-            problem = _leaf_problem(array_digests(leaves), meta)
-            if problem is not None:
-                raise Damaged(problem)
-            partials, verified = relayout(leaves, meta), True
+            partials, verified = relayout(SavedPartials(self._manager, cursor, meta), meta), True
         state = self._source_state(cursor, meta)
         return Restored(partials, int(meta["cursor"]), int(meta["steps"]), state, meta), verified
 
@@ -421,7 +478,8 @@ class Checkpointer:
         """Starts an async save of ``partials`` as the checkpoint at ``cursor`` (after ``steps`` steps).
 
         ``source_state`` is this process's ``source.state_at(cursor)``; every process's is
-        kept. Call :meth:`restore_latest` first: it names the job.
+        kept. Call :meth:`restore_latest` first: it names the job. Under
+        :attr:`CheckpointOptions.compact` the partials are merged first (one state written).
 
         Raises:
           StorageError: the directory has no room, is read-only or refuses the write
@@ -431,6 +489,10 @@ class Checkpointer:
             raise RuntimeError("Checkpointer.save before restore_latest: the job is not named yet.")
         self.raise_failure()
         fingerprint, shape = self._job
+        if self.options.compact:
+            if self._compact is None:
+                raise RuntimeError("Checkpointer.save: compact saves need restore_latest(..., compact=...).")
+            partials, shape = self._compact(partials)
         states = gather_json(source_state or {})
         digests = array_digests(partials)
         meta = checkpoint_meta(cursor, steps, fingerprint, shape, digests, json_digest(states), self._key)
@@ -543,15 +605,6 @@ class Checkpointer:
         args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
         flat = self._manager.restore(cursor, args=args)[PARTIALS]
         return jax.tree.structure(like).unflatten([flat[k] for k in want])
-
-    def _restore_host(self, cursor: int) -> list[np.ndarray]:
-        """Every saved leaf, whole, as host numpy on every process, in leaf order."""
-        stored = self._manager.item_metadata(cursor)[PARTIALS]
-        keys = sorted(dict(getattr(stored, "tree", stored) or {}), key=int)
-        restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys}
-        args = ocp.args.Composite(**{PARTIALS: ocp.args.PyTreeRestore(restore_args=restore_args)})
-        flat = self._manager.restore(cursor, args=args)[PARTIALS]
-        return [np.asarray(flat[k]) for k in keys]
 
     def _source_state(self, cursor: int, meta: dict[str, Any]) -> dict[str, Any]:
         """This process's source state saved at ``cursor`` (``{}`` for checkpoints without one)."""

@@ -34,7 +34,7 @@ from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program, to_host
 from sharded_scan.progress import reporter
-from sharded_scan.relayout import relayout
+from sharded_scan.relayout import compact, relayout
 from sharded_scan.sources import Source, as_source
 from sharded_scan.sources.compose import part_of
 from sharded_scan.watchdog import Watchdog, is_peer_lost
@@ -165,7 +165,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
 
 
 # The checkpoint options that decide when the processes save together (and what they resume).
-SAVE_TERMS = ("every_steps", "every_seconds", "keep", "per_job", "ignore_changed_data")
+SAVE_TERMS = ("every_steps", "every_seconds", "keep", "per_job", "ignore_changed_data", "compact")
 
 
 def job_terms(program: Program, workdir: str | None = None) -> dict[str, Any]:
@@ -290,7 +290,7 @@ def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
     """The latest checkpoint of the job, or identity partials at row 0 (``meta`` empty)."""
     if ckpt is not None:
         restored = ckpt.restore_latest(program.like, program.fingerprint, functools.partial(relayout, program),
-                                       program.shape_meta)
+                                       program.shape_meta, functools.partial(compact, program))
         if restored is not None:
             return restored
     return Restored(program.init(), 0, 0, {}, {})

@@ -401,6 +401,41 @@ def local_state(states: PyTree) -> PyTree:
     return _index(jax.tree.map(lambda x: x.addressable_data(0), states), 0)
 
 
+def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, per_device: int, host_operands: PyTree,
+                      precision: str, fixed: bool) -> PyTree:
+    """The stacked ``partials`` (``per_device`` shards a device, leading axis over ``mesh``'s ``data``)
+    merged in :func:`tree_fold`'s tree, one state on each process's leader device (:meth:`Program.merge`'s
+    process tree; also :func:`sharded_scan.relayout.relayout`'s fold of a checkpoint's partials).
+
+    Each device folds its own shards on itself in :func:`tree_fold`'s tree (all devices at once,
+    :func:`tree_folds`), then the process's devices their results (one state moved a merge, onto the
+    left one's device), by a pairwise merge compiled for one device; then the processes run the device
+    tree's rounds, one device each. Where a device's shards are not one subtree of the tree (one
+    process holding a count of them that is not a power of two), the process's shards fold one after
+    another on its first device instead."""
+    leaders = process_leaders(mesh)
+    me, count = leader_index(mesh), leaders.size
+    device = leaders.devices.flat[me]
+    merge = compile_pair_merge(combiner, precision, fixed)
+    blocks = own_blocks(partials)
+    operands = {d: jax.device_put(host_operands, d) for d in {device, *map(device_of, blocks)}}
+    on_left = lambda a, b: merge(a, jax.device_put(b, device_of(a)), operands[device_of(a)])  # noqa: E731
+    if power_of_two_or_alone(per_device, len(blocks)):
+        streams = [states_of(block) for block in blocks]
+        state = tree_fold(on_left, tree_folds([on_left] * len(blocks), streams))
+    else:
+        state = tree_fold(on_left, (s for block in blocks for s in states_of(block, device)))
+    state = jax.device_put(state, device)
+    for stride in tree_strides(count):
+        partner = local_state(compile_exchange(combiner, leaders, stride)(global_state(state, leaders)))
+        if receives(stride, count)(me):
+            state = merge(state, partner, operands[device])
+    if count == 1:
+        return state
+    broadcast = compile_broadcast(combiner, leaders)(global_state(state, leaders))
+    return jax.tree.map(lambda x: x.addressable_data(0), broadcast)
+
+
 def place(host: PyTree, shardings: PyTree) -> PyTree:
     """Global jax.Arrays from host arrays every process holds whole (any process count)."""
     return jax.tree.map(
@@ -505,34 +540,9 @@ class Program:
         return merge(partials, self.operands)
 
     def process_tree_merge(self, partials: PyTree) -> PyTree:
-        """The process tree (:meth:`merges_by_process_tree`): each device folds its own shards on
-        itself in :func:`tree_fold`'s tree (all devices at once, :func:`tree_folds`), then the
-        process's devices their results (one state moved a merge, onto the left one's device),
-        by a pairwise merge compiled for one device; then the processes run the device tree's
-        rounds, one device each. Where a device's shards are not one subtree of the tree (one
-        process holding a count of them that is not a power of two), the process's shards fold
-        one after another on its first device instead."""
-        leaders = process_leaders(self.mesh)
-        me, count = leader_index(self.mesh), leaders.size
-        device = leaders.devices.flat[me]
-        merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
-        blocks = own_blocks(partials)
-        operands = {d: jax.device_put(self.host_operands, d) for d in {device, *map(device_of, blocks)}}
-        on_left = lambda a, b: merge(a, jax.device_put(b, device_of(a)), operands[device_of(a)])  # noqa: E731
-        if power_of_two_or_alone(self.layout.shards_per_device, len(blocks)):
-            streams = [states_of(block) for block in blocks]
-            state = tree_fold(on_left, tree_folds([on_left] * len(blocks), streams))
-        else:
-            state = tree_fold(on_left, (s for block in blocks for s in states_of(block, device)))
-        state = jax.device_put(state, device)
-        for stride in tree_strides(count):
-            partner = local_state(compile_exchange(self.combiner, leaders, stride)(global_state(state, leaders)))
-            if receives(stride, count)(me):
-                state = merge(state, partner, operands[device])
-        if count == 1:
-            return state
-        broadcast = compile_broadcast(self.combiner, leaders)(global_state(state, leaders))
-        return jax.tree.map(lambda x: x.addressable_data(0), broadcast)
+        """The process tree (:meth:`merges_by_process_tree`): :func:`process_tree_fold`."""
+        return process_tree_fold(self.combiner, self.mesh, partials, self.layout.shards_per_device,
+                                 self.host_operands, self.options.precision, self.fixed_products)
 
     @property
     def merges_by_tree(self) -> bool:

@@ -1,68 +1,178 @@
-"""A checkpoint written on another mesh, laid out on this run's: :func:`relayout`.
+"""A checkpoint's partials laid out on this run's mesh (:func:`relayout`), and what a compact save
+writes (:func:`compact`).
 
-A checkpoint holds one accumulator per logical shard, as the job was resolved for the
-mesh that wrote it (:meth:`Combiner.for_mesh`: e.g. a Gram split by columns over a
-``model`` axis). :class:`~sharded_scan.checkpoint.Checkpointer` restores one of the same
-shape in place and hands any other here, as host arrays.
+A per-shard checkpoint holds one accumulator per logical shard, as the job was resolved for
+the mesh that wrote it (:meth:`Combiner.for_mesh`: e.g. a Gram split by columns over a
+``model`` axis); a compact one (:attr:`~sharded_scan.checkpoint.CheckpointOptions.compact`)
+one merged state, each leaf flat and split over the devices that wrote it.
+:class:`~sharded_scan.checkpoint.Checkpointer` restores a per-shard checkpoint of the same
+shape in place and hands any other here, unread
+(:class:`~sharded_scan.checkpoint.SavedPartials`): the saved shards are read sharded over this
+run's ``data`` axis (each process reads only its devices' share) and folded on the devices by
+the run's own process tree (:func:`~sharded_scan.program.process_tree_fold`), or, where that
+tree is not :func:`~sharded_scan.program.tree_fold`'s over the saved shards, read whole and
+folded on one device.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from sharded_scan.checkpoint import SavedPartials
+from sharded_scan.combiners.base import Combiner
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
-from sharded_scan.program import Program, compile_pair_merge, place, shards_of, stacked, tree_fold
+from sharded_scan.program import (
+    Program,
+    compile_pair_merge,
+    mesh_axes,
+    power_of_two_or_alone,
+    process_leaders,
+    process_tree_fold,
+    shards_of,
+    stacked,
+    tree_fold,
+)
 
 PyTree = Any
 
 
-def relayout(program: Program, leaves: list[np.ndarray], meta: dict[str, Any]) -> PyTree:
-    """``program``'s partials from a checkpoint's host ``leaves`` written with another shape (``meta``).
+def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[str, Any]]:
+    """What a compact save writes: ``partials`` merged by :meth:`Program.merge` (the run's own tree),
+    each leaf flattened, padded with zeros to a multiple of the mesh's N devices and split over
+    all of them (each device holds, and orbax writes, 1/N of one state), and the checkpoint's
+    ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``)."""
+    mesh = program.mesh
+    spread = NamedSharding(mesh, P(mesh.axis_names))
+    leaves = [_flat(leaf, padded(leaf.size, mesh.size), spread) for leaf in jax.tree.leaves(program.merge(partials))]
+    return leaves, {"shards": 1, "axes": mesh_axes(mesh), "compact": mesh.size}
 
-    With the same shard count each shard's accumulator is converted to this mesh's
-    resolution of the job on its own (bitwise the state it saved, for a lossless
-    conversion). Otherwise the saved shards are merged in :func:`tree_fold`'s tree by
-    one pairwise merge program of the combiner as it was resolved for the mesh that wrote
-    them (a compile that does not grow with the shard count; a few states on the device at
-    once), converted, and laid out as ``[merged, identity, ...]`` over this run's shards.
+
+def padded(size: int, pieces: int) -> int:
+    """``size`` rounded up to a multiple of ``pieces``."""
+    return -(-size // pieces) * pieces
+
+
+_pad = jax.jit(lambda x, size: jnp.pad(x.reshape(-1), (0, size - x.size)), static_argnums=1)
+
+
+def _flat(x: jax.Array, size: int, sharding: NamedSharding) -> jax.Array:
+    """``x`` flattened and padded to ``size``, laid out as ``sharding``: from a copy on each process
+    (a merge's result on one device, or replicated) each device takes its share; a leaf split
+    over the mesh is resharded."""
+    if x.is_fully_replicated:
+        return from_local(_pad(x.addressable_data(0), size), sharding)
+    return jax.device_put(_pad(x, size), sharding)
+
+
+def from_local(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A global array laid out as ``sharding`` from ``x``, its whole value on a device of this
+    process (every process the same value): each of this process's devices gets its share."""
+    index = sharding.addressable_devices_indices_map(x.shape)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [jax.device_put(x[i], d) for d, i in index.items()])
+
+
+def relayout(program: Program, saved: SavedPartials, meta: dict[str, Any]) -> PyTree:
+    """``program``'s partials from a checkpoint written with another shape (``meta``), or compact.
+
+    A compact checkpoint's state is read split over this mesh, converted to this mesh's
+    resolution of the job and laid out as ``[state, identity, ...]``. With the same shard
+    count each shard's accumulator is read on its device and converted there (bitwise the
+    state it saved, for a lossless conversion). Otherwise the saved shards are merged in
+    :func:`tree_fold`'s tree by one pairwise merge program of the combiner as it was resolved
+    for the mesh that wrote them (a compile that does not grow with the shard count), converted,
+    and laid out as ``[merged, identity, ...]``: read over this run's ``data`` axis, each device
+    folding its own and the processes pairing up (:func:`process_tree_fold`) where that is the
+    same tree, else read whole on every process and folded on one device; the result is bitwise
+    the same either way.
 
     Raises:
-      UsageError: the leaves are not what this job writes on such a mesh.
+      UsageError: the stored leaves are not what this job writes on such a mesh.
     """
     axes = {str(k): int(v) for k, v in meta["axes"].items()}
-    saved = program.job.for_mesh(AbstractMesh((1, *axes.values()), (DATA_AXIS, *axes)))
-    expect = jax.eval_shape(lambda: stacked(saved, program.spec, int(meta["shards"])))
-    want = jax.tree.leaves(expect)
-    problem = None if len(leaves) == len(want) else f"{len(leaves)} accumulator leaves there but {len(want)} here"
-    for i, (got, leaf) in enumerate(zip(leaves, want, strict=False)):
+    there = program.job.for_mesh(AbstractMesh((1, *axes.values()), (DATA_AXIS, *axes)))
+    count, pieces = int(meta["shards"]), int(meta.get("compact") or 0)
+    expect = jax.eval_shape(lambda: stacked(there, program.spec, count))
+    want = [jax.ShapeDtypeStruct((padded(math.prod(s.shape), pieces),), s.dtype) if pieces else s
+            for s in jax.tree.leaves(expect)]
+    _check_leaves(saved.shapes, want)
+    mesh, treedef = program.mesh, jax.tree.structure(expect)
+    by_data = [NamedSharding(mesh, P(DATA_AXIS))] * len(want)
+    if pieces:
+        every = [NamedSharding(mesh, P(mesh.axis_names) if s.shape[0] % mesh.size == 0 else P()) for s in want]
+        shapes = [s.shape[1:] for s in jax.tree.leaves(expect)]
+        return first_shard(program, there, saved.read(every), lambda flats: treedef.unflatten(
+            [f[: math.prod(shape)].reshape(shape) for f, shape in zip(flats, shapes, strict=True)]))
+    if count == program.layout.num_shards:  # shard by shard: a logical shard's state stays its own
+        return converted(program, there, treedef.unflatten(saved.read(by_data)))
+    if folds_on_devices(program, there, count):
+        partials = treedef.unflatten(saved.read(by_data))
+        state = process_tree_fold(there, mesh, partials, count // program.layout.data_size, program.host_operands,
+                                  program.options.precision, program.fixed_products)
+    else:
+        merge = compile_pair_merge(there, program.options.precision, program.fixed_products)
+        operands = program.host_operands
+        state = tree_fold(lambda a, b: merge(a, b, operands), shards_of(treedef.unflatten(saved.read())))
+        state = jax.tree.map(jnp.asarray, state)  # one host shard when there was one
+    replicated = NamedSharding(mesh, P())
+    return first_shard(program, there, jax.tree.map(lambda x: from_local(x, replicated), state), lambda s: s)
+
+
+def _check_leaves(stored: list[jax.ShapeDtypeStruct], want: list[jax.ShapeDtypeStruct]) -> None:
+    problem = None if len(stored) == len(want) else f"{len(stored)} accumulator leaves there but {len(want)} here"
+    for i, (got, leaf) in enumerate(zip(stored, want, strict=False)):
         if problem is None and (got.shape != leaf.shape or got.dtype != leaf.dtype):
-            problem = f"accumulator leaf {i} is {got.dtype.name}{list(got.shape)} there but " \
+            problem = f"accumulator leaf {i} is {np.dtype(got.dtype).name}{list(got.shape)} there but " \
                       f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} here"
     if problem is not None:
         raise UsageError(f"the checkpoint belongs to a different job: {problem}; "
                          "rerun with the original settings, or use a new checkpoint directory.")
-    saved_partials = jax.tree.structure(expect).unflatten(leaves)
-    target, spec, shards = program.combiner, program.spec, program.layout.num_shards
-    operands = program.host_operands
-    if int(meta["shards"]) != shards:  # folded in tree_fold's tree, one compiled merge, a few states at once
-        merge = compile_pair_merge(saved, program.options.precision, program.fixed_products)
-        saved_partials = tree_fold(lambda a, b: merge(a, b, operands), shards_of(saved_partials))
 
-    def convert(saved_partials, operands):
-        here, there = target.bind(operands), saved.bind(operands)
+
+def folds_on_devices(program: Program, there: Combiner, count: int) -> bool:
+    """Whether ``count`` saved shards, read over this run's ``data`` axis, fold in :func:`tree_fold`'s
+    tree by :func:`process_tree_fold`: a whole number of them a device, a power of two a process
+    (or one process), each ``data`` row's devices in one process, states whole on a device."""
+    leaders = process_leaders(program.mesh)
+    return (count % program.layout.data_size == 0 and leaders is not None and there.partition(leaders) is None
+            and power_of_two_or_alone(count // leaders.size, leaders.size))
+
+
+def _shardings(program: Program) -> PyTree:
+    return jax.tree.map(lambda s: s.sharding, program.like)
+
+
+def converted(program: Program, there: Combiner, partials: PyTree) -> PyTree:
+    """Each of ``partials``' shards converted from ``there``'s resolution to this program's, on its devices."""
+
+    def convert(partials, operands):
+        here, source = program.combiner.bind(operands), there.bind(operands)
         with jax.default_matmul_precision(program.options.precision):
-            if int(meta["shards"]) == shards:  # shard by shard: a logical shard's state stays its own
-                return jax.vmap(lambda acc: here.convert(acc, there))(saved_partials)
+            return jax.vmap(lambda acc: here.convert(acc, source))(partials)
+
+    return jax.jit(convert, out_shardings=_shardings(program))(partials, program.operands)
+
+
+def first_shard(program: Program, there: Combiner, inputs: Any, unpack: Callable[[Any], PyTree]) -> PyTree:
+    """``[state, identity, ...]`` over this program's shards, where ``unpack(inputs)`` is one state of
+    ``there``'s resolution of the job, converted to this program's (``inputs`` global on its mesh)."""
+    shards = program.layout.num_shards
+
+    def lay_out(inputs, operands):
+        here = program.combiner.bind(operands)
+        with jax.default_matmul_precision(program.options.precision):  # a select, not a concatenate: SPMD splits it
             return jax.tree.map(
-                lambda m, z: jnp.concatenate([m[None], jnp.broadcast_to(z[None], (shards - 1,) + z.shape)]),
-                here.convert(saved_partials, there), here.init(spec),
+                lambda m, z: jnp.where((jnp.arange(shards) == 0).reshape((shards,) + (1,) * m.ndim), m[None], z[None]),
+                here.convert(unpack(inputs), there.bind(operands)), here.init(program.spec),
             )
 
-    host = jax.tree.map(np.asarray, jax.jit(convert)(saved_partials, operands))
-    return place(host, jax.tree.map(lambda s: s.sharding, program.like))
+    return jax.jit(lay_out, out_shardings=_shardings(program))(inputs, program.operands)

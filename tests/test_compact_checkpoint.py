@@ -1,0 +1,143 @@
+"""Compact checkpoints (one merged state a save) and the sharded elastic restore of per-shard ones."""
+
+import logging
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import sharded_scan as ss
+from sharded_scan import relayout
+from sharded_scan.checkpoint import DAMAGED, META, PARTIALS
+from sharded_scan.program import program_for_spec
+from tests.helpers import CrashError, crash_at, f64, rel_err
+from tests.test_damaged_checkpoints import flipped_array_byte
+
+KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step
+X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
+HIST = ss.Histogram(bins=7, range=(-2.0, 2.0))
+
+
+def crashed_run(directory, combiner, compact, mesh="data:8"):
+    """Checkpoints at cursors 256, 384, 512 of a run that died in step 5."""
+    options = ss.CheckpointOptions(str(directory), every_steps=1, keep=3, compact=compact)
+    with pytest.raises(CrashError):
+        ss.run(combiner, X, mesh=mesh, checkpoint=options, progress=crash_at(5), **KW)
+    assert sorted(int(n) for n in os.listdir(directory)) == [256, 384, 512]
+    return directory
+
+
+@pytest.fixture(scope="module")
+def compact_gram(tmp_path_factory):
+    return crashed_run(tmp_path_factory.mktemp("compact") / "ck", ss.Gram(), compact=True)
+
+
+def copied(original, tmp_path):
+    shutil.copytree(original, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def stored(step):
+    """The meta and the stored partials' (shape, dtype) of a step directory."""
+    meta = ocp.JsonCheckpointHandler().restore(step / META)
+    tree = ocp.PyTreeCheckpointHandler().metadata(step / PARTIALS)
+    tree = dict(getattr(tree, "tree", tree))
+    return meta, [(tuple(tree[k].shape), np.dtype(tree[k].dtype)) for k in sorted(tree, key=int)]
+
+
+def test_a_compact_save_is_one_state_split_over_every_device(compact_gram):
+    program = program_for_spec(ss.Gram(), jax.ShapeDtypeStruct((5,), np.float32), len(X),
+                               ss.RunOptions(mesh="data:8", **KW))
+    state = [s.shape[1:] for s in jax.tree.leaves(program.like)]
+    one_state = sum(math.prod(s) * 4 for s in state)
+    meta, leaves = stored(compact_gram / "512")
+    assert (meta["shards"], meta["compact"]) == (1, 8)
+    # Flat leaves padded to a multiple of the 8 devices: one state and at most 7 values a leaf more.
+    assert [shape for shape, _ in leaves] == [(-(-math.prod(s) // 8) * 8,) for s in state]
+    assert one_state <= sum(shape[0] * dtype.itemsize for shape, dtype in leaves) <= one_state + 7 * 4 * len(state)
+    # Each device holds (and writes) 1/8 of each leaf.
+    flat, shape = relayout.compact(program, program.init())
+    assert shape == {"shards": 1, "axes": {}, "compact": 8}
+    for leaf in flat:
+        assert len({s.device for s in leaf.addressable_shards}) == 8
+        assert {s.data.shape[0] for s in leaf.addressable_shards} == {leaf.shape[0] // 8}
+
+
+def test_a_compact_checkpoint_resumes_on_any_device_count_every_row_once(compact_gram, tmp_path):
+    directory = copied(compact_gram, tmp_path)
+    options = ss.CheckpointOptions(str(directory), every_steps=1, compact=False)  # either option resumes either kind
+    got, report = ss.run_with_report(ss.Gram(), X, mesh="data:3", checkpoint=options, **KW)
+    assert report.resumed_from_cursor == 512 and report.devices == 3
+    assert rel_err(got, f64(X).T @ f64(X)) < 1e-5  # merged in another order: to float rounding, not bitwise
+    counts = np.stack([np.histogram(X[:, j], 7, (-2.0, 2.0))[0] for j in range(5)])
+    directory = crashed_run(tmp_path / "hist", HIST, compact=True)
+    got, report = ss.run_with_report(HIST, X, mesh="data:8", checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+    assert report.resumed_from_cursor == 512
+    np.testing.assert_array_equal(got.counts, counts)  # integer counts: exact
+
+
+def test_a_damaged_compact_checkpoint_is_set_aside_and_the_one_before_used(compact_gram, tmp_path, caplog):
+    directory = copied(compact_gram, tmp_path)
+    flipped_array_byte(directory / "512")
+    with caplog.at_level(logging.WARNING, logger="sharded_scan.checkpoint"):
+        got, report = ss.run_with_report(ss.Gram(), X, mesh="data:8", checkpoint=ss.CheckpointOptions(str(directory)),
+                                         **KW)
+    assert report.resumed_from_cursor == 384
+    assert rel_err(got, f64(X).T @ f64(X)) < 1e-5
+    assert "skipping the damaged checkpoint 512" in caplog.text
+    assert [p.split("-")[0] for p in os.listdir(directory / DAMAGED)] == ["512"]
+    with pytest.raises(ss.UsageError, match="different job"):  # the fingerprint still names the job
+        ss.run(ss.Gram(), X[:1000], mesh="data:8", checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+
+
+def test_the_sharded_elastic_restore_is_bitwise_the_one_device_fold(tmp_path, monkeypatch):
+    original = crashed_run(tmp_path / "per-shard", ss.Gram(), compact=False)
+    folds, tree_fold = [], relayout.process_tree_fold
+    monkeypatch.setattr(relayout, "process_tree_fold", lambda *a: folds.append(a[3]) or tree_fold(*a))
+    got = {}
+    for sharded in (True, False):  # 8 saved shards read 2 a device on 4 devices, or whole on the host
+        if not sharded:
+            monkeypatch.setattr(relayout, "folds_on_devices", lambda *a: False)
+        directory = copied(original, tmp_path / str(sharded))
+        got[sharded], report = ss.run_with_report(ss.Gram(), X, mesh="data:4",
+                                                   checkpoint=ss.CheckpointOptions(str(directory)), **KW)
+        assert report.resumed_from_cursor == 512
+    assert folds == [2]  # the sharded read was folded by the process tree, 2 shards a device
+    np.testing.assert_array_equal(got[True], got[False])
+    assert rel_err(got[True], f64(X).T @ f64(X)) < 1e-5
+
+
+def finished_and_resumed(directory):
+    """In each process: a compact job and a per-shard ``logical_shards=16`` one run to their end, then
+    each resumed from its final checkpoint, the per-shard one without ``logical_shards`` (16 saved
+    shards onto 8: read over the devices, folded over the processes). Run by 2 processes of 4 devices."""
+    folds, tree_fold = [], relayout.process_tree_fold
+    relayout.process_tree_fold = lambda *a: folds.append(a[3]) or tree_fold(*a)
+    out = {}
+    for name, compact, logical in (("compact", True, None), ("per-shard", False, 16)):
+        options = ss.CheckpointOptions(f"{directory}/{name}", every_steps=100, compact=compact)
+        out[name] = ss.run(ss.Gram(), X, mesh="data:-1", checkpoint=options, logical_shards=logical, **KW)
+        out[f"{name} resumed"], report = ss.run_with_report(ss.Gram(), X, mesh="data:-1", checkpoint=options, **KW)
+        assert (report.resumed_from_cursor, report.steps) == (len(X), 0)
+    return out, folds
+
+
+def test_two_processes_save_compact_and_fold_a_sharded_restore(tmp_path):
+    from tests import multiprocess
+
+    got = multiprocess.run_processes("tests.test_compact_checkpoint:finished_and_resumed", 2, 4, timeout=240,
+                                     kwargs={"directory": str(tmp_path)})
+    (first, folds), (second, _) = got
+    assert folds == [2]  # 16 shards read 2 a device and folded over the devices, then the 2 processes
+    for name, value in first.items():
+        np.testing.assert_array_equal(second[name], value, err_msg=name)  # every process the same
+    # A finished job resumed merges its state with identities: bitwise the state saved. The per-shard
+    # one's fold of 16 partials is bitwise the logical_shards=16 merge in one process of 8 devices.
+    np.testing.assert_array_equal(first["per-shard resumed"], first["per-shard"])
+    np.testing.assert_array_equal(first["per-shard"], ss.run(ss.Gram(), X, mesh="data:8", logical_shards=16, **KW))
+    np.testing.assert_array_equal(first["compact resumed"], first["compact"])
+    assert rel_err(first["compact"], f64(X).T @ f64(X)) < 1e-5
