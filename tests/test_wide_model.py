@@ -1,0 +1,57 @@
+"""Wide accumulators over ``model``: a sketch split by columns (issue 29, item 2).
+
+The split runs the whole sketch's per-column arithmetic and random bits, so on the same
+shards (``logical_shards``) its result is bitwise that of a mesh without ``model``.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan import admission
+from sharded_scan.options import RunOptions
+from sharded_scan.program import build_program
+from sharded_scan.sources import as_source
+
+RNG = np.random.default_rng(29)
+X = RNG.normal(size=(611, 5)).astype(np.float32)  # ragged rows; 5 columns, padded to 6 over model:2
+SKETCH = ss.Quantiles(qs=[0, 0.1, 0.5, 0.9, 1], k=16)  # k below a shard's rows: the sketches compact
+RUN = dict(microbatch=16, steps_per_call=2, logical_shards=4)  # 4 shards: each merge compiles 3 pair merges
+
+
+def assert_bitwise(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def whole():
+    result = ss.run(SKETCH, X, mesh="data:4", **RUN)  # bitwise data:1's, data:2's (test_quantiles)
+    np.testing.assert_array_equal(result.quantiles[:, [0, -1]], np.stack([X.min(0), X.max(0)], 1))
+    return result
+
+
+@pytest.mark.parametrize("mesh", ["data:4,model:2", "data:2,model:2"])
+def test_a_sketch_split_over_model_is_bitwise_the_whole_ones(whole, mesh):
+    program = build_program(SKETCH, as_source(X), RunOptions(mesh=mesh, **RUN))
+    items = program.like.value.sketch.items  # (shards, 6 padded columns, slots), 3 columns a device
+    assert items.shape[1] == 6 and items.sharding.shard_shape(items.shape)[1] == 3
+    assert_bitwise(ss.run(SKETCH, X, mesh=mesh, **RUN), whole)
+
+
+def test_the_memory_estimate_sees_the_split_and_names_the_axis_to_grow(monkeypatch):
+    wide = np.zeros((100, 512), np.float32)
+
+    def per_device(mesh):
+        return admission.memory_estimate(build_program(SKETCH, as_source(wide), RunOptions(mesh=mesh, microbatch=16)))
+
+    whole, split = per_device("data:8"), per_device("data:4,model:2")
+    assert split["accumulator"] <= 0.51 * whole["accumulator"]
+    assert split["merge"] <= 0.51 * whole["merge"] and split["temporary"] < whole["temporary"]
+    monkeypatch.setattr(admission, "device_available", lambda device: (whole["accumulator"], "the test's memory"))
+    with pytest.raises(ss.UsageError, match="grow the mesh's 'model' axis") as err:
+        build_program(SKETCH, as_source(wide), RunOptions(mesh="data:8", microbatch=16))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ss.UsageError, match="make the accumulator smaller"):
+        build_program(ss.Histogram(bins=100_000, range=(0, 1)), as_source(wide), RunOptions(mesh="data:8"))
