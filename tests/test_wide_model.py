@@ -54,5 +54,10 @@ def test_the_memory_estimate_sees_the_split_and_names_the_axis_to_grow(monkeypat
     with pytest.raises(ss.UsageError, match="grow the mesh's 'model' axis") as err:
         build_program(SKETCH, as_source(wide), RunOptions(mesh="data:8", microbatch=16))
     assert "\n" not in str(err.value)
-    with pytest.raises(ss.UsageError, match="make the accumulator smaller"):
-        build_program(ss.Histogram(bins=100_000, range=(0, 1)), as_source(wide), RunOptions(mesh="data:8"))
+    with pytest.raises(ss.UsageError, match="make the accumulator smaller"):  # a state that does not split
+        build_program(ss.DistinctCount(), as_source(wide), RunOptions(mesh="data:8"))
+
+
+def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks them on data:4,model:2
+    counts = build_program(ss.Histogram(7, (0, 1)), as_source(X), RunOptions(mesh="data:2,model:4")).like.value.counts
+    assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
