@@ -5,6 +5,7 @@ shards (``logical_shards``) its result is bitwise that of a mesh without ``model
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -61,3 +62,13 @@ def test_the_memory_estimate_sees_the_split_and_names_the_axis_to_grow(monkeypat
 def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks them on data:4,model:2
     counts = build_program(ss.Histogram(7, (0, 1)), as_source(X), RunOptions(mesh="data:2,model:4")).like.value.counts
     assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
+
+
+@pytest.mark.parametrize(("job", "shape"), [(SKETCH, (6,)), (SKETCH, ()), (ss.Histogram(7, (0, 1)), (6,))])
+def test_a_state_converts_between_whole_and_split(job, shape):  # a resume on a mesh with other axes
+    spec, rng = jax.ShapeDtypeStruct(shape, np.float32), np.random.default_rng(0)
+    split = job.for_mesh(ss.make_mesh("data:2,model:4"))
+    acc = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)), job.init(spec))
+    there = split.convert(acc, job)
+    assert jax.tree.map(np.shape, there) == jax.tree.map(np.shape, split.init(spec))
+    assert_bitwise(job.convert(there, split), acc)

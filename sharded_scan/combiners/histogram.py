@@ -53,6 +53,11 @@ class SplitCounts(NamedTuple):
     columns: jax.Array
 
 
+def unsplit(acc: SplitCounts) -> wide.Wide:
+    """The whole counts of ``acc``: its real columns."""
+    return wide.Wide(acc.counts.limbs[: acc.columns.shape[0]])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Histogram(AdditiveCombiner):
     """Counts of each column's values in ``bins`` equal bins over ``range``.
@@ -168,10 +173,17 @@ class Histogram(AdditiveCombiner):
     def weighted(self):
         return WeightedHistogram(self.bins, self.range, self.bound)
 
+    def convert(self, acc, source):
+        """Between whole counts and counts split over ``model`` (a resume on a mesh with other axes)."""
+        acc = unsplit(acc) if source.model_shards > 1 else acc
+        if self.model_shards == 1:
+            return acc
+        d = acc.limbs.shape[0]
+        pad = -(-d // self.model_shards) * self.model_shards - d
+        return SplitCounts(wide.Wide(jnp.pad(acc.limbs, ((0, pad), (0, 0), (0, 0)))), jnp.zeros((d,), jnp.int8))
+
     def finalize(self, acc):
-        if self.model_shards > 1:
-            acc = wide.Wide(acc.counts.limbs[: acc.columns.shape[0]])
-        counts = wide.to_int(acc)
+        counts = wide.to_int(unsplit(acc) if self.model_shards > 1 else acc)
         edges = self._edges(counts.shape[0])
         return HistogramResult(counts, edges if np.ndim(self.range) == 2 else edges[0])
 

@@ -99,16 +99,27 @@ class SplitQuantilesAcc(NamedTuple):
     with empty ones to a multiple of the axis size, and how many are real."""
 
     value: QuantilesAcc
-    columns: jax.Array  # int32 (): the real columns; -1 where the rows were scalars
+    columns: jax.Array  # int8 zeros shaped like a row ((d,), or () for scalar rows): the real columns
 
 
 def unsplit(acc: SplitQuantilesAcc) -> QuantilesAcc:
-    """The whole accumulator of host ``acc``: its real columns (a scalar's shapes for scalar rows)."""
-    columns = int(acc.columns)
-    value, real = acc.value, max(columns, 1)
-    ends = (lambda x: x[0]) if columns < 0 else (lambda x: x[:real])
+    """The whole accumulator of ``acc``: its real columns (a scalar's shapes for scalar rows)."""
+    value, shape = acc.value, np.shape(acc.columns)
+    real = shape[0] if shape else 1
+    ends = (lambda x: x[:real]) if shape else (lambda x: x[0])
     return value._replace(sketch=value.sketch._replace(items=value.sketch.items[:real]), low=ends(value.low),
                           high=ends(value.high))
+
+
+def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
+    """``acc`` whole as split over ``shards`` ``model`` devices: padded with empty columns."""
+    items, shape = acc.sketch.items, np.shape(acc.low)
+    pad = -(-items.shape[0] // shards) * shards - items.shape[0]
+    ends = lambda x, value: jnp.pad(jnp.reshape(x, (-1,)), (0, pad), constant_values=value)  # noqa: E731
+    value = acc._replace(sketch=acc.sketch._replace(items=jnp.pad(items, ((0, pad), (0, 0)),
+                                                                  constant_values=fill(items.dtype))),
+                         low=ends(acc.low, fill(items.dtype)), high=ends(acc.high, 0))
+    return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +202,7 @@ class Quantiles(Combiner, MultiPass):
         if self.model_shards > 1:
             width = -(-d // self.model_shards) * self.model_shards
             value = self.whole.init(jax.ShapeDtypeStruct((width,), spec.dtype))
-            return SplitQuantilesAcc(value, jnp.int32(d if shape else -1))
+            return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
         return QuantilesAcc(
             kll.empty(d, self.k, keys), wide.zeros(limbs=3), jnp.full(shape, fill(keys), keys),
             jnp.zeros(shape, keys), kind_code(spec.dtype),
@@ -249,6 +260,11 @@ class Quantiles(Combiner, MultiPass):
             kll.merge(a.sketch, b.sketch, self.k), wide.add(a.count, b.count), jnp.minimum(a.low, b.low),
             jnp.maximum(a.high, b.high), a.kind,
         )
+
+    def convert(self, acc, source):
+        """Between the whole sketch and one split over ``model`` (a resume on a mesh with other axes)."""
+        whole = unsplit(acc) if source.model_shards > 1 else acc
+        return split(whole, self.model_shards) if self.model_shards > 1 else whole
 
     def finalize(self, acc):
         if self.model_shards > 1:
