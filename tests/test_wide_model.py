@@ -56,7 +56,7 @@ def test_the_memory_estimate_sees_the_split_and_names_the_axis_to_grow(monkeypat
         build_program(SKETCH, as_source(wide), RunOptions(mesh="data:8", microbatch=16))
     assert "\n" not in str(err.value)
     with pytest.raises(ss.UsageError, match="make the accumulator smaller"):  # a state that does not split
-        build_program(ss.DistinctCount(), as_source(wide), RunOptions(mesh="data:8"))
+        build_program(ss.TopK(capacity=4096), as_source(wide), RunOptions(mesh="data:8"))
 
 
 def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks them on data:4,model:2
@@ -64,7 +64,9 @@ def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks th
     assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
 
 
-@pytest.mark.parametrize(("job", "shape"), [(SKETCH, (6,)), (SKETCH, ()), (ss.Histogram(7, (0, 1)), (6,))])
+@pytest.mark.parametrize(("job", "shape"), [(SKETCH, (6,)), (SKETCH, ()), (ss.Histogram(7, (0, 1)), (6,)),
+                                          (ss.DistinctCount(precision=8, exact_up_to=64), (6,)),
+                                          (ss.DistinctCount(precision=8, exact_up_to=64), ())])
 def test_a_state_converts_between_whole_and_split(job, shape):  # a resume on a mesh with other axes
     spec, rng = jax.ShapeDtypeStruct(shape, np.float32), np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))
