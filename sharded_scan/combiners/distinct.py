@@ -55,7 +55,7 @@ from sharded_scan.combiners.keys import (
     sort_by_key,
 )
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import column_block
+from sharded_scan.combiners.sums import SplitsByColumns, column_block
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -180,7 +180,7 @@ def estimate(registers: np.ndarray, rank_bits: int = RANK_BITS) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistinctCount(Combiner):
+class DistinctCount(SplitsByColumns, Combiner):
     """The number of distinct values in each column, like ``len(np.unique(x[:, j]))``.
 
     Args:
@@ -222,14 +222,6 @@ class DistinctCount(Combiner):
 
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
-
-    @property
-    def whole(self) -> DistinctCount:
-        return dataclasses.replace(self, model_shards=1)
-
-    def for_mesh(self, mesh: Mesh) -> DistinctCount:
-        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
-        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
 
     def partition(self, mesh: Mesh):
         return SplitDistinctAcc(DistinctAcc(P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS)), P()) \

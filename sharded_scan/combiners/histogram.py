@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import check_matrix_spec, column_block
+from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -59,7 +59,7 @@ def unsplit(acc: SplitCounts) -> wide.Wide:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Histogram(AdditiveCombiner):
+class Histogram(SplitsByColumns, AdditiveCombiner):
     """Counts of each column's values in ``bins`` equal bins over ``range``.
 
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
@@ -111,10 +111,6 @@ class Histogram(AdditiveCombiner):
 
     def _key(self):
         return self.bins, np.shape(self.range), self.model_shards
-
-    def for_mesh(self, mesh: Mesh) -> Histogram:
-        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
-        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
 
     def partition(self, mesh: Mesh):
         return SplitCounts(wide.Wide(P(MODEL_AXIS)), P()) if self.model_shards > 1 else None

@@ -56,7 +56,7 @@ from sharded_scan.combiners.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
-from sharded_scan.combiners.sums import column_block
+from sharded_scan.combiners.sums import SplitsByColumns, column_block
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -123,7 +123,7 @@ def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quantiles(Combiner, MultiPass):
+class Quantiles(SplitsByColumns, Combiner, MultiPass):
     """Quantiles of every column of rows X ``(n, d)`` (or of a vector), like ``np.quantile(X, qs, axis=0)``.
 
     Args:
@@ -180,15 +180,6 @@ class Quantiles(Combiner, MultiPass):
 
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
-
-    @property
-    def whole(self) -> Quantiles:
-        """This sketch unsplit (``model_shards=1``)."""
-        return dataclasses.replace(self, model_shards=1)
-
-    def for_mesh(self, mesh: Mesh) -> Quantiles:
-        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
-        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
 
     def partition(self, mesh: Mesh):
         if self.model_shards == 1:
