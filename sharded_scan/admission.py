@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 from jax.extend import core as jax_core
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
 
 if TYPE_CHECKING:  # program.py calls check_fits as it builds a Program
     from sharded_scan.program import Program
@@ -107,12 +110,28 @@ def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
         acc = jax.eval_shape(program.combiner.init, program.spec)
-        add = jax.make_jaxpr(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m))(
+        parts = program.combiner.partition(program.mesh)
+        add = per_device(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m), program.mesh, parts, 1)(
             operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
-        merge = jax.make_jaxpr(lambda ops, a, b: program.combiner.bind(ops).merge(a, b))(operands, acc, acc)
-    except Exception:  # noqa: BLE001 - e.g. an add that needs the mesh's axes: no estimate
+        merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2)(
+            operands, acc, acc)
+    except Exception:  # noqa: BLE001 - e.g. an add that needs other axes than the mesh has: no estimate
         return 0, 0
-    return live_peak(add.jaxpr), live_peak(merge.jaxpr)
+    return live_peak(add), live_peak(merge)
+
+
+def per_device(fn: Any, mesh: Any, parts: Any, accumulators: int) -> Any:
+    """``fn(operands, *args) -> acc``'s jaxpr maker, as one device runs it: its block of each of the
+    first ``accumulators`` args, split as ``parts`` (:meth:`Combiner.partition`; None: whole) over ``mesh``."""
+    if parts is None:
+        return lambda *args: jax.make_jaxpr(fn)(*args).jaxpr
+
+    def local(operands, *args):
+        specs = (P(), *[parts] * accumulators, *[P()] * (len(args) - accumulators))
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=parts, check_vma=False)
+        return jax.make_jaxpr(mapped)(operands, *args).jaxpr.eqns[0].params["jaxpr"]
+
+    return local
 
 
 def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int]:
@@ -297,7 +316,18 @@ def check_fits(program: Program) -> None:
             devices = f"{need.devices} devices x " if need.devices > 1 else ""
             raise UsageError(
                 f"this job needs about {need.total / GIB:.1f} GiB ({devices}{need.device_peak / GIB:.2f} GiB at the "
-                f"peak; {shown}), more than the {limit / GIB:.1f} GiB of {what}; make the accumulator smaller (fewer "
-                "bins or columns), split it over a 'model' mesh axis where the combiner can (Gram), or lower "
-                "logical_shards, microbatch, steps_per_call or prefetch."
+                f"peak; {shown}), more than the {limit / GIB:.1f} GiB of {what}; {axis_to_grow(program, need.parts)}."
             )
+
+
+def axis_to_grow(program: Program, parts: dict[str, int]) -> str:
+    """What shrinks the biggest part of one device's peak: a mesh axis to grow, or an option."""
+    state = parts["accumulator"] + parts["merge"]
+    if state < parts["rows"] + parts["temporary"]:
+        return ("grow the mesh's 'data' axis (more devices share the rows), or lower microbatch, steps_per_call or "
+                "prefetch")
+    splits = program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS))).partition(program.mesh) is not None
+    if splits:
+        return ("grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's "
+                "columns), or lower logical_shards")
+    return "make the accumulator smaller (fewer bins or columns), or lower logical_shards"

@@ -315,8 +315,8 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
     partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree,
     which makes the result independent of the device count. The result is on every
     device, or split over the axes ``combiner.partition`` names (a wide accumulator is
-    summed over ``data`` only, never gathered whole on one device). ``fixed``: float
-    products of the merge in contraction order.
+    summed, or gathered and folded block by block, over ``data`` only, never gathered
+    whole on one device). ``fixed``: float products of the merge in contraction order.
     """
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     merged_specs = accumulator_specs(combiner, mesh)
@@ -329,6 +329,17 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
         return jax.jit(
             jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs, P()), out_specs=merged_specs)
         )
+
+    if combiner.partition(mesh) is not None:  # split over model, not a sum: each device folds its own block
+
+        def fold_own_block(partials, operands):
+            everywhere = jax.lax.all_gather(partials, DATA_AXIS, tiled=True)
+            with jax.default_matmul_precision(precision):
+                bound = combiner.bind(operands)
+                return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
+
+        return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, P()), out_specs=merged_specs,
+                                     check_vma=False))
 
     def gather_and_fold(partials, operands):
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))

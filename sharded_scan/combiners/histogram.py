@@ -8,12 +8,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import MODEL_AXIS
 
 
 class HistogramResult(NamedTuple):
@@ -42,8 +45,21 @@ def _float32_at_most(edges: np.ndarray) -> np.ndarray:
     return np.where(near.astype(np.float64) > edges, np.nextafter(near, np.float32(-np.inf)), near)
 
 
+class SplitCounts(NamedTuple):
+    """A :class:`Histogram`'s counts split by columns over ``model``, padded with empty columns to a
+    multiple of the axis size; ``columns``' length is the real column count (zeros: sums keep it)."""
+
+    counts: wide.Wide
+    columns: jax.Array
+
+
+def unsplit(acc: SplitCounts) -> wide.Wide:
+    """The whole counts of ``acc``: its real columns."""
+    return wide.Wide(acc.counts.limbs[: acc.columns.shape[0]])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Histogram(AdditiveCombiner):
+class Histogram(SplitsByColumns, AdditiveCombiner):
     """Counts of each column's values in ``bins`` equal bins over ``range``.
 
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
@@ -60,6 +76,7 @@ class Histogram(AdditiveCombiner):
     bins: int
     range: Any
     bound: Any = dataclasses.field(default=None, repr=False)  # the operands inside a program (bind)
+    model_shards: int = 1  # set by for_mesh: above 1 the counts are split by columns over ``model``
 
     def __post_init__(self):
         bins = self.bins
@@ -87,10 +104,16 @@ class Histogram(AdditiveCombiner):
             )
 
     def __eq__(self, other):  # the edges are operands: another range reuses the compiled programs
-        return type(other) is type(self) and (other.bins, np.shape(other.range)) == (self.bins, np.shape(self.range))
+        return type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self):
-        return hash((type(self), self.bins, np.shape(self.range)))
+        return hash((type(self), *self._key()))
+
+    def _key(self):
+        return self.bins, np.shape(self.range), self.model_shards
+
+    def partition(self, mesh: Mesh):
+        return SplitCounts(wide.Wide(P(MODEL_AXIS)), P()) if self.model_shards > 1 else None
 
     def operands(self, spec):
         """The float32 edges every value is compared with: inner ``(d, bins - 1)``, ``lo`` and ``hi`` ``(d,)``."""
@@ -101,28 +124,42 @@ class Histogram(AdditiveCombiner):
         return dataclasses.replace(self, bound=operands)
 
     def init(self, spec):
-        return wide.zeros((spec.shape[0], self.bins))
+        d = spec.shape[0]
+        if self.model_shards > 1:
+            return SplitCounts(wide.zeros((-(-d // self.model_shards) * self.model_shards, self.bins)),
+                               jnp.zeros((d,), jnp.int8))
+        return wide.zeros((d, self.bins))
 
     def _bins(self, x, mask):
-        """Each value's bin, numbered over ``(column, bin)`` (``(mb, d)``), and whether it counts."""
-        d = x.shape[1]
-        bound = self.bound if self.bound is not None else Histogram.operands(self, jax.ShapeDtypeStruct((d,), x.dtype))
+        """Each value's bin, numbered over ``(column, bin)`` (``(mb, d)``; this ``model`` device's
+        columns where split), and whether it counts."""
+        bound = self.bound if self.bound is not None else Histogram.operands(self, jax.ShapeDtypeStruct((x.shape[1],),
+                                                                                                     x.dtype))
         inner, lo, hi = bound
+        if self.model_shards > 1:  # padded columns: empty ranges, nothing counts
+            x, inner = column_block(x, self.model_shards), column_block(inner, self.model_shards, axis=0)
+            lo, hi = column_block(lo, self.model_shards, axis=0, value=1), column_block(hi, self.model_shards, axis=0)
+        d = x.shape[1]
         x = x.astype(jnp.float32)
         index = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"))(inner, x.T).T  # (mb, d)
         return index + jnp.arange(d, dtype=index.dtype) * self.bins, masked((x >= lo) & (x <= hi), mask, False)
 
     def add(self, acc, batch, mask):
-        return wide.add_int32(acc, self._binned(batch, mask, None, 1, jnp.int32))
+        return self._counted(acc, self._binned(batch, mask, None, 1, jnp.int32))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
-        return wide.add_int32(acc, self._binned(batch, mask, keys, num_keys, jnp.int32))
+        return self._counted(acc, self._binned(batch, mask, keys, num_keys, jnp.int32))
+
+    def _counted(self, acc, counts):
+        if self.model_shards > 1:
+            return acc._replace(counts=wide.add_int32(acc.counts, counts))
+        return wide.add_int32(acc, counts)
 
     def _binned(self, x, mask, keys, num_keys, dtype, weights=None):
         """The micro-batch's counts (or ``weights``' sums) per bin: ``(d, bins)``, or
         ``(num_keys, d, bins)`` by ``keys``."""
         flat, keep = self._bins(x, mask)
-        d = x.shape[1]
+        d = flat.shape[1]
         if keys is not None:
             flat = flat + keys[:, None] * (d * self.bins)
         value = keep.astype(dtype) if weights is None else jnp.where(keep, weights[:, None].astype(dtype), 0)
@@ -132,8 +169,17 @@ class Histogram(AdditiveCombiner):
     def weighted(self):
         return WeightedHistogram(self.bins, self.range, self.bound)
 
+    def convert(self, acc, source):
+        """Between whole counts and counts split over ``model`` (a resume on a mesh with other axes)."""
+        acc = unsplit(acc) if source.model_shards > 1 else acc
+        if self.model_shards == 1:
+            return acc
+        d = acc.limbs.shape[0]
+        pad = -(-d // self.model_shards) * self.model_shards - d
+        return SplitCounts(wide.Wide(jnp.pad(acc.limbs, ((0, pad), (0, 0), (0, 0)))), jnp.zeros((d,), jnp.int8))
+
     def finalize(self, acc):
-        counts = wide.to_int(acc)
+        counts = wide.to_int(unsplit(acc) if self.model_shards > 1 else acc)
         edges = self._edges(counts.shape[0])
         return HistogramResult(counts, edges if np.ndim(self.range) == 2 else edges[0])
 

@@ -195,8 +195,14 @@ def _lowest_full(s: Sketch, k: int) -> jax.Array:
     return jnp.argmax(_full(s, k)).astype(jnp.int32) + 1
 
 
-def insert_sorted_rows(s: Sketch, keys: jax.Array, count: jax.Array, k: int) -> Sketch:
+def insert_sorted_rows(
+    s: Sketch, keys: jax.Array, count: jax.Array, k: int, key_sum: jax.Array | None = None
+) -> Sketch:
     """Inserts a micro-batch: ``keys`` ``(d, mb)`` sorted per column, the first ``count`` real.
+
+    ``key_sum``: the sum of the micro-batch's keys over every column, where ``keys`` are only
+    some of them (a sketch split by columns over ``model``): the random bits then are those
+    of the whole sketch, the same on every ``model`` device.
 
     The rows are sampled every ``2^j``-th from a random offset (the same in every column,
     so that every column keeps the same number), ``j`` the lowest level whose capacity
@@ -207,7 +213,8 @@ def insert_sorted_rows(s: Sketch, keys: jax.Array, count: jax.Array, k: int) -> 
     sample = -((-count) >> levels)  # ceil(count / 2^j)
     caps = jnp.asarray(capacities(k))[jnp.clip(_top(s.sizes) - levels, 0, LEVELS - 1)]
     level = jnp.argmax(sample <= caps).astype(jnp.int32)
-    salt = mix32(s.salt ^ fold32(jnp.sum(keys, dtype=keys.dtype)) ^ count.astype(jnp.uint32))
+    key_sum = jnp.sum(keys, dtype=keys.dtype) if key_sum is None else key_sum
+    salt = mix32(s.salt ^ fold32(key_sum) ^ count.astype(jnp.uint32))
     offset = (salt & ((jnp.uint32(1) << level.astype(jnp.uint32)) - 1)).astype(jnp.int32)
     length = jnp.where(count > offset, -((offset - count) >> level), 0)
     i = jnp.arange(min(k, mb), dtype=jnp.int32)

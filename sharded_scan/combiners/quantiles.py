@@ -24,11 +24,13 @@ exactly too; ``GroupBy(Quantiles(...), K)`` keeps a sketch per key (:meth:`Quant
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
@@ -54,7 +56,9 @@ from sharded_scan.combiners.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
+from sharded_scan.combiners.sums import SplitsByColumns, column_block
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import MODEL_AXIS
 
 DEFAULT_K = 8192
 MIN_K = 16
@@ -90,8 +94,36 @@ def extremes(acc, keys, count):
             jnp.maximum(acc.high, largest.reshape(acc.high.shape)))
 
 
+class SplitQuantilesAcc(NamedTuple):
+    """A :class:`Quantiles` accumulator split by columns over ``model``: its columns padded
+    with empty ones to a multiple of the axis size, and how many are real."""
+
+    value: QuantilesAcc
+    columns: jax.Array  # int8 zeros shaped like a row ((d,), or () for scalar rows): the real columns
+
+
+def unsplit(acc: SplitQuantilesAcc) -> QuantilesAcc:
+    """The whole accumulator of ``acc``: its real columns (a scalar's shapes for scalar rows)."""
+    value, shape = acc.value, np.shape(acc.columns)
+    real = shape[0] if shape else 1
+    ends = (lambda x: x[:real]) if shape else (lambda x: x[0])
+    return value._replace(sketch=value.sketch._replace(items=value.sketch.items[:real]), low=ends(value.low),
+                          high=ends(value.high))
+
+
+def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
+    """``acc`` whole as split over ``shards`` ``model`` devices: padded with empty columns."""
+    items, shape = acc.sketch.items, np.shape(acc.low)
+    pad = -(-items.shape[0] // shards) * shards - items.shape[0]
+    ends = lambda x, value: jnp.pad(jnp.reshape(x, (-1,)), (0, pad), constant_values=value)  # noqa: E731
+    value = acc._replace(sketch=acc.sketch._replace(items=jnp.pad(items, ((0, pad), (0, 0)),
+                                                                  constant_values=fill(items.dtype))),
+                         low=ends(acc.low, fill(items.dtype)), high=ends(acc.high, 0))
+    return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
+
+
 @dataclasses.dataclass(frozen=True)
-class Quantiles(Combiner, MultiPass):
+class Quantiles(SplitsByColumns, Combiner, MultiPass):
     """Quantiles of every column of rows X ``(n, d)`` (or of a vector), like ``np.quantile(X, qs, axis=0)``.
 
     Args:
@@ -117,6 +149,11 @@ class Quantiles(Combiner, MultiPass):
     (like ``np.quantile``) and infinities rank as the largest and smallest values; with
     ``"omit"`` rows holding NaN or Inf are skipped. ``-0.0`` and ``0.0`` count as one value.
     float64 and int64 values are ranked exactly, by 64-bit keys.
+
+    On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
+    sketch is split by columns: each device holds and sorts ``ceil(d / M)`` of them (the columns
+    padded with empty ones to a multiple of M), the random bits those of the whole sketch, so
+    the result is bitwise that of a mesh without ``model`` and the same shards.
     """
 
     # qs are read on the host only: sketches that differ in qs alone compare equal and
@@ -127,6 +164,7 @@ class Quantiles(Combiner, MultiPass):
     exact: bool = False
     bits: int = 10
     method: str = dataclasses.field(default="linear", compare=False)  # read on the host only, like qs
+    model_shards: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "qs", check_qs(self.qs, self.num_buckets, "Quantiles"))
@@ -143,9 +181,19 @@ class Quantiles(Combiner, MultiPass):
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
 
+    def partition(self, mesh: Mesh):
+        if self.model_shards == 1:
+            return None
+        sketch = kll.Sketch(P(MODEL_AXIS, None), P(), P(), P(), P())
+        return SplitQuantilesAcc(QuantilesAcc(sketch, P(), P(MODEL_AXIS), P(MODEL_AXIS), P()), P())
+
     def init(self, spec):
         shape = spec.shape
         d, keys = (shape[0] if shape else 1), key_dtype(spec.dtype)
+        if self.model_shards > 1:
+            width = -(-d // self.model_shards) * self.model_shards
+            value = self.whole.init(jax.ShapeDtypeStruct((width,), spec.dtype))
+            return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
         return QuantilesAcc(
             kll.empty(d, self.k, keys), wide.zeros(limbs=3), jnp.full(shape, fill(keys), keys),
             jnp.zeros(shape, keys), kind_code(spec.dtype),
@@ -155,11 +203,20 @@ class Quantiles(Combiner, MultiPass):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1), jnp.sum(mask, dtype=jnp.int32))
+        cols, count = masked_columns(batch, mask), jnp.sum(mask, dtype=jnp.int32)
+        if self.model_shards == 1:
+            return self._add_sorted(acc, jnp.sort(cols, axis=1), count)
+        own = jnp.sort(self._own(cols), axis=1)  # only this device's columns are sorted
+        return acc._replace(value=self._add_sorted(acc.value, own, count, jnp.sum(cols, dtype=cols.dtype)))
 
-    def _add_sorted(self, acc, keys, count):
-        """Folds keys ``(d, mb)`` sorted per column, the first ``count`` real."""
-        sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k)
+    def _own(self, cols):
+        """This ``model`` device's block of keys ``(d, mb)``, padded with empty columns."""
+        return column_block(cols, self.model_shards, axis=0, value=fill(cols.dtype))
+
+    def _add_sorted(self, acc, keys, count, key_sum=None):
+        """Folds keys ``(d, mb)`` sorted per column, the first ``count`` real (``key_sum``: the
+        sum of every column's keys where ``keys`` are this device's columns)."""
+        sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k, key_sum)
         low, high = extremes(acc, keys, count)
         return QuantilesAcc(sketch, wide.add_int32(acc.count, count), low, high, acc.kind)
 
@@ -168,8 +225,16 @@ class Quantiles(Combiner, MultiPass):
         inserts its rows (:func:`~.keys.fold_groups`)."""
         groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
         width = min(cols.shape[1], self.k)
-        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
-                           groups, num_keys, width)
+        if self.model_shards == 1:
+            return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
+                               groups, num_keys, width)
+
+        def fold(one, start, n):
+            window = run_window(cols, start, n, width)
+            return one._replace(value=self._add_sorted(one.value, self._own(window), n,
+                                                          jnp.sum(window, dtype=window.dtype)))
+
+        return fold_groups(fold, acc, groups, num_keys, width)
 
     def weighted(self):
         if self.method != "inverted_cdf":
@@ -177,15 +242,24 @@ class Quantiles(Combiner, MultiPass):
                 "weighted quantiles are read from the inverse of the weighted CDF (numpy's only weighted method): "
                 f"pass Quantiles(..., method='inverted_cdf') to Weighted, got method={self.method!r}."
             )
-        return WeightedQuantiles(self)
+        return WeightedQuantiles(self.whole)
 
     def merge(self, a, b):
+        if self.model_shards > 1:  # column by column: each device merges its own columns
+            return SplitQuantilesAcc(self.whole.merge(a.value, b.value), a.columns)
         return QuantilesAcc(
             kll.merge(a.sketch, b.sketch, self.k), wide.add(a.count, b.count), jnp.minimum(a.low, b.low),
             jnp.maximum(a.high, b.high), a.kind,
         )
 
+    def convert(self, acc, source):
+        """Between the whole sketch and one split over ``model`` (a resume on a mesh with other axes)."""
+        whole = unsplit(acc) if source.model_shards > 1 else acc
+        return split(whole, self.model_shards) if self.model_shards > 1 else whole
+
     def finalize(self, acc):
+        if self.model_shards > 1:
+            return self.whole.finalize(unsplit(acc))
         return sketch_quantiles(acc, np.asarray(self.qs), self.method)._replace(sketch=kll_state(acc, self.k))
 
     @property

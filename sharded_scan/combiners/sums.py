@@ -208,11 +208,28 @@ def triangle_full(tri: Triangle) -> np.ndarray:
     return full
 
 
-def column_block(x: jax.Array, shards: int) -> jax.Array:
-    """This ``model`` device's block of ``x``'s columns (zero-padded to ``shards`` blocks)."""
-    width = -(-x.shape[1] // shards)
-    x = jnp.pad(x, ((0, 0), (0, width * shards - x.shape[1])))
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL_AXIS) * width, width, axis=1)
+class SplitsByColumns:
+    """Mixin of a dataclass combiner whose state splits by columns over ``model``: its
+    ``model_shards`` field, set by :meth:`for_mesh` to the mesh's ``model`` size."""
+
+    def for_mesh(self, mesh: Mesh):
+        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
+        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
+
+    @property
+    def whole(self):
+        """This combiner unsplit (``model_shards=1``)."""
+        return dataclasses.replace(self, model_shards=1)
+
+
+def column_block(x: jax.Array, shards: int, axis: int = 1, value=0) -> jax.Array:
+    """This ``model`` device's block of ``x``'s columns (along ``axis``; padded with ``value``
+    to ``shards`` blocks)."""
+    width = -(-x.shape[axis] // shards)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width * shards - x.shape[axis])
+    x = jnp.pad(x, pad, constant_values=value)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL_AXIS) * width, width, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
