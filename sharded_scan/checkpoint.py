@@ -125,7 +125,8 @@ class CheckpointOptions:
         any device count, and still counts every row exactly once; but the rows before the
         save are merged in another order than an uninterrupted run merges them, so a result
         after a resume agrees with it to float rounding, not bitwise (integer counts stay
-        exact). Each save also runs a merge (as long as the final one). False (default):
+        exact; a sketch's answers within its error bound). Each save also runs a merge (as
+        long as the final one). False (default):
         per-shard saves, bitwise resume, for small shard counts. A checkpoint of either kind
         resumes whatever this option says.
     """
