@@ -158,6 +158,18 @@ def _while(params: dict, invals: list) -> list:
     cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:cond_n], invals[cond_n : cond_n + body_n], invals[cond_n + body_n :]
     cond, body = _as_fn(params["cond_jaxpr"]), _as_fn(params["body_jaxpr"])
-    return list(
-        jax.lax.while_loop(lambda s: cond(*cond_consts, *s)[0], lambda s: tuple(body(*body_consts, *s)), tuple(init))
-    )
+
+    def pred(state):
+        return cond(*cond_consts, *state)[0]
+
+    if not params["cond_jaxpr"].out_avals[0].shape:
+        return list(jax.lax.while_loop(pred, lambda s: tuple(body(*body_consts, *s)), tuple(init)))
+
+    # A batched predicate (vmap's while, e.g. GroupBy's per-key sketch folds): as XLA lowers it, the loop
+    # runs while any element's holds and advances only those elements (the predicate leads every carry's shape).
+    def step(state):
+        keep = pred(state)
+        new = body(*body_consts, *state)
+        return tuple(jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), n, x) for n, x in zip(new, state))
+
+    return list(jax.lax.while_loop(lambda s: jnp.any(pred(s)), step, tuple(init)))

@@ -60,6 +60,23 @@ def test_products_inside_loops_branches_and_gradients_are_fixed_too():
     assert "dot_general" not in str(jaxpr)
 
 
+def test_a_vmapped_while_of_data_dependent_length_runs_each_element_its_own_trips():
+    # vmap turns a while whose predicate depends on the element into one whose predicate is a vector
+    # (GroupBy's per-key sketch folds under logical_shards): each element stops on its own.
+    def halvings(x, m):
+        def body(state):
+            value, trips = state
+            return m @ value * 0.5, trips + 1
+
+        return jax.lax.while_loop(lambda s: jnp.abs(s[0]).max() > 1.0, body, (x, 0))
+
+    x = jnp.array([[1.5, 0.2], [40.0, -3.0], [0.5, 0.1], [1e3, 1.0]], jnp.float32)
+    m = jnp.eye(2, dtype=jnp.float32)
+    got, want = jax.jit(fixed_order(jax.vmap(halvings, (0, None))))(x, m), jax.vmap(halvings, (0, None))(x, m)
+    assert np.asarray(got[1]).tolist() == np.asarray(want[1]).tolist() == [1, 6, 0, 10]
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_integer_products_are_left_to_xla():
     a = np.arange(12, dtype=np.int32).reshape(3, 4)
     assert "dot_general" in str(jax.make_jaxpr(fixed_order(jnp.matmul))(a, a.T))
