@@ -329,5 +329,5 @@ def axis_to_grow(program: Program, parts: dict[str, int]) -> str:
     splits = program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS))).partition(program.mesh) is not None
     if splits:
         return ("grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's "
-                "columns), or lower logical_shards")
+                "columns), make the accumulator smaller (fewer bins or columns), or lower logical_shards")
     return "make the accumulator smaller (fewer bins or columns), or lower logical_shards"
