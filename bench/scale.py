@@ -13,8 +13,9 @@ one device per process, or in one SPMD program for a sum); ``after`` is :meth:`P
 The projection to 256, 1,024 and 4,096 chips (one shard a chip, 4 chips a host) takes the
 measured seconds of one merge (``m``, the slope of ``before`` against S) and an assumed
 inter-host bandwidth (``--gbps``): before, every process folds every shard after an all-gather
-of all of them, ``m * (N - 1) + N * state / bw``; after, each host's 4 chips pair up and the hosts
-pair up, ``m * 2 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's).
+of all of them, ``m * (N - 1) + N * state / bw``; after, each host folds its 4 chips' states on
+one of them (the merge compiled once) and the hosts pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)``
+(a round's state and the broadcast's).
 
     python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
     python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
@@ -112,19 +113,20 @@ def point(name: str, shards: int, repeats: int) -> dict:
         if not (prog.combiner.additive and options.logical_shards is None) else "psum",
         "checkpoint_bytes_per_save": shards * state,
         # before: the all-gather's S states on every device; after, the process tree: the fold's
-        # stack (log2 of the device's own shards), the one taken, a partner and merge; the
-        # device tree of a sum: the halves of its level-by-level fold, a round's partner and merge.
+        # stack on the process's first device (log2 of the process's shards), the one taken, a
+        # partner and merge; the device tree of a sum: the halves of its level-by-level fold, a
+        # round's partner and merge.
         "extra_states_before": shards,
-        "extra_states_after": per_device.bit_length() + 3 if prog.merges_by_process_tree else per_device + 2,
-        # into the device that merges: a state a round (the process tree: one process here, its
-        # devices' rounds; a sum's: the rounds and the broadcast)
+        "extra_states_after": shards.bit_length() + 2 if prog.merges_by_process_tree else per_device + 2,
+        # into the device that merges: the process tree (one process here) brings its other devices'
+        # states to its first device, one at a time; a sum's device tree: a state a round and the broadcast
         "bytes_in_before": (shards - per_device) * state,
-        "bytes_in_after": (1 if prog.merges_by_process_tree else 2) * rounds * state,
+        "bytes_in_after": (shards - per_device) * state if prog.merges_by_process_tree else 2 * rounds * state,
         # merges the busiest device runs one after another: before, one device folds all S;
-        # after, device 0 folds its own, then a merge a round (a sum: its own at log2 levels)
+        # after, the process tree (one process) folds its S on one device, compiling the merge once;
+        # a sum's device tree: its own at log2 levels, then a merge a round
         "merge_depth_before": shards - 1,
-        "merge_depth_after": (per_device - 1 if prog.merges_by_process_tree else (per_device - 1).bit_length())
-        + rounds,
+        "merge_depth_after": shards - 1 if prog.merges_by_process_tree else (per_device - 1).bit_length() + rounds,
         "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
     }
     if shards * state * devices <= BEFORE_BUDGET:
@@ -216,7 +218,7 @@ def projection(points: list[dict], gbps: float) -> dict:
     state, bw = points[0]["state_bytes"], gbps * 1e9
     return {"merge_seconds": m, **{str(n): {
         "before": m * (n - 1) + n * state / bw,
-        "after": m * math.log2(CHIPS_PER_HOST) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
+        "after": m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
         "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": 4 * state,
         "checkpoint_bytes_per_save": n * state} for n in CHIPS}}
 

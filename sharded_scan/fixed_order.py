@@ -170,6 +170,7 @@ def _while(params: dict, invals: list) -> list:
     def step(state):
         keep = pred(state)
         new = body(*body_consts, *state)
-        return tuple(jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), n, x) for n, x in zip(new, state))
+        lead = lambda x: keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim))  # noqa: E731
+        return tuple(jnp.where(lead(x), n, x) for n, x in zip(new, state, strict=True))
 
     return list(jax.lax.while_loop(lambda s: jnp.any(pred(s)), step, tuple(init)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -104,32 +103,16 @@ def tree_fold(merge: Callable, items: Iterable) -> Any:
     are one subtree. Items are taken one at a time (an iterator is consumed lazily), and at
     most ``log2(len(items)) + 1`` merged ones are held at once.
     """
-    return tree_folds([merge], [items])[0]
-
-
-def tree_folds(merges: list[Callable], streams: list[Iterable]) -> list[Any]:
-    """:func:`tree_fold` of each of ``streams`` by its own ``merges[k]``, taking one item of each
-    in turn: the folds' merges are issued interleaved, so folds on different devices run at once
-    (JAX dispatches asynchronously)."""
-    stacks: list[list[tuple[int, Any]]] = [[] for _ in streams]  # (items under it, merged), sizes decreasing
-    for items in itertools.zip_longest(*streams, fillvalue=_NONE):
-        for merge, stack, item in zip(merges, stacks, items, strict=True):
-            if item is _NONE:
-                continue
-            size = 1
-            while stack and stack[-1][0] == size:
-                item, size = merge(stack.pop()[1], item), 2 * size
-            stack.append((size, item))
-    folded = []
-    for merge, stack in zip(merges, stacks, strict=True):
-        merged = stack.pop()[1]
-        while stack:
-            merged = merge(stack.pop()[1], merged)
-        folded.append(merged)
-    return folded
-
-
-_NONE = object()  # a stream of tree_folds that has ended
+    stack: list[tuple[int, Any]] = []  # (items under it, merged), sizes decreasing
+    for item in items:
+        size = 1
+        while stack and stack[-1][0] == size:
+            item, size = merge(stack.pop()[1], item), 2 * size
+        stack.append((size, item))
+    merged = stack.pop()[1]
+    while stack:
+        merged = merge(stack.pop()[1], merged)
+    return merged
 
 
 def stacked(combiner: Combiner, spec: PyTree, count: int) -> PyTree:
@@ -412,35 +395,28 @@ def local_state(states: PyTree) -> PyTree:
     return _index(jax.tree.map(lambda x: x.addressable_data(0), states), 0)
 
 
-def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, per_device: int, host_operands: PyTree,
+def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, host_operands: PyTree,
                       precision: str, fixed: bool) -> PyTree:
-    """The stacked ``partials`` (``per_device`` shards a device, leading axis over ``mesh``'s ``data``)
+    """The stacked ``partials`` (some shards a device, leading axis over ``mesh``'s ``data``)
     merged in :func:`tree_fold`'s tree, one state on each process's leader device (:meth:`Program.merge`'s
     process tree; also :func:`sharded_scan.relayout.relayout`'s fold of a checkpoint's partials).
 
-    Each device folds its own shards on itself in :func:`tree_fold`'s tree (all devices at once,
-    :func:`tree_folds`), then the process's devices their results (one state moved a merge, onto the
-    left one's device), by a pairwise merge compiled for one device; then the processes run the device
-    tree's rounds, one device each. Where a device's shards are not one subtree of the tree (one
-    process holding a count of them that is not a power of two), the process's shards fold one after
-    another on its first device instead."""
+    The process's shards fold on its leader device in :func:`tree_fold`'s tree, taken one at a time
+    from the devices that hold them (at most log2 of them held), by a pairwise merge compiled once:
+    a jitted program compiles again for each device it runs on (measured: a `LinearRegression` d=96
+    merge, about 3-6 s of compile a device, against milliseconds of merging saved by folding on every
+    device at once). Then the processes run the device tree's rounds, one device each."""
     leaders = process_leaders(mesh)
     me, count = leader_index(mesh), leaders.size
     device = leaders.devices.flat[me]
     merge = compile_pair_merge(combiner, precision, fixed)
-    blocks = own_blocks(partials)
-    operands = {d: jax.device_put(host_operands, d) for d in {device, *map(device_of, blocks)}}
-    on_left = lambda a, b: merge(a, jax.device_put(b, device_of(a)), operands[device_of(a)])  # noqa: E731
-    if power_of_two_or_alone(per_device, len(blocks)):
-        streams = [states_of(block) for block in blocks]
-        state = tree_fold(on_left, tree_folds([on_left] * len(blocks), streams))
-    else:
-        state = tree_fold(on_left, (s for block in blocks for s in states_of(block, device)))
-    state = jax.device_put(state, device)
+    operands = jax.device_put(host_operands, device)
+    state = tree_fold(lambda a, b: merge(a, b, operands),
+                      (s for block in own_blocks(partials) for s in states_of(block, device)))
     for stride in tree_strides(count):
         partner = local_state(compile_exchange(combiner, leaders, stride)(global_state(state, leaders)))
         if receives(stride, count)(me):
-            state = merge(state, partner, operands[device])
+            state = merge(state, partner, operands)
     if count == 1:
         return state
     broadcast = compile_broadcast(combiner, leaders)(global_state(state, leaders))
@@ -552,8 +528,8 @@ class Program:
 
     def process_tree_merge(self, partials: PyTree) -> PyTree:
         """The process tree (:meth:`merges_by_process_tree`): :func:`process_tree_fold`."""
-        return process_tree_fold(self.combiner, self.mesh, partials, self.layout.shards_per_device,
-                                 self.host_operands, self.options.precision, self.fixed_products)
+        return process_tree_fold(self.combiner, self.mesh, partials, self.host_operands, self.options.precision,
+                                 self.fixed_products)
 
     @property
     def merges_by_tree(self) -> bool:

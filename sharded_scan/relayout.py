@@ -8,8 +8,8 @@ one merged state, each leaf flat and split over the devices that wrote it.
 :class:`~sharded_scan.checkpoint.Checkpointer` restores a per-shard checkpoint of the same
 shape in place and hands any other here, unread
 (:class:`~sharded_scan.checkpoint.SavedPartials`): the saved shards are read sharded over this
-run's ``data`` axis (each process reads only its devices' share) and folded on the devices by
-the run's own process tree (:func:`~sharded_scan.program.process_tree_fold`), or, where that
+run's ``data`` axis (each process reads only its devices' share) and folded on each process's
+leader device by the run's own process tree (:func:`~sharded_scan.program.process_tree_fold`), or, where that
 tree is not :func:`~sharded_scan.program.tree_fold`'s over the saved shards, read whole and
 folded on one device.
 """
@@ -90,8 +90,8 @@ def relayout(program: Program, saved: SavedPartials, meta: dict[str, Any]) -> Py
     state it saved, for a lossless conversion). Otherwise the saved shards are merged in
     :func:`tree_fold`'s tree by one pairwise merge program of the combiner as it was resolved
     for the mesh that wrote them (a compile that does not grow with the shard count), converted,
-    and laid out as ``[merged, identity, ...]``: read over this run's ``data`` axis, each device
-    folding its own and the processes pairing up (:func:`process_tree_fold`) where that is the
+    and laid out as ``[merged, identity, ...]``: read over this run's ``data`` axis, each process
+    folding its devices' shards on its leader and the processes pairing up (:func:`process_tree_fold`) where that is the
     same tree, else read whole on every process and folded on one device; the result is bitwise
     the same either way.
 
@@ -116,8 +116,8 @@ def relayout(program: Program, saved: SavedPartials, meta: dict[str, Any]) -> Py
         return converted(program, there, treedef.unflatten(saved.read(by_data)))
     if folds_on_devices(program, there, count):
         partials = treedef.unflatten(saved.read(by_data))
-        state = process_tree_fold(there, mesh, partials, count // program.layout.data_size, program.host_operands,
-                                  program.options.precision, program.fixed_products)
+        state = process_tree_fold(there, mesh, partials, program.host_operands, program.options.precision,
+                                  program.fixed_products)
     else:
         merge = compile_pair_merge(there, program.options.precision, program.fixed_products)
         operands = program.host_operands
