@@ -9,7 +9,9 @@ import numpy as np
 
 from tests import multiprocess
 
-SPLITS = [(1, 1), (1, 2), (1, 8), (2, 1), (2, 4), (4, 2), (8, 1)]  # (processes, devices per process)
+# (processes, devices per process); 8x1 was dropped for the suite's time (8 processes: ~30 s of CPU): 4x2
+# runs the process tree's rounds at depth 2 and 2x1 processes of one device
+SPLITS = [(1, 1), (1, 2), (1, 8), (2, 1), (2, 4), (4, 2)]
 N, D = 4 * 8 * 512 + 37, 96  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
 OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1")
 # With their matrix products left to XLA:CPU's matmul library, Gram, Covariance, PCA,
@@ -26,7 +28,6 @@ SOME = {
     (1, 2): ("Covariance", "Histogram"),
     (2, 1): ("PCA", "Sum", "Histogram"),
     (4, 2): ("Covariance", "from_fn"),  # resumed from 1x8's checkpoints
-    (8, 1): ("Gram",),  # 8 processes: a cheap compile (LinearRegression runs on 2x4)
 }
 RESUMED_FROM_2X4 = ("Gram", "Moments")  # on 1x8 (a save of several processes restored in one)
 
@@ -149,8 +150,6 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
         results[(2, 4)] = waits.pop((2, 4))()
         results["2x4 resumed on 1x8"] = reduce_builtins(RESUMED_FROM_2X4, resume_from=from_2x4)
         results.update({split: wait() for split, wait in waits.items()})
-    with split_running((8, 1), names=SOME[(8, 1)]) as eight:
-        results[(8, 1)] = eight()
 
     def names(combiners, resumed=False):
         return {*combiners, *(f"{name} resumed" for name in combiners if resumed)}
@@ -158,7 +157,7 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
     assert {split: set(got) for split, got in results.items()} == {
         (1, 8): names(EVERY), (1, 1): names(EVERY), "1x1 resumed on 1x8": names(EVERY, resumed=True),
         "2x4 resumed on 1x8": names(RESUMED_FROM_2X4, resumed=True), (4, 2): names(SOME[(4, 2)], resumed=True),
-        **{split: names(SOME[split]) for split in ((2, 4), (1, 2), (2, 1), (8, 1))},
+        **{split: names(SOME[split]) for split in ((2, 4), (1, 2), (2, 1))},
     }
     want = results[(1, 8)]
     for split, got in results.items():

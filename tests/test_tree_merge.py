@@ -1,5 +1,5 @@
 """The tree merge: its fixed order, each process's own shards first (on one device), then log2 rounds
-(the splits of processes are in test_reproducible: 2x4, 4x2, 8x1 bitwise against 1x8)."""
+(the splits of processes are in test_reproducible: 2x1, 2x4, 4x2 bitwise against 1x8)."""
 
 from typing import NamedTuple
 
