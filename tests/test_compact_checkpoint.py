@@ -15,7 +15,6 @@ from sharded_scan import relayout
 from sharded_scan.checkpoint import DAMAGED, META, PARTIALS
 from sharded_scan.program import program_for_spec
 from tests.helpers import CrashError, crash_at, f64, rel_err
-from tests.test_damaged_checkpoints import flipped_array_byte
 
 KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step
 X = np.random.default_rng(3).normal(size=(1009, 5)).astype(np.float32)
@@ -80,9 +79,19 @@ def test_a_compact_checkpoint_resumes_on_any_device_count_every_row_once(compact
     np.testing.assert_array_equal(got.counts, counts)  # integer counts: exact
 
 
+def flipped_stored_byte(step):
+    """One byte of the b-tree file every read of the step goes through: a compact state is small
+    enough that OCDBT keeps its values inline there (the writers' own data files, under
+    ``ocdbt.process_*``, are not read once merged, so flipping their largest was a coin toss)."""
+    path = max(sorted((step / PARTIALS / "d").iterdir()), key=lambda f: f.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 def test_a_damaged_compact_checkpoint_is_set_aside_and_the_one_before_used(compact_gram, tmp_path, caplog):
     directory = copied(compact_gram, tmp_path)
-    flipped_array_byte(directory / "512")
+    flipped_stored_byte(directory / "512")
     with caplog.at_level(logging.WARNING, logger="sharded_scan.checkpoint"):
         got, report = ss.run_with_report(ss.Gram(), X, mesh="data:8", checkpoint=ss.CheckpointOptions(str(directory)),
                                          **KW)
