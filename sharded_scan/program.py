@@ -378,11 +378,6 @@ def states_of(block: PyTree, device: jax.Device | None = None) -> Iterator[PyTre
         yield state if device is None else jax.device_put(state, device)
 
 
-def device_of(state: PyTree) -> jax.Device:
-    """The one device that holds ``state``."""
-    return next(iter(jax.tree.leaves(state)[0].devices()))
-
-
 def global_state(state: PyTree, leaders: Mesh) -> PyTree:
     """The processes' states (one each, on its leader) as one array on ``leaders``, lead axis ``data``."""
     sharding = NamedSharding(leaders, P(DATA_AXIS))

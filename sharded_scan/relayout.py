@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.checkpoint import SavedPartials
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.sums import round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
 from sharded_scan.program import (
@@ -52,13 +53,8 @@ def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[s
     ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``)."""
     mesh = program.mesh
     spread = NamedSharding(mesh, P(mesh.axis_names))
-    leaves = [_flat(leaf, padded(leaf.size, mesh.size), spread) for leaf in jax.tree.leaves(program.merge(partials))]
+    leaves = [_flat(leaf, round_up(leaf.size, mesh.size), spread) for leaf in jax.tree.leaves(program.merge(partials))]
     return leaves, {"shards": 1, "axes": mesh_axes(mesh), "compact": mesh.size}
-
-
-def padded(size: int, pieces: int) -> int:
-    """``size`` rounded up to a multiple of ``pieces``."""
-    return -(-size // pieces) * pieces
 
 
 _pad = jax.jit(lambda x, size: jnp.pad(x.reshape(-1), (0, size - x.size)), static_argnums=1)
@@ -102,7 +98,7 @@ def relayout(program: Program, saved: SavedPartials, meta: dict[str, Any]) -> Py
     there = program.job.for_mesh(AbstractMesh((1, *axes.values()), (DATA_AXIS, *axes)))
     count, pieces = int(meta["shards"]), int(meta.get("compact") or 0)
     expect = jax.eval_shape(lambda: stacked(there, program.spec, count))
-    want = [jax.ShapeDtypeStruct((padded(math.prod(s.shape), pieces),), s.dtype) if pieces else s
+    want = [jax.ShapeDtypeStruct((round_up(math.prod(s.shape), pieces),), s.dtype) if pieces else s
             for s in jax.tree.leaves(expect)]
     _check_leaves(saved.shapes, want)
     mesh, treedef = program.mesh, jax.tree.structure(expect)

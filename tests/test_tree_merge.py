@@ -10,7 +10,11 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import program
-from sharded_scan.program import device_of, program_for_spec, receives, tree_fold, tree_strides
+from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
+
+
+def device_of(state):
+    return next(iter(jax.tree.leaves(state)[0].devices()))
 
 
 def pair(a, b):

@@ -55,7 +55,7 @@ from sharded_scan.combiners.keys import (
     sort_by_key,
 )
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import SplitsByColumns, column_block
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -241,7 +241,7 @@ class DistinctCount(SplitsByColumns, Combiner):
         """``acc`` whole as split: its columns, then the identity's of the padded ones."""
         columns = jax.tree.map(lambda x: x.reshape((-1, *x.shape[1:]) if x.ndim else (1,)), acc)
         d = columns.held.shape[0]
-        pad = self.whole.init(jax.ShapeDtypeStruct((-(-d // self.model_shards) * self.model_shards - d,), spec.dtype))
+        pad = self.whole.init(jax.ShapeDtypeStruct((round_up(d, self.model_shards) - d,), spec.dtype))
         value = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), columns, pad)
         return SplitDistinctAcc(value, jnp.zeros(np.shape(acc.held), jnp.int8))
 

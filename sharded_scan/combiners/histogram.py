@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block
+from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -126,7 +126,7 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     def init(self, spec):
         d = spec.shape[0]
         if self.model_shards > 1:
-            return SplitCounts(wide.zeros((-(-d // self.model_shards) * self.model_shards, self.bins)),
+            return SplitCounts(wide.zeros((round_up(d, self.model_shards), self.bins)),
                                jnp.zeros((d,), jnp.int8))
         return wide.zeros((d, self.bins))
 
@@ -175,7 +175,7 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
         if self.model_shards == 1:
             return acc
         d = acc.limbs.shape[0]
-        pad = -(-d // self.model_shards) * self.model_shards - d
+        pad = round_up(d, self.model_shards) - d
         return SplitCounts(wide.Wide(jnp.pad(acc.limbs, ((0, pad), (0, 0), (0, 0)))), jnp.zeros((d,), jnp.int8))
 
     def finalize(self, acc):

@@ -56,7 +56,7 @@ from sharded_scan.combiners.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
-from sharded_scan.combiners.sums import SplitsByColumns, column_block
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -114,7 +114,7 @@ def unsplit(acc: SplitQuantilesAcc) -> QuantilesAcc:
 def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
     """``acc`` whole as split over ``shards`` ``model`` devices: padded with empty columns."""
     items, shape = acc.sketch.items, np.shape(acc.low)
-    pad = -(-items.shape[0] // shards) * shards - items.shape[0]
+    pad = round_up(items.shape[0], shards) - items.shape[0]
     ends = lambda x, value: jnp.pad(jnp.reshape(x, (-1,)), (0, pad), constant_values=value)  # noqa: E731
     value = acc._replace(sketch=acc.sketch._replace(items=jnp.pad(items, ((0, pad), (0, 0)),
                                                                   constant_values=fill(items.dtype))),
@@ -191,7 +191,7 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
         shape = spec.shape
         d, keys = (shape[0] if shape else 1), key_dtype(spec.dtype)
         if self.model_shards > 1:
-            width = -(-d // self.model_shards) * self.model_shards
+            width = round_up(d, self.model_shards)
             value = self.whole.init(jax.ShapeDtypeStruct((width,), spec.dtype))
             return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
         return QuantilesAcc(

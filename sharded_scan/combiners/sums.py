@@ -222,10 +222,15 @@ class SplitsByColumns:
         return dataclasses.replace(self, model_shards=1)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (columns padded to whole ``model`` blocks)."""
+    return -(-n // multiple) * multiple
+
+
 def column_block(x: jax.Array, shards: int, axis: int = 1, value=0) -> jax.Array:
     """This ``model`` device's block of ``x``'s columns (along ``axis``; padded with ``value``
     to ``shards`` blocks)."""
-    width = -(-x.shape[axis] // shards)
+    width = round_up(x.shape[axis], shards) // shards
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, width * shards - x.shape[axis])
     x = jnp.pad(x, pad, constant_values=value)
@@ -263,7 +268,7 @@ class Gram(AdditiveCombiner):
     def init(self, spec):
         d, dtype = spec.shape[0], accumulator_dtype(spec.dtype)
         if self.model_shards > 1:
-            return jnp.zeros((d, -(-d // self.model_shards) * self.model_shards), dtype)
+            return jnp.zeros((d, round_up(d, self.model_shards)), dtype)
         return triangle_zeros(d, min(self.block or default_block(d), d), dtype)
 
     def add(self, acc, batch, mask):
