@@ -13,9 +13,11 @@ one device per process, or in one SPMD program for a sum); ``after`` is :meth:`P
 The projection to 256, 1,024 and 4,096 chips (one shard a chip, 4 chips a host) takes the
 measured seconds of one merge (``m``, the slope of ``before`` against S) and an assumed
 inter-host bandwidth (``--gbps``): before, every process folds every shard after an all-gather
-of all of them, ``m * (N - 1) + N * state / bw``; after, each host folds its 4 chips' states on
-one of them (the merge compiled once) and the hosts pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)``
-(a round's state and the broadcast's).
+of all of them, ``m * (N - 1) + N * state / bw``; after, a merge that is not a sum runs the
+process tree: each host folds its 4 chips' states on one of them (the merge compiled once) and the
+hosts pair up, ``m * 3 + log2(N / 4) * (m + 2 * state / bw)`` (a round's state and the broadcast's),
+holding log2(4) + 3 states; a sum (the device tree) pairs the chips themselves, ``log2(N) * (m + 2 * state / bw)``,
+holding 3.
 
     python -m bench.scale --quick      # S up to 64, 1 repeat (a few minutes on 2 cores)
     python -m bench.scale --processes 256 --jobs LinearRegression   # 1x8, 2x4, 4x2, 8x1 processes
@@ -29,6 +31,10 @@ state read split and laid out in shard 0), and an elastic restore of the per-sha
 ``data:8`` without ``logical_shards`` (its S shards read over the devices and folded).
 
     python -m bench.scale --checkpoints --quick --jobs "Gram d=1024,LinearRegression"
+
+For each additive job, ``--checkpoints`` also times a compact save without ``logical_shards`` on
+``data:8``, where the merge is one ``psum`` (:func:`scatter_point`): main's path (the ``psum``, the
+whole state on every device, then split) beside the reduce-scatter into the split leaves.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import sharded_scan as ss
 from sharded_scan import program as pg
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
 from sharded_scan.paths import as_path
-from sharded_scan.relayout import compact, relayout
+from sharded_scan.relayout import compact, compact_shape, compile_scatter_sum, merged_and_split, relayout, scatters
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 CHIPS, CHIPS_PER_HOST = (256, 1024, 4096), 4
@@ -143,11 +149,12 @@ def disk_bytes(directory: str) -> int:
     return sum(disk_bytes(p) if p.is_dir() else p.stat().length for p in path.iterdir())
 
 
-def checkpointer(prog: pg.Program, directory: str, compact_saves: bool):
-    """A Checkpointer of ``prog``'s job in ``directory``, opened: its latest checkpoint restored (on the devices)."""
+def checkpointer(prog: pg.Program, directory: str, compact_saves: bool, saves=compact):
+    """A Checkpointer of ``prog``'s job in ``directory``, opened: its latest checkpoint restored (on the devices);
+    a compact save writes ``saves(prog, partials)``."""
     ckpt = Checkpointer(CheckpointOptions(directory, every_steps=1, every_seconds=None, keep=1, compact=compact_saves))
     restored = ckpt.restore_latest(prog.like, prog.fingerprint, functools.partial(relayout, prog), prog.shape_meta,
-                                   functools.partial(compact, prog))
+                                   functools.partial(saves, prog))
     if restored is not None:
         jax.block_until_ready(restored.partials)
     return ckpt
@@ -165,13 +172,7 @@ def checkpoint_point(name: str, shards: int, rows: int) -> dict:
     out = {"job": name, "shards": shards, "devices": min(shards, 8), "state_bytes": state}
     for mode in ("per_shard", "compact"):
         with tempfile.TemporaryDirectory() as directory:
-            ckpt = checkpointer(prog, directory, mode == "compact")
-            ckpt.save(16, 1, partials, {})  # compiles what a save runs (compact: the merge)
-            ckpt.raise_failure()  # waits for it
-            start = time.perf_counter()
-            ckpt.save(32, 1, partials, {})
-            ckpt.close()  # waits for the write
-            out[f"{mode}_save_seconds"] = time.perf_counter() - start
+            out[f"{mode}_save_seconds"] = save_seconds(checkpointer(prog, directory, mode == "compact"), partials)
             out[f"{mode}_bytes_per_save"] = disk_bytes(os.path.join(directory, "32"))
             out[f"{mode}_bytes_per_state"] = out[f"{mode}_bytes_per_save"] / state
             for restore, target in (("restore", prog), ("elastic_restore", elastic)):
@@ -181,6 +182,51 @@ def checkpoint_point(name: str, shards: int, rows: int) -> dict:
                 start = time.perf_counter()
                 checkpointer(target, directory, False).close()
                 out[f"{mode}_{restore}_seconds"] = time.perf_counter() - start
+    return out
+
+
+def save_seconds(ckpt: Checkpointer, partials, repeats: int = 1) -> float:
+    """A save's seconds until written (best of ``repeats``), after a first save compiled what a save runs
+    (compact: the merge); closes ``ckpt``."""
+    ckpt.save(16, 1, partials, {})
+    ckpt.raise_failure()  # waits for it
+    best = math.inf
+    for cursor in range(32, 32 + 16 * repeats, 16):
+        start = time.perf_counter()
+        ckpt.save(cursor, 1, partials, {})
+        ckpt.raise_failure()  # waits for the write
+        best = min(best, time.perf_counter() - start)
+    ckpt.close()
+    return best
+
+
+def held_bytes(compiled) -> int:
+    """The bytes a device holds as a compiled program's outputs (XLA's memory analysis)."""
+    return int(compiled.memory_analysis().output_size_in_bytes)
+
+
+def scatter_point(name: str, repeats: int) -> dict:
+    """A compact save of an additive job without ``logical_shards`` on ``data:8``, where the merge is one
+    ``psum``: main's path (:func:`merged_and_split`: the ``psum``, the whole state on every device, then each
+    leaf flattened and split) beside the reduce-scatter straight into the split leaves
+    (:func:`compile_scatter_sum`). Seconds of that alone (best of ``repeats``) and of a save until written;
+    the bytes a device holds after the collective (its outputs, XLA's memory analysis) and receives (a
+    ring all-reduce: 2 (N - 1) / N of the state; a ring reduce-scatter half that)."""
+    combiner, spec = jobs()[name]
+    options = ss.RunOptions(mesh="data:8", microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, 16 * 32 * 8, options)
+    n, partials = prog.mesh.size, folded_partials(prog)
+    state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
+    psum = pg.compile_merge(prog.combiner, prog.mesh, False, prog.options.precision).lower(prog.like, prog.operands)
+    out = {"job": name, "devices": n, "state_bytes": state, "scatters": scatters(prog),
+           "held_bytes_before": held_bytes(psum.compile()),
+           "held_bytes_after": held_bytes(compile_scatter_sum(prog.combiner, prog.mesh).lower(prog.like).compile()),
+           "received_bytes_before": 2 * (n - 1) * state // n, "received_bytes_after": (n - 1) * state // n}
+    before = lambda p, x: (merged_and_split(p, x), compact_shape(p.mesh))  # noqa: E731 - main's compact save
+    for when, saves in (("before", before), ("after", compact)):
+        out[f"seconds_{when}"] = best_seconds(lambda saves=saves: saves(prog, partials)[0], repeats)
+        with tempfile.TemporaryDirectory() as directory:
+            out[f"save_seconds_{when}"] = save_seconds(checkpointer(prog, directory, True, saves), partials, repeats)
     return out
 
 
@@ -216,10 +262,15 @@ def projection(points: list[dict], gbps: float) -> dict:
     s = np.array([p["shards"] for p in timed], float)
     m = max(float(np.polyfit(s, [p["seconds_before"] for p in timed], 1)[0]), 1e-6)
     state, bw = points[0]["state_bytes"], gbps * 1e9
+    if points[0]["route"] == "merges_by_tree":  # a sum: the chips pair up, a merge and a state a round
+        after = lambda n: math.log2(n) * (m + 2 * state / bw)  # noqa: E731
+        held = 3  # one shard a chip: a round's partner and merge
+    else:  # the process tree: each host folds its chips' states on one, the hosts pair up
+        after = lambda n: m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw)  # noqa: E731
+        held = CHIPS_PER_HOST.bit_length() + 2  # point's extra_states_after for a host's shards
     return {"merge_seconds": m, **{str(n): {
-        "before": m * (n - 1) + n * state / bw,
-        "after": m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw),
-        "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": 4 * state,
+        "before": m * (n - 1) + n * state / bw, "after": after(n),
+        "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": held * state,
         "checkpoint_bytes_per_save": n * state} for n in CHIPS}}
 
 
@@ -238,9 +289,12 @@ def main() -> None:
         points = [checkpoint_point(name, s, 16 * 32 * counts[-1]) for name in args.jobs.split(",") for s in counts]
         for p in points:
             print(json.dumps(p), flush=True)
+        scatter = [scatter_point(name, args.repeats) for name in args.jobs.split(",") if jobs()[name][0].additive]
+        for p in scatter:
+            print(json.dumps(p), flush=True)
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, "scale_checkpoints.json"), "w") as f:
-            json.dump({"points": points}, f, indent=1)
+            json.dump({"points": points, "scatter": scatter}, f, indent=1)
         return
     if args.processes:
         points = [p for name in args.jobs.split(",") for p in over_processes(name, args.processes, args.repeats)]

@@ -126,7 +126,8 @@ class CheckpointOptions:
         save are merged in another order than an uninterrupted run merges them, so a result
         after a resume agrees with it to float rounding, not bitwise (integer counts stay
         exact; a sketch's answers within its error bound). Each save also runs a merge (as
-        long as the final one). False (default):
+        long as the final one; a sum's ``psum`` as a reduce-scatter, each device receiving
+        only its 1/N). False (default):
         per-shard saves, bitwise resume, for small shard counts. A checkpoint of either kind
         resumes whatever this option says.
     """

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.checkpoint import SavedPartials
@@ -33,6 +33,7 @@ from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS
 from sharded_scan.program import (
     Program,
+    cached,
     compile_pair_merge,
     mesh_axes,
     power_of_two_or_alone,
@@ -50,11 +51,59 @@ def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[s
     """What a compact save writes: ``partials`` merged by :meth:`Program.merge` (the run's own tree),
     each leaf flattened, padded with zeros to a multiple of the mesh's N devices and split over
     all of them (each device holds, and orbax writes, 1/N of one state), and the checkpoint's
-    ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``)."""
+    ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``). Where that merge is a ``psum``
+    (:func:`scatters`) the partials are reduce-scattered straight into that layout
+    (:func:`compile_scatter_sum`): half the bytes of the ``psum`` moved, 1/N of the state held."""
+    mesh = program.mesh
+    if scatters(program):
+        leaves = compile_scatter_sum(program.combiner, mesh)(partials)
+    else:
+        leaves = merged_and_split(program, partials)
+    return leaves, compact_shape(mesh)
+
+
+def compact_shape(mesh: Mesh) -> dict[str, Any]:
+    """A compact checkpoint's ``shape``: one state, its leaves split over ``mesh``'s N devices."""
+    return {"shards": 1, "axes": mesh_axes(mesh), "compact": mesh.size}
+
+
+def merged_and_split(program: Program, partials: PyTree) -> list[jax.Array]:
+    """:func:`compact`'s leaves the long way: ``partials`` merged by :meth:`Program.merge` (every
+    device holding the whole state, or its block of a split one), then each leaf flattened, padded
+    and split over every device."""
     mesh = program.mesh
     spread = NamedSharding(mesh, P(mesh.axis_names))
-    leaves = [_flat(leaf, round_up(leaf.size, mesh.size), spread) for leaf in jax.tree.leaves(program.merge(partials))]
-    return leaves, {"shards": 1, "axes": mesh_axes(mesh), "compact": mesh.size}
+    return [_flat(leaf, round_up(leaf.size, mesh.size), spread) for leaf in jax.tree.leaves(program.merge(partials))]
+
+
+def scatters(program: Program) -> bool:
+    """Whether a compact save reduce-scatters the partials: where :meth:`Program.merge` is one
+    ``psum`` (an additive combiner without ``logical_shards``, whose tree fixes the order) and no
+    leaf is split over another axis (a split leaf's block is not a run of the flat state)."""
+    combiner = program.combiner
+    return combiner.additive and program.options.logical_shards is None and combiner.partition(program.mesh) is None
+
+
+@cached
+def compile_scatter_sum(combiner: Combiner, mesh: Mesh) -> Callable[[PyTree], list[jax.Array]]:
+    """``scatter(partials) -> leaves``: a sum's partials (one shard a device, leaves whole on each)
+    summed over ``data`` by one ``psum_scatter`` a leaf into :func:`compact`'s layout: each leaf
+    flat, padded to a multiple of the N devices, device ``i`` (row-major over the mesh's axes)
+    holding the ``i``-th of its N pieces."""
+    names, sizes = mesh.axis_names, tuple(mesh.devices.shape)
+    axis = names.index(DATA_AXIS)
+
+    def own_piece(x):  # x: this device's shard, [1, *leaf]
+        flat = jnp.pad(x[0].reshape(-1), (0, round_up(x[0].size, mesh.size) - x[0].size))
+        piece = jax.lax.psum_scatter(flat.reshape(*sizes, -1), DATA_AXIS, scatter_dimension=axis)
+        for name in (n for n in names if n != DATA_AXIS):  # then its piece by its place on the other axes
+            piece = piece[jax.lax.axis_index(name)]
+        return piece
+
+    def scatter(partials):
+        return [own_piece(x) for x in jax.tree.leaves(partials)]
+
+    return jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(names)))
 
 
 _pad = jax.jit(lambda x, size: jnp.pad(x.reshape(-1), (0, size - x.size)), static_argnums=1)
