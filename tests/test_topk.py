@@ -1,5 +1,7 @@
 """TopK: the most frequent values with counts, against numpy/pandas, on every device count and across resumes."""
 
+from collections import Counter
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -65,22 +67,29 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
 
 
-def test_logical_shards_give_bitwise_the_same_result_on_1_2_and_4_devices_and_resume_bitwise(tmp_path):
-    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3)], 1)
+def test_logical_shards_give_bitwise_the_same_result_on_1_2_4_devices_and_split_over_model_and_resume_across(tmp_path):
+    x = np.stack([zipf(3001, seed=2), zipf(3001, seed=3), zipf(3001, seed=4)], 1)
     # 4 shards: 4, 2 and 1 a device, as with 8 (tested for every device count in test_engine), but
-    # each program merges 4 summaries, not 8: their compile is about half.
-    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=4, **KW) for mesh in ("data:1", "data:2", "data:4")]
+    # each program merges 4 summaries, not 8: their compile is about half. On data:4,model:2 each
+    # device counts 2 of the 3 columns (one padded) and merges its own: bitwise data:4's (data:8's).
+    meshes = ("data:1", "data:2", "data:4", "data:4,model:2")
+    runs = [ss.run(SMALL, x, mesh=mesh, logical_shards=4, **KW) for mesh in meshes]
     for got in runs[1:]:
         for a, b in zip(got, runs[0], strict=True):
             np.testing.assert_array_equal(a, b)
+    # The split summaries' checkpoint resumes on a mesh without model (test_wide_model converts both ways).
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     with pytest.raises(CrashError):
-        ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, progress=crash_at(2), **KW)
+        ss.run(SMALL, x, mesh="data:4,model:2", logical_shards=4, checkpoint=options, progress=crash_at(2), **KW)
     again = ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, **KW)
     for a, b in zip(again, runs[0], strict=True):
         np.testing.assert_array_equal(a, b)
-    for j in range(2):
+    for j in range(3):
         check_bounds(x[:, j], type(again)(*(f[j] for f in again)))
+        exact = again.errors[j] == 0  # counted from their first row: the exact counts
+        assert exact[:3].all()
+        truth = Counter(x[:, j].tolist())
+        np.testing.assert_array_equal(again.counts[j][exact], [truth[v] for v in again.values[j][exact]])
 
 
 def test_strings_are_counted_by_their_hash_ids():

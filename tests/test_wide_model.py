@@ -5,7 +5,6 @@ shards (``logical_shards``) its result is bitwise that of a mesh without ``model
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,8 +54,21 @@ def test_the_memory_estimate_sees_the_split_and_names_the_axis_to_grow(monkeypat
     with pytest.raises(ss.UsageError, match="grow the mesh's 'model' axis") as err:
         build_program(SKETCH, as_source(wide), RunOptions(mesh="data:8", microbatch=16))
     assert "\n" not in str(err.value)
-    with pytest.raises(ss.UsageError, match="make the accumulator smaller"):  # a state that does not split
-        build_program(ss.TopK(capacity=4096), as_source(wide), RunOptions(mesh="data:8"))
+    with pytest.raises(ss.UsageError, match="grow the mesh's 'model' axis.*make the accumulator smaller"):
+        build_program(ss.TopK(capacity=4096), as_source(wide), RunOptions(mesh="data:8"))  # its summaries split too
+    with pytest.raises(ss.UsageError, match="make the accumulator smaller") as err:  # a state that does not split
+        build_program(ss.PCA(2), as_source(wide), RunOptions(mesh="data:8"))
+    assert "'model'" not in str(err.value)
+
+
+def test_topk_splits_its_summaries_by_columns_and_the_memory_estimate_sees_it():
+    wide = np.zeros((100, 511), np.int32)  # 511 columns: padded to 512 over model:2
+    program = build_program(ss.TopK(capacity=64), as_source(wide), RunOptions(mesh="data:4,model:2", microbatch=16))
+    keys = program.like.value.keys  # (shards, padded columns, capacity)
+    assert keys.shape[1] == 512 and keys.sharding.shard_shape(keys.shape)[1] == 256
+    whole = build_program(ss.TopK(capacity=64), as_source(wide), RunOptions(mesh="data:8", microbatch=16))
+    split, whole = (admission.memory_estimate(p, temporaries=False) for p in (program, whole))
+    assert split["accumulator"] <= 0.51 * whole["accumulator"] and split["merge"] <= 0.51 * whole["merge"]
 
 
 def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks them on data:4,model:2
@@ -64,13 +76,19 @@ def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks th
     assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
 
 
-@pytest.mark.parametrize(("job", "shape"), [(SKETCH, (6,)), (SKETCH, ()), (ss.Histogram(7, (0, 1)), (6,)),
-                                          (ss.DistinctCount(precision=8, exact_up_to=64), (6,)),
-                                          (ss.DistinctCount(precision=8, exact_up_to=64), ())])
-def test_a_state_converts_between_whole_and_split(job, shape):  # a resume on a mesh with other axes
-    spec, rng = jax.ShapeDtypeStruct(shape, np.float32), np.random.default_rng(0)
+TOPK = ss.TopK(k=2, capacity=4)
+ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,), (), ()))
+
+
+@pytest.mark.parametrize(("job", "spec"), [(SKETCH, ROW), (SKETCH, ONE), (ss.Histogram(7, (0, 1)), ROW),
+                                         (ss.DistinctCount(precision=8, exact_up_to=64), ROW),
+                                         (ss.DistinctCount(precision=8, exact_up_to=64), ONE),
+                                         (TOPK, ROW), (ss.Weighted(TOPK), (WEIGHTS, ROW)),
+                                         (ss.GroupBy(TOPK, 3), (jax.ShapeDtypeStruct((), np.int32), ROW))])
+def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes
+    rng = np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))
-    acc = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)), job.init(spec))
-    there = split.convert(acc, job)
-    assert jax.tree.map(np.shape, there) == jax.tree.map(np.shape, split.init(spec))
-    assert_bitwise(job.convert(there, split), acc)
+    acc = jax.tree.map(lambda x: rng.integers(0, 100, x.shape).astype(x.dtype), jax.eval_shape(job.init, spec))
+    there = jax.jit(lambda acc: split.convert(acc, job))(acc)  # one program, as a resume runs it
+    assert jax.tree.map(np.shape, there) == jax.tree.map(np.shape, jax.eval_shape(split.init, spec))
+    assert_bitwise(jax.jit(lambda acc: job.convert(acc, split))(there), acc)

@@ -33,11 +33,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import murmur
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.datasketches import hll_sketches, hll_state
 from sharded_scan.combiners.keys import (
     GOLDEN,
@@ -55,9 +54,7 @@ from sharded_scan.combiners.keys import (
     sort_by_key,
 )
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
-from sharded_scan.mesh import MODEL_AXIS
 
 DEFAULT_PRECISION = 14
 RANK_BITS = 32  # a register holds 1 + the leading zeros of a 32-bit hash: 1..33 (0: untouched)
@@ -89,14 +86,6 @@ class DistinctCountResult(NamedTuple):
     def to_pandas(self):
         """A DataFrame: a row per column, ``count`` (``df.nunique(dropna=False)``), ``exact``, ``relative_error``."""
         return frame(self, ("count", "exact", "relative_error"))
-
-
-class SplitDistinctAcc(NamedTuple):
-    """A :class:`DistinctCount` accumulator split by columns over ``model``: every leaf's column
-    axis padded with empty columns to a multiple of the axis size."""
-
-    value: DistinctAcc
-    columns: jax.Array  # int8 zeros shaped like a row ((d,), or () for scalar rows): the real columns
 
 
 class DistinctAcc(NamedTuple):
@@ -180,7 +169,7 @@ def estimate(registers: np.ndarray, rank_bits: int = RANK_BITS) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistinctCount(SplitsByColumns, Combiner):
+class DistinctCount(SplitsEachColumn, Combiner):
     """The number of distinct values in each column, like ``len(np.unique(x[:, j]))``.
 
     Args:
@@ -207,6 +196,7 @@ class DistinctCount(SplitsByColumns, Combiner):
     datasketches: bool = False
     model_shards: int = 1  # set by for_mesh: above 1 each model device counts its block of the columns
     takes_string_ids = True  # string columns: their hash ids count the distinct strings
+    state_type = DistinctAcc  # split over model: each device counts its block of the columns (column_split)
 
     def __post_init__(self):
         p = self.precision
@@ -223,31 +213,9 @@ class DistinctCount(SplitsByColumns, Combiner):
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
 
-    def partition(self, mesh: Mesh):
-        return SplitDistinctAcc(DistinctAcc(P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS)), P()) \
-            if self.model_shards > 1 else None
-
-    def _own(self, batch):
-        """This ``model`` device's block of the micro-batch's columns ``(mb, d / M)`` (every column
-        counts alone, so the whole sketch's add runs on it)."""
-        return column_block(batch.reshape(batch.shape[0], -1), self.model_shards)
-
-    def _unsplit(self, acc: SplitDistinctAcc) -> DistinctAcc:
-        shape = np.shape(acc.columns)
-        value = jax.tree.map(lambda x: x[: shape[0] if shape else 1], acc.value)
-        return value._replace(held=value.held.reshape(shape))
-
-    def _split(self, acc: DistinctAcc, spec) -> SplitDistinctAcc:
-        """``acc`` whole as split: its columns, then the identity's of the padded ones."""
-        columns = jax.tree.map(lambda x: x.reshape((-1, *x.shape[1:]) if x.ndim else (1,)), acc)
-        d = columns.held.shape[0]
-        pad = self.whole.init(jax.ShapeDtypeStruct((round_up(d, self.model_shards) - d,), spec.dtype))
-        value = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), columns, pad)
-        return SplitDistinctAcc(value, jnp.zeros(np.shape(acc.held), jnp.int8))
-
     def init(self, spec):
         if self.model_shards > 1:
-            return self._split(self.whole.init(spec), spec)
+            return self.split(self.whole.init(spec))
         d, keys = (spec.shape[0] if spec.shape else 1), key_dtype(spec.dtype)
         slots = max(self.exact_up_to, 1)  # orbax cannot save an empty array: one unused slot when off
         return DistinctAcc(
@@ -257,7 +225,7 @@ class DistinctCount(SplitsByColumns, Combiner):
 
     def add(self, acc, batch, mask):
         if self.model_shards > 1:
-            return acc._replace(value=self.whole.add(acc.value, self._own(batch), mask))
+            return acc._replace(value=self.whole.add(acc.value, self.own(batch), mask))
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
@@ -287,7 +255,7 @@ class DistinctCount(SplitsByColumns, Combiner):
         """Registers per key in one scatter-max; the kept values of each key present in the micro-batch
         (while it has few) folded key by key (:func:`~.keys.fold_groups`)."""
         if self.model_shards > 1:
-            return acc._replace(value=self.whole.add_keyed(acc.value, self._own(batch), mask, keys, num_keys))
+            return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
         cols = columns(batch)
         index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch))
         d = cols.shape[0]
@@ -322,16 +290,9 @@ class DistinctCount(SplitsByColumns, Combiner):
                          jnp.minimum(count, self.exact_up_to + 1))
         return DistinctAcc(registers, kept, held.reshape(before.shape))
 
-    def convert(self, acc, source):
-        """Between the whole state and one split over ``model`` (a resume on a mesh with other axes)."""
-        whole = source._unsplit(acc) if source.model_shards > 1 else acc
-        if self.model_shards == 1:
-            return whole
-        return self._split(whole, jax.ShapeDtypeStruct((), whole.keys.dtype))
-
     def finalize(self, acc):
         if self.model_shards > 1:
-            return self.whole.finalize(self._unsplit(acc))
+            return self.whole.finalize(self.unsplit(acc))
         registers = np.asarray(acc.registers)
         held = np.asarray(acc.held).reshape(-1)
         exact = (held <= self.exact_up_to) & (self.exact_up_to > 0)

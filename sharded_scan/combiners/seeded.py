@@ -131,6 +131,9 @@ class FromDataSketches(Wrapper):
         return self.inner.merge(a, b)
 
     def finalize(self, acc):
+        if getattr(self.inner, "model_shards", 1) > 1:  # split over model: the seeds merge into the whole state
+            whole = self.inner.whole
+            return dataclasses.replace(self, inner=whole).finalize(whole.convert(acc, self.inner))
         if isinstance(self.inner, TopK):
             return self.inner.finalize(_host(_merger(self.inner)(acc, self._topk_seed(acc))))
         if isinstance(self.inner, DistinctCount):

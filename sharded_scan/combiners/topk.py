@@ -21,7 +21,9 @@ can be counted by their :func:`hash_strings` ids: a tabular source's string colu
 and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
 
 ``Weighted(TopK(...))`` counts sums of weights, in floats, by the same summary (:class:`WeightedTopK`);
-``GroupBy(TopK(...), K)`` keeps a summary per key (:meth:`TopK.add_keyed`).
+``GroupBy(TopK(...), K)`` keeps a summary per key (:meth:`TopK.add_keyed`). Each column's summary
+folds and merges alone, so on a ``model`` axis the columns are split over its devices
+(:mod:`~sharded_scan.combiners.column_split`), the weighted and per-key forms' too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.datasketches import frequent_items_sketches, frequent_state
 from sharded_scan.combiners.keys import (
     check_column_spec,
@@ -219,7 +222,7 @@ def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: i
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Combiner):
+class TopK(SplitsEachColumn, Combiner):
     """The ``k`` most frequent values of each column and their counts (pandas' ``value_counts().head(k)``).
 
     Args:
@@ -231,12 +234,18 @@ class TopK(Combiner):
 
     Values are compared as ``np.unique`` does: ``-0.0`` is ``0.0`` and all NaNs are one
     value (``nan_policy="propagate"``); ``"omit"`` skips rows holding NaN or Inf.
+
+    On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
+    summaries are split by columns: each device holds and counts ``ceil(d / M)`` of them (padded
+    with empty ones), so the result is bitwise that of a mesh without ``model`` and the same shards.
     """
 
     k: int = DEFAULT_K
     capacity: int = DEFAULT_CAPACITY
+    model_shards: int = 1  # set by for_mesh: above 1 each model device counts its block of the columns
     takes_string_ids = True  # a string column's values: the source maps the top ids back to strings
     counts = ExactCounts
+    state_type, shared = TopKAcc, ("kind",)  # split over model: a summary per column (column_split)
 
     def __post_init__(self):
         for name in ("k", "capacity"):
@@ -250,6 +259,10 @@ class TopK(Combiner):
         check_column_spec(spec, "TopK")
 
     def init(self, spec):
+        return self.split(self.whole.init(spec)) if self.model_shards > 1 else self._init(spec)
+
+    def _init(self, spec):
+        """The whole summaries' identity."""
         d, c, keys = (spec.shape[0] if spec.shape else 1), self.capacity, key_dtype(spec.dtype)
         return TopKAcc(
             jnp.full((d, c), fill(keys), keys), wide.zeros((d, c), LIMBS), wide.zeros((d, c), LIMBS),
@@ -257,6 +270,8 @@ class TopK(Combiner):
         )
 
     def add(self, acc, batch, mask):
+        if self.model_shards > 1:
+            return acc._replace(value=self.whole.add(acc.value, self.own(batch), mask))
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
@@ -294,15 +309,22 @@ class TopK(Combiner):
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its
         rows, at most ``capacity`` at a time (:func:`~.keys.fold_groups`)."""
+        if self.model_shards > 1:
+            return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
+        return self._add_keyed(acc, batch, mask, keys, num_keys)
+
+    def _add_keyed(self, acc, batch, mask, keys, num_keys):
         groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
         width = min(cols.shape[1], self.capacity)
         return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
                            groups, num_keys, width)
 
     def weighted(self):
-        return WeightedTopK(self.k, self.capacity)
+        return WeightedTopK(self.k, self.capacity, self.model_shards)
 
     def merge(self, a, b):
+        if self.model_shards > 1:  # column by column: each device merges its own columns
+            return a._replace(value=self.whole.merge(a.value, b.value))
         c, counts = self.capacity, self.counts
         a_held, b_held = a.held.reshape(-1), b.held.reshape(-1)
         slots = jnp.arange(c)[None, :]
@@ -326,6 +348,8 @@ class TopK(Combiner):
         return frequent_state(acc)
 
     def finalize(self, acc):
+        if self.model_shards > 1:
+            return self.whole.finalize(self.unsplit(acc))
         keys, to_host = np.asarray(acc.keys), self.counts.to_host
         count, slack = to_host(acc.count), to_host(acc.slack)
         held, bound = np.asarray(acc.held).reshape(-1), to_host(acc.bound).reshape(-1)
@@ -364,11 +388,18 @@ class WeightedTopK(TopK):
     def check_spec(self, spec):
         super().check_spec(spec[1])
 
-    def init(self, spec):
+    def _init(self, spec):
         w, x = spec
-        acc = super().init(x)
+        acc = super()._init(x)
         return acc._replace(count=jnp.zeros(acc.keys.shape, w.dtype), slack=jnp.zeros(acc.keys.shape, w.dtype),
                             bound=jnp.zeros(acc.keys.shape[:1], w.dtype))
+
+    def own(self, batch):
+        w, x = batch
+        return w, super().own(x)
+
+    def columns_spec(self, acc, n):
+        return jax.ShapeDtypeStruct((), acc.count.dtype), super().columns_spec(acc, n)
 
     def _sorted(self, batch, mask):
         w, x = batch
@@ -379,7 +410,7 @@ class WeightedTopK(TopK):
         s, weights = jax.lax.sort(self._sorted(batch, mask), dimension=1, num_keys=1)
         return self._add_sorted(acc, s, jnp.sum(mask, dtype=jnp.int32), weights)
 
-    def add_keyed(self, acc, batch, mask, keys, num_keys):
+    def _add_keyed(self, acc, batch, mask, keys, num_keys):
         cols, weights = self._sorted(batch, mask)
         groups, cols, weights = sort_by_key(cols, mask, keys, num_keys, weights)
 

@@ -1,0 +1,81 @@
+"""A state whose every column folds and merges alone, split by columns over ``model``.
+
+A :class:`SplitsEachColumn` combiner (``DistinctCount``, ``TopK``) keeps a NamedTuple state
+whose leaves hold one column each along their first axis, but the fields in its ``shared``
+(the same for every column: whole on every device); its ``held`` leaf is shaped like a row
+(``()`` for rows of one value). Over a ``model`` axis of M devices the state is a
+:class:`SplitColumns`: its columns padded with the identity's to a multiple of M, each
+device holding ``ceil(d / M)`` of them, and every device runs the whole combiner's ``add``
+and ``merge`` on its block of the state and of each micro-batch's columns (:meth:`own`);
+so the result is bitwise the whole state's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.mesh import MODEL_AXIS
+
+
+class SplitColumns(NamedTuple):
+    """A state split by columns over ``model``: every per-column leaf's column axis padded with the
+    identity's columns to a multiple of the axis size."""
+
+    value: Any
+    columns: jax.Array  # int8 zeros shaped like a row ((d,), or () for scalar rows): the real columns
+
+
+class SplitsEachColumn(SplitsByColumns):
+    """Mixin of a dataclass combiner whose state (a ``state_type`` NamedTuple) folds and merges each
+    column alone; ``shared`` names its fields that are not per column."""
+
+    shared = ()
+
+    def partition(self, mesh: Mesh):
+        fields = self.state_type._fields
+        return SplitColumns(self.state_type(*(P() if f in self.shared else P(MODEL_AXIS) for f in fields)), P()) \
+            if self.model_shards > 1 else None
+
+    def own(self, batch: jax.Array) -> jax.Array:
+        """This ``model`` device's block of the micro-batch's columns ``(mb, ceil(d / M))`` (zeros padding)."""
+        return column_block(batch.reshape(batch.shape[0], -1), self.model_shards)
+
+    def columns_spec(self, acc: Any, n: int) -> Any:
+        """Rows of ``n`` columns whose identity pads a state like ``acc`` (values keyed as its keys)."""
+        return jax.ShapeDtypeStruct((n,), acc.keys.dtype)
+
+    def split(self, acc: Any) -> SplitColumns:
+        """``acc`` whole as split: its columns, then the identity's of the padded ones."""
+        shape = np.shape(acc.held)
+        d = shape[0] if shape else 1
+        pad = self.whole.init(self.columns_spec(acc, round_up(d, self.model_shards) - d))
+
+        def padded(name, x, empty):
+            if name in self.shared:
+                return x
+            return jax.tree.map(lambda x, e: jnp.concatenate([x.reshape((-1, *x.shape[1:]) if x.ndim else (1,)), e]),
+                                x, empty)
+
+        value = type(acc)(*(padded(f, x, e) for f, x, e in zip(acc._fields, acc, pad, strict=True)))
+        return SplitColumns(value, jnp.zeros(shape, jnp.int8))
+
+    def unsplit(self, acc: SplitColumns) -> Any:
+        """The whole state of ``acc``: its real columns (``held`` shaped like a row)."""
+        shape = np.shape(acc.columns)
+        real = shape[0] if shape else 1
+        columns = {f: jax.tree.map(lambda x: x[:real], getattr(acc.value, f))
+                   for f in acc.value._fields if f not in self.shared}
+        value = acc.value._replace(**columns)
+        return value._replace(held=value.held.reshape(shape))
+
+    def convert(self, acc, source):
+        """Between the whole state and one split over ``model`` (a resume on a mesh with other axes)."""
+        whole = source.unsplit(acc) if source.model_shards > 1 else acc
+        return self.split(whole) if self.model_shards > 1 else whole
