@@ -516,7 +516,10 @@ class _Stream:
 
 def _tensor_columns(schema: Any, selection: Selection) -> list[str] | None:
     """The column names of a selection that Arrow can copy into rows as they are: one list of
-    distinct scalar numeric columns (not bool), each of the row dtype; else None."""
+    distinct scalar numeric columns (not bool), each of the row dtype; else (or before pyarrow 16,
+    whose ``to_tensor`` has no ``row_major``) None."""
+    if int(_pyarrow().__version__.split(".")[0]) < 16:
+        return None
     selections = _leaves(selection.columns)[0]
     if len(selections) != 1 or not isinstance(selections[0], list) or selection.strings or selection.widths:
         return None
