@@ -53,17 +53,18 @@ combiner's ``add`` over the same rows on one device):
   (0.72x at load 1.4). Its steps got 1.2x faster (``statistics.column_sum``: XLA:CPU vectorizes a
   column sum of 8-wide rows along the columns only; the steps 0.028 -> 0.023 s wall best of 25,
   0.030 -> 0.026 CPU-s median, at load 13); the read is moments'.
-- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 0.6 s of
-  0.8 s; 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
-  53%; the compaction, 34%). Both peers answer at 2.5x and 30x sharded_scan's rank error; at
-  equal error (the KLL at k≈7000) sharded_scan is faster.
+- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 1.0 s of 1.1 s
+  on one device (0.6 of 0.8 s on two: ``--devices 2`` is 1.33x faster, each device sorting on its
+  own core); 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
+  53%; the compaction, 34%). Both peers answer at 2.4x and 36x sharded_scan's rank error; at equal
+  error (the KLL at k≈6000-7000) sharded_scan is 0.91x on one device, 1.27x on two.
 - distinct counts against the approximate DuckDB and Polars counts: a run of 0.04-0.06 s is the
   read (0.022-0.03 s: pyarrow's decode of the two id columns alone 0.017 CPU-s, as much as Polars'
   whole ``approx_n_unique`` query, 0.013-0.023 s), the steps (0.011-0.015 s: hashing and one
   scatter-max a micro-batch), the merge and finalize (0.003-0.004 s) and the run's set-up (0.003
   s): its fixed parts alone are half the peers' query. 31 steps instead of 16 cost it 0.057
   against 0.047 CPU-s (load 6.5; the step cap above).
-- top-100 against DuckDB, Polars and numpy: the steps are 0.11 s of 0.16 s; per micro-batch
+- top-100 against DuckDB, Polars and numpy: the steps are 0.18 s of 0.23 s (0.11-0.13 s on two devices); per micro-batch
   ``TopK`` sorts 16384 keys and selects the 4096 largest of 20480 candidates with
   ``lax.top_k`` (an XLA:CPU custom call), about 0.5 ms and 40% of its ``add`` each (sorting
   once per step instead would sort as many keys: n log n does not shrink); the peers count the
