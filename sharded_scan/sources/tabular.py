@@ -435,7 +435,8 @@ class ParquetSource(Source):
     def _read_rows(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         """Casts the rows of each row group the range overlaps straight into one aligned array a
         leaf (``pad_to`` rows long), from one scan kept across reads (:class:`_Stream`): pyarrow
-        decodes the next row groups on its threads while the rows before are cast and placed."""
+        decodes the next row groups on its threads while the rows before are cast and placed. A
+        read inside one batch of columns already of the row dtype is Arrow's copy (:meth:`_row_major`)."""
         self._check_range(start, stop)
         unit = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
         if self._stream is None or not self._stream.reaches(start, int(self._starts[unit])):
