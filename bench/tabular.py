@@ -2,7 +2,7 @@
 
     python -m bench.tabular            # 4·10^6 rows (8 float32 + 3 int32 columns), best of 3
     python -m bench.tabular --quick    # 2^18 rows, best of 2 (a minute)
-    python -m bench.tabular --devices 8   # simulated CPU devices (default: one a core, at most 8)
+    python -m bench.tabular --devices 2   # simulated CPU devices (default: JAX's own, one on CPU)
     python -m bench.tabular --profile     # also sharded_scan's parts per row (profile())
 
 Every caller reads the file itself (warm: the page cache holds it after the first call) and
@@ -24,29 +24,47 @@ sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
 
 JSON goes to ``bench/results/tabular[_quick].json``.
 
-Why the rows below 1.0x stay there (2·10^6 rows, 2 cores, 2 devices; ``--profile``, and
-``jax.profiler`` traces of each combiner's ``add`` over the same rows on one device):
+Why the rows below 1.0x stay there (2·10^6 rows, 2 cores, one device unless said; ``--profile``,
+process CPU seconds beside the wall's, ``perf record`` of runs, and ``jax.profiler`` traces of each
+combiner's ``add`` over the same rows on one device):
 
-- moments and covariance against Polars: the run is the read. ``ParquetSource`` reads the 8
-  columns into rows in 0.055-0.065 s (0.085-0.106 s before one scan served consecutive steps and
-  the cast went in row blocks): pyarrow's decode, 0.030-0.035 s (``pq.read_table`` alone, or each
-  row group's ``to_table``), and the cast of 8 columns into one row-major ``(rows, 8)`` array,
-  0.009 s in blocks of 2^16 rows (0.019 s a whole column at a time), while the steps take
-  0.027-0.031 s (moments, 0.046-0.053 before its one-pass reduction) and 0.018-0.022 s
-  (covariance) and the merge 0.004 s. Polars' whole query (its own Parquet decoder, fused
-  aggregation) takes 0.026-0.031 s: less than pyarrow's decode alone, so no change to the
-  compute reaches it while the rows come through pyarrow. Tried: a memory-mapped file decodes
-  1.4x faster (0.024 against 0.034 s) but a file rewritten in place during a mapped read ends
-  the process with SIGBUS instead of one line; two row groups decoded ahead instead of one read
-  faster alone (0.038 against 0.047 s) but not in the runs (within noise).
-- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 0.6 s of
-  0.8 s; 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
-  53%; the compaction, 34%). Both peers answer at 2.5x and 30x sharded_scan's rank error; at
-  equal error (the KLL at k≈7000) sharded_scan is faster.
-- distinct counts against the approximate DuckDB and Polars counts: a run of 0.04 s is the
-  read (0.011-0.020 s; 0.02-0.03 s before), the steps (0.010 s: hashing and one scatter-max a micro-batch), the merge
-  and finalize (0.004 s) and the run's set-up (0.003 s); the peers' whole query is 0.013-0.02 s.
-- top-100 against DuckDB, Polars and numpy: the steps are 0.11 s of 0.16 s; per micro-batch
+- moments against Polars: the run is the read, and the read is pyarrow's decode. A moments run
+  costs 0.156 CPU-s (wall 0.09 s) against Polars' whole query's 0.05 CPU-s (wall 0.027 s, load 2):
+  ``ParquetSource``'s read 0.07-0.10 CPU-s, of which pyarrow's decode of the 8 columns alone is
+  0.055 CPU-s (its scan or ``pq.read_table``; Polars' ``read_parquet`` of the same columns 0.031),
+  the cast of 8 columns into one row-major ``(rows, 8)`` array 0.009-0.016 s; the steps 0.047
+  CPU-s (wall 0.022-0.038 s); merge and set-up 0.004 s each. ``perf``: parquet/arrow decode 21%
+  of the samples (dictionary-encoded floats, definition levels of the nullable columns), the
+  kernel's copies of the file's pages 7%, the cast (numpy's strided copy) 8%, XLA's step code 20%,
+  Python 13%. The decode alone costs more CPU than Polars' query, so no change to the compute
+  reaches it while the rows come through pyarrow. Tried, no gain: a mask-free ``Moments`` add for
+  micro-batches of real rows only (the step already runs such micro-batches with a constant mask
+  XLA folds away: 0.30-0.34 against 0.31-0.32 ms a micro-batch); its reductions as separate, flat,
+  pairwise-halving or transposed reductions (0.15-0.44 against 0.13-0.25 ms: XLA:CPU's variadic
+  reduce of 32 x 8 lanes stays best); Polars as the decoder (a row group a read: 0.042 against 0.056
+  CPU-s, but with no read-ahead 0.067 against 0.060 s wall with the cast; a slice a step decodes
+  each row group twice); 2 simulated devices instead of one (the same within noise on these three
+  rows: the bench now runs what a user's process gets); fewer steps (16 instead of 31: 0.145
+  against 0.159 CPU-s at load 6.5; the step cap, ``layout.MIN_JOB_STEPS``, keeps reads hidden on
+  larger jobs, left as it is); a memory-mapped file decodes 1.4x faster (0.024 against 0.034 s)
+  but a file rewritten in place during a mapped read ends the process with SIGBUS instead of one line.
+- covariance against Polars: at or above 1.0x under load (Polars' 36 ``pl.cov`` pairs cost 0.13-0.14
+  CPU-s, as much as the run), below it on an idle machine, where Polars' two threads finish first
+  (0.72x at load 1.4). Its steps got 1.2x faster (``statistics.column_sum``: XLA:CPU vectorizes a
+  column sum of 8-wide rows along the columns only; the steps 0.028 -> 0.023 s wall best of 25,
+  0.030 -> 0.026 CPU-s median, at load 13); the read is moments'.
+- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 1.0 s of 1.1 s
+  on one device (0.6 of 0.8 s on two: ``--devices 2`` is 1.33x faster, each device sorting on its
+  own core); 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
+  53%; the compaction, 34%). Both peers answer at 2.4x and 36x sharded_scan's rank error; at equal
+  error (the KLL at k≈6000-7000) sharded_scan is 0.91x on one device, 1.27x on two.
+- distinct counts against the approximate DuckDB and Polars counts: a run of 0.04-0.06 s is the
+  read (0.022-0.03 s: pyarrow's decode of the two id columns alone 0.017 CPU-s, as much as Polars'
+  whole ``approx_n_unique`` query, 0.013-0.023 s), the steps (0.011-0.015 s: hashing and one
+  scatter-max a micro-batch), the merge and finalize (0.003-0.004 s) and the run's set-up (0.003
+  s): its fixed parts alone are half the peers' query. 31 steps instead of 16 cost it 0.057
+  against 0.047 CPU-s (load 6.5; the step cap above).
+- top-100 against DuckDB, Polars and numpy: the steps are 0.18 s of 0.23 s (0.11-0.13 s on two devices); per micro-batch
   ``TopK`` sorts 16384 keys and selects the 4096 largest of 20480 candidates with
   ``lax.top_k`` (an XLA:CPU custom call), about 0.5 ms and 40% of its ``add`` each (sorting
   once per step instead would sort as many keys: n log n does not shrink); the peers count the
@@ -59,6 +77,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -81,11 +100,8 @@ IDS = ["few", "many"]
 ZIPF = "zipf"
 QS = np.arange(1, 100) / 100
 TOP = 100
-# One simulated CPU device a core, as many as each peer's threads: on 2 cores 8 devices were a
-# handicap no user needs (8 device programs share the cores with the reader: 4 of the 5 rows 1.1-1.2x
-# slower than at 2 devices, top-k 1.05x faster; 1 device leaves a core idle in the sorts: quantiles
-# 1.25x slower).
-DEVICES = max(1, min(os.cpu_count() or 1, 8))
+# No --devices: JAX's own CPU device count (one device), what `ss.run` gets in a user's process;
+# sharded_scan does not set it (a process-wide JAX flag, fixed before the backend starts).
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 try:
@@ -309,9 +325,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed rounds (default 3; quick 2)")
     parser.add_argument("--only", help="comma-separated rows: moments,covariance,quantiles,distinct,topk")
     parser.add_argument("--profile", action="store_true", help="also time sharded_scan's parts (profile())")
-    parser.add_argument("--devices", type=int, default=DEVICES, help=f"simulated CPU devices (default {DEVICES})")
+    parser.add_argument("--devices", type=int, help="simulated CPU devices (default: JAX's, what a user's run gets)")
     args = parser.parse_args()
-    jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     rows, repeats = args.rows or ((1 << 18) if args.quick else 4_000_000), args.repeats or (2 if args.quick else 3)
     only = set(args.only.split(",")) if args.only else {"moments", "covariance", "quantiles", "distinct", "topk"}
     out = []
@@ -352,7 +369,7 @@ def main() -> None:
     os.makedirs(RESULTS, exist_ok=True)
     target = os.path.join(RESULTS, "tabular_quick.json" if args.quick else "tabular.json")
     with open(target, "w") as f:
-        json.dump({"command": "python -m bench.tabular" + (" --quick" if args.quick else ""), "rows": rows,
+        json.dump({"command": " ".join(["python -m bench.tabular", *sys.argv[1:]]), "rows": rows,
                    "repeats": repeats, "machine": {"cpus": os.cpu_count(), "devices": jax.device_count(),
                                                    "platform": platform.platform(), "host": platform.node()},
                    "jax": jax.__version__, "results": out, "written": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)

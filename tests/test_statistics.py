@@ -274,3 +274,13 @@ def test_moments_count_nans_and_zeros_per_column_also_where_omitted(policy):
     table = got.to_pandas()
     assert list(table.columns) == list(got._fields[:-1])
     assert table["nan_count"].dtype == np.int64 and table.loc[2, "nan_count"] == 3
+
+
+@pytest.mark.parametrize("n, d", [(16384, 8), (301, 3), (96, 7), (0, 4), (10, 300)])
+def test_column_sum_adds_every_row_of_every_column(n, d):
+    from sharded_scan.combiners.statistics import column_sum
+
+    x = rows(n, d, offset=3.0)
+    got = np.asarray(column_sum(jax.numpy.asarray(x)))
+    assert got.shape == (d,)
+    np.testing.assert_allclose(got, f64(x).sum(0), rtol=1e-6, atol=1e-3 * max(n, 1) ** 0.5)

@@ -79,6 +79,25 @@ def test_parquet_reads_in_any_order_and_blocks_give_the_same_rows(frame, files, 
         np.testing.assert_array_equal(y, want_y[start:stop])
 
 
+def test_columns_read_as_they_are_come_as_arrows_rows_in_the_order_named(frame, files, tmp_path):
+    """Columns of the row dtype, no cast: a read inside one row group (97 rows) is Arrow's row-major copy;
+    the rows, their column order, a read across groups, a padded one and a group with nulls are the same."""
+    for columns in (["income", "age"], ["year"]):
+        source = ParquetSource(files / "one.parquet", columns=columns)
+        want = frame[columns].to_numpy()
+        for start, stop in [(0, 97), (100, 150), (150, 160), (90, 300), (990, N)]:
+            rows = source.read(start, stop)
+            np.testing.assert_array_equal(rows, want[start:stop])
+            assert rows.dtype == want.dtype and rows.ctypes.data % ALIGN == 0
+        padded = np.concatenate([want[200:250], np.zeros((14, len(columns)))])
+        np.testing.assert_array_equal(source.read(200, 250, pad_to=64), padded)
+    values = np.arange(20, dtype=np.float32)
+    b = pa.array([None if i == 13 else float(i) for i in range(20)], pa.float32())
+    pq.write_table(pa.table({"a": values, "b": b}), tmp_path / "nulls.parquet", row_group_size=10)
+    rows = ParquetSource(tmp_path / "nulls.parquet", columns=["b", "a"]).read(0, 20)
+    np.testing.assert_array_equal(rows, np.stack([np.where(values == 13, np.nan, values), values], axis=1))
+
+
 @pytest.mark.parametrize("kind", ["parquet", "csv"])
 def test_the_last_steps_read_is_the_rows_then_zeros_in_aligned_arrays(frame, files, kind):
     source = (ParquetSource(files / "one.parquet", columns=(X, Y)) if kind == "parquet"

@@ -85,11 +85,28 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, w
     """
     shift, dev, nb = deviations(acc, x, mask)
     wdev = dev if weights is None else dev * weights[:, None]
-    s1 = jnp.sum(wdev, axis=0)
-    s2 = jnp.matmul(wdev.T, dev, preferred_element_type=dev.dtype) if full else jnp.sum(wdev * dev, axis=0)
+    s1 = column_sum(wdev)
+    s2 = jnp.matmul(wdev.T, dev, preferred_element_type=dev.dtype) if full else column_sum(wdev * dev)
     weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
     return folded(acc, shift, nb, before, weight, s1, s2, full)[0]
+
+
+# column_sum adds rows in lines of about this many values (a whole number of rows).
+SUM_LINE_VALUES = 256
+
+
+def column_sum(v: jax.Array) -> jax.Array:
+    """The column sums of ``v`` ``(rows, d)``, read as lines of ``g`` whole rows (``g`` the largest
+    power of two dividing the row count with ``g * d`` at most :data:`SUM_LINE_VALUES`): the lines
+    are added (vectorized along them), then their ``g`` rows. XLA:CPU vectorizes a column sum of
+    narrow rows along the ``d`` columns only: ``d = 8``, 16384 rows, 0.067 ms, and 0.029 ms
+    so (the Covariance ``add`` 0.185 -> 0.141 ms a micro-batch on 2 cores)."""
+    rows, d = v.shape
+    g = math.gcd(rows, 1 << (max(SUM_LINE_VALUES // max(d, 1), 1).bit_length() - 1))
+    if g == 1:
+        return jnp.sum(v, axis=0)
+    return jnp.sum(jnp.sum(v.reshape(rows // g, g * d), axis=0).reshape(g, d), axis=0)
 
 
 def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int):
