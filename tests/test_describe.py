@@ -84,7 +84,7 @@ def test_a_pytree_of_columns_gives_a_pytree_of_results_with_their_names():
 
 
 def test_to_json_writes_the_features_a_pipeline_normalizes_with(tmp_path):
-    frame = data(500)
+    frame = data(500).rename(columns={"constant": "empty"})  # five columns: the others' compiled programs
     frame["empty"] = np.float32(np.nan)
     got = ss.run(ss.Describe(percentiles=(0.99, 0.01)), frame, mesh="data:2", **KW)
     path = tmp_path / "stats.json"
@@ -110,7 +110,7 @@ def test_integer_columns_and_infinities():
     ints = pd.DataFrame({"a": r.integers(-50, 50, 400), "b": r.integers(0, 3, 400)}).astype(np.int32)
     got = ss.run(ss.Describe(), ints, mesh="data:2", **KW)
     pd.testing.assert_frame_equal(got.to_pandas(), ints.astype(np.float64).describe(), rtol=1e-6)
-    x = r.normal(size=(400, 2)).astype(np.float32)
+    x = r.normal(size=(400, 5)).astype(np.float32)  # data()'s five columns: the same compiled program
     x[3, 1] = np.inf
     got = ss.run(ss.Describe(), x, mesh="data:2", **KW)
     assert got.max[1] == np.inf and got.count[1] == 400 and np.isnan(got.mean[1])  # pandas: inf, then NaN std
@@ -131,12 +131,12 @@ def test_bad_arguments_are_one_line(make, words):
 
 def test_the_describe_config_writes_the_json_next_to_the_result(tmp_path):
     config = importlib.import_module("configs.describe").get_config("quick")
-    config.data.features = 3
+    config.data.features = 5  # float32, micro-batch 16, steps_per_call 2 on 8 devices: the data:8 case's program
     result, summary = run_job(config, str(tmp_path))
     stats = json.loads((tmp_path / "describe.json").read_text())
     assert {"describe.json", "result.npz", "summary.json"} <= set(os.listdir(tmp_path))
     x = make_source(config.data).read(0, 1000).astype(np.float64)
-    for j, name in enumerate(["0", "1", "2"]):
+    for j, name in enumerate(["0", "1", "2", "3", "4"]):
         row = stats["features"][name]
         assert row["count"] == 1000 and row["min"] == x[:, j].min() and row["max"] == x[:, j].max()
         np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q99"]],

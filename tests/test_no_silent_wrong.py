@@ -72,13 +72,13 @@ def test_a_solve_on_finite_rows_that_overflowed_says_so():
 
 
 def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
-    x = np.random.default_rng(0).normal(size=(300, 3)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)  # test_statistics' omit programs
     x[:, 1] = np.nan  # every row holds a NaN: nan_policy="omit" skips them all
     with pytest.warns(RuntimeWarning):
-        empty_mean = np.mean(np.zeros((0, 3)), axis=0)
+        empty_mean = np.mean(np.zeros((0, 4)), axis=0)
     for combiner in (ss.Moments(), ss.Covariance()):
         with pytest.warns(RuntimeWarning, match="no rows"):
-            got = ss.run(combiner, x, nan_policy="omit", mesh="data:4")
+            got = ss.run(combiner, x, nan_policy="omit", mesh="data:2", microbatch=8, steps_per_call=2)
         assert int(got.count) == 0
         np.testing.assert_array_equal(got.mean, empty_mean)  # NaN, never 0
         for field in ("var", "min", "max", "cov"):
@@ -90,10 +90,10 @@ def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
     (ss.LinearRegression(), "xy"), (ss.LinearRegression(solver="tsqr"), "xy"), (ss.PCA(2), "x"),
 ])
 def test_a_fit_on_no_rows_is_one_line(combiner, data):
-    x = np.random.default_rng(1).normal(size=(200, 4)).astype(np.float32)
+    x = np.random.default_rng(1).normal(size=(200, 3)).astype(np.float32)  # and KW: the programs above
     x[:, 0] = np.inf
     rows = (x, x[:, 1].copy()) if data == "xy" else x
     with pytest.raises(ss.UsageError) as err:
-        ss.run(combiner, rows, nan_policy="omit", mesh="data:4")
+        ss.run(combiner, rows, nan_policy="omit", **KW)
     message = str(err.value)
     assert "\n" not in message and "no rows to fit" in message and type(combiner).__name__ in message

@@ -38,10 +38,11 @@ def test_least_squares_matches_lstsq(mesh, n):
 @pytest.mark.parametrize("l2, fit_intercept", [(0.0, True), (3.0, False)])
 def test_ridge_matches_scikit_learn_multi_target(l2, fit_intercept):
     linear_model = pytest.importorskip("sklearn.linear_model")
-    x, y = problem(1009, t=3, seed=1)
-    got = ss.run(ss.LinearRegression(l2=l2, fit_intercept=fit_intercept), (x, y), microbatch=8)
+    x, y = problem(1009, t=2, seed=1)  # the rows, mesh and layout of test_every_solver_...: its compiled steps
+    got = ss.run(ss.LinearRegression(l2=l2, fit_intercept=fit_intercept), (x, y), mesh="data:3", microbatch=8,
+                 steps_per_call=2)
     want = linear_model.Ridge(alpha=l2, fit_intercept=fit_intercept, solver="cholesky").fit(f64(x), f64(y))
-    assert got.coef.shape == (3, 4) and got.intercept.shape == (3,)
+    assert got.coef.shape == (2, 4) and got.intercept.shape == (2,)
     assert rel_err(got.coef, want.coef_) < 1e-5
     assert rel_err(got.intercept, want.intercept_) < 1e-5 if fit_intercept else not got.intercept.any()
 
@@ -66,7 +67,7 @@ def test_singular_system_gets_the_minimum_norm_solution_like_lstsq():
         coef, intercept = lstsq(x, y)
         assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4, solver
         assert got.rank == 3 and got.cond > 1e5  # rounding: about 1 / eps, not inf
-    got = ss.run(ss.LinearRegression(l2=1e-3), (x, y), microbatch=8)
+    got = ss.run(ss.LinearRegression(l2=1e-3), (x, y), mesh="data:3", microbatch=8)
     assert np.isfinite(got.coef).all()
 
 
@@ -125,7 +126,8 @@ def test_rank_is_scale_invariant_and_constant_columns_get_zero_like_scikit_learn
     x = np.stack([rng.normal(0, 1, 3000), rng.normal(0, 1e4, 3000), np.full(3000, 7.0), np.zeros(3000)], axis=1)
     x = x.astype(np.float32)
     y = (x[:, 0] + 1e-4 * x[:, 1] + rng.normal(0, 0.1, 3000)).astype(np.float32)
-    got = ss.run(ss.LinearRegression(), (x, y), mesh="data:4")
+    # The mesh, micro-batch and (n, 4) rows of test_least_squares_matches_lstsq: its compiled step.
+    got = ss.run(ss.LinearRegression(), (x, y), mesh="data:8", microbatch=8, steps_per_call=2)
     want = linear_model.LinearRegression().fit(f64(x), f64(y))
     assert got.rank == 2  # variances 1 and 1e8 are independent, not "singular"; the constant columns are
     np.testing.assert_allclose(got.coef, want.coef_, rtol=1e-4, atol=1e-9)
@@ -176,10 +178,11 @@ def test_resumes_from_a_checkpoint_on_another_device_count(tmp_path):
 
     options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
     with pytest.raises(StopError):
-        ss.run(ss.LinearRegression(), (x, y), mesh="data:4", microbatch=16, steps_per_call=2, checkpoint=options,
+        # Meshes, micro-batch and rows of test_least_squares_matches_lstsq: its compiled steps.
+        ss.run(ss.LinearRegression(), (x, y), mesh="data:8", microbatch=8, steps_per_call=2, checkpoint=options,
                progress=stop_after_three)
     got, report = ss.run_with_report(
-        ss.LinearRegression(), (x, y), mesh="data:3", microbatch=16, steps_per_call=2, checkpoint=options
+        ss.LinearRegression(), (x, y), mesh="data:2", microbatch=8, steps_per_call=2, checkpoint=options
     )
     assert report.resumed_from_cursor and 0 < report.rows_this_run < 1009  # the saved partials were folded
     coef, intercept = lstsq(x, y)

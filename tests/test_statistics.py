@@ -64,10 +64,10 @@ def test_moments_of_long_micro_batches_match_numpy(d):
 
 
 def test_default_ddof_is_numpys():
-    x = rows(97)
-    got = ss.run(ss.Covariance(), x, microbatch=8)
+    x, kw = rows(97), {"mesh": "data:8", "microbatch": 8, "steps_per_call": 2}  # test_covariance_and_moments_...'s
+    got = ss.run(ss.Covariance(), x, **kw)
     assert rel_err(got.cov, np.cov(f64(x), rowvar=False)) < 1e-5
-    assert rel_err(ss.run(ss.Moments(), x, microbatch=8).var, f64(x).var(0)) < 1e-5
+    assert rel_err(ss.run(ss.Moments(), x, **kw).var, f64(x).var(0)) < 1e-5
 
 
 def test_large_mean_offset_stays_accurate():
@@ -196,30 +196,30 @@ def test_a_micro_batch_without_real_rows_changes_nothing(combiner):
 def test_nan_in_a_real_row_propagates_to_its_column_like_numpy():
     x = rows(203, offset=1e4, seed=7)
     x[150, 2] = np.nan
-    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=16)
+    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=8, steps_per_call=2)  # the programs of CASES
     want = f64(x)
     for name, value in zip(("mean", "var", "min", "max"), got[1:5], strict=True):
         expected = getattr(np, name)(want, axis=0)
         assert np.isnan(value[2]) and np.isnan(expected[2])
         assert rel_err(np.delete(value, 2), np.delete(expected, 2)) < 1e-6
-    cov = ss.run(ss.Covariance(), x, mesh="data:2", microbatch=16).cov
+    cov = ss.run(ss.Covariance(), x, mesh="data:2", microbatch=8, steps_per_call=2).cov
     np.testing.assert_array_equal(np.isnan(cov), np.isnan(np.cov(want, rowvar=False)))
 
 
 def test_drifting_rows_far_from_zero_stay_accurate():
     # Sorted rows: every micro-batch's mean is far from the first one's, and drifts.
-    x = np.sort(rows(2003, offset=1e4, seed=8), axis=0)
-    check_moments(ss.run(ss.Moments(), x, mesh="data:2", microbatch=32), x, 0, tol=1e-6)
-    check_covariance(ss.run(ss.Covariance(), x, mesh="data:2", microbatch=32), x, 1, tol=1e-6)
+    x, kw = np.sort(rows(2003, offset=1e4, seed=8), axis=0), {"microbatch": 8, "steps_per_call": 2}  # CASES'
+    check_moments(ss.run(ss.Moments(), x, mesh="data:2", **kw), x, 0, tol=1e-6)
+    check_covariance(ss.run(ss.Covariance(), x, mesh="data:2", **kw), x, 1, tol=1e-6)
 
 
 @pytest.mark.parametrize("value", [1e12, 3e19, -7.1, 0.0])
 def test_a_constant_column_has_exactly_zero_variance(value):
     x = np.full((1000, 4), value, np.float32)  # 4 columns: test_covariance_and_moments_match_numpy's programs
     x[:, 1:] = np.linspace(-1, 1, 1000)[:, None]  # next to ordinary columns
-    for mesh, kw in (("data:1", {"microbatch": 8, "steps_per_call": 2}), ("data:3", {"microbatch": 7}), ("data:8", {})):
-        moments = ss.run(ss.Moments(), x, mesh=mesh, **kw)
-        cov = ss.run(ss.Covariance(), x, mesh=mesh, **kw).cov
+    for mesh in ("data:1", "data:2", "data:8"):  # and their micro-batch: 1000 rows are ragged on each
+        moments = ss.run(ss.Moments(), x, mesh=mesh, microbatch=8, steps_per_call=2)
+        cov = ss.run(ss.Covariance(), x, mesh=mesh, microbatch=8, steps_per_call=2).cov
         assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (mesh, moments.var, cov)
         assert moments.mean[0] == np.float32(value)
         assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
@@ -241,18 +241,18 @@ def test_pca_keeps_small_components_of_ill_conditioned_data_like_scikit_learn():
     # the small ones (0.3% off here); the R of the rows keeps them.
     sklearn = pytest.importorskip("sklearn.decomposition")
     rng = np.random.default_rng(10)
-    d = 6
+    d = 5  # test_pca_matches_scikit_learn's columns, mesh and micro-batch: its compiled step
     rotation = np.linalg.qr(rng.normal(size=(d, d)))[0]
     x = ((rng.normal(size=(4000, d)) * np.logspace(0, -3.5, d)) @ rotation.T * 100 + 1e3).astype(np.float32)
     want = sklearn.PCA(d, svd_solver="full").fit(f64(x))
-    for mesh in ("data:8",):  # ragged: 500 rows a device, 64 a micro-batch; R factors merged over devices
-        got = ss.run(ss.PCA(d), x, mesh=mesh, microbatch=64)
+    for mesh in ("data:8",):  # ragged: 500 rows a device, 8 a micro-batch; R factors merged over devices
+        got = ss.run(ss.PCA(d), x, mesh=mesh, microbatch=8, steps_per_call=1)
         assert np.abs(got.singular_values / want.singular_values_ - 1).max() < 1e-4
         assert np.abs(got.explained_variance / want.explained_variance_ - 1).max() < 2e-4
         assert rel_err(got.explained_variance_ratio, want.explained_variance_ratio_) < 1e-5
         assert np.abs(np.abs(got.components) - np.abs(want.components_)).max() < 1e-4
         assert rel_err(got.mean, want.mean_) < 1e-6
-    covariance = ss.run(ss.PCA(d, solver="comoments"), x, mesh="data:8", microbatch=64)
+    covariance = ss.run(ss.PCA(d, solver="comoments"), x, mesh="data:8", microbatch=8, steps_per_call=1)
     assert np.abs(covariance.singular_values / want.singular_values_ - 1).max() > 1e-3  # the test can fail
 
 
