@@ -58,7 +58,7 @@ def job(tmp_path_factory):
 
 CLI_CASES = [
     ("unknown nested config field", ["--config.data.colour=red"], ["'colour'", "not a field"]),
-    ("wrong type for a field", ["--config.steps_per_call=1.5"], ["steps_per_call"]),
+    ("wrong type for a field", ["--config.steps_per_call=1.5"], ["steps_per_call", "1.5"]),  # the field and value
     ("mesh that does not fit", ["--config.mesh=data:16"], ["data:16", "4 are present"]),
     ("bad coordinator address", ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
      ["--coordinator_address", "host:port", "nohost"]),

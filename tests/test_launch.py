@@ -42,8 +42,8 @@ def test_quick_config_through_launcher_equals_library_run(tmp_path, name):
     assert summary["checkpoints_written"] >= 1 and cli.checkpoints(tmp_path)[-1] == config.data.num_rows
 
 
-BAD_ARGS = [  # a typo in a --config field: tests/test_cli_config.py (the whole line, nothing written)
-    (["--config.microbatch=abc"], ["microbatch", "abc"]),
+BAD_ARGS = [  # a typo in a --config field: tests/test_cli_config.py (the whole line, nothing written); a value of
+    # the wrong type: tests/test_bad_input.py (the field and the value)
     (["--config=configs/nope.py"], ["configs/nope.py"]),
     (["--profile_steps=3:x"], ["--profile_steps", "'3:x'"]),
 ]
