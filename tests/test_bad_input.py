@@ -2,11 +2,15 @@
 
 Every case runs against a workdir that already holds a finished job's checkpoints and
 outputs, and checks they are byte-for-byte unchanged afterwards (the CLI cases all at once,
-each on its own copy of that workdir). Run with ``-s`` to see
+each on its own copy of that workdir). A mistake the job meets once its flags are read goes
+through the launcher's own end in this process (``exits`` and ``cli_wording`` around
+``run_job``, as ``launch.main`` runs it: status 2, one ``error:`` line); the command lines
+below cover what only a process shows (flags, devices, start-up). Run with ``-s`` to see
 the table of input -> message.
 """
 
 import hashlib
+import importlib
 import os
 import shutil
 
@@ -15,7 +19,9 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
+from launch.main import cli_wording, run_job
 from sharded_scan import distributed
+from sharded_scan.workdir import exits
 from tests import cli
 from tests.helpers import assert_usage_error
 
@@ -52,22 +58,24 @@ def job(tmp_path_factory):
 
 CLI_CASES = [
     ("unknown nested config field", ["--config.data.colour=red"], ["'colour'", "not a field"]),
-    ("wrong type for a field", ["--config.steps_per_call=1.5"], ["steps_per_call"]),
-    ("unknown combiner", ["--config.combiner.name=Gramm"], ["Gramm"]),
-    ("missing data file", ["--config.data.kind=npy", "--config.data.path={files}/nope.npy"], ["nope.npy"]),
-    ("not a .npy file", ["--config.data.kind=npy", "--config.data.path={files}/garbage.npy"], ["garbage.npy"]),
-    ("text dtype in a file", ["--config.data.kind=npy", "--config.data.path={files}/text.npy"], ["numeric"]),
-    ("shards with different feature counts", ["--config.data.kind=npy_shards", "--config.data.path={files}/shards"],
-     ["part-1.npy"]),
-    ("a file path for synthetic data", ["--config.data.path={files}/text.npy"],
-     ["config.data.path", "'synthetic'", "--config.data.kind=npy"]),
+    ("wrong type for a field", ["--config.steps_per_call=1.5"], ["steps_per_call", "1.5"]),  # the field and value
     ("mesh that does not fit", ["--config.mesh=data:16"], ["data:16", "4 are present"]),
-    ("fingerprint mismatch on resume", ["--config.data.features=9"], ["different job", "float32[9]"]),
-    ("another config on resume", ["--config.data.seed=1"], ["different job", "data.seed"]),
     ("bad coordinator address", ["--coordinator_address=nohost", "--num_processes=2", "--process_id=0"],
      ["--coordinator_address", "host:port", "nohost"]),
-    ("process id out of range", ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=5"],
-     ["process_id", "5"]),
+]
+# Mistakes in the job's fields, met once the flags are read: GRAM's config with these fields set
+# (as --config.FIELD=VALUE would), run through the launcher's end in this process.
+JOB_CASES = [
+    ("unknown combiner", {"combiner.name": "Gramm"}, ["Gramm"]),
+    ("missing data file", {"data.kind": "npy", "data.path": "{files}/nope.npy"}, ["nope.npy"]),
+    ("not a .npy file", {"data.kind": "npy", "data.path": "{files}/garbage.npy"}, ["garbage.npy"]),
+    ("text dtype in a file", {"data.kind": "npy", "data.path": "{files}/text.npy"}, ["numeric"]),
+    ("shards with different feature counts", {"data.kind": "npy_shards", "data.path": "{files}/shards"},
+     ["part-1.npy"]),
+    ("a file path for synthetic data", {"data.path": "{files}/text.npy"},
+     ["config.data.path", "'synthetic'", "--config.data.kind=npy"]),
+    ("fingerprint mismatch on resume", {"data.features": 9}, ["different job", "float32[9]"]),
+    ("another config on resume", {"data.seed": 1}, ["different job", "data.seed"]),
 ]
 
 
@@ -97,6 +105,30 @@ def test_cli_mistake_is_one_line_and_touches_nothing(cli_runs, job, name, words)
     for word in words:
         assert word in line, line
     assert snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("name, fields, words", JOB_CASES, ids=[c[0] for c in JOB_CASES])
+def test_job_mistake_is_one_line_status_2_and_touches_nothing(job, name, fields, words, capsys):
+    workdir, files, base = job
+    copy = base / f"job {name}"
+    shutil.copytree(workdir, copy)
+    before = snapshot(copy)
+    config = importlib.import_module("configs.gram").get_config("quick")
+    fields = {field: value.format(files=files) if isinstance(value, str) else value for field, value in fields.items()}
+    for field, value in fields.items():
+        section, key = field.split(".")
+        config[section][key] = value
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as status, exits(), cli_wording():  # launch.main's end of a run
+        run_job(config, str(copy))
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    given = " ".join(f"--config.{field}={value}" for field, value in fields.items())
+    print(f"\n{given.replace(str(base), '...')} -> {lines[0].replace(str(base), '...')}")
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert snapshot(copy) == before
 
 
 X = np.random.default_rng(0).normal(size=(100, 3)).astype(np.float32)
@@ -137,7 +169,7 @@ def api_cases(ckdir, blocker=""):
         ("rows of no values", lambda: ss.run(ss.Gram(), X[:, :0], checkpoint=ckdir), ["no values", "float32[0]"]),
         ("coordinator address without a port", lambda: distributed.initialize("localhost", 2, 0),
          ["host:port", "'localhost'"]),
-        ("process id out of range", lambda: distributed.initialize("localhost:1234", 2, 2), ["process_id"]),
+        ("process id out of range", lambda: distributed.initialize("localhost:1234", 2, 5), ["process_id", "5"]),
     ]
 
 

@@ -122,14 +122,14 @@ def test_launch_local_refuses_the_flags_it_sets(helps):
 def test_result_json_and_csv_hold_the_result(tmp_path):
     config = quantiles.get_config("quick")
     config.combiner.kwargs = {"qs": (0.0, 0.5, 1.0), "method": "lower"}  # 1000 rows: the sketch holds them all
-    config.data.features = 3
+    config.mesh = "data:4"  # the job test_launch runs of this config (qs, method: finalize's): its compiled programs
     run_job(config, str(tmp_path))
     x = make_source(config.data).read(0, config.data.num_rows)
     want = np.quantile(x, [0.0, 0.5, 1.0], axis=0, method="lower").T
     got = json.loads((tmp_path / "result.json").read_text())
     assert sorted(got) == sorted(set(cli.result(tmp_path)) - {"sketch"})  # the sketch's records: result.npz only
     np.testing.assert_array_equal(got["quantiles"], want)
-    assert got["count"] == 1000 and got["columns"] == [0, 1, 2]
+    assert got["count"] == 1000 and got["columns"] == list(range(config.data.features))
     table = pd.read_csv(tmp_path / "result.csv")
     assert list(table.columns) == ["column", "quantiles[0.0]", "quantiles[0.5]", "quantiles[1.0]"]
     np.testing.assert_array_equal(table.iloc[:, 1:].to_numpy(), want)
@@ -146,6 +146,8 @@ def test_result_table_is_one_row_per_column_and_json_has_no_nan():
     np.testing.assert_allclose(table["mean"], [3.0, np.nan]), np.testing.assert_allclose(table["max"], [5.0, np.nan])
     got = json.loads(result_json(arrays))
     assert got["columns"] == ["a", "b"] and got["mean"] == [3.0, None] and got["count"] == 3
-    pca = named_arrays(ss.run(ss.PCA(2), np.random.default_rng(0).normal(size=(50, 2)).astype(np.float32)))
+    # k == d; the layout and 3 float32 columns of test_results' PCA(2) (k is finalize's only): its compiled programs
+    pca = named_arrays(ss.run(ss.PCA(3), np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32),
+                              mesh="data:2", microbatch=16, steps_per_call=2))
     assert result_table(pca).splitlines()[0] == "column,mean"  # components are not per column, even at k == d
     assert result_table(named_arrays(ss.run(ss.Gram(), x[:, :1]))) is None

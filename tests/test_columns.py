@@ -148,14 +148,17 @@ def words(tmp_path_factory):
     return where, frame
 
 
+VOCABULARY_JOB = {"mesh": "data:2", "microbatch": 256, "steps_per_call": 4}
+
+
 @pytest.mark.parametrize("kind", ["parquet", "csv", "frame"])
 def test_a_vocabulary_is_one_call_topk_of_a_string_column_like_value_counts(words, kind):
     where, frame = words
     make = {"parquet": lambda: ParquetSource(where / "words.parquet", columns="word"),
             "csv": lambda: CsvSource(where / "words.csv", columns="word", block_bytes=4096),
             "frame": lambda: frame[["word"]]}[kind]  # a frame of strings only: its string columns
-    job = {"mesh": "data:2", "microbatch": 256, "steps_per_call": 4}  # one layout: the kinds share compiled programs
-    top = ss.run(ss.TopK(k=20), make(), **job)
+    job = VOCABULARY_JOB  # one layout: the kinds share compiled programs
+    top = ss.run(ss.TopK(k=20, capacity=500), make(), **job)  # k=500's accumulator: its programs (k: finalize only)
     values, counts = np.ravel(top.values), np.ravel(top.counts)  # a frame's columns=None: a list of one
     want = frame.word.value_counts()
     assert counts.tolist() == want.to_numpy()[:20].tolist()  # ties come in another order than pandas'
@@ -184,7 +187,7 @@ def test_columns_none_names_the_string_columns_it_leaves_out(words):
 
 
 def test_topk_of_hash_ids_names_its_one_column():
-    ids = ss.hash_strings(["a", "b", "a"])
-    top = ss.run(ss.TopK(k=2), ids, mesh="data:1")
-    assert top.columns.tolist() == [0] and top.counts.tolist() == [2, 1]
+    ids = ss.hash_strings(["a", "b", "a"] * 700)  # rows of one id, as a string column's: the vocabulary's programs
+    top = ss.run(ss.TopK(k=2, capacity=500), ids, **VOCABULARY_JOB)
+    assert top.columns.tolist() == [0] and top.counts.tolist() == [1400, 700]
     np.testing.assert_array_equal(top.values, ids[:2])

@@ -37,10 +37,13 @@ def test_exact_quantiles_of_float64_int64_and_uint64_after_compaction():
         "int64": (rng.integers(0, 1000, (n, 1)) << 33) - (1 << 40) + rng.integers(0, 3, (n, 1)),  # equal low halves
         "uint64": np.uint64(1 << 63) + rng.integers(0, 1 << 20, (n, 1)).astype(np.uint64) * np.uint64(3 << 40),
     }
-    for name, x in cases.items():
-        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8, method="lower"), x, microbatch=512)
+    passes = []
+    for name, x in cases.items():  # bits=12: each refining pass is a program of its own, 12 needs fewer than 8
+        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=12, method="lower"), x, microbatch=512)
         assert int(got.passes) > 1, name  # the sketch compacted: refining passes ran
         np.testing.assert_array_equal(got.quantiles, lower(x), err_msg=name)
+        passes.append(int(got.passes))
+    assert max(passes) > 2, passes  # a bracket of 64-bit keys narrowed by one pass and closed by the next
 
 
 def test_exact_linear_quantiles_of_float64_values_that_float32_would_merge():
@@ -101,7 +104,8 @@ def test_topk_of_float64_values_float32_would_merge():
 def test_under_the_global_flag_the_sketches_give_the_same_answers():
     rng = np.random.default_rng(5)
     x = floats_past_float32(5000, rng)
-    combiners = [ss.Quantiles(qs=QS, k=32), ss.DistinctCount(exact_up_to=64), ss.TopK(k=4, capacity=64)]
+    # k=16 at micro-batch 256: the sketch pass the exact linear case above compiled (its first pass)
+    combiners = [ss.Quantiles(qs=QS, k=16), ss.DistinctCount(exact_up_to=64), ss.TopK(k=4, capacity=64)]
     scoped = [ss.run(c, x, microbatch=256) for c in combiners]
     with jax.enable_x64(True):  # what jax_enable_x64 set at start-up gives, in this thread
         flagged = [ss.run(c, x, microbatch=256) for c in combiners]

@@ -8,9 +8,9 @@ import pytest
 
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
-from launch.main import run_job
+from launch.main import cli_wording, run_job
 from sharded_scan import distributed
-from sharded_scan.workdir import named_arrays
+from sharded_scan.workdir import exits, named_arrays
 from tests import cli
 from tests.helpers import assert_usage_error
 from tests.tfrecords import read_scalars
@@ -42,8 +42,8 @@ def test_quick_config_through_launcher_equals_library_run(tmp_path, name):
     assert summary["checkpoints_written"] >= 1 and cli.checkpoints(tmp_path)[-1] == config.data.num_rows
 
 
-BAD_ARGS = [  # a typo in a --config field: tests/test_cli_config.py (the whole line, nothing written)
-    (["--config.microbatch=abc"], ["microbatch", "abc"]),
+BAD_ARGS = [  # a typo in a --config field: tests/test_cli_config.py (the whole line, nothing written); a value of
+    # the wrong type: tests/test_bad_input.py (the field and the value)
     (["--config=configs/nope.py"], ["configs/nope.py"]),
     (["--profile_steps=3:x"], ["--profile_steps", "'3:x'"]),
 ]
@@ -54,13 +54,10 @@ OVERRIDES = ("--config.microbatch=8", "--config.data.features=6", "--config.log_
 def cli_runs(tmp_path_factory):
     """Every CLI command of this module, started at once: ``{name: (CompletedProcess, workdir)}``."""
     base = tmp_path_factory.mktemp("cli")
-    blocker = base / "file"
-    blocker.write_text("")
     cases = {
         "overrides": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={base / 'ok'}", *OVERRIDES,
                                    "--tensorboard=on", "--profile_steps=2:3"), base / "ok"),
         "missing workdir": (cli.main_cmd("--config=configs/gram.py:quick"), None),
-        "unwritable workdir": (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={blocker}/w"), blocker),
     }
     for i, (args, _) in enumerate(BAD_ARGS):
         workdir = base / f"bad{i}"
@@ -123,10 +120,17 @@ def test_bad_config_values_and_partial_coordinator_flags_are_usage_errors(tmp_pa
     assert distributed.initialize() == "single"  # no cluster here
 
 
-def test_missing_or_unwritable_workdir(cli_runs):
+def test_missing_or_unwritable_workdir(cli_runs, tmp_path, capsys):
     assert "--workdir" in cli.one_error_line(cli_runs["missing workdir"][0])
-    proc, blocker = cli_runs["unwritable workdir"]
-    assert str(blocker) in cli.one_error_line(proc)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as status, exits(), cli_wording():  # launch.main's end of a run, in this process
+        run_job(quick("gram"), str(blocker / "w"))
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert str(blocker) in lines[0]
 
 
 def test_progress_of_a_one_step_job_says_no_nan(caplog):
