@@ -9,6 +9,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan.combiners import kll
+from tests import test_program
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at
 
@@ -19,6 +20,7 @@ EXACT_QS = np.array([0, 0.001, 0.01, 0.3, 0.5, 0.75, 0.999, 1])
 EXACT_KW = {"microbatch": 64, "steps_per_call": 2}
 SKETCH = ss.Quantiles(qs=QS, k=K, method="lower")  # numpy's default is "linear" (tested below)
 NAMES = ("normal", "lognormal", "poisson", "sorted", "reversed", "blocks")
+compiles = test_program.compiles  # the fixture: programs compiled or loaded from here on
 
 
 def shaped(n=4000, seed=0):
@@ -118,6 +120,17 @@ def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     np.testing.assert_array_equal(ss.run(exact, x, mesh="data:2", **kw).quantiles, got.quantiles)
     sketch, report = ss.run_passes(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
     assert sketch.passes == 1 and report.rows_this_run == len(x)
+
+
+def test_other_data_reuses_the_refining_passes_compiled_programs(compiles):
+    exact = ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method="lower")  # the job test_exact_mode_... runs
+    ss.run(exact, shaped(3001), mesh="data:2", **EXACT_KW)
+    first = len(compiles)
+    x = shaped(3001, seed=1)  # other values: other boundaries in every refining pass
+    got = ss.run(exact, x, mesh="data:2", **EXACT_KW)
+    assert got.passes > 2  # two refining passes at least, each counting at boundaries of its own
+    np.testing.assert_array_equal(got.quantiles, lower(x, EXACT_QS))
+    assert len(compiles) == first, "new boundaries compiled again"
 
 
 def test_nan_propagates_or_is_omitted_and_signed_zeros_and_infinities_rank_like_numpy():

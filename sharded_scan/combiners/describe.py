@@ -287,6 +287,12 @@ class Each(Combiner):
         leaves = [self.tree.flatten_up_to(t) for t in trees]
         return self.tree.unflatten([fn(p, *xs) for p, *xs in zip(self.parts, *leaves, strict=True)])
 
+    def operands(self, spec):
+        return tuple(p.operands(s) for p, s in zip(self.parts, jax.tree.leaves(spec), strict=True))
+
+    def bind(self, operands):
+        return dataclasses.replace(self, parts=tuple(p.bind(o) for p, o in zip(self.parts, operands, strict=True)))
+
     def init(self, spec):
         return self._each(lambda p, s: p.init(s), spec)
 

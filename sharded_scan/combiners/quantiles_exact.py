@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,13 +94,34 @@ class RefinePass(Combiner):
     Attributes:
       bounds: ``(d, nq, bins + 1)`` (:func:`host_ints`), increasing along the last axis,
         values in ``[0, 2^32]`` (``2^32``: past every key; ``2^64`` for 64-bit keys). Bin
-        ``i`` holds keys in ``[bounds[i], bounds[i + 1])``.
+        ``i`` holds keys in ``[bounds[i], bounds[i + 1])``. The programs take them as operands
+        (:meth:`operands`): passes of one shape share the compiled programs; the fingerprint names them.
     """
 
     bounds: np.ndarray
+    bound: Any = dataclasses.field(default=None, repr=False)  # the operands inside a program (bind)
 
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
+
+    def __eq__(self, other):  # the boundaries are operands: every pass of their shape reuses the compiled programs
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash((type(self), *self._key()))
+
+    def _key(self):
+        return self.bounds.shape, self.bounds.dtype
+
+    def operands(self, spec):
+        """The boundaries as keys of ``spec``'s values (one past every key: the largest key) and where
+        they are past every key: ``(d, nq, bins + 1)`` each."""
+        largest = int(fill(key_dtype(spec.dtype)))
+        return (np.minimum(self.bounds, largest).astype(key_dtype(spec.dtype)),
+                np.asarray(self.bounds == largest + 1, bool))
+
+    def bind(self, operands):
+        return dataclasses.replace(self, bound=operands)
 
     def fingerprint(self):
         raw = (np.ascontiguousarray(self.bounds, np.int64).tobytes() if self.bounds.dtype != object
@@ -129,9 +150,7 @@ class RefinePass(Combiner):
     def _bins(self, keys, real):
         """Per column, q and boundary of keys ``(d, mb)`` sorted, the first ``real`` real: the rows below
         it; per bin: the smallest and largest key."""
-        largest = int(fill(keys.dtype))
-        bounds = jnp.asarray(np.minimum(self.bounds, largest).astype(keys.dtype))
-        past_all = jnp.asarray(np.asarray(self.bounds == largest + 1, bool))
+        bounds, past_all = self.bound
 
         def below(col, b):
             return jnp.searchsorted(col, b.reshape(-1)).reshape(b.shape).astype(jnp.int32)
@@ -163,6 +182,9 @@ class WeightedRefinePass(RefinePass):
 
     def fingerprint(self):
         return {**super().fingerprint(), "combiner": "WeightedRefinePass"}
+
+    def operands(self, spec):
+        return super().operands(spec[1])
 
     def init(self, spec):
         w, x = spec
