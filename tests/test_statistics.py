@@ -43,12 +43,13 @@ def check_moments(got, x, ddof, tol=1e-5):
 
 # 1009 rows on every mesh; 1 and 3 rows (empty shards merged in, one row, ddof=1 on 3) where
 # most shards are empty: 8 devices, and 4 with a model axis (on 1 and 2 devices: the same paths).
+# With a model axis 5 columns: the co-moments split by columns, padded to 6 (3 a device).
 CASES = [(1009, mesh) for mesh in MESHES] + [(n, mesh) for n in (1, 3) for mesh in ("data:8", "data:4,model:2")]
 
 
 @pytest.mark.parametrize("n, mesh", CASES)
 def test_covariance_and_moments_match_numpy(mesh, n):
-    x = rows(n)
+    x = rows(n, d=5 if "model" in mesh else 4)
     ddof = 1 if n > 1 else 0
     check_covariance(ss.run(ss.Covariance(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
     check_moments(ss.run(ss.Moments(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)

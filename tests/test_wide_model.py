@@ -1,7 +1,9 @@
-"""Wide accumulators over ``model``: a sketch split by columns (issue 29, item 2).
+"""Wide accumulators over ``model``: a sketch, and the co-moments of ``Covariance`` and
+``Correlation``, split by columns (issue 29, item 2).
 
-The split runs the whole sketch's per-column arithmetic and random bits, so on the same
-shards (``logical_shards``) its result is bitwise that of a mesh without ``model``.
+The split runs the whole sketch's per-column arithmetic and random bits, and the whole
+co-moments' arithmetic on each block of columns, so on the same shards (``logical_shards``)
+its result is bitwise that of a mesh without ``model``.
 """
 
 import jax
@@ -13,6 +15,7 @@ from sharded_scan import admission
 from sharded_scan.options import RunOptions
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source
+from tests.helpers import CrashError, crash_at, f64, rel_err
 from tests.test_quantiles import KW, SKETCH, shaped
 
 # test_quantiles' sketch, rows (3001: ragged) and programs: its data:4 run is the reference here.
@@ -76,6 +79,59 @@ def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks th
     assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
 
 
+def test_covariance_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(tmp_path):
+    # 5 columns: over model:2 padded to 6, 3 a device (test_statistics runs them against numpy without
+    # logical_shards); 4 logical shards (data:4's run is bitwise data:1's and data:2's: test_engine),
+    # test_statistics' micro-batch; 5 steps, ragged.
+    x = (np.random.default_rng(0).normal(size=(301, 5)) * np.arange(1, 6) + 1e3).astype(np.float32)
+    run = dict(microbatch=8, steps_per_call=2, logical_shards=4)
+    whole = ss.run(ss.Covariance(), x, mesh="data:4", **run)
+    assert whole.count == 301 and rel_err(whole.cov, np.cov(f64(x), rowvar=False)) < 1e-5
+    program = build_program(ss.Covariance(), as_source(x), RunOptions(mesh="data:4,model:2", **run))
+    m2 = program.like.m2  # (shards, d, padded columns): split by columns, the means whole
+    assert m2.shape == (4, 5, 6) and m2.sharding.shard_shape(m2.shape) == (1, 5, 3)
+    assert program.like.mean.sharding.shard_shape(program.like.mean.shape) == (1, 5)
+    assert_bitwise(ss.run(ss.Covariance(), x, mesh="data:4,model:2", **run), whole)
+    assert ss.Covariance().fingerprint() == {"combiner": "Covariance", "ddof": "1"}  # as before the split
+    for first, then in (("data:4,model:2", "data:4"), ("data:4", "data:4,model:2")):  # split -> whole, and back
+        directory = str(tmp_path / first)
+        with pytest.raises(CrashError):
+            ss.run(ss.Covariance(), x, mesh=first, checkpoint=ss.CheckpointOptions(directory, every_steps=1),
+                   progress=crash_at(2), **run)
+        got, report = ss.run_with_report(ss.Covariance(), x, mesh=then, checkpoint=directory, **run)
+        assert report.resumed_from_cursor > 0  # a save before the crash
+        assert_bitwise(got, whole)
+
+
+def test_split_co_moments_merge_whole_and_finalize_without_their_padding():
+    # A split checkpoint of another shard count is folded whole on one device (relayout), outside
+    # shard_map: the outer products then span the padded width. The results read the real columns.
+    x, job = np.random.default_rng(1).normal(50, 1, size=(30, 6)).astype(np.float32), ss.Covariance()
+    split = job.for_mesh(ss.make_mesh("data:2,model:4"))  # 6 columns padded to 8
+    add = jax.jit(job.add)
+    a, b = (add(job.init(ROW), x[i : i + 15], np.ones(15, bool)) for i in (0, 15))
+    want = jax.device_get(jax.jit(job.merge)(a, b))
+    to_split = jax.jit(lambda acc: split.convert(acc, job))
+    got = jax.device_get(jax.jit(split.merge)(to_split(a), to_split(b)))
+    assert got.m2.shape == (6, 8) and not got.m2[:, 6:].any()
+    for result in (ss.Covariance, ss.Correlation):
+        assert_bitwise(result(model_shards=4).finalize(got), result().finalize(want))
+    np.testing.assert_allclose(ss.Correlation(model_shards=4).finalize(got).corr, np.corrcoef(f64(x), rowvar=False),
+                               rtol=0, atol=1e-6)
+
+
+def test_the_covariance_memory_estimate_halves_over_model():
+    wide = np.zeros((100, 255), np.float32)  # 255 columns: padded to 256 over model:2
+
+    def per_device(mesh):
+        return admission.memory_estimate(build_program(ss.Covariance(), as_source(wide),
+                                                       RunOptions(mesh=mesh, microbatch=16)))
+
+    whole, split = per_device("data:8"), per_device("data:4,model:2")  # one shard a device each
+    assert split["accumulator"] <= 0.51 * whole["accumulator"] and split["merge"] <= 0.51 * whole["merge"]
+    assert split["temporary"] < whole["temporary"]
+
+
 TOPK = ss.TopK(k=2, capacity=4)
 ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,), (), ()))
 
@@ -84,7 +140,8 @@ ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,),
                                          (ss.DistinctCount(precision=8, exact_up_to=64), ROW),
                                          (ss.DistinctCount(precision=8, exact_up_to=64), ONE),
                                          (TOPK, ROW), (ss.Weighted(TOPK), (WEIGHTS, ROW)),
-                                         (ss.GroupBy(TOPK, 3), (jax.ShapeDtypeStruct((), np.int32), ROW))])
+                                         (ss.GroupBy(TOPK, 3), (jax.ShapeDtypeStruct((), np.int32), ROW)),
+                                         (ss.Weighted(ss.Correlation()), (WEIGHTS, ROW))])
 def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes
     rng = np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))

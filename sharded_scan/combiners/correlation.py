@@ -10,7 +10,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.statistics import CoMoments, host_m2, host_mean, no_rows
+from sharded_scan.combiners.statistics import CoMoments, host_m2, host_mean, no_rows, real_columns
 
 
 class CorrelationResult(NamedTuple):
@@ -35,11 +35,17 @@ class Correlation(CoMoments):
     column (zero variance) has NaN correlations, with one ``RuntimeWarning`` naming it (numpy
     warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
     correlations (the divisor cancels).
+
+    Attributes:
+      model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by
+        columns over the mesh's ``model`` axis (the means whole on every device).
     """
+
+    model_shards: int = 1
 
     def result(self, acc, weight=None, weight_sq=None):
         del weight, weight_sq  # the divisor cancels
-        count = wide.to_int(acc.count)
+        acc, count = real_columns(acc), wide.to_int(acc.count)
         if no_rows(count, "Correlation"):
             return CorrelationResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
         m2 = host_m2(acc)

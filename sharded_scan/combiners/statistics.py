@@ -8,6 +8,11 @@ for the covariance), with ``c`` the accumulator's running mean, so that ``x - c`
 small and the sums keep their digits; Chan's formula folds them in with O(d) work, and
 partials are merged with it too. Nothing subtracts a square of sums of raw values from
 a sum of their squares.
+
+On a mesh with a ``model`` axis of M devices the co-moment matrix of :class:`Covariance` and
+``Correlation`` is split by columns (``(d, round_up(d, M))``, each device ``d x ceil(d / M)``)
+while ``count``, ``shift`` and ``mean`` stay whole on every device: every device folds and
+merges the same means, and the outer products of its own block of columns (:func:`own_columns`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.sums import OUTER_PRODUCTS_AT_ONCE, check_matrix_spec
+from sharded_scan.combiners.sums import (
+    OUTER_PRODUCTS_AT_ONCE,
+    SplitsByColumns,
+    check_matrix_spec,
+    column_block,
+    round_up,
+)
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import MODEL_AXIS
 
 
 class CenteredAcc(NamedTuple):
@@ -35,29 +48,47 @@ class CenteredAcc(NamedTuple):
     shift: jax.Array  # (d,)
     mean: jax.Array   # (d,) mean - shift
     m2: jax.Array     # (d, d) sum of outer products of centred rows, or (d,) of squares, less m2_lost
+    #                   (split over model: (d, round_up(d, M)), each device its columns)
     m2_lost: jax.Array  # Kahan compensation of m2 (many small micro-batches would drift by their count x eps)
 
 
-def centered_init(d: int, dtype, full: bool) -> CenteredAcc:
-    """The identity: no rows."""
+def centered_init(d: int, dtype, full: bool, shards: int = 1) -> CenteredAcc:
+    """The identity: no rows (``shards``: the full co-moments split by columns over that many
+    ``model`` devices, their columns padded to a multiple of it)."""
     zeros = jnp.zeros((d,), dtype)
-    m2 = jnp.zeros((d, d) if full else (d,), dtype)
+    m2 = jnp.zeros((d, round_up(d, shards)) if full else (d,), dtype)
     return CenteredAcc(wide.zeros(), zeros, zeros, m2, m2)
 
 
-def _scatter(a: jax.Array, b: jax.Array, full: bool) -> jax.Array:
-    return jnp.outer(a, b) if full else a * b
+def own_columns(v: jax.Array, width: int, shards: int) -> jax.Array:
+    """The entries of ``v`` (``(..., d)``) along the columns of a co-moment matrix ``width`` wide, split
+    over ``shards`` ``model`` devices: all of them, padded with zeros, where ``width`` is
+    ``round_up(d, shards)`` (the matrix whole: e.g. a checkpoint's split partials folded on one device),
+    else this device's block (inside ``shard_map``)."""
+    d = v.shape[-1]
+    if width == d:
+        return v
+    if width == round_up(d, shards):
+        return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - d)])
+    return column_block(v, shards, axis=v.ndim - 1)
 
 
-def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool) -> CenteredAcc:
+def _scatter(a: jax.Array, b: jax.Array, full: bool, width: int = 0, shards: int = 1) -> jax.Array:
+    """``a`` times ``b``: when ``full`` their outer product, of ``b``'s entries in a matrix ``width`` wide."""
+    return jnp.outer(a, own_columns(b, width, shards)) if full else a * b
+
+
+def centered_merge(a: CenteredAcc, b: CenteredAcc, full: bool, shards: int = 1) -> CenteredAcc:
     """Chan's pairwise combination; exact identity when either side has no rows."""
     dtype = a.m2.dtype
-    return merged(a, b, wide.to_float(a.count, dtype), wide.to_float(b.count, dtype), full)[0]
+    return merged(a, b, wide.to_float(a.count, dtype), wide.to_float(b.count, dtype), full, shards)[0]
 
 
-def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool) -> tuple[CenteredAcc, jax.Array, jax.Array]:
+def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool,
+           shards: int = 1) -> tuple[CenteredAcc, jax.Array, jax.Array]:
     """:func:`centered_merge` of accumulators of weights ``na`` and ``nb`` (their row counts when
-    unweighted); also returns ``delta``, ``b``'s mean minus ``a``'s, and ``nb / (na + nb)``."""
+    unweighted; ``shards``: the co-moments split over that many ``model`` devices); also returns
+    ``delta``, ``b``'s mean minus ``a``'s, and ``nb / (na + nb)``."""
     n = wide.add(a.count, b.count)
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     shift = jnp.where(a_empty, b.shift, a.shift)
@@ -67,12 +98,12 @@ def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool) -> tuple[Centered
     total = na + nb
     share = nb / jnp.where(total > 0, total, 1)
     mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * share))
-    m2 = a.m2 + b.m2 + _scatter(delta, delta, full) * (na * share)
+    m2 = a.m2 + b.m2 + _scatter(delta, delta, full, a.m2.shape[-1], shards) * (na * share)
     return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost), delta, share
 
 
 def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, weights=None,
-                  before=None) -> CenteredAcc:
+                  before=None, shards: int = 1) -> CenteredAcc:
     """Folds a micro-batch's real rows into ``acc`` in one pass over them.
 
     The rows are measured from the accumulator's mean ``c = shift + mean`` as
@@ -82,14 +113,18 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, w
     (outer products), :func:`folded` adds them by Chan's formula. An empty micro-batch (no
     real row) leaves ``acc`` exactly as it was. ``weights`` (per row, 0 where ``mask`` is
     False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1.
+    ``shards``: the full co-moments split by columns over that many ``model`` devices.
     """
     shift, dev, nb = deviations(acc, x, mask)
     wdev = dev if weights is None else dev * weights[:, None]
     s1 = column_sum(wdev)
-    s2 = jnp.matmul(wdev.T, dev, preferred_element_type=dev.dtype) if full else column_sum(wdev * dev)
+    if full:
+        s2 = jnp.matmul(wdev.T, own_columns(dev, acc.m2.shape[-1], shards), preferred_element_type=dev.dtype)
+    else:
+        s2 = column_sum(wdev * dev)
     weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
-    return folded(acc, shift, nb, before, weight, s1, s2, full)[0]
+    return folded(acc, shift, nb, before, weight, s1, s2, full, shards)[0]
 
 
 # column_sum adds rows in lines of about this many values (a whole number of rows).
@@ -124,16 +159,21 @@ def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.
     return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
 
 
-def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bool, weights=None, before=None):
+def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bool, weights=None, before=None,
+                        shards: int = 1):
     """:func:`centered_fold` per key: the sums of each key's rows by segment sums (per-row outer
     products for the full co-moments), folded into each key's accumulator by the same formulas."""
     shift, dev, nb, keys = keyed_deviations(acc, x, mask, keys, num_keys)
     wdev = dev if weights is None else dev * weights[:, None]
     s1 = jax.ops.segment_sum(wdev, keys, num_keys)
-    s2 = jax.ops.segment_sum(wdev[:, :, None] * dev[:, None, :] if full else wdev * dev, keys, num_keys)
+    if full:
+        right = own_columns(dev, acc.m2.shape[-1], shards)
+        s2 = jax.ops.segment_sum(wdev[:, :, None] * right[:, None, :], keys, num_keys)
+    else:
+        s2 = jax.ops.segment_sum(wdev * dev, keys, num_keys)
     weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
-    return jax.vmap(lambda *a: folded(*a, full)[0])(acc, shift, nb, before, weight, s1, s2)
+    return jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
 
 
 def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,20 +187,23 @@ def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Arr
     return shift, masked((x - shift) - acc.mean, mask), nb
 
 
-def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool) -> tuple[CenteredAcc, jax.Array, ...]:
+def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
+           shards: int = 1) -> tuple[CenteredAcc, jax.Array, ...]:
     """``acc`` with a micro-batch added by Chan's formula, from the batch's sums about ``acc``'s mean.
 
     ``rows`` real rows (int32) of total weight ``weight`` (their number when unweighted) were
     measured from the mean with reference point ``shift`` (:func:`deviations`); ``before`` is
     ``acc``'s weight, ``s1, s2`` the (weighted) sums of the deviations and of their squares
     (outer products). ``delta = S1 / w_b`` is the batch's mean minus ``acc``'s and
-    ``M2 = M2_a + (S2 - S1 delta) + delta² w_a w_b / w``. Also returns ``delta`` and
+    ``M2 = M2_a + (S2 - S1 delta) + delta² w_a w_b / w`` (split over ``shards`` ``model`` devices:
+    the columns of ``acc``'s M2 and of ``s2``, :func:`own_columns`). Also returns ``delta`` and
     ``w_b / w`` (what the higher moments' update needs).
     """
-    dtype = acc.m2.dtype
+    dtype, width = acc.m2.dtype, acc.m2.shape[-1]
     delta = s1 / jnp.where(weight > 0, weight, 1)
     share = weight / jnp.where(before + weight > 0, before + weight, 1)
-    y = (s2 - _scatter(s1, delta, full)) + _scatter(delta, delta, full) * (before * share) - acc.m2_lost
+    cross, square = _scatter(s1, delta, full, width, shards), _scatter(delta, delta, full, width, shards)
+    y = (s2 - cross) + square * (before * share) - acc.m2_lost
     m2 = acc.m2 + y
     lost = (m2 - acc.m2) - y
     moved, mean = _two_sum(shift, acc.mean + delta * share)
@@ -227,6 +270,12 @@ def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
 
 
+def real_columns(acc: CenteredAcc) -> CenteredAcc:
+    """``acc`` (host arrays) with the real columns of its co-moment matrix, without the padding of a split."""
+    d = np.shape(acc.mean)[0]
+    return acc._replace(m2=acc.m2[:, :d], m2_lost=acc.m2_lost[:, :d])
+
+
 def host_m2(acc: CenteredAcc) -> np.ndarray:
     """The compensated M2 in float64, its variances (the diagonal, or every entry of a
     vector) at least 0: rounding can leave a sum of squared deviations a few ulps below
@@ -250,28 +299,49 @@ class CovarianceResult(NamedTuple):
         return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
 
 
-class CoMoments(Combiner):
+class CoMoments(SplitsByColumns, Combiner):
     """The centred co-moments of rows X (n, d), and their keyed and weighted forms: what
     :class:`Covariance` and :class:`~sharded_scan.Correlation` accumulate; a subclass says what
-    its :meth:`result` makes of them."""
+    its :meth:`result` makes of them (of the real columns: :func:`real_columns`). A subclass is a
+    dataclass with a ``model_shards`` field (set by :meth:`for_mesh`): above 1 the co-moment
+    matrix is split by columns over ``model``."""
 
     def check_spec(self, spec):
         super().check_spec(spec)
         check_matrix_spec(spec, type(self).__name__)
 
+    def fingerprint(self):
+        # model_shards is the mesh's (set by for_mesh), not the job's: checkpoints written before it resume.
+        return {k: v for k, v in super().fingerprint().items() if k != "model_shards"}
+
+    def partition(self, mesh):
+        split = P(None, MODEL_AXIS)
+        return CenteredAcc(P(), P(), P(), split, split) if self.model_shards > 1 else None
+
+    def convert(self, acc, source):
+        """Between the whole co-moments and ones split over ``model`` (a resume on a mesh with other
+        axes): the real columns, padded with zeros to this mesh's blocks."""
+        del source
+        d = acc.mean.shape[-1]
+
+        def laid_out(m2):
+            return jnp.pad(m2[:, :d], ((0, 0), (0, round_up(d, self.model_shards) - d)))
+
+        return acc._replace(m2=laid_out(acc.m2), m2_lost=laid_out(acc.m2_lost))
+
     def init(self, spec):
-        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True)
+        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True, shards=self.model_shards)
 
     def add(self, acc, batch, mask):
-        return centered_fold(acc, batch, mask, full=True)
+        return centered_fold(acc, batch, mask, full=True, shards=self.model_shards)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         if batch.shape[0] * batch.shape[1] ** 2 > OUTER_PRODUCTS_AT_ONCE:  # per-row outer products: too many
             return super().add_keyed(acc, batch, mask, keys, num_keys)
-        return centered_fold_keyed(acc, batch, mask, keys, num_keys, full=True)
+        return centered_fold_keyed(acc, batch, mask, keys, num_keys, full=True, shards=self.model_shards)
 
     def merge(self, a, b):
-        return centered_merge(a, b, full=True)
+        return centered_merge(a, b, full=True, shards=self.model_shards)
 
     def weighted(self):
         return WeightedCentred(self)
@@ -297,16 +367,19 @@ class Covariance(CoMoments):
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
         ``np.cov`` and ``df.cov()``; each built-in takes the default of the function it
         mirrors: ``Moments`` 0 like ``np.var``, ``Describe`` 1 like pandas).
+      model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by
+        columns over the mesh's ``model`` axis (the means whole on every device).
     """
 
     ddof: int = 1
+    model_shards: int = 1
 
     def check_spec(self, spec):
         super().check_spec(spec)
         check_ddof(self.ddof, type(self).__name__)
 
     def result(self, acc, weight=None, weight_sq=None):
-        count = wide.to_int(acc.count)
+        acc, count = real_columns(acc), wide.to_int(acc.count)
         if no_rows(count, "Covariance"):
             return CovarianceResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
         cov = _divide(host_m2(acc), divisor(count, self.ddof, weight, weight_sq))
@@ -340,6 +413,16 @@ class WeightSums(Combiner):
 
     def check_spec(self, spec):
         self.unweighted.check_spec(spec[1])
+
+    def for_mesh(self, mesh):
+        return dataclasses.replace(self, unweighted=self.unweighted.for_mesh(mesh))
+
+    def partition(self, mesh):
+        parts = self.unweighted.partition(mesh)
+        return None if parts is None else WeightedCentredAcc(parts, P(), P())
+
+    def convert(self, acc, source):
+        return acc._replace(value=self.unweighted.convert(acc.value, source.unweighted))
 
     def init(self, spec):
         dtype = accumulator_dtype(np.result_type(*(leaf.dtype for leaf in jax.tree.leaves(spec[1]))))
@@ -376,7 +459,8 @@ class WeightedCentred(WeightSums):
             if isinstance(self.unweighted, Moments):
                 value = moments_fold(acc.value, x, mask, seen, weights=w, before=before)
             else:
-                value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before)
+                value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before,
+                                      shards=self.unweighted.model_shards)
             return value, sums
         keys, num_keys = keyed
         before = acc.weights[:, 0] - acc.lost[:, 0]
@@ -385,7 +469,8 @@ class WeightedCentred(WeightSums):
         if isinstance(self.unweighted, Moments):
             value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before, seen=seen)
         else:
-            value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before)
+            value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before,
+                                        shards=self.unweighted.model_shards)
         return value, sums
 
     def add(self, acc, batch, mask):
@@ -410,7 +495,7 @@ class WeightedCentred(WeightSums):
         if isinstance(self.unweighted, Moments):
             value = moments_merge(a.value, b.value, na, nb)
         else:
-            value = merged(a.value, b.value, na, nb, full=True)[0]
+            value = merged(a.value, b.value, na, nb, full=True, shards=self.unweighted.model_shards)[0]
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
 
 
