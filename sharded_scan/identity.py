@@ -217,14 +217,23 @@ def processes_difference(terms: list[dict[str, Any]]) -> str | None:
 
 # Fingerprint sections a checkpoint of an older format lacks: not compared when absent there.
 NEWER_SECTIONS = ("code", "files")
+MESH_FIELDS = ("model_shards",)  # the mesh's, not the job's (set by for_mesh); some older fingerprints lack them
+
+
+def _without_mesh_fields(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _without_mesh_fields(v) for k, v in tree.items() if k not in MESH_FIELDS}
+    return [_without_mesh_fields(v) for v in tree] if isinstance(tree, list) else tree
 
 
 def job_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """Why the ``saved`` fingerprint names another job than ``current`` (a phrase), or None.
 
     The files read are left out (:func:`files_difference`), and so are the sections an
-    older ``saved`` lacks.
+    older ``saved`` lacks and the combiners' mesh fields (``model_shards``: a checkpoint
+    written before a combiner split over ``model`` resumes).
     """
+    saved, current = _without_mesh_fields(saved), _without_mesh_fields(current)
     saved = {k: v for k, v in saved.items() if k != "files"}
     current = {k: v for k, v in current.items() if k != "files" and (k in saved or k not in NEWER_SECTIONS)}
     diff = fingerprint_difference(saved, current)

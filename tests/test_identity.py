@@ -1,7 +1,10 @@
 """A job's identity: what names it, what leaves it the same job, and how a difference is worded."""
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import sharded_scan as ss
 from sharded_scan.digest import json_digest
@@ -39,6 +42,16 @@ def test_files_are_compared_apart_and_only_when_the_checkpoint_names_them():
     assert job_difference(saved, now) is None  # older checkpoints lack "code"; files are not the job
     assert files_difference(saved, now) == "/d/x.npy is '8 bytes, modified A' there but '8 bytes, modified B' here"
     assert files_difference({"combiner": {"combiner": "Gram"}}, now) is None  # an older format: no files saved
+
+
+@pytest.mark.parametrize("combiner, data", [(ss.Covariance(), X), (ss.Weighted(ss.TopK(k=3)), (X[:, 0], X)),
+                                            (ss.DistinctCount(), X)])
+def test_a_checkpoint_from_before_the_model_split_names_the_same_job(combiner, data):
+    now = fingerprint(combiner, data)
+    assert "model_shards" in json.dumps(now)
+    before = json.loads(json.dumps(now).replace(', "model_shards": "1"', ""))  # written before the field existed
+    assert "model_shards" not in json.dumps(before) and job_difference(before, now) is None
+    assert job_difference(before, fingerprint(ss.Gram(), X)) is not None
 
 
 def test_with_digests_on_both_sides_files_are_compared_by_their_bytes():

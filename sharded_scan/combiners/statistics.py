@@ -310,10 +310,6 @@ class CoMoments(SplitsByColumns, Combiner):
         super().check_spec(spec)
         check_matrix_spec(spec, type(self).__name__)
 
-    def fingerprint(self):
-        # model_shards is the mesh's (set by for_mesh), not the job's: checkpoints written before it resume.
-        return {k: v for k, v in super().fingerprint().items() if k != "model_shards"}
-
     def partition(self, mesh):
         split = P(None, MODEL_AXIS)
         return CenteredAcc(P(), P(), P(), split, split) if self.model_shards > 1 else None
