@@ -8,9 +8,9 @@ import pytest
 import sharded_scan as ss
 from launch.config_args import merge_extra, split_args
 from launch.data import make_combiner, make_source
-from launch.main import cli_wording, run_job
-from sharded_scan.workdir import exits, named_arrays
-from tests.helpers import assert_usage_error
+from launch.main import run_job
+from sharded_scan.workdir import named_arrays
+from tests.helpers import assert_usage_error, launcher_error_line
 
 
 def quick(name):
@@ -50,13 +50,8 @@ def test_cli_prints_one_line_for_quantiles_outside_0_1(tmp_path, capsys):
     _, extra = split_args(["--config.combiner.kwargs.qs=(0.5,2.0)"])
     config = quick("quantiles")
     merge_extra(config, extra)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as status, exits(), cli_wording():
-        run_job(config, str(workdir))
-    out = capsys.readouterr()
-    lines = (out.out + out.err).splitlines()
-    assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "qs" in lines[0] and "[0, 1]" in lines[0] and "(0.5, 2.0)" in lines[0], lines[0]
+    line = launcher_error_line(capsys, config, workdir)
+    assert "qs" in line and "[0, 1]" in line and "(0.5, 2.0)" in line, line
     assert not workdir.exists()
 
 

@@ -8,15 +8,12 @@ import socket
 import time
 
 import numpy as np
-import pytest
 
 import sharded_scan as ss
 from configs import gram
-from launch.main import cli_wording, run_job
 from sharded_scan.lease import LEASE_FILE, Lease
-from sharded_scan.workdir import exits
 from tests import cli
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, launcher_error_line
 
 X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)
 KW = {"mesh": "data:2", "microbatch": 8, "steps_per_call": 2}
@@ -62,13 +59,7 @@ def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path, capsys):
         while not (tmp_path / LEASE_FILE).exists():  # the first job holds the workdir
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as status, exits(), cli_wording():
-            run_job(config, str(tmp_path))
-        out = capsys.readouterr()
-        lines = (out.out + out.err).splitlines()
-        assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
-        line = lines[0]
+        line = launcher_error_line(capsys, config, tmp_path)
         for word in ("is in use by pid", str(first.pid), "(same job)", "wait for it or pass --force_unlock"):
             assert word in line, line
         assert first.poll() is None  # the first job runs on, untouched
