@@ -38,6 +38,23 @@ def assert_usage_error(call, words) -> None:
         assert word in message, (word, message)
 
 
+def launcher_error_line(capsys, config, workdir) -> str:
+    """The one line the launcher's end of a run (``launch.main``: exits and cli_wording around run_job)
+    prints for the job ``config`` in ``workdir``, run in this process: asserts status 2, that line only."""
+    import pytest
+
+    from launch.main import cli_wording, run_job
+    from sharded_scan.workdir import exits
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as status, exits(), cli_wording():
+        run_job(config, str(workdir))
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
 
 class CrashError(Exception):
     """A stand-in for a kill, raised from a progress callback."""

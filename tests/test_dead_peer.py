@@ -17,10 +17,10 @@ from sharded_scan import watchdog
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, PeerWatch, Watchdog
 from tests import cli
 
-ROWS = 60000  # 64 rows per step on 2 devices: ~940 steps, a checkpoint every 50
+ROWS = 38400  # 64 rows per step on 2 devices: 600 steps, a checkpoint every 50 (per_job: at most 12 saves)
 # Process 0 logs every step, so a test can wait for the run to reach a row instead of sleeping.
 ARGS = ("--config=configs/gram.py:quick", f"--config.data.num_rows={ROWS}", "--config.checkpoint.every_steps=50",
-        "--config.log_every_seconds=0")
+        "--config.checkpoint.per_job=12", "--config.log_every_seconds=0")
 HEARTBEAT_S = 5
 
 
@@ -56,8 +56,8 @@ def one_line(log_path, words):
 
 def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path):
     workdir = tmp_path / "w"
-    # Saves far apart (~1 s of steps): the kill lands while the survivor steps. A peer that
-    # dies during a save's barrier is JAX's heartbeat abort (WORKSPACE.md, "When a job hangs").
+    # One save, at step 300, then 300 steps to the end (~1 s of steps): the kill lands while the survivor
+    # steps. A peer that dies during a save's barrier is JAX's heartbeat abort (WORKSPACE.md, "When a job hangs").
     sparse = (f"--heartbeat_timeout={HEARTBEAT_S}", "--config.checkpoint.every_steps=300")
     with two_processes(tmp_path, workdir, *sparse) as (survivor, victim):
         saved = max(cli.wait_for_checkpoint(workdir, survivor))

@@ -56,16 +56,50 @@ DIFFERENT_FLAGS = [
     ("--config.data.num_rows=3001", "data.num_rows", ("3000", "3001")),  # used to end in a gloo C++ abort
     ("--workdir=OTHER", "workdir", None),  # used to end in "permission denied" (one lease, two directories)
 ]
+# The one difference given to two launcher processes (the command line: status 2 and one line on both); the
+# config fields go to one pair of processes that runs the launcher's job (run_job, its command-line wording)
+# with each of them in turn (two processes of ~1.8 s of imports for three differences instead of six).
+ON_THE_COMMAND_LINE = "--workdir=OTHER"
 FAILING = [1, 0]  # 0: the coordinator, whose store the other reads the news from
+
+
+def disagreeing_jobs(workdirs: dict[str, str]):
+    """In each of two processes: the library's run with other micro-batches, then with the same; then the
+    launcher's job (:func:`launch.main.run_job` in :func:`launch.main.cli_wording`) with each config flag of
+    ``workdirs`` given to process 1 only. Returns ``(library's lines, {flag: the launcher's line})``."""
+    import jax
+
+    from configs import gram
+    from launch.config_args import literal
+    from launch.main import cli_wording, run_job
+
+    library = [library_worker(microbatch) for microbatch in ((8, 16), (8, 8))]
+    lines = {}
+    for flag, workdir in workdirs.items():
+        config = gram.get_config("quick")
+        config.data.num_rows = 3000
+        if jax.process_index() == 1:
+            name, value = flag.removeprefix("--config.").split("=")
+            config.update_from_flattened_dict({name: literal(value)})
+        try:
+            with cli_wording():
+                run_job(config, workdir)
+        except UsageError as e:
+            lines[flag] = f"error: {e}"
+    return library, lines
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Every two-process job of this module, the jobs side by side (most of their time is waiting for
-    each other): ``{case: (ends, workdir, other workdir)}``."""
-    cases = {}
+    each other): ``{case: (ends, workdir, other workdir)}``; ends are completed processes, or for the
+    config flags each process's line from :func:`disagreeing_jobs`; ``"library"``: each process's library lines."""
+    cases, in_workers = {}, {}
     for i, (flag, _, _) in enumerate(DIFFERENT_FLAGS):
         base = tmp_path_factory.mktemp(f"flag{i}")
+        if flag != ON_THE_COMMAND_LINE:
+            in_workers[flag] = base / "w"
+            continue
         cmds = commands([*ARGS, f"--workdir={base / 'w'}"], 2, 1, free_port())
         cmds[1].append(flag.replace("OTHER", str(base / "other")))  # process 1 given something else
         cases[flag] = (cmds, base / "w", base / "other")
@@ -74,22 +108,31 @@ def jobs(tmp_path_factory):
         cmds = commands([*ARGS, f"--workdir={base / 'w'}"], 2, 1, free_port())
         cmds[failing].append("--config.combiner.kwargs.bogus=1")  # its error comes before the processes agree
         cases[failing] = (cmds, base / "w", None)
-    with cli.concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with multiprocess.running("tests.test_job_agreement:disagreeing_jobs", 2, 1,
+                              kwargs={"workdirs": {flag: str(w) for flag, w in in_workers.items()}}) as workers, \
+            cli.concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         ends = pool.map(lambda case: cli.run_all(case[0], at_once=2), cases.values())
-        return {name: (end, *case[1:]) for (name, case), end in zip(cases.items(), ends, strict=True)}
+        found = {name: (end, *case[1:]) for (name, case), end in zip(cases.items(), ends, strict=True)}
+        results = workers.results(timeout=cli.TIMEOUT)
+    found["library"] = [library for library, _ in results]
+    for flag, workdir in in_workers.items():
+        found[flag] = ([lines[flag] for _, lines in results], workdir, None)
+    return found
 
 
 @pytest.mark.parametrize("flag, field, values", DIFFERENT_FLAGS)
 def test_processes_started_with_different_flags_stop_in_one_line(jobs, flag, field, values):
     ends, workdir, other = jobs[flag]
-    lines = {cli.one_error_line(end) for end in ends}  # status 2, one line, no traceback, on both
+    if flag == ON_THE_COMMAND_LINE:
+        ends = [cli.one_error_line(end) for end in ends]  # status 2, one line, no traceback, on both
+    lines = set(ends)
     assert len(lines) == 1, lines
     line = lines.pop()
     assert line.startswith(f"error: processes disagree on the job: {field} differs (process 0: ")
     values = values or (repr(str(workdir)), repr(str(other)))
     assert f"(process 0: {values[0]}, process 1: {values[1]}" in line, line
     assert "start every process with the same flags" in line
-    assert not workdir.exists() and not other.exists()  # before anything was written
+    assert not workdir.exists() and (other is None or not other.exists())  # before anything was written
 
 
 def library_worker(microbatch: tuple[int, int]):
@@ -105,13 +148,11 @@ def library_worker(microbatch: tuple[int, int]):
     return None
 
 
-def test_run_refuses_processes_that_differ_before_any_step():
-    results = multiprocess.run_processes("tests.test_job_agreement:library_worker", 2, 1,
-                                         kwargs={"microbatch": (8, 16)}, timeout=90)
-    assert results[0] == results[1] and results[0].startswith(
-        "processes disagree on the job: microbatch differs (process 0: 8, process 1: 16"), results
-    assert multiprocess.run_processes("tests.test_job_agreement:library_worker", 2, 1,
-                                      kwargs={"microbatch": (8, 8)}, timeout=90) == [None, None]
+def test_run_refuses_processes_that_differ_before_any_step(jobs):
+    different, same = zip(*jobs["library"], strict=True)  # each process's runs: microbatch (8, 16), then (8, 8)
+    assert different[0] == different[1] and different[0].startswith(
+        "processes disagree on the job: microbatch differs (process 0: 8, process 1: 16"), different
+    assert list(same) == [None, None]
 
 
 @pytest.mark.parametrize("failing", FAILING)

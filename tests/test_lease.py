@@ -10,9 +10,10 @@ import time
 import numpy as np
 
 import sharded_scan as ss
+from configs import gram
 from sharded_scan.lease import LEASE_FILE, Lease
 from tests import cli
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, launcher_error_line
 
 X = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)
 KW = {"mesh": "data:2", "microbatch": 8, "steps_per_call": 2}
@@ -45,18 +46,20 @@ def test_a_killed_holders_lock_file_is_stale(tmp_path):
     assert LEASE_FILE not in os.listdir(directory)
 
 
-def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path):
-    """The concurrent-second-job fault: the same command twice on one workdir."""
+def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path, capsys):
+    """The concurrent-second-job fault: the same command twice on one workdir (the second, the same config,
+    through the launcher's end of a run in this process: exits and cli_wording around run_job)."""
     args = ("--config=configs/gram.py:quick", "--config.data.num_rows=4000000", "--config.checkpoint.every_steps=50",
             f"--workdir={tmp_path}")
+    config = gram.get_config("quick")
+    config.data.num_rows, config.checkpoint.every_steps = 4000000, 50
     log = tmp_path.parent / f"{tmp_path.name}.log"
     with cli.started(cli.main_cmd(*args), log) as first:
         deadline = time.monotonic() + 60
         while not (tmp_path / LEASE_FILE).exists():  # the first job holds the workdir
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.05)
-        second = cli.run(cli.main_cmd(*args))
-        line = cli.one_error_line(second)
+        line = launcher_error_line(capsys, config, tmp_path)
         for word in ("is in use by pid", str(first.pid), "(same job)", "wait for it or pass --force_unlock"):
             assert word in line, line
         assert first.poll() is None  # the first job runs on, untouched
