@@ -9,6 +9,7 @@ its result is bitwise that of a mesh without ``model``.
 import jax
 import numpy as np
 import pytest
+import scipy.stats
 
 import sharded_scan as ss
 from sharded_scan import admission
@@ -102,6 +103,35 @@ def test_covariance_split_over_model_is_bitwise_the_whole_ones_and_resumes_acros
         assert_bitwise(got, whole)
 
 
+def test_moments_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(tmp_path):
+    # The covariance test's rows, shards and micro-batch: each model device folds its 3 of the 6 padded columns.
+    x = (np.random.default_rng(0).normal(size=(301, 5)) * np.arange(1, 6) + 1e3).astype(np.float32)
+    x[::7, 1] = 0
+    run = dict(microbatch=8, steps_per_call=2, logical_shards=4)
+    whole = ss.run(ss.Moments(), x, mesh="data:4", **run)
+    assert whole.count == 301 and (whole.zeros == [0, 43, 0, 0, 0]).all()
+    np.testing.assert_array_equal(np.stack([whole.min, whole.max]), np.stack([x.min(0), x.max(0)]))
+    for got, want in ((whole.mean, f64(x).mean(0)), (whole.var, f64(x).var(0)),
+                      (whole.skewness, scipy.stats.skew(f64(x))), (whole.kurtosis, scipy.stats.kurtosis(f64(x)))):
+        assert rel_err(got, want) < 1e-4
+    higher = build_program(ss.Moments(), as_source(x), RunOptions(mesh="data:4,model:2", **run)).like.value.higher
+    assert higher.shape == (4, 3, 6) and higher.sharding.shard_shape(higher.shape) == (1, 3, 3)
+
+    def assert_whole(got):  # bitwise but M3 (skewness), whose merge over data rounds apart in one column
+        assert_bitwise(got._replace(skewness=0), whole._replace(skewness=0))
+        assert rel_err(got.skewness, whole.skewness) < 1e-6
+
+    assert_whole(ss.run(ss.Moments(), x, mesh="data:4,model:2", **run))
+    for first, then in (("data:4,model:2", "data:4"), ("data:4", "data:4,model:2")):  # split -> whole, and back
+        directory = str(tmp_path / first)
+        with pytest.raises(CrashError):
+            ss.run(ss.Moments(), x, mesh=first, checkpoint=ss.CheckpointOptions(directory, every_steps=1),
+                   progress=crash_at(2), **run)
+        got, report = ss.run_with_report(ss.Moments(), x, mesh=then, checkpoint=directory, **run)
+        assert report.resumed_from_cursor > 0  # a save before the crash
+        assert_whole(got)
+
+
 def test_split_co_moments_merge_whole_and_finalize_without_their_padding():
     # A split checkpoint of another shard count is folded whole on one device (relayout), outside
     # shard_map: the outer products then span the padded width. The results read the real columns.
@@ -140,7 +170,9 @@ ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,),
                                          (ss.DistinctCount(precision=8, exact_up_to=64), ONE),
                                          (TOPK, ROW), (ss.Weighted(TOPK), (WEIGHTS, ROW)),
                                          (ss.GroupBy(TOPK, 3), (jax.ShapeDtypeStruct((), np.int32), ROW)),
-                                         (ss.Weighted(ss.Correlation()), (WEIGHTS, ROW))])
+                                         (ss.Weighted(ss.Correlation()), (WEIGHTS, ROW)), (ss.Moments(), ROW),
+                                         (ss.GroupBy(ss.Weighted(ss.Moments()), 3),
+                                          (jax.ShapeDtypeStruct((), np.int32), (WEIGHTS, ROW)))])
 def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes
     rng = np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))
