@@ -1,13 +1,14 @@
 """A state whose every column folds and merges alone, split by columns over ``model``.
 
-A :class:`SplitsEachColumn` combiner (``DistinctCount``, ``TopK``) keeps a NamedTuple state
-whose leaves hold one column each along their first axis, but the fields in its ``shared``
-(the same for every column: whole on every device); its ``held`` leaf is shaped like a row
-(``()`` for rows of one value). Over a ``model`` axis of M devices the state is a
-:class:`SplitColumns`: its columns padded with the identity's to a multiple of M, each
-device holding ``ceil(d / M)`` of them, and every device runs the whole combiner's ``add``
-and ``merge`` on its block of the state and of each micro-batch's columns (:meth:`own`);
-so the result is bitwise the whole state's.
+A :class:`SplitsEachColumn` combiner (``DistinctCount``, ``TopK``, ``Moments``) keeps a NamedTuple
+state whose leaves hold one column each along an axis (:meth:`~SplitsEachColumn.column_axes`: the
+first, but the fields in its ``shared``, the same for every column: whole on every device); its
+``row_field`` leaf is shaped like a row (``()`` for rows of one value). Over a ``model`` axis of
+M devices the state is a :class:`SplitColumns`: its columns padded with the identity's to a
+multiple of M, each device holding ``ceil(d / M)`` of them, and every device runs the whole
+combiner's ``add`` and ``merge`` on its block of the state and of each micro-batch's columns
+(:meth:`own`); so the result is bitwise the whole state's (``Moments``: but for the rounding of
+M3 in the merge over ``data``, a program of other shapes, ~1e-7 apart).
 """
 
 from __future__ import annotations
@@ -34,13 +35,21 @@ class SplitColumns(NamedTuple):
 
 class SplitsEachColumn(SplitsByColumns):
     """Mixin of a dataclass combiner whose state (a ``state_type`` NamedTuple) folds and merges each
-    column alone; ``shared`` names its fields that are not per column."""
+    column alone; ``shared`` names its fields that are not per column, ``row_field`` one shaped like a row."""
 
     shared = ()
+    row_field = "held"
+
+    def column_axes(self) -> Any:
+        """A prefix of the state: each part's column axis, None where it is the same for every column."""
+        return self.state_type(*(None if f in self.shared else 0 for f in self.state_type._fields))
+
+    def _each(self, f, *trees):
+        """``f(axis, *parts)`` over the parts :meth:`column_axes` names."""
+        return jax.tree.map(f, self.column_axes(), *trees, is_leaf=lambda a: a is None)
 
     def partition(self, mesh: Mesh):
-        fields = self.state_type._fields
-        return SplitColumns(self.state_type(*(P() if f in self.shared else P(MODEL_AXIS) for f in fields)), P()) \
+        return SplitColumns(self._each(lambda a: P() if a is None else P(*[None] * a, MODEL_AXIS)), P()) \
             if self.model_shards > 1 else None
 
     def own(self, batch: jax.Array) -> jax.Array:
@@ -53,27 +62,27 @@ class SplitsEachColumn(SplitsByColumns):
 
     def split(self, acc: Any) -> SplitColumns:
         """``acc`` whole as split: its columns, then the identity's of the padded ones."""
-        shape = np.shape(acc.held)
+        shape = np.shape(getattr(acc, self.row_field))
         d = shape[0] if shape else 1
         pad = self.whole.init(self.columns_spec(acc, round_up(d, self.model_shards) - d))
 
-        def padded(name, x, empty):
-            if name in self.shared:
+        def padded(axis, x, empty):
+            if axis is None:
                 return x
-            return jax.tree.map(lambda x, e: jnp.concatenate([x.reshape((-1, *x.shape[1:]) if x.ndim else (1,)), e]),
-                                x, empty)
+            return jax.tree.map(lambda x, e: jnp.concatenate([jnp.atleast_1d(x), e], axis), x, empty)
 
-        value = type(acc)(*(padded(f, x, e) for f, x, e in zip(acc._fields, acc, pad, strict=True)))
-        return SplitColumns(value, jnp.zeros(shape, jnp.int8))
+        return SplitColumns(self._each(padded, acc, pad), jnp.zeros(shape, jnp.int8))
 
     def unsplit(self, acc: SplitColumns) -> Any:
-        """The whole state of ``acc``: its real columns (``held`` shaped like a row)."""
+        """The whole state of ``acc``: its real columns (``row_field`` shaped like a row)."""
         shape = np.shape(acc.columns)
         real = shape[0] if shape else 1
-        columns = {f: jax.tree.map(lambda x: x[:real], getattr(acc.value, f))
-                   for f in acc.value._fields if f not in self.shared}
-        value = acc.value._replace(**columns)
-        return value._replace(held=value.held.reshape(shape))
+
+        def real_columns(axis, x):
+            return x if axis is None else jax.tree.map(lambda x: x[(slice(None),) * axis + (slice(real),)], x)
+
+        value = self._each(real_columns, acc.value)
+        return value._replace(**{self.row_field: getattr(value, self.row_field).reshape(shape)})
 
     def convert(self, acc, source):
         """Between the whole state and one split over ``model`` (a resume on a mesh with other axes)."""

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
+from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.results import frame, labels
 from sharded_scan.combiners.sums import (
     OUTER_PRODUCTS_AT_ONCE,
@@ -453,7 +454,7 @@ class WeightedCentred(WeightSums):
         if keyed is None:
             sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
             if isinstance(self.unweighted, Moments):
-                value = moments_fold(acc.value, x, mask, seen, weights=w, before=before)
+                value = self.unweighted.fold(acc.value, x, mask, seen, weights=w, before=before)
             else:
                 value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before,
                                       shards=self.unweighted.model_shards)
@@ -463,7 +464,7 @@ class WeightedCentred(WeightSums):
         keys = jnp.clip(keys, 0, num_keys - 1)
         sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
         if isinstance(self.unweighted, Moments):
-            value = moments_fold_keyed(acc.value, x, mask, keys, num_keys, weights=w, before=before, seen=seen)
+            value = self.unweighted.fold(acc.value, x, mask, seen, weights=w, before=before, keyed=(keys, num_keys))
         else:
             value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before,
                                         shards=self.unweighted.model_shards)
@@ -489,7 +490,7 @@ class WeightedCentred(WeightSums):
     def merge(self, a, b):
         na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
         if isinstance(self.unweighted, Moments):
-            value = moments_merge(a.value, b.value, na, nb)
+            value = self.unweighted.merge(a.value, b.value, na, nb)
         else:
             value = merged(a.value, b.value, na, nb, full=True, shards=self.unweighted.model_shards)[0]
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
@@ -714,10 +715,14 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> Moments
 
 
 @dataclasses.dataclass(frozen=True)
-class Moments(Combiner):
+class Moments(SplitsEachColumn, Combiner):
     """Per-column count, mean, variance, min, max, skewness, kurtosis, NaN and zero counts and
     L1/L2 norms of rows X (n, d), in one pass; the centred moments merge by Chan's and Pébay's
     pairwise formulas, as exactly as the variance.
+
+    On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
+    state is split by columns (``column_split``): each device folds and merges ``ceil(d / M)``
+    columns, the row count whole on every device.
 
     Args:
       ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like
@@ -725,6 +730,14 @@ class Moments(Combiner):
     """
 
     ddof: int = 0
+    model_shards: int = 1  # set by for_mesh: above 1 each model device holds its block of the columns
+    state_type, row_field = MomentsAcc, "min"
+
+    def column_axes(self):
+        return MomentsAcc(CenteredAcc(None, 0, 0, 0, 0), 0, 0, 1, 1, 1)
+
+    def columns_spec(self, acc, n):
+        return jax.ShapeDtypeStruct((n,), acc.min.dtype)
 
     def check_spec(self, spec):
         super().check_spec(spec)
@@ -732,22 +745,37 @@ class Moments(Combiner):
         check_ddof(self.ddof, type(self).__name__)
 
     def init(self, spec):
-        return moments_init(spec.shape[0], accumulator_dtype(spec.dtype))
+        acc = moments_init(spec.shape[0], accumulator_dtype(spec.dtype))
+        return self.split(acc) if self.model_shards > 1 else acc
+
+    def fold(self, acc, x, keep, seen=None, weights=None, before=None, keyed=()):
+        """:func:`moments_fold` (``keyed``: ``(keys, num_keys)``, :func:`moments_fold_keyed`), split
+        over ``model``: of this device's block of the columns."""
+        split = self.model_shards > 1
+        value, x = (acc.value, self.own(x)) if split else (acc, x)
+        if keyed:
+            value = moments_fold_keyed(value, x, keep, *keyed, weights=weights, before=before, seen=seen)
+        else:
+            value = moments_fold(value, x, keep, seen, weights, before)
+        return acc._replace(value=value) if split else value
 
     def add(self, acc, batch, mask):
-        return moments_fold(acc, batch, mask)
+        return self.fold(acc, batch, mask)
 
     def add_omitting(self, acc, batch, mask, keep):
-        return moments_fold(acc, batch, keep, mask)
+        return self.fold(acc, batch, keep, mask)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
-        return moments_fold_keyed(acc, batch, mask, keys, num_keys)
+        return self.fold(acc, batch, mask, keyed=(keys, num_keys))
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
-        return moments_fold_keyed(acc, batch, keep, keys, num_keys, seen=mask)
+        return self.fold(acc, batch, keep, mask, keyed=(keys, num_keys))
 
-    def merge(self, a, b):
-        return moments_merge(a, b)
+    def merge(self, a, b, na=None, nb=None):
+        """:func:`moments_merge` (of weights ``na``, ``nb``: their counts when None), block by block when split."""
+        if self.model_shards > 1:
+            return a._replace(value=moments_merge(a.value, b.value, na, nb))
+        return moments_merge(a, b, na, nb)
 
     def weighted(self):
         return WeightedCentred(self)
@@ -756,7 +784,8 @@ class Moments(Combiner):
         return self.result(acc)
 
     def result(self, acc: MomentsAcc, weight: float | None = None, weight_sq: float | None = None) -> MomentsResult:
-        """The host result (``columns`` None); ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of a
-        weighted run (None: every row weighed 1)."""
+        """The host result (``columns`` None; of the real columns when split); ``weight``,
+        ``weight_sq``: ``Σw``, ``Σw²`` of a weighted run (None: every row weighed 1)."""
+        acc = self.unsplit(acc) if self.model_shards > 1 else acc
         count = int(wide.to_int(acc.centered.count))
         return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq))
