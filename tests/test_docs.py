@@ -9,7 +9,10 @@ base install), so a block that needs pandas says an extra that brings it. The bl
 environment, with ``sharded-scan`` / ``sharded-scan-local`` standing for ``python -m launch.main`` /
 ``launch.local`` from this checkout. Blocks that name the same ``/tmp`` path run in order in one
 chain (consecutive python blocks of a chain in one process, each with its own names: a name one
-block leaves to another is an error), and the chains side by side, to stay within a minute.
+block leaves to another is an error), and the chains side by side, to stay within a minute. The
+chains of python blocks alone that leave JAX's settings as they find them (no ``jax.config``) run
+one after another in one process, as one chain: an interpreter and JAX's imports (~1.7 s of CPU)
+each, not one per example.
 """
 
 from __future__ import annotations
@@ -168,6 +171,13 @@ def chains() -> list[list[Block]]:
     return [[b for b, c in zip(every, chain, strict=True) if c == first] for first in dict.fromkeys(chain)]
 
 
+def processes(found: list[list[Block]]) -> list[list[Block]]:
+    """The chains as they run: those of python blocks alone that set nothing of JAX's (no
+    ``jax.config``: each would run alike in a fresh interpreter) joined into one, in the docs' order."""
+    alone = [chain for chain in found if all(b.lang == "python" and "jax.config" not in b.body for b in chain)]
+    return [chain for chain in found if chain not in alone] + ([sum(alone, [])] if alone else [])
+
+
 def script(chain: list[Block], tmp: Path) -> str:
     """One bash script running a chain's blocks in order (/tmp -> ``tmp``); consecutive python
     blocks in one process."""
@@ -206,7 +216,8 @@ def runs(tmp_path_factory):
         (shims / name).chmod(0o755)
     env = cli.env()
     env["PATH"] = f"{shims}:{env['PATH']}"
-    scripts = {tuple(b.name for b in chain): script(chain, tmp) for chain in sorted(chains(), key=len, reverse=True)}
+    scripts = {tuple(b.name for b in chain): script(chain, tmp)
+               for chain in sorted(processes(chains()), key=len, reverse=True)}
 
     def run(text):
         return subprocess.run(["bash", "-c", text], cwd=cli.ROOT, env=env, capture_output=True, text=True,
@@ -223,6 +234,11 @@ def test_blocks_in_chains():
     together = next(chain for chain in found if writer in [b.name for b in chain])  # writes the files the CLI reads
     assert any(b.lang == "bash" and "/tmp/ss_data/sales.parquet" in b.body for b in together), names
     assert sum(len(chain) for chain in found) == sum(len(runnable(doc)) for doc in DOCS)
+    joined = processes(found)  # the python-only chains that set nothing of JAX's share one process
+    assert sorted(b.name for chain in joined for b in chain) == sorted(b.name for chain in found for b in chain)
+    shared = [chain for chain in joined if chain not in found]
+    assert len(shared) == 1 and len(shared[0]) >= 3 and writer not in [b.name for b in shared[0]], names
+    assert not any("jax.config" in b.body for b in shared[0]), shared
 
 
 @pytest.mark.parametrize("doc", DOCS)
