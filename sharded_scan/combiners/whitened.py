@@ -394,14 +394,13 @@ def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
     """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     into_b = a.young & ~b.young
-    host, guest = jax.tree.map(lambda x, y: jnp.where(into_b, y, x), (a, b), (b, a))
+    host, guest = jax.lax.cond(into_b, lambda: (b, a), lambda: (a, b))  # copies, not a select kernel a leaf
     rows = moved(_rows(guest), guest.shift, host.shift)
     sums = _moved_sums(guest.sums, guest.shift, host.shift)
     merged = jax.lax.cond(
         host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
     )
-    pick = lambda x, y, m: jnp.where(a_empty, y, jnp.where(b_empty, x, m))  # noqa: E731
-    out = jax.tree.map(pick, a, b, merged)
+    out = jax.lax.switch(jnp.where(a_empty, 0, jnp.where(b_empty, 1, 2)), [lambda: b, lambda: a, lambda: merged])
     return out._replace(count=wide.add(a.count, b.count))
 
 
