@@ -23,46 +23,63 @@ def _padded(a: jax.Array, block: int) -> jax.Array:
     return jnp.eye(size, dtype=a.dtype).at[:n, :n].set(a)
 
 
-def _cholesky_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array]:
-    """Upper U with UᵀU = a, column by column (for one small block), and its deflated rows.
+def _row(a: jax.Array, j) -> jax.Array:
+    """``a[j]`` for a traced ``0 <= j < len(a)``, without jnp's index arithmetic (a smaller loop body)."""
+    return jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
 
+
+def _set_row(a: jax.Array, row, j) -> jax.Array:
+    """``a.at[j].set(row)`` for a traced ``0 <= j < len(a)``, without jnp's index arithmetic."""
+    return jax.lax.dynamic_update_index_in_dim(a, jnp.asarray(row, a.dtype), j, 0)
+
+
+def _cholesky_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array]:
+    """Upper U with UᵀU = a, row by row (for one small block), and its deflated rows.
+
+    Right-looking: row ``j`` of ``U`` is row ``j`` of what is left of ``a`` over its pivot,
+    and its outer product leaves the rows after it. Elementwise only (no ``dot``): a small
+    loop body to compile, and each entry's sum taken in row order on every backend.
     A pivot whose square is at most ``deflate_below`` (a column that adds nothing to
     the ones before it, in working precision) gets a unit row ``e_j`` instead.
     """
-    b = a.shape[0]
-    index = jnp.arange(b)
+    index = jnp.arange(a.shape[0])
 
-    def column(j, carry):
-        u, deflated = carry
-        above = jnp.where(index < j, u[:, j], 0.0)             # U[:j, j]
-        square = a[j, j] - above @ above
+    def row(j, carry):
+        left, deflated = carry  # rows before j: U's; the rest: a less their outer products
+        here = _row(left, j)
+        square = _row(here, j)
         flat = square <= deflate_below
         pivot = jnp.where(flat, 1.0, jnp.sqrt(jnp.maximum(square, 0.0)))
-        row = (a[j] - above @ u) / pivot
-        row = jnp.where(index > j, jnp.where(flat, 0.0, row), jnp.where(index == j, pivot, 0.0))
-        return u.at[j].set(row), deflated.at[j].set(flat)
+        after = jnp.where((index > j) & ~flat, here / pivot, 0.0)
+        left = left - after[:, None] * after[None, :]
+        return _set_row(left, jnp.where(index == j, pivot, after), j), _set_row(deflated, flat, j)
 
-    return jax.lax.fori_loop(0, b, column, (jnp.zeros_like(a), jnp.zeros_like(a[0], bool)))
+    return jax.lax.fori_loop(0, a.shape[0], row, (a, jnp.zeros_like(a[0], bool)))
 
 
 def _inverse_block(u: jax.Array) -> jax.Array:
-    """The inverse of a small upper-triangular block, row by row from the bottom."""
+    """The inverse of a small upper-triangular block, row by row from the bottom.
+
+    Each finished row ``j`` of ``U⁻¹`` is taken off the rows above it at once (times
+    their ``U[i, j]``), elementwise: the same small loop body as :func:`_cholesky_block`.
+    """
     b = u.shape[0]
     index = jnp.arange(b)
-    eye = jnp.eye(b, dtype=u.dtype)
 
-    def row(k, x):
+    def row(k, x):  # x: rows after j are U⁻¹'s, the others I less what those rows gave
         j = b - 1 - k
-        right = jnp.where(index > j, u[j], 0.0)                # U[j, j+1:]
-        return x.at[j].set((eye[j] - right @ x) / u[j, j])
+        column = jax.lax.dynamic_index_in_dim(u, j, axis=1, keepdims=False)
+        done = _row(x, j) / _row(column, j)
+        x = x - jnp.where(index < j, column, 0.0)[:, None] * done[None, :]
+        return _set_row(x, done, j)
 
-    return jax.lax.fori_loop(0, b, row, jnp.zeros_like(u))
+    return jax.lax.fori_loop(0, b, row, jnp.eye(b, dtype=u.dtype) + jnp.zeros_like(u))
 
 
-def _column_block(x: jax.Array, u: jax.Array, start, block: int) -> jax.Array:
-    """Block column ``start`` of ``U⁻¹`` from its columns before ``start`` (in ``x``) and ``U``'s."""
+def _column_block(x: jax.Array, u: jax.Array, start, block: int, ukk_inv: jax.Array) -> jax.Array:
+    """Block column ``start`` of ``U⁻¹`` from its columns before ``start`` (in ``x``), ``U``'s,
+    and the inverse of ``U``'s diagonal block there (``ukk_inv``)."""
     size = u.shape[0]
-    ukk_inv = _inverse_block(jax.lax.dynamic_slice(u, (start, start), (block, block)))
     above = jnp.where(jnp.arange(size)[:, None] < start, jax.lax.dynamic_slice(u, (0, start), (size, block)), 0.0)
     column = -(x @ above) @ ukk_inv
     return jax.lax.dynamic_update_slice(column, ukk_inv, (start, 0))
@@ -91,11 +108,12 @@ def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK) -> tuple
         a, u, x, deflated = carry
         start = k * block
         ukk, flat = _cholesky_block(jax.lax.dynamic_slice(a, (start, start), (block, block)), deflate_below)
-        panel = _inverse_block(ukk).T @ jax.lax.dynamic_slice(a, (start, 0), (block, size))
+        ukk_inv = _inverse_block(ukk)
+        panel = ukk_inv.T @ jax.lax.dynamic_slice(a, (start, 0), (block, size))
         panel = jnp.where((columns[None, :] >= start + block) & ~flat[:, None], panel, 0.0)
         a = a - panel.T @ panel
         u = jax.lax.dynamic_update_slice(u, jax.lax.dynamic_update_slice(panel, ukk, (0, start)), (start, 0))
-        x = jax.lax.dynamic_update_slice(x, _column_block(x, u, start, block), (0, start))
+        x = jax.lax.dynamic_update_slice(x, _column_block(x, u, start, block, ukk_inv), (0, start))
         return a, u, x, jax.lax.dynamic_update_slice(deflated, flat, (start,))
 
     zeros = jnp.zeros_like(a)
@@ -111,6 +129,8 @@ def triangular_inverse(u: jax.Array, block: int = BLOCK) -> jax.Array:
     u = _padded(u, block)
 
     def step(k, x):
-        return jax.lax.dynamic_update_slice(x, _column_block(x, u, k * block, block), (0, k * block))
+        start = k * block
+        ukk_inv = _inverse_block(jax.lax.dynamic_slice(u, (start, start), (block, block)))
+        return jax.lax.dynamic_update_slice(x, _column_block(x, u, start, block, ukk_inv), (0, start))
 
     return jax.lax.fori_loop(0, u.shape[0] // block, step, jnp.zeros_like(u))[:n, :n]

@@ -272,6 +272,12 @@ def row_sums(b: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
 
 
+def _after_ones(delta: jax.Array) -> jax.Array:
+    """``[0 | delta]``: a move of the shift as a whole row of ``b``'s columns (the ones column moves
+    by exactly 0), so the sums and rows update in whole rows, not by scatters into their tails."""
+    return jnp.concatenate([jnp.zeros_like(delta[:1]), delta])
+
+
 def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[WhitenedAcc, _Rows]:
     """``acc`` and ``rows`` with the shift moved to the running mean (``sums`` include ``b``'s)
     in the columns whose mean is more than ``RECENTRE`` standard deviations from it.
@@ -284,10 +290,10 @@ def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[Whitened
     variance = jnp.maximum(sums[1, 1:] / count - mean * mean, 0.0)
     delta = jnp.where(mean * mean > RECENTRE**2 * variance, mean, 0.0)
     basis = acc.basis.at[0].add(delta @ acc.basis[1:])
-    total, squares = sums[0, 1:], sums[1, 1:]
-    squares = squares - 2 * delta * total + sums[0, 0] * delta * delta
-    sums = sums.at[0, 1:].set(total - sums[0, 0] * delta).at[1, 1:].set(squares)
-    rows = rows.map(lambda b: b.at[:, 1:].add(-b[:, :1] * delta[None, :]))
+    move = _after_ones(delta)
+    total, squares = sums[0], sums[1]
+    sums = jnp.stack([total - sums[0, 0] * move, squares - 2 * move * total + sums[0, 0] * move * move])
+    rows = rows.map(lambda b: b - b[:, :1] * move[None, :])
     return acc._replace(shift=acc.shift + delta, basis=basis, sums=sums), rows
 
 
@@ -379,23 +385,22 @@ def _rows(acc: WhitenedAcc) -> jax.Array:
 
 def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
     """Sums of ``z - old`` and their squares, as sums of ``z - new``."""
-    move = old - new
-    total, squares = sums[0, 1:], sums[1, 1:]
-    return sums.at[0, 1:].add(sums[0, 0] * move).at[1, 1:].set(squares + 2 * move * total + sums[0, 0] * move**2)
+    move = _after_ones(old - new)
+    total, squares = sums[0], sums[1]
+    return jnp.stack([total + sums[0, 0] * move, squares + 2 * move * total + sums[0, 0] * move**2])
 
 
 def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
     """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     into_b = a.young & ~b.young
-    host, guest = jax.tree.map(lambda x, y: jnp.where(into_b, y, x), (a, b), (b, a))
+    host, guest = jax.lax.cond(into_b, lambda: (b, a), lambda: (a, b))  # copies, not a select kernel a leaf
     rows = moved(_rows(guest), guest.shift, host.shift)
     sums = _moved_sums(guest.sums, guest.shift, host.shift)
     merged = jax.lax.cond(
         host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
     )
-    pick = lambda x, y, m: jnp.where(a_empty, y, jnp.where(b_empty, x, m))  # noqa: E731
-    out = jax.tree.map(pick, a, b, merged)
+    out = jax.lax.switch(jnp.where(a_empty, 0, jnp.where(b_empty, 1, 2)), [lambda: b, lambda: a, lambda: merged])
     return out._replace(count=wide.add(a.count, b.count))
 
 
