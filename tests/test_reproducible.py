@@ -27,12 +27,14 @@ EVERY = ("Sum", "Gram", "Gram blocked", "Covariance", "Moments", "PCA", "LinearR
 ON_2X1 = ("PCA", "LinearRegression")
 ON_1X1 = tuple(name for name in EVERY if name not in ON_2X1)
 SOME = {
-    (2, 4): ("Gram", "Gram blocked", "Moments", "Gradient"),
+    (2, 4): ("Gram", "Gram blocked", "Moments", "Gradient", "from_fn"),
     (1, 2): ("Covariance", "Histogram"),
     (2, 1): (*ON_2X1, "Sum", "Histogram"),  # PCA and LinearRegression resumed on 1x8 from here
-    (4, 2): ("Covariance", "from_fn"),  # resumed from 1x8's checkpoints
+    (4, 2): ("Covariance", "Gram"),  # resumed: Covariance from 1x8's checkpoints, Gram from 2x4's
 }
-RESUMED_FROM_2X4 = ("Gram", "Moments")  # on 1x8 (a save of several processes restored in one)
+RESUMED_FROM_2X4 = ("Moments",)  # on 1x8 (a save of several processes restored in one)
+# The elastic chain 2x4 -> 4x2 -> 1x8: Gram crashed on 2x4, resumed on 4x2 and crashed again, finished on 1x8.
+RELAYED = ("Gram",)
 
 
 def squared_error(params, batch):
@@ -80,12 +82,15 @@ def crash_at_step(steps):
     return progress
 
 
-def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str | None = None, checkpointed=None):
+def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str | None = None, checkpointed=None,
+                    relay=(), relayed=()):
     """The result leaves of the built-ins ``names``, by name (runs in each process of a split).
 
     ``crash_into``: also run each one (of ``checkpointed``, default all) with checkpoints in
     ``crash_into/NAME`` and crash it after 2 steps; ``resume_from``: also finish each from the
-    checkpoints there (another split's), as ``"NAME resumed"``.
+    checkpoints there (another split's), as ``"NAME resumed"``, but those in ``relay``: resumed and
+    crashed again, for another split to finish; those in ``relayed`` resume past step 1 (a crash
+    in step 2 saved step 1; a relay's, step 2).
     """
     import sharded_scan as ss
 
@@ -104,8 +109,12 @@ def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str
                 ss.run(combiner, rows, checkpoint=checkpoint, progress=crash_at_step(2), **OPTIONS)
         if resume_from:
             checkpoint = ss.CheckpointOptions(f"{resume_from}/{name}", every_steps=1)
+            if name in relay:
+                with contextlib.suppress(Crash):
+                    ss.run(combiner, rows, checkpoint=checkpoint, progress=crash_at_step(2), **OPTIONS)
+                continue
             result, report = ss.run_with_report(combiner, rows, checkpoint=checkpoint, **OPTIONS)
-            assert report.resumed_from_cursor, name
+            assert report.resumed_from_cursor and report.resumed_from_step > (1 if name in relayed else 0), name
             out[f"{name} resumed"] = [np.asarray(leaf) for leaf in jax.tree.leaves(result)]
     return out
 
@@ -133,7 +142,8 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
     assert set(ON_1X1) | set(ON_2X1) == set(EVERY) and SOME[(2, 1)][:len(ON_2X1)] == ON_2X1
     assert (jax.process_count(), jax.local_device_count()) == (1, 8)  # conftest: this process is 1x8
     assert set(EVERY) == {name for (processes, _), names in SOME.items() if processes > 1 for name in names}
-    from_1x1, from_2x1, from_2x4, from_1x8 = (str(tmp_path / f"from-{split}") for split in ("1x1", "2x1", "2x4", "1x8"))
+    # relay: 2x4's and 1x8's checkpoints, then 4x2's
+    from_1x1, from_2x1, relay = (str(tmp_path / f"from-{split}") for split in ("1x1", "2x1", "relay"))
     results = {}  # by split, then "NAME" or "NAME resumed"
     # The test's own process (8 devices) is split 1x8; the other splits' processes run meanwhile.
     with contextlib.ExitStack() as stack:
@@ -143,21 +153,22 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
                 split_running((2, 1), names=SOME[(2, 1)], crash_into=from_2x1, checkpointed=ON_2X1)
             ),
             (2, 4): stack.enter_context(
-                split_running((2, 4), names=SOME[(2, 4)], crash_into=from_2x4, checkpointed=RESUMED_FROM_2X4)
+                split_running((2, 4), names=SOME[(2, 4)], crash_into=relay, checkpointed=RESUMED_FROM_2X4 + RELAYED)
             ),
         }
         results[(1, 8)] = reduce_builtins()
-        reduce_builtins(SOME[(4, 2)], crash_into=from_1x8)
-        waits.update({
-            split: stack.enter_context(split_running(split, names=SOME[split], resume_from=resume))
-            for split, resume in (((1, 2), None), ((4, 2), from_1x8))
-        })
+        resumed_on_4x2 = tuple(name for name in SOME[(4, 2)] if name not in RELAYED)
+        reduce_builtins(resumed_on_4x2, crash_into=relay)
+        waits[(1, 2)] = stack.enter_context(split_running((1, 2), names=SOME[(1, 2)]))
         results[(1, 1)] = waits.pop((1, 1))()
         results["1x1 resumed on 1x8"] = reduce_builtins(ON_1X1, resume_from=from_1x1)
         results[(2, 1)] = waits.pop((2, 1))()
         results["2x1 resumed on 1x8"] = reduce_builtins(ON_2X1, resume_from=from_2x1)
         results[(2, 4)] = waits.pop((2, 4))()
-        results["2x4 resumed on 1x8"] = reduce_builtins(RESUMED_FROM_2X4, resume_from=from_2x4)
+        results["2x4 resumed on 1x8"] = reduce_builtins(RESUMED_FROM_2X4, resume_from=relay)
+        with split_running((4, 2), names=SOME[(4, 2)], resume_from=relay, relay=RELAYED) as wait:
+            results[(4, 2)] = wait()
+        results["2x4, 4x2 resumed on 1x8"] = reduce_builtins(RELAYED, resume_from=relay, relayed=RELAYED)
         results.update({split: wait() for split, wait in waits.items()})
 
     def names(combiners, resumed=False):
@@ -166,7 +177,9 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
     assert {split: set(got) for split, got in results.items()} == {
         (1, 8): names(EVERY), (1, 1): names(ON_1X1), "1x1 resumed on 1x8": names(ON_1X1, resumed=True),
         "2x1 resumed on 1x8": names(ON_2X1, resumed=True),
-        "2x4 resumed on 1x8": names(RESUMED_FROM_2X4, resumed=True), (4, 2): names(SOME[(4, 2)], resumed=True),
+        "2x4 resumed on 1x8": names(RESUMED_FROM_2X4, resumed=True),
+        (4, 2): names(SOME[(4, 2)]) | names(resumed_on_4x2, resumed=True),
+        "2x4, 4x2 resumed on 1x8": names(RELAYED, resumed=True),
         **{split: names(SOME[split]) for split in ((2, 4), (1, 2), (2, 1))},
     }
     want = results[(1, 8)]
