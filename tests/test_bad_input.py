@@ -19,11 +19,9 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from launch.main import cli_wording, run_job
 from sharded_scan import distributed
-from sharded_scan.workdir import exits
 from tests import cli
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, launcher_error_line
 
 GRAM = "--config=configs/gram.py:quick"
 
@@ -118,16 +116,11 @@ def test_job_mistake_is_one_line_status_2_and_touches_nothing(job, name, fields,
     for field, value in fields.items():
         section, key = field.split(".")
         config[section][key] = value
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as status, exits(), cli_wording():  # launch.main's end of a run
-        run_job(config, str(copy))
-    out = capsys.readouterr()
-    lines = (out.out + out.err).splitlines()
-    assert status.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    line = launcher_error_line(capsys, config, copy)
     given = " ".join(f"--config.{field}={value}" for field, value in fields.items())
-    print(f"\n{given.replace(str(base), '...')} -> {lines[0].replace(str(base), '...')}")
+    print(f"\n{given.replace(str(base), '...')} -> {line.replace(str(base), '...')}")
     for word in words:
-        assert word in lines[0], lines[0]
+        assert word in line, line
     assert snapshot(copy) == before
 
 
