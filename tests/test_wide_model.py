@@ -134,6 +134,22 @@ def test_moments_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(t
         assert_whole(got)
 
 
+def test_describe_split_over_model_is_pandas_describe():
+    # The covariance test's rows, shards and micro-batch, with NaNs: each model device folds the moments
+    # and sketch of its 3 of the 6 padded columns (its data:4 run: test_describe's, on other shards; a
+    # pytree's split state: test_a_state_converts_between_whole_and_split). Nothing compacted: exact.
+    x, run = FIVE.copy(), FIVE_RUN
+    x[::5, 2] = np.nan
+    like = build_program(ss.Describe(), as_source(x), RunOptions(mesh="data:4,model:2", **run)).like
+    m2 = like.moments.centered.m2  # (shards, padded columns, 1, 1)
+    assert m2.shape[:2] == (4, 6) and m2.sharding.shard_shape(m2.shape)[:2] == (1, 3)
+    got = ss.run(ss.Describe(), x, mesh="data:4,model:2", **run)
+    assert (got.nan_count == [0, 0, 61, 0, 0]).all() and (got.count == 301 - got.nan_count).all()
+    np.testing.assert_array_equal(np.stack([got.min, got.max]), np.stack([np.nanmin(x, 0), np.nanmax(x, 0)]))
+    np.testing.assert_array_equal(got.percentiles, np.nanquantile(x, [0.25, 0.5, 0.75], axis=0).T)
+    assert rel_err(got.mean, np.nanmean(f64(x), 0)) < 1e-6 and rel_err(got.std, np.nanstd(f64(x), 0, ddof=1)) < 1e-6
+
+
 def test_split_co_moments_merge_whole_and_finalize_without_their_padding():
     # A split checkpoint of another shard count is folded whole on one device (relayout), outside
     # shard_map: the outer products then span the padded width. The results read the real columns.
@@ -174,7 +190,8 @@ ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,),
                                          (ss.GroupBy(TOPK, 3), (jax.ShapeDtypeStruct((), np.int32), ROW)),
                                          (ss.Weighted(ss.Correlation()), (WEIGHTS, ROW)), (ss.Moments(), ROW),
                                          (ss.GroupBy(ss.Weighted(ss.Moments()), 3),
-                                          (jax.ShapeDtypeStruct((), np.int32), (WEIGHTS, ROW)))])
+                                          (jax.ShapeDtypeStruct((), np.int32), (WEIGHTS, ROW))),
+                                         (ss.Describe(), (ROW, ONE))])
 def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes
     rng = np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))

@@ -10,6 +10,13 @@ percentiles come from one :class:`Quantiles` sketch of all the columns, in which
 sorts after every value: with ``count`` values in a column, its percentile ``q`` is read at
 ranks around ``q (count - 1)`` (numpy's ``"linear"``, as pandas), below every NaN.
 ``exact=True`` refines the sketch's answers in further passes like ``Quantiles(exact=True)``.
+
+On a mesh with a ``model`` axis of size M (``model_shards``, set by :meth:`Describe.for_mesh`) the
+one-pass state is split by columns: each device holds the stacked moments and the sketch
+(``Quantiles``' split) of ``ceil(d / M)`` columns, padded with empty ones to a multiple of M. A
+split state is one :class:`DescribeAcc` whose leaves are trees shaped like the data (the per-leaf
+accumulators transposed), so that its ``partition`` is a prefix of it whatever the data's tree.
+``exact=True``'s passes stay whole (their sketch pass, like ``Quantiles``', and the refining ones).
 """
 
 from __future__ import annotations
@@ -25,17 +32,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.keys import check_column_spec
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks
+from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks, split, unsplit
 from sharded_scan.combiners.quantiles_exact import Brackets, RefinePass, SketchPass
 from sharded_scan.combiners.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.statistics import Moments, MomentsAcc
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
+from sharded_scan.mesh import MODEL_AXIS
 
 COLUMN = Moments(ddof=1)  # one column's count, mean, variance (pandas' ddof=1), min and max
 METHOD = "linear"  # pandas' percentiles
@@ -139,8 +149,28 @@ def _columns(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1)
 
 
+def _gathered(accs: Any) -> DescribeAcc:
+    """A tree of per-leaf accumulators as one :class:`DescribeAcc` whose leaves are trees shaped like the data."""
+    leaves, outer = jax.tree.flatten(accs, is_leaf=_is_acc)
+    return jax.tree.transpose(outer, jax.tree.structure(leaves[0]), accs)
+
+
+def _per_leaf(acc: DescribeAcc) -> Any:
+    """:func:`_gathered`'s inverse: the tree of per-leaf accumulators."""
+    outer = jax.tree.structure(acc.moments.min)  # a tree shaped like the data
+    inner = jax.tree.structure(jax.tree.map(lambda _: 0, acc, is_leaf=lambda x: jax.tree.structure(x) == outer))
+    return jax.tree.transpose(inner, outer, acc)
+
+
+def _stacked(moments: MomentsAcc, d: int) -> MomentsAcc:
+    """Stacked one-column moments of ``d`` columns: those of ``moments``, then empty ones."""
+    one = COLUMN.init(jax.ShapeDtypeStruct((1,), moments.min.dtype))
+    pad = d - np.shape(moments.min)[0]
+    return jax.tree.map(lambda x, e: jnp.concatenate([x, jnp.broadcast_to(e, (pad, *e.shape))]), moments, one)
+
+
 @dataclasses.dataclass(frozen=True)
-class Describe(Combiner, MultiPass):
+class Describe(SplitsByColumns, Combiner, MultiPass):
     """pandas' ``df.describe()`` per column: count, NaNs, mean, std, min, max and percentiles.
 
     Takes an array of rows ``(n, d)`` or ``(n,)`` (one column), or a pytree of them such as
@@ -159,12 +189,15 @@ class Describe(Combiner, MultiPass):
     NaN is skipped column by column, as pandas does; infinities count as values (in
     ``count``, ``min``, ``max`` and the percentiles; a column holding one has a NaN mean and
     std, as ``Moments``, where pandas gives an infinite mean).
+
+    On a mesh with a ``model`` axis the one-pass state is split by columns (the module's docstring).
     """
 
     percentiles: Any = (0.25, 0.5, 0.75)
     exact: bool = False
     k: int = DEFAULT_K
     bits: int = 10
+    model_shards: int = 1  # set by for_mesh: above 1 each model device holds its block of the columns
 
     def __post_init__(self):
         qs = check_qs(self.percentiles, None, "Describe")
@@ -174,37 +207,64 @@ class Describe(Combiner, MultiPass):
     @property
     def sketch(self) -> Quantiles:
         """The one-pass sketch of every column's keys (a NaN's key sorts last)."""
-        return Quantiles(qs=self.percentiles, k=self.k, method=METHOD)
+        return Quantiles(qs=self.percentiles, k=self.k, method=METHOD, model_shards=self.model_shards)
 
     def check_spec(self, spec):
         for leaf in jax.tree.leaves(spec):
             check_column_spec(leaf, "Describe")
 
+    def partition(self, mesh):
+        if self.model_shards == 1:
+            return None
+        return DescribeAcc(P(MODEL_AXIS), self.sketch.partition(mesh))
+
+    def _leafwise(self, fn, acc, *trees):
+        """``fn`` over the per-leaf accumulators of ``acc`` (and leaves of ``trees``), split or whole."""
+        split = self.model_shards > 1
+        accs = jax.tree.map(fn, _per_leaf(acc) if split else acc, *trees, is_leaf=_is_acc)
+        return _gathered(accs) if split else accs
+
     def init(self, spec):
         def leaf(s):
             d = s.shape[0] if s.shape else 1
             one = COLUMN.init(jax.ShapeDtypeStruct((1,), s.dtype))
-            moments = jax.tree.map(lambda a: jnp.broadcast_to(a, (d, *a.shape)), one)
+            moments = jax.tree.map(lambda a: jnp.broadcast_to(a, (round_up(d, self.model_shards), *a.shape)), one)
             return DescribeAcc(moments, self.sketch.init(s))
 
-        return jax.tree.map(leaf, spec)
+        accs = jax.tree.map(leaf, spec)
+        return _gathered(accs) if self.model_shards > 1 else accs
 
     def add(self, acc, batch, mask):
-        def leaf(x, a):
+        def leaf(a, x):
             x = _columns(x)
-            valid = mask[None, :] & ~jnp.isnan(x.T)
-            moments = jax.vmap(lambda m, col, ok: COLUMN.add(m, col[:, None], ok))(a.moments, x.T, valid)
+            own = column_block(x, self.model_shards) if self.model_shards > 1 else x  # padding: zeros, not read
+            valid = mask[None, :] & ~jnp.isnan(own.T)
+            moments = jax.vmap(lambda m, col, ok: COLUMN.add(m, col[:, None], ok))(a.moments, own.T, valid)
             return DescribeAcc(moments, self.sketch.add(a.sketch, x, mask))
 
-        return jax.tree.map(leaf, batch, acc)
+        return self._leafwise(leaf, acc, batch)
 
     def merge(self, a, b):
         def leaf(x, y):
             return DescribeAcc(jax.vmap(COLUMN.merge)(x.moments, y.moments), self.sketch.merge(x.sketch, y.sketch))
 
-        return jax.tree.map(leaf, a, b, is_leaf=_is_acc)
+        return self._leafwise(leaf, a, _per_leaf(b) if self.model_shards > 1 else b)
+
+    def convert(self, acc, source):
+        """Between the whole state and one split over ``model`` (a resume on a mesh with other axes)."""
+        def whole(a):
+            d = np.shape(a.sketch.columns)
+            return DescribeAcc(jax.tree.map(lambda x: x[: d[0] if d else 1], a.moments), unsplit(a.sketch))
+
+        def there(a):
+            d = np.shape(a.moments.min)[0]
+            return DescribeAcc(_stacked(a.moments, round_up(d, self.model_shards)), split(a.sketch, self.model_shards))
+
+        accs = jax.tree.map(whole, _per_leaf(acc), is_leaf=_is_acc) if source.model_shards > 1 else acc
+        return _gathered(jax.tree.map(there, accs, is_leaf=_is_acc)) if self.model_shards > 1 else accs
 
     def finalize(self, acc):
+        acc = self.whole.convert(acc, self)
         return jax.tree.map(lambda a: self._result(a, None, 1), acc, is_leaf=_is_acc)
 
     @property
