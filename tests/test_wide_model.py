@@ -13,11 +13,13 @@ import scipy.stats
 
 import sharded_scan as ss
 from sharded_scan import admission
+from sharded_scan.combiners.describe import Each
+from sharded_scan.combiners.quantiles_exact import RefinePass
 from sharded_scan.options import RunOptions
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source
 from tests.helpers import CrashError, crash_at, f64, rel_err
-from tests.test_quantiles import KW, SKETCH, shaped
+from tests.test_quantiles import EXACT_QS, KW, SKETCH, shaped
 
 # test_quantiles' sketch, rows (3001: ragged) and programs: its data:4 run is the reference here.
 X = shaped(3001)  # 6 columns: over model:4 padded to 8, 2 a device, the last device's both padding
@@ -150,6 +152,24 @@ def test_describe_split_over_model_is_pandas_describe():
     assert rel_err(got.mean, np.nanmean(f64(x), 0)) < 1e-6 and rel_err(got.std, np.nanstd(f64(x), 0, ddof=1)) < 1e-6
 
 
+def test_exact_quantiles_split_over_model_are_numpy_s_and_the_whole_ones():
+    # test_quantiles' rows, sketch and shards, over the sketch test's mesh (its split sketch's programs are
+    # the sketch pass's; data:4,model:2 would compile its own, ~2.5 s more): 6 columns padded to 8, 2 a
+    # device, the last device's all padding, 2 shards a device. Compacted, so refining passes follow.
+    job = ss.Quantiles(qs=EXACT_QS, k=SKETCH.k, exact=True)  # numpy's default method, linear
+    whole = ss.run(job, X, mesh="data:4", **RUN)
+    np.testing.assert_array_equal(whole.quantiles, np.quantile(f64(X), EXACT_QS, axis=0).T)
+    assert whole.passes >= 2 and whole.rank_error == 0
+    program = build_program(RefinePass(np.zeros((6, 2 * len(EXACT_QS), 1025), np.int64)), as_source(X),
+                            RunOptions(mesh="data:2,model:4", **RUN))
+    below = program.like.below.limbs  # (shards, padded columns, ranks, boundaries, limbs)
+    assert below.shape[1] == 8 and below.sharding.shard_shape(below.shape)[1] == 2
+    assert_bitwise(ss.run(job, X, mesh="data:2,model:4", **RUN), whole)  # the same brackets and passes
+    part = X[:1001]  # 7.8 steps a pass: the same programs (a split state's resume: the conversions, below)
+    np.testing.assert_array_equal(ss.run(job, part, mesh="data:2,model:4", **RUN).quantiles,
+                                  np.quantile(f64(part), EXACT_QS, axis=0).T)
+
+
 def test_split_co_moments_merge_whole_and_finalize_without_their_padding():
     # A split checkpoint of another shard count is folded whole on one device (relayout), outside
     # shard_map: the outer products then span the padded width. The results read the real columns.
@@ -181,6 +201,7 @@ def test_the_covariance_memory_estimate_halves_over_model():
 
 TOPK = ss.TopK(k=2, capacity=4)
 ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,), (), ()))
+REFINE = RefinePass(np.zeros((6, 2, 5), np.int64))  # an exact pass's bin counts: 6 columns, 2 ranks, 4 bins
 
 
 @pytest.mark.parametrize(("job", "spec"), [(SKETCH, ROW), (SKETCH, ONE), (ss.Histogram(7, (0, 1)), ROW),
@@ -191,7 +212,9 @@ ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,),
                                          (ss.Weighted(ss.Correlation()), (WEIGHTS, ROW)), (ss.Moments(), ROW),
                                          (ss.GroupBy(ss.Weighted(ss.Moments()), 3),
                                           (jax.ShapeDtypeStruct((), np.int32), (WEIGHTS, ROW))),
-                                         (ss.Describe(), (ROW, ONE))])
+                                         (ss.Describe(), (ROW, ONE)), (REFINE, ROW),
+                                         (Each((REFINE, RefinePass(np.zeros((1, 2, 5), np.int64))),
+                                               jax.tree.structure((0, 0))), (ROW, ONE))])
 def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes
     rng = np.random.default_rng(0)
     split = job.for_mesh(ss.make_mesh("data:2,model:4"))

@@ -16,7 +16,9 @@ one-pass state is split by columns: each device holds the stacked moments and th
 (``Quantiles``' split) of ``ceil(d / M)`` columns, padded with empty ones to a multiple of M. A
 split state is one :class:`DescribeAcc` whose leaves are trees shaped like the data (the per-leaf
 accumulators transposed), so that its ``partition`` is a prefix of it whatever the data's tree.
-``exact=True``'s passes stay whole (their sketch pass, like ``Quantiles``', and the refining ones).
+``exact=True``'s passes split the same way: the sketch pass as this state, each refining pass's
+bin counts by columns (:class:`~sharded_scan.combiners.quantiles_exact.RefinePass`, one per leaf in
+an :class:`Each`).
 """
 
 from __future__ import annotations
@@ -349,6 +351,19 @@ class Each(Combiner):
 
     def operands(self, spec):
         return tuple(p.operands(s) for p, s in zip(self.parts, jax.tree.leaves(spec), strict=True))
+
+    def for_mesh(self, mesh):
+        return dataclasses.replace(self, parts=tuple(p.for_mesh(mesh) for p in self.parts))
+
+    def partition(self, mesh):
+        parts = [p.partition(mesh) for p in self.parts]
+        if all(p is None for p in parts):
+            return None
+        return self.tree.unflatten([P() if p is None else p for p in parts])  # None: that part whole
+
+    def convert(self, acc, source):
+        return self.tree.unflatten([p.convert(a, s) for p, s, a in
+                                    zip(self.parts, source.parts, self.tree.flatten_up_to(acc), strict=True)])
 
     def bind(self, operands):
         return dataclasses.replace(self, parts=tuple(p.bind(o) for p, o in zip(self.parts, operands, strict=True)))

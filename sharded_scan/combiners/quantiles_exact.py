@@ -17,6 +17,13 @@ by ``2^(bits-1)`` and at most ``ceil(32 / (bits - 1))`` passes follow the sketch
 floats the other half cut it into equal value ranges, which splits smooth data into
 bins of nearly equal row counts (two or three passes in all on 10^7 normal rows).
 Memory is ``d * len(qs) * 2^bits`` counts and keys, whatever the row count.
+
+On a mesh with a ``model`` axis of size M every pass splits by columns: the sketch pass as
+the sketch does (:class:`SketchPass`), the refining passes' counts and bin keys padded to a
+multiple of M columns, each device counting ``ceil(d / M)`` of them (the boundaries, the
+programs' operands, whole on every device: a quarter of the whole counts' bytes, a third for 64-bit keys). The sketch
+is bitwise the whole mesh's on the same shards and the counts are exact, so the passes and
+answers are those of the run without ``model``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import kll, kll_weighted, wide
 from sharded_scan.combiners.base import Combiner
@@ -45,6 +53,8 @@ from sharded_scan.combiners.keys import (
     np_float_keys,
 )
 from sharded_scan.combiners.quantiles_result import method_ranks, result_from_keys
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.mesh import MODEL_AXIS
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
 
@@ -59,12 +69,21 @@ def host_ints(keys: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class SketchPass(Combiner):
     """Pass 1: the one-pass ``sketch`` (``Quantiles``, ``Describe``), returned whole (the merged host
-    accumulator) for bracketing."""
+    accumulator) for bracketing; on a mesh with a ``model`` axis split as the sketch splits."""
 
     sketch: Combiner
 
     def check_spec(self, spec):
         self.sketch.check_spec(spec)
+
+    def for_mesh(self, mesh):
+        return dataclasses.replace(self, sketch=self.sketch.for_mesh(mesh))
+
+    def partition(self, mesh):
+        return self.sketch.partition(mesh)
+
+    def convert(self, acc, source):
+        return self.sketch.convert(acc, source.sketch)
 
     def init(self, spec):
         return self.sketch.init(spec)
@@ -76,7 +95,8 @@ class SketchPass(Combiner):
         return self.sketch.merge(a, b)
 
     def finalize(self, acc):
-        return acc
+        whole = getattr(self.sketch, "whole", self.sketch)  # a split sketch's real columns, whole
+        return whole.convert(acc, self.sketch)
 
 
 class BinCounts(NamedTuple):
@@ -88,7 +108,7 @@ class BinCounts(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RefinePass(Combiner):
+class RefinePass(SplitsByColumns, Combiner):
     """Counts rows below every boundary and the key range of every bin, per column and q.
 
     Attributes:
@@ -96,10 +116,14 @@ class RefinePass(Combiner):
         values in ``[0, 2^32]`` (``2^32``: past every key; ``2^64`` for 64-bit keys). Bin
         ``i`` holds keys in ``[bounds[i], bounds[i + 1])``. The programs take them as operands
         (:meth:`operands`): passes of one shape share the compiled programs; the fingerprint names them.
+      model_shards: set by :meth:`for_mesh`: above 1 the counts are split by columns over ``model``
+        (``(round_up(d, M), nq, ...)``, the padding columns empty), each device sorting and counting
+        its own block of the columns at its block of the boundaries (the boundaries, operands, whole).
     """
 
     bounds: np.ndarray
     bound: Any = dataclasses.field(default=None, repr=False)  # the operands inside a program (bind)
+    model_shards: int = 1
 
     def check_spec(self, spec):
         check_column_spec(spec, "Quantiles")
@@ -111,7 +135,36 @@ class RefinePass(Combiner):
         return hash((type(self), *self._key()))
 
     def _key(self):
-        return self.bounds.shape, self.bounds.dtype
+        return self.bounds.shape, self.bounds.dtype, self.model_shards
+
+    def partition(self, mesh):
+        return BinCounts(P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS)) if self.model_shards > 1 else None
+
+    def _width(self) -> int:
+        """The columns of the state: ``d``, padded to a multiple of ``model_shards``."""
+        return round_up(self.bounds.shape[0], self.model_shards)
+
+    def _own(self, cols):
+        """This ``model`` device's block of keys ``(d, mb)`` (padded with the filler: no rows), or all of them."""
+        return column_block(cols, self.model_shards, axis=0, value=fill(cols.dtype)) if self.model_shards > 1 else cols
+
+    def _own_bounds(self):
+        """The operands (:meth:`operands`) of this ``model`` device's columns (padding: boundaries at 0)."""
+        if self.model_shards == 1:
+            return self.bound
+        return tuple(column_block(x, self.model_shards, axis=0) for x in self.bound)
+
+    def convert(self, acc, source):
+        """Between the whole counts and ones split over ``model`` (a resume on a mesh with other axes)."""
+        if source.model_shards == self.model_shards:
+            return acc
+        d, width = self.bounds.shape[0], self._width()
+
+        def to(x, value):
+            return jnp.pad(x[:d], [(0, width - d)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+        return BinCounts(jax.tree.map(lambda x: to(x, 0), acc.below), to(acc.min, fill(acc.min.dtype)),
+                         to(acc.max, 0))
 
     def operands(self, spec):
         """The boundaries as keys of ``spec``'s values (one past every key: the largest key) and where
@@ -130,8 +183,8 @@ class RefinePass(Combiner):
         return {"combiner": "RefinePass", "bounds": f"{self.bounds.shape} sha256:{digest}"}
 
     def init(self, spec):
-        d, nq, edges = self.bounds.shape
-        keys = key_dtype(spec.dtype)
+        _, nq, edges = self.bounds.shape
+        d, keys = self._width(), key_dtype(spec.dtype)
         return BinCounts(
             wide.zeros((d, nq, edges), limbs=3), jnp.full((d, nq, edges - 1), fill(keys), keys),
             jnp.zeros((d, nq, edges - 1), keys),
@@ -141,7 +194,7 @@ class RefinePass(Combiner):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        keys = jnp.sort(masked_columns(batch, mask), axis=1)  # (d, mb)
+        keys = jnp.sort(self._own(masked_columns(batch, mask)), axis=1)  # (d, mb), or this device's block
         counts, low, high = self._bins(keys, jnp.sum(mask, dtype=jnp.int32))
         return BinCounts(
             wide.add(acc.below, wide.of_int32(counts, limbs=3)), jnp.minimum(acc.min, low), jnp.maximum(acc.max, high)
@@ -150,7 +203,7 @@ class RefinePass(Combiner):
     def _bins(self, keys, real):
         """Per column, q and boundary of keys ``(d, mb)`` sorted, the first ``real`` real: the rows below
         it; per bin: the smallest and largest key."""
-        bounds, past_all = self.bound
+        bounds, past_all = self._own_bounds()
 
         def below(col, b):
             return jnp.searchsorted(col, b.reshape(-1)).reshape(b.shape).astype(jnp.int32)
@@ -170,7 +223,8 @@ class RefinePass(Combiner):
         return BinCounts(wide.add(a.below, b.below), jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
 
     def finalize(self, acc):
-        return BinCounts(np.asarray(wide.to_int(acc.below), np.int64), np.asarray(acc.min), np.asarray(acc.max))
+        acc = jax.tree.map(lambda x: np.asarray(x)[: self.bounds.shape[0]], acc)  # the real columns
+        return BinCounts(np.asarray(wide.to_int(acc.below), np.int64), acc.min, acc.max)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -189,11 +243,11 @@ class WeightedRefinePass(RefinePass):
     def init(self, spec):
         w, x = spec
         acc = super().init(x)
-        return acc._replace(below=jnp.zeros(self.bounds.shape, w.dtype))
+        return acc._replace(below=jnp.zeros((self._width(), *self.bounds.shape[1:]), w.dtype))
 
     def _add(self, acc, batch, mask):
         w, x = batch
-        cols = masked_columns(x, mask)
+        cols = self._own(masked_columns(x, mask))
         keys, weights = jax.lax.sort((cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)), dimension=1,
                                      num_keys=1)
         counts, low, high = self._bins(keys, jnp.sum(mask, dtype=jnp.int32))
@@ -206,7 +260,8 @@ class WeightedRefinePass(RefinePass):
         return BinCounts(a.below + b.below, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
 
     def finalize(self, acc):
-        return BinCounts(np.asarray(acc.below, np.float64), np.asarray(acc.min), np.asarray(acc.max))
+        acc = jax.tree.map(lambda x: np.asarray(x)[: self.bounds.shape[0]], acc)  # the real columns
+        return BinCounts(np.asarray(acc.below, np.float64), acc.min, acc.max)
 
 
 def boundaries(lo: int, hi: int, bins: int, dtype) -> np.ndarray:
