@@ -142,7 +142,10 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     more steps than the data has);
     ``merge``: the partials the merge gathers (all shards, and what merging two of them
     makes; one, when a ``psum`` sums them in place); ``temporary`` (with ``temporaries``; it needs
-    the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once.
+    the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
+    ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
+    (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
+    on every device whatever the mesh, alive from the first step to the merge's end.
     """
     layout = program.layout
     leaves = jax.tree.leaves(program.like)
@@ -156,7 +159,16 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
         "rows": layout.rows_per_device * rows * min(program.options.prefetch + 2, layout.num_steps()),
         "merge": per_shard * layout.num_shards + merge if gathered else per_shard,
         "temporary": add,
+        "operands": operand_bytes(program) if temporaries else 0,
     }
+
+
+def operand_bytes(program: Program) -> int:
+    """Bytes of the combiner's operands (:meth:`Combiner.operands`) as a device holds them: whole
+    (they are replicated), each leaf in the dtype jax places it as (64-bit host values are 32-bit
+    without x64)."""
+    return sum(int(np.size(x)) * jax.dtypes.canonicalize_dtype(np.asarray(x).dtype).itemsize
+               for x in jax.tree.leaves(program.host_operands))
 
 
 class Need(NamedTuple):
@@ -172,20 +184,23 @@ def memory_need(program: Program, temporaries: bool = True) -> Need:
     """Bytes ``program`` needs of the memory :func:`check_fits` compares with.
 
     One device's peak (:func:`memory_estimate`: its partials, with the rows in flight and
-    a step's temporaries, or with the merge); CPU devices share the host's memory, so it
-    counts once for every local device, with the host's parts on top: ``reads``, the rows in
+    a step's temporaries, or with the merge; the operands beside either); CPU devices share
+    the host's memory, so it counts once for every local device, with the host's parts on
+    top: ``reads``, the rows in
     flight as read before they are placed (a second copy); ``host``, the merged accumulator
-    copied to the host and ``finalize``'s work on it (as much again); and ``runtime``, XLA's
+    copied to the host and ``finalize``'s work on it (as much again), and the host's copy of the
+    operands (``Program.host_operands``); and ``runtime``, XLA's
     compiler and runtime (:data:`RUNTIME`).
     """
     device = program.mesh.devices.flat[0]
     parts = memory_estimate(program, temporaries)
-    peak = max(parts["accumulator"] + parts["rows"] + parts["temporary"], parts["accumulator"] + parts["merge"])
+    peak = parts["operands"] + max(parts["accumulator"] + parts["rows"] + parts["temporary"],
+                                   parts["accumulator"] + parts["merge"])
     if device.platform != "cpu":
         return Need(peak, peak, 1, parts)
     local = len(program.mesh.local_devices)
     per_shard = parts["accumulator"] // max(program.layout.shards_per_device, 1)
-    parts = {**parts, "reads": parts["rows"] * local, "host": 2 * per_shard, "runtime": RUNTIME}
+    parts = {**parts, "reads": parts["rows"] * local, "host": 2 * per_shard + parts["operands"], "runtime": RUNTIME}
     return Need(peak * local + parts["reads"] + parts["host"] + parts["runtime"], peak, local, parts)
 
 
@@ -316,18 +331,34 @@ def check_fits(program: Program) -> None:
             devices = f"{need.devices} devices x " if need.devices > 1 else ""
             raise UsageError(
                 f"this job needs about {need.total / GIB:.1f} GiB ({devices}{need.device_peak / GIB:.2f} GiB at the "
-                f"peak; {shown}), more than the {limit / GIB:.1f} GiB of {what}; {axis_to_grow(program, need.parts)}."
+                f"peak; {shown}), more than the {limit / GIB:.1f} GiB of {what}; "
+                f"{axis_to_grow(program, need.parts, need.devices * need.parts['operands'] > limit)}."
             )
 
 
-def axis_to_grow(program: Program, parts: dict[str, int]) -> str:
-    """What shrinks the biggest part of one device's peak: a mesh axis to grow, or an option."""
+def axis_to_grow(program: Program, parts: dict[str, int], operands_alone: bool = False) -> str:
+    """What shrinks the biggest part of one device's peak: a mesh axis to grow, or an option.
+
+    No axis shrinks the ``operands`` (whole on every device): ``operands_alone`` (they need more
+    than there is by themselves) says only that; where they are the biggest part, so does the
+    advice's start, and where they show in the parts (0.01 GiB or more), its end."""
+    operands = parts.get("operands", 0)
+    shrink = "make the combiner's operands smaller (fewer histogram bins, quantile boundaries or parameters)"
+    if operands_alone:
+        return (f"the combiner's operands alone ({operands / GIB:.2f} GiB, whole on every device whatever the mesh) "
+                f"do not fit: no mesh axis shrinks them; {shrink}")
     state = parts["accumulator"] + parts["merge"]
     if state < parts["rows"] + parts["temporary"]:
-        return ("grow the mesh's 'data' axis (more devices share the rows), or lower microbatch, steps_per_call or "
-                "prefetch")
-    splits = program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS))).partition(program.mesh) is not None
-    if splits:
-        return ("grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's "
-                "columns), make the accumulator smaller (fewer bins or columns), or lower logical_shards")
-    return "make the accumulator smaller (fewer bins or columns), or lower logical_shards"
+        advice = ("grow the mesh's 'data' axis (more devices share the rows), or lower microbatch, steps_per_call or "
+                  "prefetch")
+    elif program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS))).partition(program.mesh) is not None:
+        advice = ("grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's "
+                  "columns), make the accumulator smaller (fewer bins or columns), or lower logical_shards")
+    else:
+        advice = "make the accumulator smaller (fewer bins or columns), or lower logical_shards"
+    if operands > max(state, parts["rows"] + parts["temporary"]):
+        return (f"the combiner's operands are the most of it and whole on every device (no axis shrinks them): "
+                f"{shrink}, or {advice}")
+    if round(operands / GIB, 2):
+        return f"{advice} (the combiner's operands, {operands / GIB:.2f} GiB, stay whole on every device)"
+    return advice

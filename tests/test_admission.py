@@ -129,19 +129,35 @@ def test_live_peak_counts_the_values_alive_at_once():
     assert admission.live_peak(jaxpr) == 2 * n * 4
 
 
-X = np.random.default_rng(0).random((5000, 2), dtype=np.float32)
+X = np.random.default_rng(0).random((5000, 16), dtype=np.float32)
 JOB = ss.Histogram(bins=200_000, range=(0, 1))
 OPTIONS = RunOptions(mesh="data:2")
+EDGES = 16 * (JOB.bins + 1) * 4  # the operands: float32 inner edges (16, bins - 1), lo and hi (16,) each
 
 
 def test_a_job_over_its_cgroups_room_is_one_line_before_compute(tmp_path, monkeypatch):
-    need = admission.memory_need(build_program(JOB, as_source(X), OPTIONS)).total
+    need = admission.memory_need(build_program(JOB, as_source(X), OPTIONS))
+    assert need.parts["operands"] == EDGES  # a device's: whole on each of the 2 (and the host's copy in "host")
+    need = need.total
     cgroup_v2(tmp_path, limit=need + GIB // 4, usage=GIB // 4 + 1)  # one byte short
     monkeypatch.setattr(admission, "FS_ROOT", str(tmp_path))
     with pytest.raises(ss.UsageError) as err:
         ss.run(JOB, X, OPTIONS, checkpoint=tmp_path / "ck")
     message = str(err.value)
     assert "\n" not in message and "more than the" in message and "cgroup (limit" in message
+    assert "operands 0.01 GiB" in message and "grow the mesh's 'model' axis" in message
+    assert "(the combiner's operands, 0.01 GiB, stay whole on every device)" in message
     assert not (tmp_path / "ck").exists()  # refused before anything ran
     cgroup_v2(tmp_path, limit=need + GIB // 4, usage=GIB // 4)  # exactly enough
     build_program(JOB, as_source(X), OPTIONS)
+
+
+def test_operands_stay_whole_over_model_and_alone_are_named():
+    whole, split = (admission.memory_estimate(build_program(JOB, as_source(X), RunOptions(mesh=mesh)))
+                    for mesh in ("data:2", "data:2,model:2"))
+    assert split["accumulator"] <= 0.51 * whole["accumulator"] and split["operands"] == whole["operands"] == EDGES
+    program = build_program(JOB, as_source(X), OPTIONS)
+    advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB}, operands_alone=True)
+    assert advice.startswith("the combiner's operands alone (8.00 GiB") and "'model'" not in advice
+    advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB})  # the most of the peak
+    assert advice.startswith("the combiner's operands are the most of it") and "grow the mesh's 'model'" in advice
