@@ -71,7 +71,7 @@ def sharded_scan_scores(dtype, meshes=("data:1", "data:3", "data:8"), microbatch
     """The worst LRE of sharded_scan over ``meshes`` x ``microbatches``, per problem and solver.
 
     ``{"regression": {solver: {name: lre}}, "moments": {name: {"mean": lre, "sd": lre}}}``.
-    float64 needs ``jax_enable_x64`` in this process.
+    float64 data runs in 64 bits with or without ``jax_enable_x64`` (a run scopes it).
     """
     import sharded_scan as ss
     from sharded_scan.combiners.solvers import SOLVERS

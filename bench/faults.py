@@ -1,7 +1,7 @@
 """Faults, on purpose: each run ends in one line or resumes, and every rerun is bitwise right.
 
     python bench/faults.py                  # every fault below (root: the disk faults mount tmpfs)
-    python bench/faults.py --faults kill --kills 2 --rows 40000   # what tests/test_faults.py runs
+    python bench/faults.py --faults kill --kills 2 --rows 20000   # what tests/test_faults.py runs
 
 - ``kill``: SIGKILL a checkpointed job at a random moment (a third of them while a save is
   in flight), rerun it, compare with an uninterrupted run: bitwise, every row once.

@@ -1,5 +1,5 @@
 """Certified references (NIST StRD), scored by LRE, at several device counts and micro-batches
-far smaller than the data (so folds and merges run): float64 under x64, and float32.
+far smaller than the data (so folds and merges run): float64 (64-bit data runs in 64 bits), and float32.
 
 The figures and the peers' scores are in ``python bench/accuracy.py``.
 """
@@ -7,29 +7,26 @@ The figures and the peers' scores are in ``python bench/accuracy.py``.
 import numpy as np
 import pytest
 
+import sharded_scan as ss
 from bench import certified
-from tests.helpers import run_x64
 
 MICROBATCHES = (3,)  # the data has 16 (Longley), 21 (Wampler) and 1001 (NumAcc) rows
 MESHES = ("data:2", "data:8")  # float64; float32 on data:3 (bench/accuracy.py runs 1, 3 and 8 for both)
 
 
 def test_float64_regression_and_moments_reach_the_certified_digits():
+    # In this process: 64-bit data runs in 64 bits without jax_enable_x64 (dtypes.x64_scope), so no
+    # interpreter of its own (~2 s of CPU); the global flag's own path is tests/test_exact_counts.py's.
     pytest.importorskip("statsmodels")
-    got = run_x64("""
-        import numpy as np
-        import sharded_scan as ss
-        from bench import certified
-        scores = certified.sharded_scan_scores(np.float64, MESHES, solvers=["whitened"], microbatches=(3,))
-        rng = np.random.default_rng(0)  # independent columns with variances 1 and 1e8: not "singular"
-        scale = np.array([1.0, 1e4, 1.0, 1e4, 1.0])  # Wampler's 5 columns: the same compiled program
-        x = rng.normal(0, 1, (500, 5)) * scale
-        y = x @ (1 / scale) + rng.normal(0, 0.1, 500)
-        fit = ss.run(ss.LinearRegression(), (x, y), mesh="data:8", microbatch=3)
-        want = np.linalg.lstsq(np.hstack([x, np.ones((500, 1))]), y, rcond=None)[0]
-        scores["scaled"] = {"rank": fit.rank, "err": float(np.abs(fit.coef / want[:5] - 1).max())}
-        emit(scores)
-    """.replace("MESHES", repr(MESHES)))
+    got = certified.sharded_scan_scores(np.float64, MESHES, solvers=["whitened"], microbatches=MICROBATCHES)
+    rng = np.random.default_rng(0)  # independent columns with variances 1 and 1e8: not "singular"
+    scale = np.array([1.0, 1e4, 1.0, 1e4, 1.0])  # Wampler's 5 columns: the same compiled program
+    x = rng.normal(0, 1, (500, 5)) * scale
+    y = x @ (1 / scale) + rng.normal(0, 0.1, 500)
+    fit = ss.run(ss.LinearRegression(), (x, y), mesh="data:8", microbatch=3)
+    assert fit.coef.dtype == np.float64  # float64 all the way, not narrowed
+    want = np.linalg.lstsq(np.hstack([x, np.ones((500, 1))]), y, rcond=None)[0]
+    got["scaled"] = {"rank": fit.rank, "err": float(np.abs(fit.coef / want[:5] - 1).max())}
     for name, score in got["regression"]["whitened"].items():
         assert score >= 9, (name, score)  # numpy lstsq: 10.9 / 9.6 / 10.4
     for name, score in got["moments"].items():

@@ -10,7 +10,7 @@ from tests import cli
 def test_two_kills_each_rerun_bitwise_with_every_row_once(tmp_path):
     out = tmp_path / "faults.json"
     proc = subprocess.run(
-        [sys.executable, "bench/faults.py", "--faults=kill", "--kills=2", "--rows=40000", "--seed=0", f"--out={out}"],
+        [sys.executable, "bench/faults.py", "--faults=kill", "--kills=2", "--rows=20000", "--seed=0", f"--out={out}"],
         cwd=cli.ROOT, env=cli.env(), capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
