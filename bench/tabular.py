@@ -53,11 +53,13 @@ combiner's ``add`` over the same rows on one device):
   (0.72x at load 1.4). Its steps got 1.2x faster (``statistics.column_sum``: XLA:CPU vectorizes a
   column sum of 8-wide rows along the columns only; the steps 0.028 -> 0.023 s wall best of 25,
   0.030 -> 0.026 CPU-s median, at load 13); the read is moments'.
-- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 1.0 s of 1.1 s
-  on one device (0.6 of 0.8 s on two: ``--devices 2`` is 1.33x faster, each device sorting on its
-  own core); 86% of the KLL ``add`` is two XLA:CPU sorts (each 16384-row micro-batch per column,
-  53%; the compaction, 34%). Both peers answer at 2.4x and 36x sharded_scan's rank error; at equal
-  error (the KLL at k≈6000-7000) sharded_scan is 0.91x on one device, 1.27x on two.
+- quantiles against DuckDB ``approx_quantile`` and the KLL at k=200: the steps are 0.62-0.65 s of
+  0.65-0.71 s on one device; 80% of the KLL ``add`` is XLA:CPU sorts (each 16384-row micro-batch per
+  column, 68%; the moves' windows, 12%, since a move sorts a window of ``k`` slots where its items
+  fit: ``kll.window_sizes``, the add 6.3 -> 4.9 ms CPU). Both peers answer at 2.6x and 33-45x
+  sharded_scan's rank error; at equal error (the KLL at k≈5800-7000) sharded_scan is 1.13-1.17x on
+  one device. README.md lists the levers tried (numpy's sort on the host through a callback: 5x
+  faster steps, but it hung on 2 devices).
 - distinct counts against the approximate DuckDB and Polars counts: a run of 0.04-0.06 s is the
   read (0.022-0.03 s: pyarrow's decode of the two id columns alone 0.017 CPU-s, as much as Polars'
   whole ``approx_n_unique`` query, 0.013-0.023 s), the steps (0.011-0.015 s: hashing and one

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -184,6 +185,25 @@ def test_merge_has_the_empty_sketch_as_identity():
         jax.tree.map(np.testing.assert_array_equal, merged, acc)
     host = kll.to_host(jax.tree.map(np.asarray, acc.sketch))
     assert abs(host.cumulative[0, -1] - 290) < 8  # rows sampled every 8th, from a random offset
+
+
+def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
+    k, mb, d = 1024, 1024, 2
+    assert kll.window_sizes(k, mb) == (256, 1024, 3072) and kll.window_sizes(k) == (256, 3072)
+    rows = np.random.default_rng(0).integers(0, 2**32 - 1, (24, d, mb), dtype=np.uint32)
+    batches = np.sort(rows, axis=2)
+
+    def fold(batches):
+        insert = lambda s, b: (kll.insert_sorted_rows(s, b, jnp.int32(mb), k), None)  # noqa: E731
+        return jax.lax.scan(insert, kll.empty(d, k), batches)[0]
+
+    three = jax.jit(fold)(batches)
+    two_sizes = kll.window_sizes
+    monkeypatch.setattr(kll, "window_sizes", lambda k, rows=0: two_sizes(k))
+    two = jax.jit(lambda b: fold(b))(batches)
+    jax.tree.map(np.testing.assert_array_equal, three, two)
+    host = kll.to_host(jax.tree.map(np.asarray, three))
+    assert np.all(np.abs(host.cumulative[:, -1] - 24 * mb) < 64) and int(np.sum(three.sizes)) < 4 * k  # compacted
 
 
 @pytest.mark.parametrize(
