@@ -92,6 +92,35 @@ def test_logical_shards_give_bitwise_the_same_result_on_1_2_4_devices_and_split_
         np.testing.assert_array_equal(again.counts[j][exact], [truth[v] for v in again.values[j][exact]])
 
 
+def test_the_summary_keeps_lax_top_k_s_choice_found_by_its_guesses_or_bit_by_bit():
+    """``topk._select`` chooses what ``lax.top_k`` would (ties: the lower index) on each of its paths: a
+    guessed threshold (a full summary's steady state: many ties at ``1 + D``, or ``2 + D``), all valid
+    entries fitting, and the bit-by-bit search where the guesses miss (distinct float scores)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.topk import _select
+
+    r, c, n = np.random.default_rng(5), 64, 320
+    second = r.choice([5.0, 6.0, 8.0], (3, n), p=[0.6, 0.35, 0.05])  # the new part's next score: 6
+    second[:, :c] = np.where(np.arange(c) < 30, 7.0, 4.0)
+    cases = [np.where(r.random((3, n)) < 0.9, 9.0, 10.0 + r.integers(0, 3, (3, n))), second,  # the guesses
+             r.standard_normal((3, n)) * 1e3, r.integers(0, 4, (3, n)) * 1.0]  # bit by bit; all fit
+    select = jax.jit(lambda s, v: _select(s, v, c))
+    for score, share in zip(cases, (1.0, 1.0, 0.9, 0.15), strict=True):
+        score, valid = jnp.asarray(score, jnp.float32), jnp.asarray(r.random((3, n)) < share)
+        index, kept, chosen = select(score, valid)
+        _, best = jax.lax.top_k(jnp.where(valid, score, -jnp.inf), c)
+        want = np.zeros((3, n), bool)
+        np.put_along_axis(want, np.asarray(best), True, axis=1)
+        want &= np.asarray(valid)
+        np.testing.assert_array_equal(chosen, want)
+        for j in range(3):
+            slots = np.flatnonzero(want[j])
+            assert np.asarray(kept[j]).sum() == len(slots) and np.asarray(kept[j])[: len(slots)].all()
+            np.testing.assert_array_equal(np.asarray(index[j])[: len(slots)], slots)  # in index order
+
+
 def test_strings_are_counted_by_their_hash_ids():
     counts = {"the": 120, "of": 80, "and": 40, "sharded": 20, "scan": 10, "rare": 1}
     words = np.random.default_rng(0).permutation([w for w, c in counts.items() for _ in range(c)])

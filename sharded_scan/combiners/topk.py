@@ -7,11 +7,15 @@ every value's true count lies in ``[count, count + slack]`` (unmonitored: ``[0, 
 
 A micro-batch is sorted and run-length encoded into exact counts; monitored values
 add theirs, new values come in with ``slack = D``, and the ``capacity`` candidates with
-the largest ``count + slack`` are kept; ``D`` becomes the largest ``count + slack``
-dropped. Partials merge the same way (a value missing on one side takes that side's
-``D`` as slack; ``D`` adds). This is Misra-Gries (Agarwal et al.'s mergeable summaries:
-``D <= rows / (capacity + 1)``) with each value's ``count`` kept exact since it came in,
-so a value monitored from its first row, as frequent values are, has its exact count.
+the largest ``count + slack`` are kept (ties: the lower index, ``lax.top_k``'s choice); ``D``
+becomes the largest ``count + slack`` dropped. Partials merge the same way (a value missing on
+one side takes that side's ``D`` as slack; ``D`` adds). This is Misra-Gries (Agarwal et al.'s
+mergeable summaries: ``D <= rows / (capacity + 1)``) with each value's ``count`` kept exact since
+it came in, so a value monitored from its first row, as frequent values are, has its exact count.
+A micro-batch of ``SELECT_ROWS`` rows or more (of counts, not weights) chooses with no sort
+(:func:`_select`): the ``capacity``-th largest score is checked by two counts against three
+guesses (in a full summary's steady state it is a new value's ``1 + D`` or ``2 + D``), found bit
+by bit where they miss, and the chosen are ranked into the slots by one running sum.
 
 The top ``k`` are the monitored values with the largest ``count``; ``certain`` says the
 ``k``-th count is at least every other value's upper bound, so that they are a true top
@@ -51,6 +55,7 @@ from sharded_scan.combiners.keys import (
     masked_columns,
     run_window,
     sort_by_key,
+    to_keys,
 )
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.wide import Wide
@@ -61,6 +66,8 @@ from sharded_scan.errors import UsageError
 DEFAULT_K = 10
 DEFAULT_CAPACITY = 4096
 LIMBS = 3
+SELECT_ROWS = 1024  # micro-batches of at least this many rows choose by _select; smaller ones, merges and weights
+# by lax.top_k, whose program compiles in ~0.3 CPU-s less (tests' micro-batches) and costs little at that size
 
 
 class TopKResult(NamedTuple):
@@ -200,18 +207,80 @@ def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tupl
     return at, found
 
 
-def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int, counts=ExactCounts):
+def _threshold(keys: jax.Array, capacity: int) -> jax.Array:
+    """Per row ``(d, 1)``, the largest ``t`` with at least ``capacity`` of ``keys`` at or above it, one
+    bit at a time from the top (a count over the row each)."""
+    one, width = keys.dtype.type(1), 8 * keys.dtype.itemsize
+
+    def bit(i, t):
+        trial = t | (one << (width - 1 - i).astype(keys.dtype))
+        return jnp.where(jnp.sum(keys >= trial, axis=1, dtype=jnp.int32)[:, None] >= capacity, trial, t)
+
+    return jax.lax.fori_loop(0, width, bit, keys[:, :1] & 0)  # zeros, varying as keys do in shard_map
+
+
+def _select(score: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row, the ``capacity`` valid entries with the largest ``score`` (ties: the lower index; all valid
+    ones where fewer), ``lax.top_k``'s choice, with no sort: their indices in order in ``capacity`` slots
+    (the rest 0), which slots hold one, and the ``(d, n)`` mask of those chosen.
+
+    The ``capacity``-th largest score ``t`` is first tried among three guesses, each checked exactly
+    by two counts: the smallest score of each part (the first ``capacity`` entries, the rest) and
+    the next of the rest, which it is in a full summary's steady state (a new value's ``1 + D``, a
+    stale monitored one's, or a value's ``2 + D`` where most of the micro-batch's are monitored);
+    where all valid entries fit, every one is chosen; else (a row's guesses miss) it is found bit by
+    bit (:func:`_threshold`). Then one running sum ranks the chosen into the slots in index order.
+    """
+    keys = jnp.where(valid, jnp.maximum(to_keys(score), 1), 0)  # invalid: 0, below every valid score
+    top = keys.dtype.type(np.iinfo(keys.dtype).max)
+    old, new = keys[:, :capacity], keys[:, capacity:]
+    least = jnp.min(jnp.where(new > 0, new, top), axis=1, keepdims=True)
+    guess = jnp.concatenate([jnp.min(jnp.where(old > 0, old, top), axis=1, keepdims=True), least,  # (d, 3)
+                             jnp.min(jnp.where(new > least, new, top), axis=1, keepdims=True)], axis=1)
+    at_least = jnp.sum(keys[:, None, :] >= guess[:, :, None], axis=2, dtype=jnp.int32)
+    more = jnp.sum(keys[:, None, :] > guess[:, :, None], axis=2, dtype=jnp.int32)
+    right = (at_least >= capacity) & (more < capacity)  # so guess == t: at least one key equals it
+    fits = jnp.sum(valid, axis=1, dtype=jnp.int32) <= capacity  # t = 0: every valid entry chosen
+    t = jnp.take_along_axis(guess, jnp.argmax(right, axis=1, keepdims=True), axis=1)
+    t = jnp.where(fits[:, None], keys.dtype.type(0), t)
+    found = (fits | jnp.any(right, axis=1))[:, None]
+
+    t = jax.lax.cond(jnp.all(found), lambda: t, lambda: jnp.where(found, t, _threshold(keys, capacity)))
+    above, tie = keys > t, valid & (keys == t)
+    if keys.shape[1] < 1 << 15:  # both ranks from one running sum: ties counted in the upper bits
+        ranked = jnp.cumsum(above.astype(jnp.int32) | (tie.astype(jnp.int32) << 15), axis=1)
+        ranked_above, ranked_tie = ranked & 0x7FFF, ranked >> 15
+    else:
+        ranked_above, ranked_tie = (jnp.cumsum(m, axis=1, dtype=jnp.int32) for m in (above, tie))
+    need = capacity - ranked_above[:, -1:]  # ties taken, lowest index first
+    chosen = above | (tie & (ranked_tie <= need))
+    slot = jnp.where(chosen, ranked_above + jnp.minimum(ranked_tie, need) - 1, capacity)
+    iota = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape)
+    rows = jnp.arange(keys.shape[0])[:, None]
+    index = jnp.zeros((keys.shape[0], capacity), jnp.int32).at[rows, slot].set(iota, mode="drop")
+    taken = ranked_above[:, -1:] + jnp.minimum(ranked_tie[:, -1:], need)
+    return index, jnp.arange(capacity) < taken, chosen
+
+
+def _top_k(score: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_select`'s choice by ``lax.top_k``, in order of score: fewer ops to compile, slower to run."""
+    _, index = jax.lax.top_k(jnp.where(valid, score, -1.0), capacity)
+    chosen = jnp.zeros(valid.shape, bool).at[jnp.arange(valid.shape[0])[:, None], index].set(True)
+    return index, jnp.take_along_axis(valid, index, axis=1), chosen
+
+
+def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int, counts=ExactCounts,
+                 fast: bool = False):
     """The ``capacity`` valid candidates with the largest ``count + slack`` per column, and the new ``D``.
 
     Returns ``(keys, count, slack, held, bound)``; the kept entries come first. ``counts``: the
-    arithmetic of the counts (:class:`ExactCounts` or :class:`WeightCounts`).
+    arithmetic of the counts (:class:`ExactCounts` or :class:`WeightCounts`); ``fast``: chosen by
+    :func:`_select` (a micro-batch of at least ``SELECT_ROWS`` rows of counts), else by ``lax.top_k``: the same
+    entries (their order differs, which nothing reads).
     """
     high = counts.add(count, slack)
-    score = jnp.where(valid, counts.score(high), -1.0)  # float only chooses; the bounds stay exact
-    _, index = jax.lax.top_k(score, capacity)
-    kept = jnp.take_along_axis(valid, index, axis=1)
-    rows = jnp.arange(keys.shape[0])[:, None]
-    chosen = jnp.zeros(valid.shape, bool).at[rows, index].set(True)
+    pick = _select if fast else _top_k
+    index, kept, chosen = pick(counts.score(high), valid, capacity)  # float only chooses; the bounds stay exact
     bound = counts.maximum(bound, counts.masked_max(high, valid & ~chosen))
     zero = counts.zeros(kept.shape)
     return (
@@ -302,7 +371,7 @@ class TopK(SplitsEachColumn, Combiner):
         keys, count, slack, held, bound = keep_largest(
             jnp.concatenate([acc.keys, s], axis=1), c.concat(count, c.of(runs)),
             c.concat(acc.slack, c.spread(acc.bound, mb)), jnp.concatenate([monitored, first & ~known], axis=1),
-            acc.bound, self.capacity, c,
+            acc.bound, self.capacity, c, fast=mb >= SELECT_ROWS and weights is None,  # sums of weights: no guess
         )
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
