@@ -141,7 +141,8 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     ``rows``: the steps' rows in flight (``prefetch`` steps ahead, one folding, one placed; no
     more steps than the data has);
     ``merge``: the partials the merge gathers (all shards, and what merging two of them
-    makes; one, when a ``psum`` sums them in place); ``temporary`` (with ``temporaries``; it needs
+    makes; one, when a ``psum`` sums them in place, or a merge by one collective a leaf:
+    ``Program.merges_by_collective``); ``temporary`` (with ``temporaries``; it needs
     the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
@@ -151,7 +152,8 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     leaves = jax.tree.leaves(program.like)
     accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
     per_shard = accumulator // max(layout.shards_per_device, 1)
-    gathered = not program.combiner.additive or program.options.logical_shards is not None
+    gathered = not ((program.combiner.additive and program.options.logical_shards is None)
+                    or program.merges_by_collective)  # a psum, pmin, pmax: in place
     rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
     add, merge = _temporaries(program) if temporaries else (0, 0)
     return {

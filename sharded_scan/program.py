@@ -11,7 +11,8 @@ programs are built (memoized, so a rerun of the same job compiles nothing):
   of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
   collective; the partials are donated;
 - ``merge(partials) -> acc``: a ``psum`` for additive combiners (without
-  ``logical_shards``), else a fixed tree (:func:`tree_fold`'s): each device, or each process,
+  ``logical_shards``), one collective a leaf for the order-free reductions a combiner names
+  (:meth:`Combiner.merge_collectives`), else a fixed tree (:func:`tree_fold`'s): each device, or each process,
   folds its own shards, then log2 rounds of ``ppermute`` and ``combiner.merge`` (see
   :meth:`Program.merge`).
 
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA
 from sharded_scan.combiners.regression import LinearRegression
@@ -333,6 +335,48 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 
 
+#: The :meth:`Combiner.merge_collectives` kinds exact in any order (a ``"sum_exact"`` of integers).
+EXACT_COLLECTIVES = ("sum_exact", "min", "max")
+#: Normalised :class:`~.wide.Wide` partials summed without carrying at most (their lower limbs fit int32).
+WIDE_SUMMANDS = 1 << 15
+
+
+def collective_parts(combiner: Combiner, like: PyTree) -> list[tuple[str, PyTree]] | None:
+    """``combiner.merge_collectives()`` as ``(kind, part of like)`` pairs, or None when it has none."""
+    kinds = combiner.merge_collectives()
+    if kinds is None:
+        return None
+    pairs = []
+    jax.tree.map(lambda kind, part: pairs.append((kind, part)), kinds, like, is_leaf=lambda x: isinstance(x, str))
+    return pairs
+
+
+@cached
+def compile_collective_merge(combiner: Combiner, mesh: Mesh) -> Callable:
+    """``merge(partials, operands) -> acc`` by :meth:`Combiner.merge_collectives`: each leaf reduced
+    over the device's own shards, then one ``psum`` / ``pmin`` / ``pmax`` over ``data`` (a
+    :class:`~.wide.Wide` sum normalised after); O(state) a device, no all-gather. The result is
+    laid out as :func:`compile_merge`'s (split over the axes ``combiner.partition`` names)."""
+    partial_specs, merged_specs = accumulator_specs(combiner, mesh, DATA_AXIS), accumulator_specs(combiner, mesh)
+    ops = {"min": (jnp.min, jax.lax.pmin), "max": (jnp.max, jax.lax.pmax)}
+
+    def reduce(kind, part):
+        local, across = ops.get(kind, (jnp.sum, jax.lax.psum))
+
+        def one(node):
+            merged = jax.tree.map(lambda x: across(local(x, axis=0).astype(x.dtype), DATA_AXIS), node)
+            return wide.normalize(merged) if isinstance(node, wide.Wide) else merged
+
+        return jax.tree.map(one, part, is_leaf=lambda x: isinstance(x, wide.Wide))
+
+    def local_collectives(partials, operands):
+        del operands
+        return jax.tree.map(reduce, combiner.merge_collectives(), partials, is_leaf=lambda x: isinstance(x, str))
+
+    return jax.jit(jax.shard_map(local_collectives, mesh=mesh, in_specs=(partial_specs, P()),
+                                 out_specs=merged_specs))
+
+
 def power_of_two_or_alone(per_member: int, members: int) -> bool:
     """Whether ``members`` holding ``per_member`` consecutive shards each, each folding its own
     first, then pairing up in :func:`tree_strides` rounds, merge in :func:`tree_fold`'s tree."""
@@ -498,10 +542,13 @@ class Program:
         """Every shard's partial merged into one accumulator, on every device (or split over
         the axes ``combiner.partition`` names).
 
-        A sum is one ``psum``, or under ``logical_shards`` the device tree (:meth:`merges_by_tree`);
+        A sum is one ``psum``, or under ``logical_shards`` the device tree (:meth:`merges_by_tree`); a
+        merge of order-free leafwise reductions one collective a leaf (:meth:`merges_by_collective`);
         any other merge the process tree (:meth:`merges_by_process_tree`); else each process folds
         the all-gathered partials on one of its devices (:meth:`merges_locally`).
         """
+        if self.merges_by_collective:
+            return compile_collective_merge(self.combiner, self.mesh)(partials, self.operands)
         if self.merges_by_tree:
             return self.tree_merge(partials)
         if self.merges_by_process_tree:
@@ -538,6 +585,30 @@ class Program:
         return power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
 
     @property
+    def merges_by_collective(self) -> bool:
+        """Whether :meth:`merge` runs one collective a leaf (:func:`compile_collective_merge`): a merge
+        that is not a sum but names its leafwise reductions (:meth:`Combiner.merge_collectives`), O(state)
+        a device. Under ``logical_shards`` only when each is exact in any order (integers, minima, maxima),
+        so bitwise the fixed tree's; a float sum (``"sum"``) there keeps the tree. A :class:`~.wide.Wide`
+        sum of more than :data:`WIDE_SUMMANDS` shards keeps the tree (its limbs would overflow unnormalised)."""
+        parts = None if self.combiner.additive else collective_parts(self.combiner, self.like)
+        if parts is None:
+            return False
+        for kind, part in parts:
+            if kind not in (*EXACT_COLLECTIVES, "sum"):
+                raise UsageError(f"{type(self.combiner).__name__}.merge_collectives names {kind!r}; each part is "
+                                 "one of 'sum_exact', 'sum', 'min' or 'max'.")
+            nodes = jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, wide.Wide))
+            if kind == "sum_exact" and self.layout.num_shards > WIDE_SUMMANDS and any(
+                    isinstance(x, wide.Wide) for x in nodes):
+                return False
+            exact = kind != "sum" and all(kind != "sum_exact" or jnp.issubdtype(x.dtype, jnp.integer)
+                                          for x in jax.tree.leaves(part))
+            if self.options.logical_shards is not None and not exact:
+                return False
+        return True
+
+    @property
     def merges_by_process_tree(self) -> bool:
         """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): a merge that
         is not a sum, of an accumulator whole on each device.
@@ -549,7 +620,7 @@ class Program:
         process holds a power of two of them, or there is one process (and every data row's
         devices are in one process); else the partials are all-gathered (:meth:`merges_locally`).
         """
-        if self.combiner.additive or self.combiner.partition(self.mesh) is not None:
+        if self.combiner.additive or self.combiner.partition(self.mesh) is not None or self.merges_by_collective:
             return False
         leaders = process_leaders(self.mesh)
         if leaders is None or self.options.logical_shards is None:
@@ -579,7 +650,7 @@ class Program:
         not bitwise the same on every split of a ``logical_shards`` job.
         """
         return (not self.merges_by_tree and not self.merges_by_process_tree and not self.combiner.additive
-                and self.combiner.partition(self.mesh) is None)
+                and not self.merges_by_collective and self.combiner.partition(self.mesh) is None)
 
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
@@ -593,7 +664,9 @@ class Program:
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (the pairwise merge where
         :meth:`merges_by_process_tree` or :meth:`merges_locally`, whose all-gather is
-        :meth:`lower_gather`; the one program of :meth:`merges_by_tree`)."""
+        :meth:`lower_gather`; the one program of :meth:`merges_by_tree` or :meth:`merges_by_collective`)."""
+        if self.merges_by_collective:
+            return compile_collective_merge(self.combiner, self.mesh).lower(self.like, self.operands)
         if self.merges_by_tree:
             merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
             return merge.lower(self.like, self.operands)

@@ -10,6 +10,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import program
+from sharded_scan.combiners.quantiles_exact import RefinePass
 from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
 
 
@@ -109,3 +110,36 @@ def test_a_logical_shards_sum_merges_by_the_device_tree_and_never_gathers():
     merge = prog.lower_merge().compile().as_text()  # rounds: device 2 left out, then device 0 receiving it
     assert "collective-permute" in merge and "all-gather" not in merge
     np.testing.assert_array_equal(ss.run(ss.Sum(), x, options).sum, x.sum(0))
+
+
+def random_partials(prog, rng):
+    """Partials of ``prog`` as a run could leave them: every integer leaf random (a Wide's limbs
+    normalised: the collective's sums carry), but a DistinctCount's unused keys and counts (the identity's)."""
+    def leaf(x, s):
+        if x.dtype == np.uint8 or isinstance(prog.combiner, RefinePass):
+            x = rng.integers(0, min(np.iinfo(x.dtype).max, 1 << 16), x.shape).astype(x.dtype)
+        return jax.device_put(x, s.sharding)
+    return jax.tree.map(leaf, jax.tree.map(np.asarray, prog.init()), prog.like)
+
+
+@pytest.mark.parametrize("combiner", [
+    RefinePass(np.sort(np.random.default_rng(0).integers(0, 2**32, (3, 2, 5)), axis=-1)),
+    ss.DistinctCount(precision=6, exact_up_to=0),  # the estimate alone: registers by maximum
+])
+def test_an_order_free_merge_is_one_collective_a_leaf_bitwise_the_trees(combiner, monkeypatch):
+    # Exact counts (Wide limbs: psum, then normalised), minima, maxima: one all-reduce a leaf, no
+    # all-gather (O(state) a device), bitwise the fixed tree's (itself the same on every split:
+    # test_reproducible), under logical_shards and over model.
+    spec, rng = jax.ShapeDtypeStruct((3,), np.float32), np.random.default_rng(1)
+    for mesh, shards in [("data:8", None), ("data:2,model:2", 8)]:
+        prog = program_for_spec(combiner, spec, 301, ss.RunOptions(mesh=mesh, logical_shards=shards))
+        assert prog.merges_by_collective and not prog.merges_locally and not prog.merges_by_process_tree
+        text = prog.lower_merge().as_text()
+        assert "all_reduce" in text and "all_gather" not in text
+        partials = random_partials(prog, rng)
+        got = program.to_host(prog.merge(partials))
+        with monkeypatch.context() as patch:
+            patch.setattr(type(combiner), "merge_collectives", lambda self: None)  # the tree, as before
+            want = program.to_host(prog.merge(partials))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -18,6 +18,8 @@ on the host in numpy (float64 where it helps accuracy).
 
 A combiner whose ``merge`` is leafwise addition sets ``additive = True`` (or derives
 from :class:`AdditiveCombiner`); the engine then merges its partials with one ``psum``.
+One whose ``merge`` is another leafwise order-free reduction (a minimum, a maximum, an exact
+integer sum) names it per leaf in :meth:`Combiner.merge_collectives`: one collective a leaf.
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ class Combiner(abc.ABC):
         result stays split until it is gathered for ``finalize``.
         """
         del mesh
+        return None
+
+    def merge_collectives(self) -> PyTree | None:
+        """How ``merge`` is one collective a leaf, or None (the default: it is not, or ``additive``).
+
+        A pytree prefix of the accumulator naming, per part, the reduction ``merge`` does on it
+        leafwise: ``"min"``, ``"max"``, ``"sum_exact"`` (integers, or a :class:`~.wide.Wide`: summed,
+        then normalised; exact in any order) or ``"sum"`` (floats: rounds by order). The engine then
+        merges the partials by one ``pmin`` / ``pmax`` / ``psum`` a leaf over ``data`` (O(state) a
+        device, no all-gather; a part split over ``model`` stays split); under ``logical_shards`` only
+        when every part is exact (no ``"sum"``), else by the fixed tree as before.
+        """
         return None
 
     def operands(self, spec: PyTree) -> PyTree:

@@ -284,6 +284,13 @@ class DistinctCount(SplitsEachColumn, Combiner):
         return merged._replace(held=jnp.where((a.held > self.exact_up_to) | (b.held > self.exact_up_to),
                                               self.exact_up_to + 1, merged.held))
 
+    def merge_collectives(self):
+        """The estimate alone (``exact_up_to=0``): registers by maximum; the unused keys and counts
+        stay the identity's on every shard (their maximum is it)."""
+        if self.exact_up_to:
+            return None
+        return "max"
+
     def _held(self, registers, keys, valid, before):
         kept, count = unique_prefix(keys, valid, self.exact_up_to)
         held = jnp.where(before.reshape(-1) > self.exact_up_to, self.exact_up_to + 1,

@@ -222,6 +222,9 @@ class RefinePass(SplitsByColumns, Combiner):
     def merge(self, a, b):
         return BinCounts(wide.add(a.below, b.below), jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
 
+    def merge_collectives(self):  # exact counts, smallest and largest keys: order-free, one collective a leaf
+        return BinCounts("sum_exact", "min", "max")
+
     def finalize(self, acc):
         acc = jax.tree.map(lambda x: np.asarray(x)[: self.bounds.shape[0]], acc)  # the real columns
         return BinCounts(np.asarray(wide.to_int(acc.below), np.int64), acc.min, acc.max)
@@ -258,6 +261,9 @@ class WeightedRefinePass(RefinePass):
 
     def merge(self, a, b):
         return BinCounts(a.below + b.below, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max))
+
+    def merge_collectives(self):  # float weights: a psum rounds by order (not under logical_shards)
+        return BinCounts("sum", "min", "max")
 
     def finalize(self, acc):
         acc = jax.tree.map(lambda x: np.asarray(x)[: self.bounds.shape[0]], acc)  # the real columns

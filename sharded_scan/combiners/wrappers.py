@@ -187,6 +187,10 @@ class NonFinite(Wrapper):
     def merge(self, a, b):
         return NonFiniteAcc(self.inner.merge(a.value, b.value), wide.add(a.bad_rows, b.bad_rows))
 
+    def merge_collectives(self):
+        inner = self.inner.merge_collectives()
+        return None if inner is None else NonFiniteAcc(inner, "sum_exact")
+
     def health(self, partials) -> jax.Array:
         """How many rows of the shards' ``partials`` held NaN or Inf (a device value)."""
         return jnp.sum(wide.to_float(partials.bad_rows))
