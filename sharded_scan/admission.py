@@ -140,9 +140,12 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
     ``rows``: the steps' rows in flight (``prefetch`` steps ahead, one folding, one placed; no
     more steps than the data has);
-    ``merge``: the partials the merge gathers (all shards, and what merging two of them
-    makes; one, when a ``psum`` sums them in place, or a merge by one collective a leaf:
-    ``Program.merges_by_collective``); ``temporary`` (with ``temporaries``; it needs
+    ``merge``: the states the merge holds, and what merging two of them makes: every shard's
+    partial where it gathers them; a device's own shards and two more by the device tree
+    (``Program.merges_by_tree``: a sum under ``logical_shards``, a state split over ``model``;
+    its first level merges half of a device's shards at once);
+    one, when a ``psum`` sums them in place, or a merge by one collective a leaf
+    (``Program.merges_by_collective``); ``temporary`` (with ``temporaries``; it needs
     the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
@@ -152,14 +155,19 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     leaves = jax.tree.leaves(program.like)
     accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
     per_shard = accumulator // max(layout.shards_per_device, 1)
-    gathered = not ((program.combiner.additive and program.options.logical_shards is None)
-                    or program.merges_by_collective)  # a psum, pmin, pmax: in place
+    in_place = (program.combiner.additive and program.options.logical_shards is None) or program.merges_by_collective
+    if in_place:  # a psum, pmin, pmax
+        merging = per_shard
+    elif program.merges_by_tree:  # a device's own shards by levels (halves), then a partner's state a round
+        merging = per_shard * (layout.shards_per_device + 2)
+    else:  # every shard's partial gathered
+        merging = per_shard * layout.num_shards
     rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
     add, merge = _temporaries(program) if temporaries else (0, 0)
     return {
         "accumulator": accumulator,
         "rows": layout.rows_per_device * rows * min(program.options.prefetch + 2, layout.num_steps()),
-        "merge": per_shard * layout.num_shards + merge if gathered else per_shard,
+        "merge": merging if in_place else merging + merge * (layout.shards_per_device // 2 or 1),
         "temporary": add,
         "operands": operand_bytes(program) if temporaries else 0,
     }

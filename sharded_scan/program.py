@@ -267,12 +267,15 @@ def compile_broadcast(combiner: Combiner, mesh: Mesh) -> Callable:
 
 
 @cached
-def compile_tree_sum(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
-    """``merge(partials, operands) -> acc`` of a sum under ``logical_shards``, one program: each
-    device adds its own shards level by level in :func:`tree_fold`'s tree (neighbours, an odd
-    one out carried up), then the tree's rounds over the devices, then the broadcast. Additions
-    round alike batched or not and in any program, so it is bitwise :func:`tree_fold`'s over
-    the logical shards (when each device holds a power of two of them, or there is one device).
+def compile_tree_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+    """``merge(partials, operands) -> acc`` by the device tree, one program: each device merges
+    its own shards level by level in :func:`tree_fold`'s tree (neighbours, vectorized, an odd one
+    out carried up), then the tree's rounds over the devices (``ppermute``), then the broadcast;
+    a device holds its partials and a few states, and the merge is traced once a level (log2 of
+    the shards), never once a shard. For a sum under ``logical_shards`` (additions round alike
+    batched or not and in any program) and a state split over ``model`` (each device its own
+    block): :func:`tree_fold`'s tree over the shards when each device holds a power of two of
+    them, or there is one device.
     """
     specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
     merge = jax.vmap(pair_merge(combiner, precision, fixed), in_axes=(0, 0, None))
@@ -564,8 +567,8 @@ class Program:
         return merge(partials, self.operands)
 
     def tree_merge(self, partials: PyTree) -> PyTree:
-        """The device tree (:meth:`merges_by_tree`) of a sum, one program (:func:`compile_tree_sum`)."""
-        merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+        """The device tree (:meth:`merges_by_tree`), one program (:func:`compile_tree_merge`)."""
+        merge = compile_tree_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
         return merge(partials, self.operands)
 
     def process_tree_merge(self, partials: PyTree) -> PyTree:
@@ -575,14 +578,16 @@ class Program:
 
     @property
     def merges_by_tree(self) -> bool:
-        """Whether :meth:`merge` runs the device tree (:meth:`tree_merge`): a sum under
-        ``logical_shards`` (additions round alike in any program) when each device holds a
-        power of two of the shards, or there is one device (then the tree is
-        :func:`tree_fold`'s over the logical shards); else a sum's shards are all-gathered
-        and folded whole in one SPMD program."""
-        if self.options.logical_shards is None or not self.combiner.additive:
-            return False
-        return power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+        """Whether :meth:`merge` runs the device tree (:meth:`tree_merge`), when each device holds a
+        power of two of the shards, or there is one device (then the tree is :func:`tree_fold`'s
+        over the shards): a sum under ``logical_shards`` (additions round alike in any program),
+        and a state split over ``model`` whose merge is neither a sum nor collectives (each device
+        merges its own block; no partial is gathered). Else a sum's shards are all-gathered and
+        folded whole in one SPMD program, and a split state's gathered over ``data``."""
+        tree = power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+        if self.combiner.partition(self.mesh) is not None and not self.combiner.additive:
+            return tree and not self.merges_by_collective
+        return self.options.logical_shards is not None and self.combiner.additive and tree
 
     @property
     def merges_by_collective(self) -> bool:
@@ -668,7 +673,7 @@ class Program:
         if self.merges_by_collective:
             return compile_collective_merge(self.combiner, self.mesh).lower(self.like, self.operands)
         if self.merges_by_tree:
-            merge = compile_tree_sum(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+            merge = compile_tree_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
             return merge.lower(self.like, self.operands)
         if self.merges_locally or self.merges_by_process_tree:
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)

@@ -143,3 +143,18 @@ def test_an_order_free_merge_is_one_collective_a_leaf_bitwise_the_trees(combiner
             want = program.to_host(prog.merge(partials))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shards, tree", [(None, True), (8, True), (6, False)])
+def test_a_state_split_over_model_merges_by_the_device_tree(shards, tree):
+    # Each device merges its own block of its own shards, then log2 rounds of ppermute: no partial
+    # gathered over data (O(S) states a device before), the merge traced once a level, not once a
+    # shard. Three shards a device are not tree_fold's tree by levels: gathered over data, as before.
+    # Results: the split runs of test_wide_model, test_statistics, test_topk... bitwise the whole's.
+    spec = jax.ShapeDtypeStruct((3,), np.float32)
+    prog = program_for_spec(ss.DistinctCount(precision=6), spec, 301,
+                            ss.RunOptions(mesh="data:2,model:2", logical_shards=shards))
+    assert prog.combiner.partition(prog.mesh) is not None and not prog.merges_by_collective
+    assert prog.merges_by_tree is tree and not prog.merges_locally and not prog.merges_by_process_tree
+    text = prog.lower_merge().as_text()
+    assert ("collective_permute" in text) is tree and ("all_gather" in text) is not tree
