@@ -125,12 +125,15 @@ def random_partials(prog, rng):
 @pytest.mark.parametrize("combiner", [
     RefinePass(np.sort(np.random.default_rng(0).integers(0, 2**32, (3, 2, 5)), axis=-1)),
     ss.DistinctCount(precision=6, exact_up_to=0),  # the estimate alone: registers by maximum
+    ss.GroupBy(ss.DistinctCount(precision=6, exact_up_to=0), num_keys=3),  # the inner's, key by key
 ])
 def test_an_order_free_merge_is_one_collective_a_leaf_bitwise_the_trees(combiner, monkeypatch):
     # Exact counts (Wide limbs: psum, then normalised), minima, maxima: one all-reduce a leaf, no
     # all-gather (O(state) a device), bitwise the fixed tree's (itself the same on every split:
     # test_reproducible), under logical_shards and over model.
     spec, rng = jax.ShapeDtypeStruct((3,), np.float32), np.random.default_rng(1)
+    if isinstance(combiner, ss.GroupBy):
+        spec = (jax.ShapeDtypeStruct((), np.int32), spec)
     for mesh, shards in [("data:8", None), ("data:2,model:2", 8)]:
         prog = program_for_spec(combiner, spec, 301, ss.RunOptions(mesh=mesh, logical_shards=shards))
         assert prog.merges_by_collective and not prog.merges_locally and not prog.merges_by_process_tree

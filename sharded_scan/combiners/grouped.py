@@ -225,6 +225,11 @@ class GroupBy(Wrapper):
     def merge(self, a, b):
         return GroupedAcc(jax.vmap(self.inner.merge)(a.value, b.value), wide.add(a.count, b.count))
 
+    def merge_collectives(self):
+        """The inner combiner's, key by key (a leafwise reduction is one over every key at once)."""
+        inner = self.inner.merge_collectives()
+        return None if inner is None else GroupedAcc(inner, "sum_exact")
+
     def finalize(self, acc):
         count = np.asarray(wide.to_int(acc.count), np.int64)
         outside = int(count[self.num_keys])
