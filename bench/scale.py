@@ -32,6 +32,11 @@ state read split and laid out in shard 0), and an elastic restore of the per-sha
 
     python -m bench.scale --checkpoints --quick --jobs "Gram d=1024,LinearRegression"
 
+``--split`` times a state split over ``model`` instead (:func:`split_point`: ``Quantiles`` and
+``Covariance`` on ``data:4,model:2``, S = 4..64): main's gathered merge beside the device tree.
+
+    python -m bench.scale --split --repeats 5
+
 For each additive job, ``--checkpoints`` also times a compact save without ``logical_shards`` on
 ``data:8``, where the merge is one ``psum`` (:func:`scatter_point`): main's path (the ``psum``, the
 whole state on every device, then split) beside the reduce-scatter into the split leaves.
@@ -274,6 +279,34 @@ def projection(points: list[dict], gbps: float) -> dict:
         "checkpoint_bytes_per_save": n * state} for n in CHIPS}}
 
 
+SPLIT_JOBS = {"Quantiles": 64, "Covariance": 256}  # columns
+
+
+def split_point(name: str, shards: int, repeats: int) -> dict:
+    """A state split over ``model`` (``data:4,model:2``, ``logical_shards=S``): main's merge (every
+    shard's block all-gathered over ``data``, then folded in one program tracing S - 1 merges:
+    ``compile_merge``) beside the device tree (:meth:`Program.merge`: each device its own shards by
+    levels, then log2(4) rounds of ``ppermute``); the first call's seconds (its compile) and the best
+    of ``repeats`` after it."""
+    combiner = {"Quantiles": ss.Quantiles(num_buckets=10, k=1024), "Covariance": ss.Covariance()}[name]
+    spec = jax.ShapeDtypeStruct((SPLIT_JOBS[name],), np.float32)
+    options = ss.RunOptions(mesh="data:4,model:2", logical_shards=shards, microbatch=32, steps_per_call=1)
+    prog = pg.program_for_spec(combiner, spec, shards * 32, options)
+    partials = folded_partials(prog)
+    before = pg.compile_merge(prog.combiner, prog.mesh, True, prog.options.precision, prog.fixed_products)
+    calls = {"before": lambda: before(partials, prog.operands), "after": lambda: prog.merge(partials)}
+    out = {"job": name, "mesh": "data:4,model:2", "shards": shards, "route_after": "merges_by_tree"
+           if prog.merges_by_tree else "gathered over data"}
+    for key, call in calls.items():
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        out[f"first_call_seconds_{key}"] = time.perf_counter() - start
+        out[f"seconds_{key}"] = best_seconds(call, repeats)
+    got, want = (jax.tree.leaves(pg.to_host(calls[k]())) for k in ("after", "before"))
+    out["bitwise_as_before"] = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, want, strict=True))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -282,8 +315,18 @@ def main() -> None:
     parser.add_argument("--jobs", default=",".join(jobs()))
     parser.add_argument("--processes", type=int, default=0, help="S for the 1-8 process splits (0: none)")
     parser.add_argument("--checkpoints", action="store_true", help="checkpoint bytes and seconds, per-shard vs compact")
+    parser.add_argument("--split", action="store_true", help="a state split over model: gathered vs the device tree")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
+    if args.split:
+        counts = [4, 8, 16] if args.quick else [4, 8, 16, 32, 64]
+        points = [split_point(name, s, args.repeats) for name in SPLIT_JOBS for s in counts]
+        for p in points:
+            print(json.dumps(p), flush=True)
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "scale_split.json"), "w") as f:
+            json.dump({"points": points}, f, indent=1)
+        return
     if args.checkpoints:
         counts = [1, 8, 32] if args.quick else [1, 8, 32, 64, 256]
         points = [checkpoint_point(name, s, 16 * 32 * counts[-1]) for name in args.jobs.split(",") for s in counts]
