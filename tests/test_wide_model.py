@@ -199,6 +199,25 @@ def test_the_covariance_memory_estimate_halves_over_model():
     assert split["temporary"] < whole["temporary"]
 
 
+def test_linear_regression_on_co_moments_splits_them_over_model_and_the_memory_estimate_sees_it():
+    # The covariance test's rows, shards and micro-batch as (X, y): [X | y]'s 5 co-moment columns padded
+    # to 6 over model:2, 3 a device; solver="comoments" only (the other solvers stay whole).
+    x = FIVE[:, :4]
+    y = (x @ np.float32([1, -2, 0.5, 3]) + (FIVE[:, 4] - 1e3) / 64 + 100).astype(np.float32)
+    job = ss.LinearRegression(solver="comoments")
+    whole = ss.run(job, (x, y), mesh="data:4", **FIVE_RUN)
+    want = np.linalg.lstsq(np.hstack([f64(x), np.ones((301, 1))]), f64(y), rcond=None)[0]
+    assert rel_err(whole.coef, want[:4]) < 1e-4 and rel_err(whole.intercept, want[4]) < 1e-4
+    program, there = (build_program(job, as_source((x, y)), RunOptions(mesh=mesh, **FIVE_RUN))
+                      for mesh in ("data:4,model:2", "data:4"))
+    m2 = program.like.rows.m2
+    assert m2.shape == (4, 5, 6) and m2.sharding.shard_shape(m2.shape) == (1, 5, 3)
+    assert program.combiner.model_shards == 2 and ss.LinearRegression().for_mesh(program.mesh).model_shards == 1
+    split, whole_state = (admission.memory_estimate(p, temporaries=False) for p in (program, there))
+    assert split["accumulator"] < 0.7 * whole_state["accumulator"]  # 15 of 25 co-moments, the means whole
+    assert_bitwise(ss.run(job, (x, y), mesh="data:4,model:2", **FIVE_RUN), whole)
+
+
 TOPK = ss.TopK(k=2, capacity=4)
 ROW, ONE, WEIGHTS = (jax.ShapeDtypeStruct(shape, np.float32) for shape in ((6,), (), ()))
 REFINE = RefinePass(np.zeros((6, 2, 5), np.int64))  # an exact pass's bin counts: 6 columns, 2 ranks, 4 bins
@@ -213,6 +232,8 @@ REFINE = RefinePass(np.zeros((6, 2, 5), np.int64))  # an exact pass's bin counts
                                          (ss.GroupBy(ss.Weighted(ss.Moments()), 3),
                                           (jax.ShapeDtypeStruct((), np.int32), (WEIGHTS, ROW))),
                                          (ss.Describe(), (ROW, ONE)), (REFINE, ROW),
+                                         (ss.LinearRegression(solver="comoments"), (ROW, ONE)),
+                                         (ss.PCA(2, solver="comoments"), ROW),
                                          (Each((REFINE, RefinePass(np.zeros((1, 2, 5), np.int64))),
                                                jax.tree.structure((0, 0))), (ROW, ONE))])
 def test_a_state_converts_between_whole_and_split(job, spec):  # a resume on a mesh with other axes

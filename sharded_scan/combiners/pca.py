@@ -10,7 +10,7 @@ import numpy as np
 from sharded_scan.combiners.base import Combiner, accumulator_dtype
 from sharded_scan.combiners.lstsq import check_has_rows, principal_axes
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, WeightedFactored, check_solver
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, Solver, SplitsCoMoments, WeightedFactored, check_solver
 from sharded_scan.combiners.statistics import divisor
 from sharded_scan.combiners.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
@@ -38,7 +38,7 @@ class PCAResult(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class PCA(Combiner):
+class PCA(SplitsCoMoments, Combiner):
     """Principal component analysis, like ``sklearn.decomposition.PCA(svd_solver="full")``.
 
     The devices accumulate a factor of the rows (by default the R of their QR, see
@@ -51,17 +51,20 @@ class PCA(Combiner):
     Args:
       k: the number of components, ``1 <= k <= d``.
       solver: the accumulator, as for :class:`~sharded_scan.LinearRegression`.
+      model_shards: set by :meth:`for_mesh` for ``solver="comoments"`` only: when above 1 the (d, d)
+        co-moments are split by columns over the mesh's ``model`` axis, as ``Covariance``'s.
     """
 
 
     k: int
     solver: str = DEFAULT_SOLVER
+    model_shards: int = 1
 
     def __post_init__(self):
         check_solver("PCA", self.solver)
 
     def _solver(self) -> Solver:
-        return SOLVERS[self.solver](0)
+        return self.solver_for(0)
 
     def check_spec(self, spec):
         super().check_spec(spec)

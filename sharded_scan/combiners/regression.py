@@ -8,11 +8,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, check_numeric
 from sharded_scan.combiners.lstsq import check_has_rows, diagnostics, least_squares
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, SOLVERS, Solver, WeightedFactored, check_solver
+from sharded_scan.combiners.solvers import DEFAULT_SOLVER, Solver, SplitsCoMoments, WeightedFactored, check_solver
 from sharded_scan.errors import UsageError
 
 
@@ -79,7 +80,7 @@ def stacked(x: jax.Array, y: jax.Array, dtype) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearRegression(Combiner):
+class LinearRegression(SplitsCoMoments, Combiner):
     """Least squares (ridge when ``l2 > 0``) of ``y`` on ``X``; data is the pair ``(X, y)``.
 
     Each device accumulates a factor of the rows ``[X | y]`` (by default the R of their
@@ -94,13 +95,16 @@ class LinearRegression(Combiner):
       fit_intercept: fit an unpenalised intercept.
       solver: ``"tsqr"`` (Householder QR of each micro-batch under the running R) or
         ``"comoments"`` (centred co-moments: faster, but errors grow with the square
-        of the condition number).
+        of the condition number). The ``"comoments"`` state splits by columns over a mesh's
+        ``model`` axis (``[X | y]``'s co-moments, as ``Covariance``'s): the solver of a wide ``X``.
+      model_shards: set by :meth:`for_mesh` for ``solver="comoments"`` only.
     """
 
 
     l2: float = 0.0
     fit_intercept: bool = True
     solver: str = DEFAULT_SOLVER
+    model_shards: int = 1
 
     def __post_init__(self):
         if not np.isfinite(self.l2) or self.l2 < 0:
@@ -130,7 +134,16 @@ class LinearRegression(Combiner):
         return RegressionAcc(rows, jnp.zeros(y.shape, dtype))
 
     def _solver(self, y_shape) -> Solver:
-        return SOLVERS[self.solver](int(np.prod(y_shape)))
+        return self.solver_for(int(np.prod(y_shape)))
+
+    def partition(self, mesh):
+        parts = super().partition(mesh)
+        return None if parts is None else RegressionAcc(parts, P())
+
+    def convert(self, acc, source):
+        if self.solver != "comoments":
+            return super().convert(acc, source)
+        return acc._replace(rows=super().convert(acc.rows, source))
 
     def add(self, acc, batch, mask):
         x, y = batch

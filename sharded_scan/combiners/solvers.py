@@ -6,7 +6,8 @@
 - ``"comoments"``: the centred co-moments ``Σ (z - mean)(z - mean)ᵀ`` of
   :class:`~sharded_scan.combiners.statistics.Covariance` (Chan's merge). Its factor is
   a square root of the co-moments, so it carries their rounding: errors grow with the
-  square of the condition number instead of with it.
+  square of the condition number instead of with it. The only solver whose state splits over a
+  mesh's ``model`` axis (:class:`SplitsCoMoments`): the co-moments by columns, as Covariance's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from sharded_scan.combiners import statistics, tsqr, whitened, wide
 from sharded_scan.combiners.base import Combiner, masked
 from sharded_scan.combiners.lstsq import Factor
+from sharded_scan.combiners.sums import SplitsByColumns
 from sharded_scan.errors import UsageError
 
 
@@ -40,6 +42,7 @@ class Solver(NamedTuple):
 
 
 def _comoments_factor(acc: statistics.CenteredAcc) -> Factor:
+    acc = statistics.real_columns(acc)  # without the padding of a split over model
     m2 = statistics.host_m2(acc)
     scale = np.sqrt(np.maximum(np.diag(m2), 0.0))
     scale = np.where(scale > 0, scale, 1.0)
@@ -70,15 +73,17 @@ def _tsqr(targets: int) -> Solver:
                   lambda acc, z, mask, w, before: tsqr.add(acc, z, mask, w), lambda a, b, wa, wb: tsqr.merge(a, b))
 
 
-def _comoments(targets: int) -> Solver:
+def _comoments(targets: int, shards: int = 1) -> Solver:
+    """``shards``: the co-moments split by columns over that many ``model`` devices."""
     del targets
     return Solver(
-        lambda p, dtype: statistics.centered_init(p, dtype, full=True),
-        lambda acc, z, mask: statistics.centered_fold(acc, z, mask, full=True),
-        lambda a, b: statistics.centered_merge(a, b, full=True),
+        lambda p, dtype: statistics.centered_init(p, dtype, full=True, shards=shards),
+        lambda acc, z, mask: statistics.centered_fold(acc, z, mask, full=True, shards=shards),
+        lambda a, b: statistics.centered_merge(a, b, full=True, shards=shards),
         _comoments_factor,
-        lambda acc, z, mask, w, before: statistics.centered_fold(acc, z, mask, full=True, weights=w, before=before),
-        lambda a, b, wa, wb: statistics.merged(a, b, wa, wb, full=True)[0],
+        lambda acc, z, mask, w, before: statistics.centered_fold(acc, z, mask, full=True, weights=w, before=before,
+                                                                 shards=shards),
+        lambda a, b, wa, wb: statistics.merged(a, b, wa, wb, full=True, shards=shards)[0],
     )
 
 
@@ -91,6 +96,31 @@ def check_solver(who: str, solver: str) -> None:
     """Raises :class:`UsageError` unless ``solver`` names one of :data:`SOLVERS`."""
     if solver not in SOLVERS:
         raise UsageError(f"{who} solver must be one of {', '.join(map(repr, SOLVERS))}; got {solver!r}.")
+
+
+class SplitsCoMoments(SplitsByColumns):
+    """Mixin of ``LinearRegression`` and ``PCA`` (dataclasses with ``solver`` and ``model_shards``):
+    with ``solver="comoments"`` :meth:`for_mesh` sets ``model_shards`` to the mesh's ``model`` size and
+    the co-moments split by columns over it, as :class:`~.statistics.Covariance`'s (the means whole on
+    every device); the other solvers' states stay whole. :meth:`partition` and :meth:`convert` are
+    those of an accumulator that is the co-moments (``LinearRegression`` wraps them)."""
+
+    def for_mesh(self, mesh):
+        return super().for_mesh(mesh) if self.solver == "comoments" else self
+
+    def solver_for(self, targets: int) -> Solver:
+        """The solver of ``targets`` target columns, split over ``model_shards`` devices."""
+        make = SOLVERS[self.solver]
+        return make(targets, self.model_shards) if self.model_shards > 1 else make(targets)
+
+    def partition(self, mesh):
+        return statistics.split_partition(self.model_shards)
+
+    def convert(self, acc, source):
+        """Between whole co-moments and ones split over ``model`` (a resume on a mesh with other axes)."""
+        if self.solver != "comoments":
+            return super().convert(acc, source)
+        return statistics.laid_out(acc, self.model_shards)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -300,6 +300,24 @@ class CovarianceResult(NamedTuple):
         return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
 
 
+def split_partition(shards: int) -> CenteredAcc | None:
+    """The partition of full co-moments split by columns over ``shards`` ``model`` devices (the
+    means whole on each), or None when ``shards`` is 1 (whole)."""
+    split = P(None, MODEL_AXIS)
+    return CenteredAcc(P(), P(), P(), split, split) if shards > 1 else None
+
+
+def laid_out(acc: CenteredAcc, shards: int) -> CenteredAcc:
+    """Full co-moments, whole or split over ``model``, laid out for ``shards`` ``model`` devices (a
+    resume on a mesh with other axes): the real columns, padded with zeros to that many blocks."""
+    d = acc.mean.shape[-1]
+
+    def pad(m2):
+        return jnp.pad(m2[:, :d], ((0, 0), (0, round_up(d, shards) - d)))
+
+    return acc._replace(m2=pad(acc.m2), m2_lost=pad(acc.m2_lost))
+
+
 class CoMoments(SplitsByColumns, Combiner):
     """The centred co-moments of rows X (n, d), and their keyed and weighted forms: what
     :class:`Covariance` and :class:`~sharded_scan.Correlation` accumulate; a subclass says what
@@ -312,19 +330,11 @@ class CoMoments(SplitsByColumns, Combiner):
         check_matrix_spec(spec, type(self).__name__)
 
     def partition(self, mesh):
-        split = P(None, MODEL_AXIS)
-        return CenteredAcc(P(), P(), P(), split, split) if self.model_shards > 1 else None
+        return split_partition(self.model_shards)
 
     def convert(self, acc, source):
-        """Between the whole co-moments and ones split over ``model`` (a resume on a mesh with other
-        axes): the real columns, padded with zeros to this mesh's blocks."""
         del source
-        d = acc.mean.shape[-1]
-
-        def laid_out(m2):
-            return jnp.pad(m2[:, :d], ((0, 0), (0, round_up(d, self.model_shards) - d)))
-
-        return acc._replace(m2=laid_out(acc.m2), m2_lost=laid_out(acc.m2_lost))
+        return laid_out(acc, self.model_shards)
 
     def init(self, spec):
         return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True, shards=self.model_shards)
