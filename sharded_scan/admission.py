@@ -155,19 +155,18 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     leaves = jax.tree.leaves(program.like)
     accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
     per_shard = accumulator // max(layout.shards_per_device, 1)
-    in_place = (program.combiner.additive and program.options.logical_shards is None) or program.merges_by_collective
-    if in_place:  # a psum, pmin, pmax
-        merging = per_shard
-    elif program.merges_by_tree:  # a device's own shards by levels (halves), then a partner's state a round
-        merging = per_shard * (layout.shards_per_device + 2)
-    else:  # every shard's partial gathered
-        merging = per_shard * layout.num_shards
-    rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
     add, merge = _temporaries(program) if temporaries else (0, 0)
+    if (program.combiner.additive and program.options.logical_shards is None) or program.merges_by_collective:
+        merging = per_shard  # a psum, pmin, pmax: in place
+    elif program.merges_by_tree:  # a device's own shards by levels (halves at once), then a partner's a round
+        merging = per_shard * (layout.shards_per_device + 2) + merge * (layout.shards_per_device // 2 or 1)
+    else:  # every shard's partial gathered, merged two at a time
+        merging = per_shard * layout.num_shards + merge
+    rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
     return {
         "accumulator": accumulator,
         "rows": layout.rows_per_device * rows * min(program.options.prefetch + 2, layout.num_steps()),
-        "merge": merging if in_place else merging + merge * (layout.shards_per_device // 2 or 1),
+        "merge": merging,
         "temporary": add,
         "operands": operand_bytes(program) if temporaries else 0,
     }
