@@ -118,26 +118,26 @@ def point(name: str, shards: int, repeats: int) -> dict:
     state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
     partials = folded_partials(prog)
     per_device, rounds = shards // devices, (devices - 1).bit_length()
+    by_processes = prog.merge_route == "process_tree"
     out = {
         "job": name, "shards": shards, "devices": devices, "state_bytes": state,
-        "route": next(r for r in ("merges_by_tree", "merges_by_process_tree", "merges_locally") if getattr(prog, r))
-        if not (prog.combiner.additive and options.logical_shards is None) else "psum",
+        "route": str(prog.merge_route),
         "checkpoint_bytes_per_save": shards * state,
         # before: the all-gather's S states on every device; after, the process tree: the fold's
         # stack on the process's first device (log2 of the process's shards), the one taken, a
         # partner and merge; the device tree of a sum: the halves of its level-by-level fold, a
         # round's partner and merge.
         "extra_states_before": shards,
-        "extra_states_after": shards.bit_length() + 2 if prog.merges_by_process_tree else per_device + 2,
+        "extra_states_after": shards.bit_length() + 2 if by_processes else per_device + 2,
         # into the device that merges: the process tree (one process here) brings its other devices'
         # states to its first device, one at a time; a sum's device tree: a state a round and the broadcast
         "bytes_in_before": (shards - per_device) * state,
-        "bytes_in_after": (shards - per_device) * state if prog.merges_by_process_tree else 2 * rounds * state,
+        "bytes_in_after": (shards - per_device) * state if by_processes else 2 * rounds * state,
         # merges the busiest device runs one after another: before, one device folds all S;
         # after, the process tree (one process) folds its S on one device, compiling the merge once;
         # a sum's device tree: its own at log2 levels, then a merge a round
         "merge_depth_before": shards - 1,
-        "merge_depth_after": shards - 1 if prog.merges_by_process_tree else (per_device - 1).bit_length() + rounds,
+        "merge_depth_after": shards - 1 if by_processes else (per_device - 1).bit_length() + rounds,
         "seconds_after": best_seconds(lambda: prog.merge(partials), repeats),
     }
     if shards * state * devices <= BEFORE_BUDGET:
@@ -267,7 +267,7 @@ def projection(points: list[dict], gbps: float) -> dict:
     s = np.array([p["shards"] for p in timed], float)
     m = max(float(np.polyfit(s, [p["seconds_before"] for p in timed], 1)[0]), 1e-6)
     state, bw = points[0]["state_bytes"], gbps * 1e9
-    if points[0]["route"] == "merges_by_tree":  # a sum: the chips pair up, a merge and a state a round
+    if points[0]["route"] == "device_tree":  # a sum: the chips pair up, a merge and a state a round
         after = lambda n: math.log2(n) * (m + 2 * state / bw)  # noqa: E731
         held = 3  # one shard a chip: a round's partner and merge
     else:  # the process tree: each host folds its chips' states on one, the hosts pair up
@@ -295,8 +295,7 @@ def split_point(name: str, shards: int, repeats: int) -> dict:
     partials = folded_partials(prog)
     before = pg.compile_merge(prog.combiner, prog.mesh, True, prog.options.precision, prog.fixed_products)
     calls = {"before": lambda: before(partials, prog.operands), "after": lambda: prog.merge(partials)}
-    out = {"job": name, "mesh": "data:4,model:2", "shards": shards, "route_after": "merges_by_tree"
-           if prog.merges_by_tree else "gathered over data"}
+    out = {"job": name, "mesh": "data:4,model:2", "shards": shards, "route_after": str(prog.merge_route)}
     for key, call in calls.items():
         start = time.perf_counter()
         jax.block_until_ready(call())

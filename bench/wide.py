@@ -4,8 +4,8 @@ On a mesh with a ``model`` axis the sketch is split by columns (each device hold
 ``1/M`` of them), so a device's accumulator, the partials its merge gathers (over ``data``
 only) and its ``add``'s temporaries shrink by the ``model`` size. For each mesh this prints,
 per device: the accumulator as laid out (the arrays' shard on device 0, measured), the merged
-state (measured), :func:`sharded_scan.admission.memory_estimate`'s parts and their sum (the
-peak admission works with; ``memory_stats()`` is None on CPU), and the seconds of a run over
+state (measured), :func:`sharded_scan.admission.memory_estimate`'s parts and one device's peak from them (the
+``admission.device_peak``, what admission works with; ``memory_stats()`` is None on CPU), and the seconds of a run over
 ``--rows`` rows. ``--estimate-k`` adds estimate-only rows (nothing runs) at a larger ``k``
 and ``--estimate-rows`` rows, e.g. the default ``k=8192`` on 10^6 rows.
 
@@ -50,7 +50,7 @@ def measured(columns: int, rows: int, k: int, mesh: str) -> dict:
     parts = admission.memory_estimate(prog)
     return {"mesh": mesh, "columns": columns, "k": k, "rows": rows, "partials_MiB": on_first_device(partials) / MIB,
             "merged_MiB": on_first_device(merged) / MIB, "estimate_MiB": {n: v / MIB for n, v in parts.items()},
-            "peak_MiB": sum(parts.values()) / MIB, "run_s": seconds}
+            "peak_MiB": admission.device_peak(parts) / MIB, "run_s": seconds}
 
 
 def estimated(columns: int, rows: int, k: int, mesh: str) -> dict:
@@ -63,7 +63,7 @@ def estimated(columns: int, rows: int, k: int, mesh: str) -> dict:
         pg.check_fits = fits
     parts = admission.memory_estimate(prog)
     return {"mesh": mesh, "columns": columns, "k": k, "rows": rows,
-            "estimate_MiB": {n: v / MIB for n, v in parts.items()}, "peak_MiB": sum(parts.values()) / MIB}
+            "estimate_MiB": {n: v / MIB for n, v in parts.items()}, "peak_MiB": admission.device_peak(parts) / MIB}
 
 
 def side_by_side(points: list[dict]) -> None:

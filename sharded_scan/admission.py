@@ -140,12 +140,12 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
     ``rows``: the steps' rows in flight (``prefetch`` steps ahead, one folding, one placed; no
     more steps than the data has);
-    ``merge``: the states the merge holds, and what merging two of them makes: every shard's
-    partial where it gathers them; a device's own shards and two more by the device tree
-    (``Program.merges_by_tree``: a sum under ``logical_shards``, a state split over ``model``;
-    its first level merges half of a device's shards at once);
-    one, when a ``psum`` sums them in place, or a merge by one collective a leaf
-    (``Program.merges_by_collective``); ``temporary`` (with ``temporaries``; it needs
+    ``merge``: the states the merge holds (by ``Program.merge_route``), and what merging two of
+    them makes: one, when a ``psum`` sums them in place, or one collective a leaf merges them;
+    a device's own shards and two more by the device tree (its first level merges half of a
+    device's shards at once); on a process's first device, by the process tree, its own shards,
+    the log2 of its process's shards that ``tree_fold`` holds, one brought in and a partner's;
+    every shard's partial where they are gathered; ``temporary`` (with ``temporaries``; it needs
     the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
@@ -156,10 +156,16 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
     per_shard = accumulator // max(layout.shards_per_device, 1)
     add, merge = _temporaries(program) if temporaries else (0, 0)
-    if (program.combiner.additive and program.options.logical_shards is None) or program.merges_by_collective:
+    from sharded_scan.program import MergeRoute  # program.py imports this module
+
+    route = program.merge_route
+    if route in (MergeRoute.PSUM, MergeRoute.COLLECTIVE):
         merging = per_shard  # a psum, pmin, pmax: in place
-    elif program.merges_by_tree:  # a device's own shards by levels (halves at once), then a partner's a round
+    elif route is MergeRoute.DEVICE_TREE:  # a device's own shards by levels (halves at once), then a partner's a round
         merging = per_shard * (layout.shards_per_device + 2) + merge * (layout.shards_per_device // 2 or 1)
+    elif route is MergeRoute.PROCESS_TREE:  # tree_fold's stack on the first device, one taken in, a partner's
+        own = (layout.local_blocks[1] - layout.local_blocks[0]) * layout.shards_per_device
+        merging = per_shard * (own.bit_length() + 2) + merge
     else:  # every shard's partial gathered, merged two at a time
         merging = per_shard * layout.num_shards + merge
     rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
@@ -178,6 +184,12 @@ def operand_bytes(program: Program) -> int:
     without x64)."""
     return sum(int(np.size(x)) * jax.dtypes.canonicalize_dtype(np.asarray(x).dtype).itemsize
                for x in jax.tree.leaves(program.host_operands))
+
+
+def device_peak(parts: dict[str, int]) -> int:
+    """One device's peak from :func:`memory_estimate`'s ``parts``: its partials with the rows in
+    flight and a step's temporaries, or with the merge (never both at once), the operands beside either."""
+    return parts["operands"] + parts["accumulator"] + max(parts["rows"] + parts["temporary"], parts["merge"])
 
 
 class Need(NamedTuple):
@@ -203,8 +215,7 @@ def memory_need(program: Program, temporaries: bool = True) -> Need:
     """
     device = program.mesh.devices.flat[0]
     parts = memory_estimate(program, temporaries)
-    peak = parts["operands"] + max(parts["accumulator"] + parts["rows"] + parts["temporary"],
-                                   parts["accumulator"] + parts["merge"])
+    peak = device_peak(parts)
     if device.platform != "cpu":
         return Need(peak, peak, 1, parts)
     local = len(program.mesh.local_devices)

@@ -28,6 +28,7 @@ values reuse the compiled programs.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -485,6 +486,17 @@ def mesh_axes(mesh: Mesh) -> dict[str, int]:
     return {name: int(size) for name, size in dict(mesh.shape).items() if name != DATA_AXIS}
 
 
+class MergeRoute(enum.StrEnum):
+    """How :meth:`Program.merge` merges the shards' partials (:attr:`Program.merge_route` decides)."""
+
+    PSUM = "psum"                  # one psum over data (a sum without logical_shards)
+    COLLECTIVE = "collective"      # one psum/pmin/pmax a leaf (compile_collective_merge)
+    DEVICE_TREE = "device_tree"    # own shards by levels, log2(data) ppermute rounds (compile_tree_merge)
+    GATHER_FOLD = "gather_fold"    # all-gathered over data, folded in one SPMD program (compile_merge)
+    PROCESS_TREE = "process_tree"  # a pair merge for one device, each process its own, then rounds
+    LOCAL_FOLD = "local_fold"      # all-gathered, each process folds every shard on one device
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
     """Everything a run of one job on one mesh needs; see the module docstring.
@@ -543,62 +555,72 @@ class Program:
 
     def merge(self, partials: PyTree) -> PyTree:
         """Every shard's partial merged into one accumulator, on every device (or split over
-        the axes ``combiner.partition`` names).
-
-        A sum is one ``psum``, or under ``logical_shards`` the device tree (:meth:`merges_by_tree`); a
-        merge of order-free leafwise reductions one collective a leaf (:meth:`merges_by_collective`);
-        any other merge the process tree (:meth:`merges_by_process_tree`); else each process folds
-        the all-gathered partials on one of its devices (:meth:`merges_locally`).
-        """
-        if self.merges_by_collective:
+        the axes ``combiner.partition`` names), by :attr:`merge_route`."""
+        route = self.merge_route
+        if route is MergeRoute.COLLECTIVE:
             return compile_collective_merge(self.combiner, self.mesh)(partials, self.operands)
-        if self.merges_by_tree:
-            return self.tree_merge(partials)
-        if self.merges_by_process_tree:
-            return self.process_tree_merge(partials)
-        if self.merges_locally:
+        if route is MergeRoute.DEVICE_TREE:
+            merge = compile_tree_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
+            return merge(partials, self.operands)
+        if route is MergeRoute.PROCESS_TREE:
+            return process_tree_fold(self.combiner, self.mesh, partials, self.host_operands, self.options.precision,
+                                     self.fixed_products)
+        if route is MergeRoute.LOCAL_FOLD:
             gathered = compile_gather(self.combiner, self.mesh)(partials)
             local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             operands = jax.device_put(self.host_operands, jax.tree.leaves(local)[0].device)
             return tree_fold(lambda a, b: merge(a, b, operands), shards_of(local))
-        ordered = self.options.logical_shards is not None
+        ordered = route is MergeRoute.GATHER_FOLD
         merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
         return merge(partials, self.operands)
 
-    def tree_merge(self, partials: PyTree) -> PyTree:
-        """The device tree (:meth:`merges_by_tree`), one program (:func:`compile_tree_merge`)."""
-        merge = compile_tree_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
-        return merge(partials, self.operands)
+    @functools.cached_property
+    def merge_route(self) -> MergeRoute:
+        """How :meth:`merge` merges the shards' partials (:class:`MergeRoute`), decided once:
 
-    def process_tree_merge(self, partials: PyTree) -> PyTree:
-        """The process tree (:meth:`merges_by_process_tree`): :func:`process_tree_fold`."""
-        return process_tree_fold(self.combiner, self.mesh, partials, self.host_operands, self.options.precision,
-                                 self.fixed_products)
+        - a sum without ``logical_shards``: one ``psum`` (:attr:`MergeRoute.PSUM`);
+        - a merge that names its leafwise order-free reductions (:meth:`Combiner.merge_collectives`):
+          one collective a leaf, O(state) a device (:attr:`MergeRoute.COLLECTIVE`); under
+          ``logical_shards`` only when each is exact in any order (integers, minima, maxima), so
+          bitwise the fixed tree's, and a :class:`~.wide.Wide` sum of at most :data:`WIDE_SUMMANDS` shards
+          (its limbs would overflow unnormalised);
+        - a sum under ``logical_shards`` (additions round alike batched or not, in any program) and a
+          state split over ``model`` (each device merges its own block): the device tree
+          (:func:`compile_tree_merge`, :attr:`MergeRoute.DEVICE_TREE`) when each device holds a power
+          of two of the shards or there is one device, else the partials gathered over ``data`` and
+          folded by one SPMD program (:attr:`MergeRoute.GATHER_FOLD`);
+        - any other merge, of a state whole on each device: each pair merged by one program compiled
+          once for one device (XLA optimizes an SPMD program for 8 devices differently from one for 1:
+          other fusions, other roundings, so a merge inside one is not bitwise the same on every split;
+          and a fold traced ``shards - 1`` times in one program compiled longer with every device).
+          The process tree (:func:`process_tree_fold`, :attr:`MergeRoute.PROCESS_TREE`) where every
+          ``data`` row's devices are in one process and, under ``logical_shards``, each process holds
+          a power of two of the shards or there is one process (then it is :func:`tree_fold`'s tree
+          over the shards); else every process folds the all-gathered partials on one of its devices
+          (:attr:`MergeRoute.LOCAL_FOLD`).
+        """
+        combiner, ordered = self.combiner, self.options.logical_shards is not None
+        if combiner.additive and not ordered:
+            return MergeRoute.PSUM
+        if not combiner.additive and self._collectives_apply():
+            return MergeRoute.COLLECTIVE
+        if combiner.additive or combiner.partition(self.mesh) is not None:
+            tree = power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
+            return MergeRoute.DEVICE_TREE if tree else MergeRoute.GATHER_FOLD
+        leaders = process_leaders(self.mesh)
+        if leaders is not None and (
+                not ordered or power_of_two_or_alone(self.layout.num_shards // leaders.size, leaders.size)):
+            return MergeRoute.PROCESS_TREE
+        return MergeRoute.LOCAL_FOLD
 
-    @property
-    def merges_by_tree(self) -> bool:
-        """Whether :meth:`merge` runs the device tree (:meth:`tree_merge`), when each device holds a
-        power of two of the shards, or there is one device (then the tree is :func:`tree_fold`'s
-        over the shards): a sum under ``logical_shards`` (additions round alike in any program),
-        and a state split over ``model`` whose merge is neither a sum nor collectives (each device
-        merges its own block; no partial is gathered). Else a sum's shards are all-gathered and
-        folded whole in one SPMD program, and a split state's gathered over ``data``."""
-        tree = power_of_two_or_alone(self.layout.shards_per_device, self.layout.data_size)
-        if self.combiner.partition(self.mesh) is not None and not self.combiner.additive:
-            return tree and not self.merges_by_collective
-        return self.options.logical_shards is not None and self.combiner.additive and tree
-
-    @property
-    def merges_by_collective(self) -> bool:
-        """Whether :meth:`merge` runs one collective a leaf (:func:`compile_collective_merge`): a merge
-        that is not a sum but names its leafwise reductions (:meth:`Combiner.merge_collectives`), O(state)
-        a device. Under ``logical_shards`` only when each is exact in any order (integers, minima, maxima),
-        so bitwise the fixed tree's; a float sum (``"sum"``) there keeps the tree. A :class:`~.wide.Wide`
-        sum of more than :data:`WIDE_SUMMANDS` shards keeps the tree (its limbs would overflow unnormalised)."""
-        parts = None if self.combiner.additive else collective_parts(self.combiner, self.like)
+    def _collectives_apply(self) -> bool:
+        """Whether the combiner's :meth:`Combiner.merge_collectives` can merge this program's partials
+        (:attr:`merge_route`'s second case); a kind it does not know is a usage error."""
+        parts = collective_parts(self.combiner, self.like)
         if parts is None:
             return False
+        exact_only = self.options.logical_shards is not None
         for kind, part in parts:
             if kind not in (*EXACT_COLLECTIVES, "sum"):
                 raise UsageError(f"{type(self.combiner).__name__}.merge_collectives names {kind!r}; each part is "
@@ -609,28 +631,9 @@ class Program:
                 return False
             exact = kind != "sum" and all(kind != "sum_exact" or jnp.issubdtype(x.dtype, jnp.integer)
                                           for x in jax.tree.leaves(part))
-            if self.options.logical_shards is not None and not exact:
+            if exact_only and not exact:
                 return False
         return True
-
-    @property
-    def merges_by_process_tree(self) -> bool:
-        """Whether :meth:`merge` runs the process tree (:meth:`process_tree_merge`): a merge that
-        is not a sum, of an accumulator whole on each device.
-
-        Each pair is merged by one program compiled once for one device: XLA optimizes an
-        SPMD program for 8 devices differently from one for 1 (other fusions, other
-        roundings), so a merge inside one is not bitwise the same on every split. Under
-        ``logical_shards`` the tree must be :func:`tree_fold`'s over the logical shards: each
-        process holds a power of two of them, or there is one process (and every data row's
-        devices are in one process); else the partials are all-gathered (:meth:`merges_locally`).
-        """
-        if self.combiner.additive or self.combiner.partition(self.mesh) is not None or self.merges_by_collective:
-            return False
-        leaders = process_leaders(self.mesh)
-        if leaders is None or self.options.logical_shards is None:
-            return leaders is not None
-        return power_of_two_or_alone(self.layout.num_shards // leaders.size, leaders.size)
 
     @property
     def fixed_products(self) -> bool:
@@ -642,21 +645,6 @@ class Program:
         """
         return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
 
-    @property
-    def merges_locally(self) -> bool:
-        """Whether :meth:`merge` all-gathers the partials and each process folds them on one device.
-
-        For a combiner whose merge is not a sum and whose accumulator is whole on each
-        device: its partials are folded in a fixed tree by one program, compiled once for
-        one device, called ``shards - 1`` times. In one SPMD program the fold was traced
-        ``shards - 1`` times (compile time grew with the device count: a LinearRegression
-        merge on 8 devices compiled 7 re-whitening folds), and XLA optimizes a program for
-        8 devices differently from one for 1 (other fusions, other roundings), so it was
-        not bitwise the same on every split of a ``logical_shards`` job.
-        """
-        return (not self.merges_by_tree and not self.merges_by_process_tree and not self.combiner.additive
-                and not self.merges_by_collective and self.combiner.partition(self.mesh) is None)
-
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
@@ -667,24 +655,24 @@ class Program:
         return compiled.lower(self.like, batch, np.int32(0), self.operands)
 
     def lower_merge(self) -> jax.stages.Lowered:
-        """The merge lowered for this program's partials (the pairwise merge where
-        :meth:`merges_by_process_tree` or :meth:`merges_locally`, whose all-gather is
-        :meth:`lower_gather`; the one program of :meth:`merges_by_tree` or :meth:`merges_by_collective`)."""
-        if self.merges_by_collective:
+        """The merge lowered for this program's partials (by :attr:`merge_route`: the pairwise merge of
+        the process tree or a local fold, whose all-gather is :meth:`lower_gather`; else the one program)."""
+        route = self.merge_route
+        if route is MergeRoute.COLLECTIVE:
             return compile_collective_merge(self.combiner, self.mesh).lower(self.like, self.operands)
-        if self.merges_by_tree:
+        if route is MergeRoute.DEVICE_TREE:
             merge = compile_tree_merge(self.combiner, self.mesh, self.options.precision, self.fixed_products)
             return merge.lower(self.like, self.operands)
-        if self.merges_locally or self.merges_by_process_tree:
+        if route in (MergeRoute.PROCESS_TREE, MergeRoute.LOCAL_FOLD):
             one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), self.like)
             merge = compile_pair_merge(self.combiner, self.options.precision, self.fixed_products)
             return merge.lower(one, one, self.host_operands)
-        ordered = self.options.logical_shards is not None
-        merge = compile_merge(self.combiner, self.mesh, ordered, self.options.precision, self.fixed_products)
+        merge = compile_merge(self.combiner, self.mesh, route is MergeRoute.GATHER_FOLD, self.options.precision,
+                              self.fixed_products)
         return merge.lower(self.like, self.operands)
 
     def lower_gather(self) -> jax.stages.Lowered:
-        """The all-gather of the partials that a merge by :meth:`merges_locally` starts with."""
+        """The all-gather of the partials that a merge by :attr:`MergeRoute.LOCAL_FOLD` starts with."""
         return compile_gather(self.combiner, self.mesh).lower(self.like)
 
     def finalize(self, merged: PyTree) -> Any:

@@ -107,7 +107,7 @@ def test_step_has_no_collective_and_merge_is_one(combiner):
     assert collectives(step) == []
     kinds = collectives(merge)
     if not combiner.additive:  # one process folds its devices' shards on one device: no collective
-        assert prog.merges_by_process_tree and kinds == []
+        assert prog.merge_route == "process_tree" and kinds == []
         return
     assert kinds and set(kinds) == {"all-reduce"}
     # XLA fuses the psum of a pytree into one all-reduce per dtype.

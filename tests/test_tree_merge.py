@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import program
+from sharded_scan import admission, program
 from sharded_scan.combiners.quantiles_exact import RefinePass
 from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
 
@@ -74,15 +74,20 @@ class FirstAndLast(ss.Combiner):
 
 
 @pytest.mark.parametrize("mesh, shards, route", [
-    ("data:3", None, "merges_by_process_tree"),
-    ("data:8", 24, "merges_by_process_tree"),  # one process folds its 24 shards (3 a device) in the tree
+    ("data:3", None, "process_tree"),
+    ("data:8", 24, "process_tree"),  # one process folds its 24 shards (3 a device) in the tree
 ])
 def test_a_merge_that_is_not_commutative_keeps_the_rows_in_order(mesh, shards, route):
     x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2)
     options = ss.RunOptions(mesh=mesh, logical_shards=shards, microbatch=16, steps_per_call=8)
     prog = program_for_spec(FirstAndLast(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
-    assert getattr(prog, route) and prog.layout.num_steps() == 1  # one step: shard i holds the i-th block of rows
+    assert prog.merge_route == route and prog.layout.num_steps() == 1  # one step: shard i holds the i-th block of rows
     np.testing.assert_array_equal(ss.run(FirstAndLast(), x, options), x[[0, -1]])
+    # The process tree holds tree_fold's stack (log2 of the process's shards), one taken in and a
+    # partner's on its first device, not every shard's state
+    state = sum(int(np.prod(s.shape[1:])) * s.dtype.itemsize for s in jax.tree.leaves(prog.like))
+    shards = prog.layout.num_shards
+    assert admission.memory_estimate(prog, temporaries=False)["merge"] <= state * (shards.bit_length() + 2)
 
 
 def test_a_process_folds_its_shards_on_its_first_device_by_one_compiled_merge(monkeypatch):
@@ -106,7 +111,7 @@ def test_a_logical_shards_sum_merges_by_the_device_tree_and_never_gathers():
     x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2) % 7  # sums exact in float32
     options = ss.RunOptions(mesh="data:3", logical_shards=6, microbatch=16, steps_per_call=2)
     prog = program_for_spec(ss.Sum(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
-    assert prog.merges_by_tree and not prog.merges_locally and program.tree_strides(3) == [1, 2]
+    assert prog.merge_route == "device_tree" and program.tree_strides(3) == [1, 2]
     merge = prog.lower_merge().compile().as_text()  # rounds: device 2 left out, then device 0 receiving it
     assert "collective-permute" in merge and "all-gather" not in merge
     np.testing.assert_array_equal(ss.run(ss.Sum(), x, options).sum, x.sum(0))
@@ -136,7 +141,7 @@ def test_an_order_free_merge_is_one_collective_a_leaf_bitwise_the_trees(combiner
         spec = (jax.ShapeDtypeStruct((), np.int32), spec)
     for mesh, shards in [("data:8", None), ("data:2,model:2", 8)]:
         prog = program_for_spec(combiner, spec, 301, ss.RunOptions(mesh=mesh, logical_shards=shards))
-        assert prog.merges_by_collective and not prog.merges_locally and not prog.merges_by_process_tree
+        assert prog.merge_route == "collective"
         text = prog.lower_merge().as_text()
         assert "all_reduce" in text and "all_gather" not in text
         partials = random_partials(prog, rng)
@@ -157,7 +162,7 @@ def test_a_state_split_over_model_merges_by_the_device_tree(shards, tree):
     spec = jax.ShapeDtypeStruct((3,), np.float32)
     prog = program_for_spec(ss.DistinctCount(precision=6), spec, 301,
                             ss.RunOptions(mesh="data:2,model:2", logical_shards=shards))
-    assert prog.combiner.partition(prog.mesh) is not None and not prog.merges_by_collective
-    assert prog.merges_by_tree is tree and not prog.merges_locally and not prog.merges_by_process_tree
+    assert prog.combiner.partition(prog.mesh) is not None
+    assert prog.merge_route == ("device_tree" if tree else "gather_fold")
     text = prog.lower_merge().as_text()
     assert ("collective_permute" in text) is tree and ("all_gather" in text) is not tree
