@@ -389,6 +389,6 @@ def axis_to_grow(program: Program, parts: dict[str, int], operands_alone: bool =
         return (f"the combiner's operands are the most of it and whole on every device (no axis shrinks them): "
                 f"{shrink}, or {advice}")
     if round(operands / GIB, 2):
-        where = " a device, split over 'model' with the columns" if split else ", stay whole on every device"
+        where = " a device, shrink as 'model' grows" if split else ", stay whole on every device"
         return f"{advice} (the combiner's operands, {operands / GIB:.2f} GiB{where})"
     return advice

@@ -171,8 +171,9 @@ def test_exact_quantiles_split_over_model_are_numpy_s_and_the_whole_ones():
         assert leaf.shape[0] == 8 and {s.data.shape for s in leaf.addressable_shards} == {(2, ranks, 1025)}
     parts = admission.memory_estimate(program)
     assert parts["operands"] == 2 * ranks * 1025 * (4 + 1) == admission.operand_bytes(program, whole=True) // 4
-    advice = admission.axis_to_grow(program, {**parts, "operands": 8 << 30}, operands_alone=True)
-    assert "grow the mesh's 'model' axis" in advice and "no mesh axis" not in advice
+    for alone in (True, False):  # they do not fit by themselves; they are the most of the peak
+        advice = admission.axis_to_grow(program, {**parts, "operands": 8 << 30}, operands_alone=alone)
+        assert "grow the mesh's 'model' axis" in advice and "no mesh axis" not in advice and "whole" not in advice
     assert_bitwise(ss.run(job, X, mesh="data:2,model:4", **RUN), whole)  # the same brackets and passes
     part = X[:1001]  # 7.8 steps a pass: the same programs (a split state's resume: the conversions, below)
     np.testing.assert_array_equal(ss.run(job, part, mesh="data:2,model:4", **RUN).quantiles,
