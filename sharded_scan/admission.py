@@ -111,23 +111,27 @@ def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
                                 program.host_operands)
         acc = jax.eval_shape(program.combiner.init, program.spec)
         parts = program.combiner.partition(program.mesh)
-        add = per_device(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m), program.mesh, parts, 1)(
+        split = program.combiner.operand_partition(program.mesh)
+        add = per_device(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m), program.mesh, parts, 1, split)(
             operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
-        merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2)(
+        merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2, split)(
             operands, acc, acc)
     except Exception:  # noqa: BLE001 - e.g. an add that needs other axes than the mesh has: no estimate
         return 0, 0
     return live_peak(add), live_peak(merge)
 
 
-def per_device(fn: Any, mesh: Any, parts: Any, accumulators: int) -> Any:
+def per_device(fn: Any, mesh: Any, parts: Any, accumulators: int, operand_parts: Any = None) -> Any:
     """``fn(operands, *args) -> acc``'s jaxpr maker, as one device runs it: its block of each of the
-    first ``accumulators`` args, split as ``parts`` (:meth:`Combiner.partition`; None: whole) over ``mesh``."""
-    if parts is None:
+    first ``accumulators`` args, split as ``parts`` (:meth:`Combiner.partition`; None: whole) over ``mesh``,
+    and of the operands, split as ``operand_parts`` (:meth:`Combiner.operand_partition`; None: whole)."""
+    if parts is None and operand_parts is None:
         return lambda *args: jax.make_jaxpr(fn)(*args).jaxpr
+    parts = P() if parts is None else parts
 
     def local(operands, *args):
-        specs = (P(), *[parts] * accumulators, *[P()] * (len(args) - accumulators))
+        specs = (P() if operand_parts is None else operand_parts, *[parts] * accumulators,
+                 *[P()] * (len(args) - accumulators))
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=parts, check_vma=False)
         return jax.make_jaxpr(mapped)(operands, *args).jaxpr.eqns[0].params["jaxpr"]
 
@@ -149,7 +153,9 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
-    on every device whatever the mesh, alive from the first step to the merge's end.
+    on every device whatever the mesh, or a device's block where they split over ``model``
+    (:meth:`Combiner.operand_partition`: the exact quantiles' boundaries), alive from the first step
+    to the merge's end.
     """
     layout = program.layout
     leaves = jax.tree.leaves(program.like)
@@ -178,12 +184,16 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     }
 
 
-def operand_bytes(program: Program) -> int:
-    """Bytes of the combiner's operands (:meth:`Combiner.operands`) as a device holds them: whole
-    (they are replicated), each leaf in the dtype jax places it as (64-bit host values are 32-bit
-    without x64)."""
-    return sum(int(np.size(x)) * jax.dtypes.canonicalize_dtype(np.asarray(x).dtype).itemsize
-               for x in jax.tree.leaves(program.host_operands))
+def operand_bytes(program: Program, whole: bool = False) -> int:
+    """Bytes of the combiner's operands (:meth:`Combiner.operands`) as a device holds them (whole
+    where they are replicated, its block where they split: ``Program.operand_shardings``), or the
+    ``whole`` of them (the host's copy), each leaf in the dtype jax places it as (64-bit host values
+    are 32-bit without x64)."""
+    leaves = jax.tree.leaves(program.host_operands)
+    shapes = [np.shape(x) if whole else s.shard_shape(np.shape(x))
+              for x, s in zip(leaves, jax.tree.leaves(program.operand_shardings), strict=True)]
+    return sum(int(np.prod(shape)) * jax.dtypes.canonicalize_dtype(np.asarray(x).dtype).itemsize
+               for x, shape in zip(leaves, shapes, strict=True))
 
 
 def device_peak(parts: dict[str, int]) -> int:
@@ -210,7 +220,7 @@ def memory_need(program: Program, temporaries: bool = True) -> Need:
     top: ``reads``, the rows in
     flight as read before they are placed (a second copy); ``host``, the merged accumulator
     copied to the host and ``finalize``'s work on it (as much again), and the host's copy of the
-    operands (``Program.host_operands``); and ``runtime``, XLA's
+    operands (``Program.host_operands``, whole); and ``runtime``, XLA's
     compiler and runtime (:data:`RUNTIME`).
     """
     device = program.mesh.devices.flat[0]
@@ -220,7 +230,8 @@ def memory_need(program: Program, temporaries: bool = True) -> Need:
         return Need(peak, peak, 1, parts)
     local = len(program.mesh.local_devices)
     per_shard = parts["accumulator"] // max(program.layout.shards_per_device, 1)
-    parts = {**parts, "reads": parts["rows"] * local, "host": 2 * per_shard + parts["operands"], "runtime": RUNTIME}
+    host_operands = operand_bytes(program, whole=True) if temporaries else 0
+    parts = {**parts, "reads": parts["rows"] * local, "host": 2 * per_shard + host_operands, "runtime": RUNTIME}
     return Need(peak * local + parts["reads"] + parts["host"] + parts["runtime"], peak, local, parts)
 
 
@@ -359,26 +370,36 @@ def check_fits(program: Program) -> None:
 def axis_to_grow(program: Program, parts: dict[str, int], operands_alone: bool = False) -> str:
     """What shrinks the biggest part of one device's peak: a mesh axis to grow, or an option.
 
-    No axis shrinks the ``operands`` (whole on every device): ``operands_alone`` (they need more
-    than there is by themselves) says only that; where they are the biggest part, so does the
-    advice's start, and where they show in the parts (0.01 GiB or more), its end."""
+    Operands whole on every device shrink with no axis; ones the job splits over ``model``
+    (:meth:`Combiner.operand_partition`: the exact quantiles' boundaries) shrink with it.
+    ``operands_alone`` (they need more than there is by themselves) says only that; where they are
+    the biggest part, so does the advice's start, and where they show in the parts (0.01 GiB or
+    more), its end."""
     operands = parts.get("operands", 0)
     shrink = "make the combiner's operands smaller (fewer histogram bins, quantile boundaries or parameters)"
+    on_model = program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS)))
+    split = on_model.operand_partition(program.mesh) is not None
+    grow_model = "grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's columns"
     if operands_alone:
+        if split:
+            return (f"the combiner's operands alone ({operands / GIB:.2f} GiB a device) do not fit: {grow_model} and "
+                    f"of the operands), or {shrink}")
         return (f"the combiner's operands alone ({operands / GIB:.2f} GiB, whole on every device whatever the mesh) "
                 f"do not fit: no mesh axis shrinks them; {shrink}")
     state = parts["accumulator"] + parts["merge"]
     if state < parts["rows"] + parts["temporary"]:
         advice = ("grow the mesh's 'data' axis (more devices share the rows), or lower microbatch, steps_per_call or "
                   "prefetch")
-    elif program.job.for_mesh(AbstractMesh((1, 2), (DATA_AXIS, MODEL_AXIS))).partition(program.mesh) is not None:
-        advice = ("grow the mesh's 'model' axis (e.g. data:4,model:2: each device holds 1/2 of the accumulator's "
-                  "columns), make the accumulator smaller (fewer bins or columns), or lower logical_shards")
+    elif on_model.partition(program.mesh) is not None:
+        advice = f"{grow_model}), make the accumulator smaller (fewer bins or columns), or lower logical_shards"
     else:
         advice = "make the accumulator smaller (fewer bins or columns), or lower logical_shards"
     if operands > max(state, parts["rows"] + parts["temporary"]):
+        if split:
+            return f"the combiner's operands are the most of it: {grow_model} and of the operands), or {shrink}"
         return (f"the combiner's operands are the most of it and whole on every device (no axis shrinks them): "
                 f"{shrink}, or {advice}")
     if round(operands / GIB, 2):
-        return f"{advice} (the combiner's operands, {operands / GIB:.2f} GiB, stay whole on every device)"
+        where = " a device, shrink as 'model' grows" if split else ", stay whole on every device"
+        return f"{advice} (the combiner's operands, {operands / GIB:.2f} GiB{where})"
     return advice

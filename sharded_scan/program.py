@@ -93,6 +93,13 @@ def accumulator_specs(combiner: Combiner, mesh: Mesh | AbstractMesh, *lead: str 
     return jax.tree.map(lambda p: P(*lead, *p), parts, is_leaf=lambda x: isinstance(x, P))
 
 
+def operand_specs(combiner: Combiner, mesh: Mesh | AbstractMesh) -> PyTree:
+    """The PartitionSpecs of the combiner's operands inside the programs' ``shard_map``:
+    ``combiner.operand_partition(mesh)``, or ``P()`` (whole on every device)."""
+    parts = combiner.operand_partition(mesh)
+    return P() if parts is None else parts
+
+
 def named(mesh: Mesh, specs: PyTree) -> PyTree:
     """``NamedSharding``s on ``mesh`` for a pytree (prefix) of PartitionSpecs."""
     return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
@@ -192,9 +199,8 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
             return jax.lax.map(lambda args: fold_shard(bound, *args), (partials, shards, valid))
 
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
-    step = jax.shard_map(
-        local_step, mesh=mesh, in_specs=(partial_specs, P(DATA_AXIS), P(), P()), out_specs=partial_specs
-    )
+    step = jax.shard_map(local_step, mesh=mesh, out_specs=partial_specs,
+                         in_specs=(partial_specs, P(DATA_AXIS), P(), operand_specs(combiner, mesh)))
     return jax.jit(step, donate_argnums=0)
 
 
@@ -292,8 +298,8 @@ def compile_tree_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bo
             states = jax.tree.map(lambda m, x, mine=mine: jnp.where(mine, m, x), merged, states)
         return broadcast_first(states, size)
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=accumulator_specs(combiner, mesh),
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, operand_specs(combiner, mesh)),
+                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False))
 
 
 @cached
@@ -316,7 +322,8 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
             return jax.tree.map(lambda x: x[0], jax.lax.psum(partials, DATA_AXIS))
 
         return jax.jit(
-            jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs, P()), out_specs=merged_specs)
+            jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
+                          out_specs=merged_specs)
         )
 
     if combiner.partition(mesh) is not None:  # split over model, not a sum: each device folds its own block
@@ -327,8 +334,8 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
                 bound = combiner.bind(operands)
                 return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
-        return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, P()), out_specs=merged_specs,
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
+                                     out_specs=merged_specs, check_vma=False))
 
     def gather_and_fold(partials, operands):
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
@@ -377,7 +384,7 @@ def compile_collective_merge(combiner: Combiner, mesh: Mesh) -> Callable:
         del operands
         return jax.tree.map(reduce, combiner.merge_collectives(), partials, is_leaf=lambda x: isinstance(x, str))
 
-    return jax.jit(jax.shard_map(local_collectives, mesh=mesh, in_specs=(partial_specs, P()),
+    return jax.jit(jax.shard_map(local_collectives, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
                                  out_specs=merged_specs))
 
 
@@ -525,10 +532,19 @@ class Program:
         return jax.tree.map(np.asarray, self.combiner.operands(self.spec))
 
     @functools.cached_property
+    def operand_shardings(self) -> PyTree:
+        """One ``NamedSharding`` per leaf of the operands: replicated, or split as
+        ``combiner.operand_partition`` says (:func:`operand_specs`)."""
+        prefix = named(self.mesh, operand_specs(self.combiner, self.mesh))
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, self.host_operands,
+                            is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    @functools.cached_property
     def operands(self) -> PyTree:
-        """The combiner's operands, replicated on every device."""
-        replicated = NamedSharding(self.mesh, P())
-        return place(self.host_operands, jax.tree.map(lambda _: replicated, self.host_operands))
+        """The combiner's operands on the devices, as the step and merge programs take them (each
+        device its block where they split over ``model``); :attr:`host_operands` are the whole ones,
+        which the merges of two states on one device take."""
+        return place(self.host_operands, self.operand_shardings)
 
     @functools.cached_property
     def like(self) -> PyTree:

@@ -160,10 +160,20 @@ def test_exact_quantiles_split_over_model_are_numpy_s_and_the_whole_ones():
     whole = ss.run(job, X, mesh="data:4", **RUN)
     np.testing.assert_array_equal(whole.quantiles, np.quantile(f64(X), EXACT_QS, axis=0).T)
     assert whole.passes >= 2 and whole.rank_error == 0
-    program = build_program(RefinePass(np.zeros((6, 2 * len(EXACT_QS), 1025), np.int64)), as_source(X),
+    ranks = 2 * len(EXACT_QS)
+    program = build_program(RefinePass(np.zeros((6, ranks, 1025), np.int64)), as_source(X),
                             RunOptions(mesh="data:2,model:4", **RUN))
     below = program.like.below.limbs  # (shards, padded columns, ranks, boundaries, limbs)
     assert below.shape[1] == 8 and below.sharding.shard_shape(below.shape)[1] == 2
+    # Its boundaries (operands: uint32 keys, whether past every key) split the same way: each device
+    # holds its 2 columns' (8 / 4), not the 6 whole, and the estimate counts that block (whole: 6 / 2 = 3x).
+    for leaf in program.operands:
+        assert leaf.shape[0] == 8 and {s.data.shape for s in leaf.addressable_shards} == {(2, ranks, 1025)}
+    parts = admission.memory_estimate(program)
+    assert parts["operands"] == 2 * ranks * 1025 * (4 + 1) == admission.operand_bytes(program, whole=True) // 4
+    for alone in (True, False):  # they do not fit by themselves; they are the most of the peak
+        advice = admission.axis_to_grow(program, {**parts, "operands": 8 << 30}, operands_alone=alone)
+        assert "grow the mesh's 'model' axis" in advice and "no mesh axis" not in advice and "whole" not in advice
     assert_bitwise(ss.run(job, X, mesh="data:2,model:4", **RUN), whole)  # the same brackets and passes
     part = X[:1001]  # 7.8 steps a pass: the same programs (a split state's resume: the conversions, below)
     np.testing.assert_array_equal(ss.run(job, part, mesh="data:2,model:4", **RUN).quantiles,

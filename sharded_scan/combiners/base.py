@@ -116,6 +116,19 @@ class Combiner(abc.ABC):
         del operands
         return self
 
+    def operand_partition(self, mesh: Mesh) -> PyTree | None:
+        """How :meth:`operands` split over the mesh's non-``data`` axes, as :meth:`partition` splits the
+        accumulator.
+
+        Returns None (the default: every operand whole on every device) or a pytree prefix of the
+        operands of ``PartitionSpec``s (their axes divisible by the mesh axes they name: pad them in
+        :meth:`operands`). Inside the step's and the merges' ``shard_map`` :meth:`bind` then receives
+        this device's block; outside one (a merge of two states on one device, a checkpoint's
+        conversion) the whole operands, as :meth:`operands` made them.
+        """
+        del mesh
+        return None
+
     def convert(self, acc: PyTree, source: Combiner) -> PyTree:
         """``acc`` of ``source`` (this job resolved for another mesh) as this combiner's accumulator.
 

@@ -368,6 +368,10 @@ class Each(Combiner):
     def bind(self, operands):
         return dataclasses.replace(self, parts=tuple(p.bind(o) for p, o in zip(self.parts, operands, strict=True)))
 
+    def operand_partition(self, mesh):
+        parts = [p.operand_partition(mesh) for p in self.parts]
+        return None if all(p is None for p in parts) else tuple(P() if p is None else p for p in parts)
+
     def init(self, spec):
         return self._each(lambda p, s: p.init(s), spec)
 

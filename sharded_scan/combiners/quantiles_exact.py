@@ -20,8 +20,8 @@ Memory is ``d * len(qs) * 2^bits`` counts and keys, whatever the row count.
 
 On a mesh with a ``model`` axis of size M every pass splits by columns: the sketch pass as
 the sketch does (:class:`SketchPass`), the refining passes' counts and bin keys padded to a
-multiple of M columns, each device counting ``ceil(d / M)`` of them (the boundaries, the
-programs' operands, whole on every device: a quarter of the whole counts' bytes, a third for 64-bit keys). The sketch
+multiple of M columns, each device counting ``ceil(d / M)`` of them at its block of the boundaries
+(the programs' operands, padded and split the same way: :meth:`RefinePass.operand_partition`). The sketch
 is bitwise the whole mesh's on the same shards and the counts are exact, so the passes and
 answers are those of the run without ``model``.
 """
@@ -118,7 +118,8 @@ class RefinePass(SplitsByColumns, Combiner):
         (:meth:`operands`): passes of one shape share the compiled programs; the fingerprint names them.
       model_shards: set by :meth:`for_mesh`: above 1 the counts are split by columns over ``model``
         (``(round_up(d, M), nq, ...)``, the padding columns empty), each device sorting and counting
-        its own block of the columns at its block of the boundaries (the boundaries, operands, whole).
+        its own block of the columns at its block of the boundaries (the operands, padded and split
+        the same way: :meth:`operand_partition`).
     """
 
     bounds: np.ndarray
@@ -148,12 +149,6 @@ class RefinePass(SplitsByColumns, Combiner):
         """This ``model`` device's block of keys ``(d, mb)`` (padded with the filler: no rows), or all of them."""
         return column_block(cols, self.model_shards, axis=0, value=fill(cols.dtype)) if self.model_shards > 1 else cols
 
-    def _own_bounds(self):
-        """The operands (:meth:`operands`) of this ``model`` device's columns (padding: boundaries at 0)."""
-        if self.model_shards == 1:
-            return self.bound
-        return tuple(column_block(x, self.model_shards, axis=0) for x in self.bound)
-
     def convert(self, acc, source):
         """Between the whole counts and ones split over ``model`` (a resume on a mesh with other axes)."""
         if source.model_shards == self.model_shards:
@@ -168,10 +163,17 @@ class RefinePass(SplitsByColumns, Combiner):
 
     def operands(self, spec):
         """The boundaries as keys of ``spec``'s values (one past every key: the largest key) and where
-        they are past every key: ``(d, nq, bins + 1)`` each."""
+        they are past every key: ``(d, nq, bins + 1)`` each; split over ``model``, padded to the state's
+        columns (:meth:`_width`) with boundaries at 0, none past every key (a padding column counts no rows)."""
         largest = int(fill(key_dtype(spec.dtype)))
-        return (np.minimum(self.bounds, largest).astype(key_dtype(spec.dtype)),
-                np.asarray(self.bounds == largest + 1, bool))
+        pad = [(0, self._width() - self.bounds.shape[0]), (0, 0), (0, 0)]
+        return (np.pad(np.minimum(self.bounds, largest).astype(key_dtype(spec.dtype)), pad),
+                np.pad(np.asarray(self.bounds == largest + 1, bool), pad))
+
+    def operand_partition(self, mesh):
+        """Split over ``model`` as the counts are: inside the programs each device binds its own columns'
+        boundaries, never the whole (``d * nq * (bins + 1)`` keys: a device's memory for 10^4 columns)."""
+        return (P(MODEL_AXIS), P(MODEL_AXIS)) if self.model_shards > 1 else None
 
     def bind(self, operands):
         return dataclasses.replace(self, bound=operands)
@@ -203,7 +205,7 @@ class RefinePass(SplitsByColumns, Combiner):
     def _bins(self, keys, real):
         """Per column, q and boundary of keys ``(d, mb)`` sorted, the first ``real`` real: the rows below
         it; per bin: the smallest and largest key."""
-        bounds, past_all = self._own_bounds()
+        bounds, past_all = self.bound  # split over model: this device's block (operand_partition)
 
         def below(col, b):
             return jnp.searchsorted(col, b.reshape(-1)).reshape(b.shape).astype(jnp.int32)

@@ -99,6 +99,9 @@ class Weighted(Wrapper, MultiPass):
     def operands(self, spec):
         return self.form.operands(self._float_weights(spec))
 
+    def operand_partition(self, mesh):
+        return self.form.operand_partition(mesh)
+
     def partition(self, mesh):
         parts = self.form.partition(mesh)
         return None if parts is None else WeightedAcc(parts, P())

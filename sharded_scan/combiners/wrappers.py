@@ -64,6 +64,9 @@ class Wrapper(Combiner):
     def bind(self, operands):
         return self.rewrap(self.inner.bind(operands))
 
+    def operand_partition(self, mesh):
+        return self.inner.operand_partition(mesh)
+
 
 def innermost(combiner: Combiner) -> Combiner:
     """The user's combiner inside the policies' wrappers."""
