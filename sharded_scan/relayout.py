@@ -56,7 +56,8 @@ def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[s
     all of them (each device holds, and orbax writes, 1/N of one state), and the checkpoint's
     ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``). Where that merge is a ``psum``
     (:func:`scatters`) the partials are reduce-scattered straight into that layout
-    (:func:`compile_scatter_sum`): half the bytes of the ``psum`` moved, 1/N of the state held."""
+    (:func:`compile_scatter_sum`; a leaf split over ``model``: its blocks, then their pieces moved):
+    half the bytes of the ``psum`` moved (a split leaf: at most its piece more), 1/N of the state held."""
     mesh = program.mesh
     if scatters(program):
         leaves = compile_scatter_sum(program.combiner, mesh)(partials)
