@@ -58,8 +58,18 @@ import numpy as np
 import sharded_scan as ss
 from sharded_scan import program as pg
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
+from sharded_scan.combiners.sums import round_up
 from sharded_scan.paths import as_path
-from sharded_scan.relayout import compact, compact_shape, compile_scatter_sum, merged_and_split, relayout, scatters
+from sharded_scan.relayout import (
+    block_moves,
+    compact,
+    compact_shape,
+    compile_scatter_sum,
+    merged_and_split,
+    relayout,
+    scatters,
+    split_axis,
+)
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 CHIPS, CHIPS_PER_HOST = (256, 1024, 4096), 4
@@ -210,29 +220,67 @@ def held_bytes(compiled) -> int:
     return int(compiled.memory_analysis().output_size_in_bytes)
 
 
-def scatter_point(name: str, repeats: int) -> dict:
-    """A compact save of an additive job without ``logical_shards`` on ``data:8``, where the merge is one
-    ``psum``: main's path (:func:`merged_and_split`: the ``psum``, the whole state on every device, then each
-    leaf flattened and split) beside the reduce-scatter straight into the split leaves
-    (:func:`compile_scatter_sum`). Seconds of that alone (best of ``repeats``) and of a save until written;
-    the bytes a device holds after the collective (its outputs, XLA's memory analysis) and receives (a
-    ring all-reduce: 2 (N - 1) / N of the state; a ring reduce-scatter half that)."""
+#: Additive jobs whose compact save is also timed with the state split over ``model`` (:func:`scatter_point`).
+SCATTER_SPLIT = {"Gram d=1024": "data:4,model:2"}
+
+
+def scatter_point(name: str, repeats: int, mesh: str = "data:8") -> dict:
+    """A compact save of an additive job without ``logical_shards`` on ``mesh``, where the merge is one
+    ``psum``: main's path (:func:`merged_and_split`: the ``psum``, the whole state, or its ``model`` block, on
+    every device, then each leaf flattened and split, a split one gathered whole first) beside the
+    reduce-scatter straight into the split leaves (:func:`compile_scatter_sum`; a split leaf's block
+    reduce-scattered over ``data``, then its pieces permuted). Seconds of that alone (best of ``repeats``)
+    and of a save until written; the bytes a device holds after the collective (its outputs, XLA's memory
+    analysis; before, on a split mesh, with the largest leaf gathered whole) and receives
+    (:func:`received_bytes`)."""
     combiner, spec = jobs()[name]
-    options = ss.RunOptions(mesh="data:8", microbatch=32, steps_per_call=1)
+    options = ss.RunOptions(mesh=mesh, microbatch=32, steps_per_call=1)
     prog = pg.program_for_spec(combiner, spec, 16 * 32 * 8, options)
     n, partials = prog.mesh.size, folded_partials(prog)
     state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
     psum = pg.compile_merge(prog.combiner, prog.mesh, False, prog.options.precision).lower(prog.like, prog.operands)
-    out = {"job": name, "devices": n, "state_bytes": state, "scatters": scatters(prog),
-           "held_bytes_before": held_bytes(psum.compile()),
+    gathered = 0
+    if prog.combiner.partition(prog.mesh) is not None:  # merged_and_split's _flat gathers a split leaf whole
+        gathered = max(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
+    before_in, after_in = received_bytes(prog)
+    out = {"job": name, "mesh": mesh, "devices": n, "state_bytes": state, "scatters": scatters(prog),
+           "held_bytes_before": held_bytes(psum.compile()) + gathered,
            "held_bytes_after": held_bytes(compile_scatter_sum(prog.combiner, prog.mesh).lower(prog.like).compile()),
-           "received_bytes_before": 2 * (n - 1) * state // n, "received_bytes_after": (n - 1) * state // n}
+           "received_bytes_before": before_in, "received_bytes_after": after_in}
     before = lambda p, x: (merged_and_split(p, x), compact_shape(p.mesh))  # noqa: E731 - main's compact save
     for when, saves in (("before", before), ("after", compact)):
         out[f"seconds_{when}"] = best_seconds(lambda saves=saves: saves(prog, partials)[0], repeats)
         with tempfile.TemporaryDirectory() as directory:
             out[f"save_seconds_{when}"] = save_seconds(checkpointer(prog, directory, True, saves), partials, repeats)
+    got, want = (jax.tree.leaves(pg.to_host(f(prog, partials)[0])) for f in (compact, before))
+    out["bitwise_as_before"] = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     return out
+
+
+def received_bytes(prog: pg.Program) -> tuple[int, int]:
+    """The bytes a device receives in a compact save's collectives, before and after (ring algorithms, a
+    model): before, each leaf's ``psum`` over ``data`` (2 (D - 1) / D of what a device holds of it) and a
+    split leaf gathered whole over ``model`` ((M - 1) / M of it); after, each leaf's ``psum_scatter`` over
+    ``data`` ((D - 1) / D of what it scatters) and, for a split leaf, the busiest device's share of the
+    ``ppermute``s that move its pieces (:func:`block_moves`)."""
+    d, m = prog.layout.data_size, dict(prog.mesh.shape).get("model", 1)
+    before = after = 0
+    for leaf in jax.tree.leaves(prog.like):
+        item, whole = np.dtype(leaf.dtype).itemsize, int(np.prod(leaf.shape[1:]))
+        axis = split_axis(leaf.sharding.spec)
+        if axis is None:
+            before += 2 * (d - 1) * whole * item // d
+            after += (d - 1) * round_up(whole, prog.mesh.size) * item // d
+            continue
+        block = list(leaf.shape[1:])
+        block[axis] //= m
+        moves = block_moves(tuple(block), axis, tuple(prog.mesh.devices.shape), prog.mesh.axis_names)
+        before += 2 * (d - 1) * (whole // m) * item // d + (m - 1) * whole * item // m
+        moved = np.zeros(prog.mesh.size, np.int64)
+        for _, pairs, *_, count in moves.rounds:
+            moved += 0 if pairs is None else count
+        after += ((d - 1) * moves.run + int(moved.max())) * item
+    return before, after
 
 
 def process_point(name: str, shards: int, repeats: int) -> dict:
@@ -331,7 +379,10 @@ def main() -> None:
         points = [checkpoint_point(name, s, 16 * 32 * counts[-1]) for name in args.jobs.split(",") for s in counts]
         for p in points:
             print(json.dumps(p), flush=True)
-        scatter = [scatter_point(name, args.repeats) for name in args.jobs.split(",") if jobs()[name][0].additive]
+        additive = [name for name in args.jobs.split(",") if jobs()[name][0].additive]
+        scatter = [scatter_point(name, args.repeats) for name in additive]
+        scatter += [scatter_point(name, args.repeats, SCATTER_SPLIT[name]) for name in additive
+                    if name in SCATTER_SPLIT]
         for p in scatter:
             print(json.dumps(p), flush=True)
         os.makedirs(RESULTS, exist_ok=True)

@@ -16,9 +16,10 @@ folded on one device.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,13 @@ from sharded_scan.checkpoint import SavedPartials
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.sums import round_up
 from sharded_scan.errors import UsageError
-from sharded_scan.mesh import DATA_AXIS
+from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
 from sharded_scan.program import (
     Program,
+    accumulator_specs,
     cached,
     compile_pair_merge,
+    leaf_shardings,
     mesh_axes,
     power_of_two_or_alone,
     process_leaders,
@@ -53,7 +56,8 @@ def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[s
     all of them (each device holds, and orbax writes, 1/N of one state), and the checkpoint's
     ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``). Where that merge is a ``psum``
     (:func:`scatters`) the partials are reduce-scattered straight into that layout
-    (:func:`compile_scatter_sum`): half the bytes of the ``psum`` moved, 1/N of the state held."""
+    (:func:`compile_scatter_sum`; a leaf split over ``model``: its blocks, then their pieces moved):
+    half the bytes of the ``psum`` moved (a split leaf: at most its piece more), 1/N of the state held."""
     mesh = program.mesh
     if scatters(program):
         leaves = compile_scatter_sum(program.combiner, mesh)(partials)
@@ -78,32 +82,165 @@ def merged_and_split(program: Program, partials: PyTree) -> list[jax.Array]:
 
 def scatters(program: Program) -> bool:
     """Whether a compact save reduce-scatters the partials: where :meth:`Program.merge` is one
-    ``psum`` (an additive combiner without ``logical_shards``, whose tree fixes the order) and no
-    leaf is split over another axis (a split leaf's block is not a run of the flat state)."""
-    combiner = program.combiner
-    return combiner.additive and program.options.logical_shards is None and combiner.partition(program.mesh) is None
+    ``psum`` (an additive combiner without ``logical_shards``, whose tree fixes the order) and each
+    leaf is whole on a device or split along one axis over ``model`` only (:func:`split_axis`; a
+    block's flat pieces are then moved to the devices whose pieces they are)."""
+    combiner, mesh = program.combiner, program.mesh
+    if not combiner.additive or program.options.logical_shards is not None:
+        return False
+    if combiner.partition(mesh) is None:
+        return True
+    if set(mesh.axis_names) != {DATA_AXIS, MODEL_AXIS}:
+        return False
+    axes = [(split_axis(leaf.sharding.spec), leaf.size // leaf.shape[0]) for leaf in jax.tree.leaves(program.like)]
+    return all(axis is None or (axis is not False and size < SPLIT_LEAF_LIMIT) for axis, size in axes)
+
+
+#: A leaf split over ``model`` reduce-scatters when it has fewer elements than this (the moves' int32 indices).
+SPLIT_LEAF_LIMIT = 1 << 30
+
+
+def split_axis(spec: P) -> int | None | bool:
+    """The axis of an accumulator leaf (stacked: its first axis the shards, over ``data``) that
+    ``spec`` splits over ``model``, counted without the shard axis; None where the leaf is whole on
+    a device (split over ``data`` only); False where it is split otherwise (another axis, or two)."""
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in tuple(spec)[1:]]
+    split = [i for i, e in enumerate(entries) if e]
+    if not split:
+        return None
+    return split[0] if len(split) == 1 and entries[split[0]] == (MODEL_AXIS,) else False
 
 
 @cached
 def compile_scatter_sum(combiner: Combiner, mesh: Mesh) -> Callable[[PyTree], list[jax.Array]]:
-    """``scatter(partials) -> leaves``: a sum's partials (one shard a device, leaves whole on each)
-    summed over ``data`` by one ``psum_scatter`` a leaf into :func:`compact`'s layout: each leaf
-    flat, padded to a multiple of the N devices, device ``i`` (row-major over the mesh's axes)
-    holding the ``i``-th of its N pieces."""
-    names, sizes = mesh.axis_names, tuple(mesh.devices.shape)
-    axis = names.index(DATA_AXIS)
-
-    def own_piece(x):  # x: this device's shard, [1, *leaf]
-        flat = jnp.pad(x[0].reshape(-1), (0, round_up(x[0].size, mesh.size) - x[0].size))
-        piece = jax.lax.psum_scatter(flat.reshape(*sizes, -1), DATA_AXIS, scatter_dimension=axis)
-        for name in (n for n in names if n != DATA_AXIS):  # then its piece by its place on the other axes
-            piece = piece[jax.lax.axis_index(name)]
-        return piece
+    """``scatter(partials) -> leaves``: a sum's partials (one shard a device) summed over ``data`` by
+    one ``psum_scatter`` a leaf into :func:`compact`'s layout: each leaf flat, padded to a multiple of
+    the N devices, device ``i`` (row-major over the mesh's axes) holding the ``i``-th of its N pieces.
+    A leaf whole on each device is reduce-scattered straight into its pieces (:func:`_own_piece`); a
+    leaf split over ``model`` (each device its block) has its block reduce-scattered over ``data``,
+    then each device's share moved to the devices whose pieces it falls in (:func:`_block_pieces`)."""
+    names = mesh.axis_names
 
     def scatter(partials):
-        return [own_piece(x) for x in jax.tree.leaves(partials)]
+        leaves = jax.tree.leaves(partials)
+        specs = [s.spec for s in jax.tree.leaves(leaf_shardings(combiner, mesh, partials))]
+        return [_own_piece(x, mesh) if split_axis(spec) is None else _block_pieces(x[0], split_axis(spec), mesh)
+                for x, spec in zip(leaves, specs, strict=True)]
 
-    return jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(names)))
+    specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    return jax.jit(jax.shard_map(scatter, mesh=mesh, in_specs=(specs,), out_specs=P(names)))
+
+
+def _own_piece(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """This device's piece of a leaf whole on each device (``x``: this device's shard, ``[1, *leaf]``)."""
+    names, sizes = mesh.axis_names, tuple(mesh.devices.shape)
+    flat = jnp.pad(x[0].reshape(-1), (0, round_up(x[0].size, mesh.size) - x[0].size))
+    piece = jax.lax.psum_scatter(flat.reshape(*sizes, -1), DATA_AXIS, scatter_dimension=names.index(DATA_AXIS))
+    for name in (n for n in names if n != DATA_AXIS):  # then its piece by its place on the other axes
+        piece = piece[jax.lax.axis_index(name)]
+    return piece
+
+
+def _block_pieces(block: jax.Array, axis: int, mesh: Mesh) -> jax.Array:
+    """This device's piece of a leaf split along ``axis`` over ``model`` (``block``: this device's block
+    of its shard): the block summed over ``data`` by one ``psum_scatter`` (device ``(k, m)``, ``k`` on
+    ``data``, gets run ``k`` of the ``D`` equal runs of block ``m``'s flat sum), then each run's
+    elements moved to the devices whose pieces of the whole leaf's flat order they are
+    (:func:`block_moves`: a ``ppermute`` a round; a run's share of a piece is contiguous in both)."""
+    moves = block_moves(tuple(block.shape), axis, tuple(mesh.devices.shape), mesh.axis_names)
+    names = mesh.axis_names
+    flat = block.reshape(-1)
+    run = jax.lax.psum_scatter(jnp.pad(flat, (0, moves.runs * moves.run - flat.size)), DATA_AXIS,
+                               scatter_dimension=0, tiled=True)
+    me = jax.lax.axis_index(names)
+    run = jnp.pad(run, (0, max(width for width, *_ in moves.rounds)))
+    sent, where = [], []
+    for width, pairs, send_at, first, block_of, count in moves.rounds:
+        part = jax.lax.dynamic_slice_in_dim(run, jnp.asarray(send_at)[me], width)
+        sent.append(part if pairs is None else jax.lax.ppermute(part, names, pairs))
+        b = jnp.asarray(first)[me] + jnp.arange(width, dtype=jnp.int32)  # block flat indices received
+        m = jnp.asarray(block_of)[me]
+        row = b // moves.width - jnp.asarray(moves.first_row)[me]  # rows after the piece's first
+        at = row * moves.row + m * moves.width + b % moves.width - jnp.asarray(moves.offset)[me]
+        pad = moves.piece + jnp.arange(width, dtype=jnp.int32)  # past the piece: dropped
+        where.append(jnp.where(jnp.arange(width) < jnp.asarray(count)[me], at, pad))
+    piece = jnp.zeros((moves.piece,), block.dtype)
+    return piece.at[jnp.concatenate(where)].set(jnp.concatenate(sent), mode="drop", unique_indices=True)
+
+
+class BlockMoves(NamedTuple):
+    """Where the runs of a split leaf's block go (:func:`block_moves`), per device (mesh-linear index)."""
+
+    width: int  # elements of a block row (the split axis's block width times the axes after it)
+    row: int  # elements of a row of the whole leaf (``model`` blocks of ``width``)
+    piece: int  # elements of a device's piece of the whole leaf (flat, padded to the devices)
+    run: int  # elements of a run (a block's flat sum, padded, over the ``data`` devices)
+    runs: int  # the ``data`` size
+    first_row: np.ndarray  # [N]: the whole leaf's row of each device's piece's first element
+    offset: np.ndarray  # [N]: that element's place in its row
+    rounds: list  # (width, ppermute pairs or None (a device's own), send_at[N], first[N], block_of[N], count[N])
+
+
+@functools.lru_cache(maxsize=64)
+def block_moves(shape: tuple[int, ...], axis: int, grid: tuple[int, ...], names: tuple[str, ...]) -> BlockMoves:
+    """The moves of :func:`_block_pieces`: a block of ``shape`` (split ``axis`` over ``model``) on a
+    mesh of ``grid`` devices (axes ``names``). The whole leaf, row-major, is rows of ``M`` blocks' rows of
+    ``width``: element ``b`` of block ``m``'s flat order sits at ``(b // width) * row + m * width +
+    b % width``, increasing in ``b``, so a run's share of a piece is one contiguous slice of each.
+    Each device's shares to the others are grouped into rounds, each a permutation (no device sends,
+    or receives, twice a round), the largest shares first: one ``ppermute`` a round, as wide as its
+    largest share."""
+    data_at, model_at = names.index(DATA_AXIS), names.index(MODEL_AXIS)
+    n_dev, d_size, m_size = math.prod(grid), grid[data_at], grid[model_at]
+    pre, width = math.prod(shape[:axis]), math.prod(shape[axis:])
+    row, total = m_size * width, math.prod(shape[:axis]) * m_size * width
+    piece, size = round_up(total, n_dev) // n_dev, pre * width
+    run = round_up(size, d_size) // d_size
+    coords = [np.unravel_index(i, grid) for i in range(n_dev)]
+
+    def before(t: int, m: int) -> int:  # block m's elements before the whole leaf's flat index t
+        rows, rest = divmod(min(t, total), row)
+        return min(rows * width + min(max(rest - m * width, 0), width), size)
+
+    def where(b: int, m: int) -> int:  # the whole leaf's flat index of block m's element b
+        return (b // width) * row + m * width + b % width
+
+    shares = []  # (count, source, target, first block index, block)
+    for source, at in enumerate(coords):
+        k, m = int(at[data_at]), int(at[model_at])
+        lo, hi = k * run, min((k + 1) * run, size)
+        if lo >= hi:
+            continue
+        for target in range(where(lo, m) // piece, where(hi - 1, m) // piece + 1):
+            a, b = max(lo, before(target * piece, m)), min(hi, before((target + 1) * piece, m))
+            if a < b:
+                shares.append((b - a, source, target, a, m))
+    own = [s for s in shares if s[1] == s[2]]
+    rounds_of: list[list] = [own]
+    busy: list[tuple[set, set]] = []
+    for share in sorted((s for s in shares if s[1] != s[2]), key=lambda s: (-s[0], s[1], s[2])):
+        r = next((i for i, (senders, targets) in enumerate(busy) if share[1] not in senders
+                  and share[2] not in targets), None)
+        if r is None:
+            busy.append((set(), set()))
+            rounds_of.append([])
+            r = len(busy) - 1
+        busy[r][0].add(share[1])
+        busy[r][1].add(share[2])
+        rounds_of[r + 1].append(share)
+    rounds = []
+    for i, group in enumerate(rounds_of):
+        if not group:
+            continue
+        send_at, first, block_of, count = (np.zeros(n_dev, np.int32) for _ in range(4))
+        for c, source, target, a, m in group:
+            send_at[source] = a - int(coords[source][data_at]) * run
+            first[target], block_of[target], count[target] = a, m, c
+        pairs = None if i == 0 else tuple((s[1], s[2]) for s in group)
+        rounds.append((max(s[0] for s in group), pairs, send_at, first, block_of, count))
+    starts = [i * piece for i in range(n_dev)]
+    return BlockMoves(width, row, piece, run, d_size, np.array([t // row for t in starts], np.int32),
+                      np.array([t % row for t in starts], np.int32), rounds)
 
 
 _pad = jax.jit(lambda x, size: jnp.pad(x.reshape(-1), (0, size - x.size)), static_argnums=1)

@@ -16,7 +16,7 @@ import sharded_scan as ss
 from sharded_scan import relayout
 from sharded_scan.checkpoint import DAMAGED, META, PARTIALS
 from sharded_scan.layout import data_sharding
-from sharded_scan.program import program_for_spec, to_host
+from sharded_scan.program import program_for_spec
 from tests.helpers import CrashError, crash_at, f64, rel_err
 
 KW = {"microbatch": 8, "steps_per_call": 2}  # 8 devices: 128 rows per step
@@ -88,22 +88,27 @@ def stepped(program):
     return program.step(program.init(), jax.device_put(X[:rows], data_sharding(program.mesh)), rows)
 
 
-@pytest.mark.parametrize("combiner,mesh", [(ss.Gram(), "data:8"), (HIST, "data:8"), (ss.Sum(), "model:2,data:4")])
+@pytest.mark.parametrize("combiner,mesh", [(ss.Gram(), "data:8"), (HIST, "data:8"), (ss.Gram(), "data:4,model:2"),
+                                           (HIST, "model:2,data:4")])  # the last: split counts, whole columns
 def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combiner, mesh):
     program = program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X), ss.RunOptions(mesh=mesh, **KW))
     assert relayout.scatters(program)
     partials = stepped(program)
     flat, _ = relayout.compact(program, partials)
-    # The old path: the run's merge (one psum, every device the whole state), flattened and padded.
-    merged = [np.asarray(leaf).reshape(-1) for leaf in jax.tree.leaves(to_host(program.merge(partials)))]
-    for leaf, want in zip(flat, merged, strict=True):
+    # The long way: the run's merge (one psum, every device the whole state or its model block), each
+    # leaf flattened, padded and split (a split one gathered whole first).
+    longway = relayout.merged_and_split(program, partials)
+    split = program.combiner.partition(program.mesh) is not None  # Gram: 5 columns padded to 6, 30 values over 8
+    for leaf, want in zip(flat, longway, strict=True):
         assert leaf.sharding.is_equivalent_to(NamedSharding(program.mesh, P(program.mesh.axis_names)), 1)
-        got = np.asarray(leaf)
-        assert got.shape == (-(-want.size // 8) * 8,) and not got[want.size:].any()
-        if np.issubdtype(want.dtype, np.integer):
-            np.testing.assert_array_equal(got[: want.size], want)
-        else:  # a sum in another collective: the same values to rounding (bitwise on XLA:CPU)
-            np.testing.assert_allclose(got[: want.size], want, rtol=1e-6)
+        assert leaf.shape == want.shape
+        # The same sums: on XLA:CPU the reduce-scatter adds the partials in the psum's order; the rest moves values.
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+    if split:  # one program: each block reduce-scattered over data, then its pieces permuted (none moves for
+        # a histogram on model:2,data:4: block m's runs are pieces m*4..m*4+3); no block all-reduced or gathered
+        hlo = relayout.compile_scatter_sum(program.combiner, program.mesh).lower(program.like).as_text()
+        assert "reduce_scatter" in hlo and ("collective_permute" in hlo) == (mesh == "data:4,model:2")
+        assert "all_reduce" not in hlo and "all_gather" not in hlo and "all_to_all" not in hlo
     # logical_shards fixes the merge's order (its tree): no psum to scatter.
     assert not relayout.scatters(program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X),
                                                   ss.RunOptions(mesh=mesh, logical_shards=8, **KW)))
