@@ -102,8 +102,11 @@ def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combi
     for leaf, want in zip(flat, longway, strict=True):
         assert leaf.sharding.is_equivalent_to(NamedSharding(program.mesh, P(program.mesh.axis_names)), 1)
         assert leaf.shape == want.shape
-        # The same sums: on XLA:CPU the reduce-scatter adds the partials in the psum's order; the rest moves values.
-        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+        got, want = np.asarray(leaf), np.asarray(want)
+        if np.issubdtype(want.dtype, np.integer):
+            np.testing.assert_array_equal(got, want)
+        else:  # a sum in another collective: the same values to rounding (no code of ours pins its order)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
     if split:  # one program: each block reduce-scattered over data, then its pieces permuted (none moves for
         # a histogram on model:2,data:4: block m's runs are pieces m*4..m*4+3); no block all-reduced or gathered
         hlo = relayout.compile_scatter_sum(program.combiner, program.mesh).lower(program.like).as_text()
