@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block, round_up
+from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, column_block, padded_columns, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -175,8 +175,8 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
         if self.model_shards == 1:
             return acc
         d = acc.limbs.shape[0]
-        pad = round_up(d, self.model_shards) - d
-        return SplitCounts(wide.Wide(jnp.pad(acc.limbs, ((0, pad), (0, 0), (0, 0)))), jnp.zeros((d,), jnp.int8))
+        limbs = padded_columns(acc.limbs, d, round_up(d, self.model_shards))
+        return SplitCounts(wide.Wide(limbs), jnp.zeros((d,), jnp.int8))
 
     def finalize(self, acc):
         counts = wide.to_int(unsplit(acc) if self.model_shards > 1 else acc)

@@ -56,7 +56,7 @@ from sharded_scan.combiners.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -114,10 +114,9 @@ def unsplit(acc: SplitQuantilesAcc) -> QuantilesAcc:
 def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
     """``acc`` whole as split over ``shards`` ``model`` devices: padded with empty columns."""
     items, shape = acc.sketch.items, np.shape(acc.low)
-    pad = round_up(items.shape[0], shards) - items.shape[0]
-    ends = lambda x, value: jnp.pad(jnp.reshape(x, (-1,)), (0, pad), constant_values=value)  # noqa: E731
-    value = acc._replace(sketch=acc.sketch._replace(items=jnp.pad(items, ((0, pad), (0, 0)),
-                                                                  constant_values=fill(items.dtype))),
+    d, width = items.shape[0], round_up(items.shape[0], shards)
+    ends = lambda x, value: padded_columns(jnp.reshape(x, (-1,)), d, width, value=value)  # noqa: E731
+    value = acc._replace(sketch=acc.sketch._replace(items=padded_columns(items, d, width, value=fill(items.dtype))),
                          low=ends(acc.low, fill(items.dtype)), high=ends(acc.high, 0))
     return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
 

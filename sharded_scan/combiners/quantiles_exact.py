@@ -53,7 +53,7 @@ from sharded_scan.combiners.keys import (
     np_float_keys,
 )
 from sharded_scan.combiners.quantiles_result import method_ranks, result_from_keys
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.combiners.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.mesh import MODEL_AXIS
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
@@ -154,12 +154,9 @@ class RefinePass(SplitsByColumns, Combiner):
         if source.model_shards == self.model_shards:
             return acc
         d, width = self.bounds.shape[0], self._width()
-
-        def to(x, value):
-            return jnp.pad(x[:d], [(0, width - d)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
-
-        return BinCounts(jax.tree.map(lambda x: to(x, 0), acc.below), to(acc.min, fill(acc.min.dtype)),
-                         to(acc.max, 0))
+        low = padded_columns(acc.min, d, width, value=fill(acc.min.dtype))
+        return BinCounts(jax.tree.map(lambda x: padded_columns(x, d, width), acc.below), low,
+                         padded_columns(acc.max, d, width))
 
     def operands(self, spec):
         """The boundaries as keys of ``spec``'s values (one past every key: the largest key) and where

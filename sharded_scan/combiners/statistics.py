@@ -36,6 +36,7 @@ from sharded_scan.combiners.sums import (
     SplitsByColumns,
     check_matrix_spec,
     column_block,
+    padded_columns,
     round_up,
 )
 from sharded_scan.errors import UsageError
@@ -70,7 +71,7 @@ def own_columns(v: jax.Array, width: int, shards: int) -> jax.Array:
     if width == d:
         return v
     if width == round_up(d, shards):
-        return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - d)])
+        return padded_columns(v, d, width, axis=v.ndim - 1)
     return column_block(v, shards, axis=v.ndim - 1)
 
 
@@ -311,11 +312,8 @@ def laid_out(acc: CenteredAcc, shards: int) -> CenteredAcc:
     """Full co-moments, whole or split over ``model``, laid out for ``shards`` ``model`` devices (a
     resume on a mesh with other axes): the real columns, padded with zeros to that many blocks."""
     d = acc.mean.shape[-1]
-
-    def pad(m2):
-        return jnp.pad(m2[:, :d], ((0, 0), (0, round_up(d, shards) - d)))
-
-    return acc._replace(m2=pad(acc.m2), m2_lost=pad(acc.m2_lost))
+    return acc._replace(**{name: padded_columns(getattr(acc, name), d, round_up(d, shards), axis=1)
+                           for name in ("m2", "m2_lost")})
 
 
 class CoMoments(SplitsByColumns, Combiner):

@@ -227,13 +227,22 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def padded_columns(x: jax.Array, real: int, width: int, axis: int = 0, value=0) -> jax.Array:
+    """``x``'s first ``real`` columns along ``axis`` (a split state's real ones, its padding dropped),
+    padded with ``value`` to ``width`` (whole blocks of a ``model`` axis): how a state is laid out
+    for another ``model`` size (:meth:`Combiner.convert`)."""
+    x = jax.lax.slice_in_dim(x, 0, real, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - real)
+    return jnp.pad(x, pad, constant_values=value)
+
+
 def column_block(x: jax.Array, shards: int, axis: int = 1, value=0) -> jax.Array:
     """This ``model`` device's block of ``x``'s columns (along ``axis``; padded with ``value``
     to ``shards`` blocks)."""
-    width = round_up(x.shape[axis], shards) // shards
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width * shards - x.shape[axis])
-    x = jnp.pad(x, pad, constant_values=value)
+    d = x.shape[axis]
+    width = round_up(d, shards) // shards
+    x = padded_columns(x, d, width * shards, axis, value)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL_AXIS) * width, width, axis=axis)
 
 
