@@ -154,8 +154,8 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
     on every device whatever the mesh, or a device's block where they split over ``model``
-    (:meth:`Combiner.operand_partition`: the exact quantiles' boundaries), alive from the first step
-    to the merge's end.
+    (:meth:`Combiner.operand_partition`: a histogram's edges, the exact quantiles' boundaries), alive from
+    the first step to the merge's end.
     """
     layout = program.layout
     leaves = jax.tree.leaves(program.like)
@@ -371,7 +371,8 @@ def axis_to_grow(program: Program, parts: dict[str, int], operands_alone: bool =
     """What shrinks the biggest part of one device's peak: a mesh axis to grow, or an option.
 
     Operands whole on every device shrink with no axis; ones the job splits over ``model``
-    (:meth:`Combiner.operand_partition`: the exact quantiles' boundaries) shrink with it.
+    (:meth:`Combiner.operand_partition`: a histogram's edges, the exact quantiles' boundaries) shrink
+    with it.
     ``operands_alone`` (they need more than there is by themselves) says only that; where they are
     the biggest part, so does the advice's start, and where they show in the parts (0.01 GiB or
     more), its end."""

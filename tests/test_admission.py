@@ -146,18 +146,24 @@ def test_a_job_over_its_cgroups_room_is_one_line_before_compute(tmp_path, monkey
     message = str(err.value)
     assert "\n" not in message and "more than the" in message and "cgroup (limit" in message
     assert "operands 0.01 GiB" in message and "grow the mesh's 'model' axis" in message
-    assert "(the combiner's operands, 0.01 GiB, stay whole on every device)" in message
+    assert "(the combiner's operands, 0.01 GiB a device, shrink as 'model' grows)" in message  # with the counts
     assert not (tmp_path / "ck").exists()  # refused before anything ran
     cgroup_v2(tmp_path, limit=need + GIB // 4, usage=GIB // 4)  # exactly enough
     build_program(JOB, as_source(X), OPTIONS)
 
 
-def test_operands_stay_whole_over_model_and_alone_are_named():
+def test_operands_split_over_model_with_the_counts_and_whole_ones_alone_are_named():
     whole, split = (admission.memory_estimate(build_program(JOB, as_source(X), RunOptions(mesh=mesh)))
                     for mesh in ("data:2", "data:2,model:2"))
-    assert split["accumulator"] <= 0.51 * whole["accumulator"] and split["operands"] == whole["operands"] == EDGES
+    # The edges split with the counts' 16 columns: each device holds 8 columns' (test_wide_model: which).
+    assert split["accumulator"] <= 0.51 * whole["accumulator"] and 2 * split["operands"] == whole["operands"] == EDGES
     program = build_program(JOB, as_source(X), OPTIONS)
-    advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB}, operands_alone=True)
-    assert advice.startswith("the combiner's operands alone (8.00 GiB") and "'model'" not in advice
-    advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB})  # the most of the peak
-    assert advice.startswith("the combiner's operands are the most of it") and "grow the mesh's 'model'" in advice
+    for alone, start in ((True, "alone (8.00 GiB a device) do not fit: "), (False, "are the most of it: ")):
+        advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB}, operands_alone=alone)
+        assert advice.startswith(f"the combiner's operands {start}grow the mesh's 'model' axis"), advice
+    # The weighted form's sums and edges stay whole on every device: no axis shrinks its operands.
+    weighted = build_program(ss.Weighted(JOB), as_source((X[:, 0], X)), OPTIONS)
+    advice = admission.axis_to_grow(weighted, {**whole, "operands": 8 * GIB}, operands_alone=True)
+    assert advice.startswith("the combiner's operands alone (8.00 GiB, whole") and "'model'" not in advice
+    advice = admission.axis_to_grow(weighted, {**whole, "operands": 8 * GIB})  # the most of the peak
+    assert advice.startswith("the combiner's operands are the most of it and whole") and "'model'" not in advice

@@ -77,9 +77,21 @@ def test_topk_splits_its_summaries_by_columns_and_the_memory_estimate_sees_it():
     assert split["accumulator"] <= 0.51 * whole["accumulator"] and split["merge"] <= 0.51 * whole["merge"]
 
 
-def test_a_histogram_splits_its_counts_by_columns():  # test_histogram checks them on data:4,model:2
-    counts = build_program(ss.Histogram(7, (0, 1)), as_source(X), RunOptions(mesh="data:2,model:4")).like.value.counts
+def test_a_histogram_splits_its_counts_and_edges_by_columns():  # test_histogram checks them on data:4,model:2
+    ranges = np.stack([-np.arange(1, 7), np.arange(1, 7)], 1)  # each column its own edges
+    program = build_program(ss.Histogram(7, ranges), as_source(X), RunOptions(mesh="data:2,model:4"))
+    counts = program.like.value.counts
     assert counts.limbs.shape[1] == 8 and counts.limbs.sharding.shard_shape(counts.limbs.shape)[1] == 2
+    # Its edges (operands: inner (d, 6), lo, hi) split the same way: each device holds its 2 columns' (the
+    # last device's padding: lo 1 above hi 0, no value counts), not the 6 whole; the estimate counts that block.
+    whole = ss.Histogram(7, ranges).operands(jax.ShapeDtypeStruct((6,), np.float32))
+    for leaf, want, pad in zip(program.operands, whole, (0, 1, 0), strict=True):
+        padded = np.concatenate([want, np.full((2, *want.shape[1:]), pad, want.dtype)])
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape[0] == 2
+            np.testing.assert_array_equal(shard.data, padded[shard.index])
+    parts = admission.memory_estimate(program)
+    assert parts["operands"] == 2 * (7 + 1) * 4 == admission.operand_bytes(program, whole=True) // 4
 
 
 FIVE = (np.random.default_rng(0).normal(size=(301, 5)) * np.arange(1, 6) + 1e3).astype(np.float32)

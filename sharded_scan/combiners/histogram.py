@@ -76,7 +76,7 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     bins: int
     range: Any
     bound: Any = dataclasses.field(default=None, repr=False)  # the operands inside a program (bind)
-    model_shards: int = 1  # set by for_mesh: above 1 the counts are split by columns over ``model``
+    model_shards: int = 1  # set by for_mesh: above 1 the counts and edges are split by columns over ``model``
 
     def __post_init__(self):
         bins = self.bins
@@ -116,9 +116,23 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
         return SplitCounts(wide.Wide(P(MODEL_AXIS)), P()) if self.model_shards > 1 else None
 
     def operands(self, spec):
-        """The float32 edges every value is compared with: inner ``(d, bins - 1)``, ``lo`` and ``hi`` ``(d,)``."""
-        edges = self._edges(spec.shape[0])
-        return _float32_at_least(edges[:, 1:-1]), _float32_at_least(edges[:, 0]), _float32_at_most(edges[:, -1])
+        """The float32 edges every value is compared with: inner ``(d, bins - 1)``, ``lo`` and ``hi`` ``(d,)``;
+        split over ``model``, padded to the counts' columns (``round_up(d, M)``) with inner edges 0 and an
+        empty range, ``lo`` 1 above ``hi`` 0 (a padding column counts no value)."""
+        d = spec.shape[0]
+        edges = self._edges(d)
+        inner, lo = _float32_at_least(edges[:, 1:-1]), _float32_at_least(edges[:, 0])
+        hi = _float32_at_most(edges[:, -1])
+        if self.model_shards == 1:
+            return inner, lo, hi
+        pad = round_up(d, self.model_shards) - d
+        return (np.pad(inner, [(0, pad), (0, 0)]), np.pad(lo, (0, pad), constant_values=1),
+                np.pad(hi, (0, pad), constant_values=0))
+
+    def operand_partition(self, mesh: Mesh):
+        """Split over ``model`` as the counts are: inside the programs each device binds its own columns'
+        edges, never the whole (``d * (bins + 1)`` floats: a device's memory for 10^4 columns of 10^3 bins)."""
+        return (P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS)) if self.model_shards > 1 else None
 
     def bind(self, operands):
         return dataclasses.replace(self, bound=operands)
@@ -133,12 +147,14 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     def _bins(self, x, mask):
         """Each value's bin, numbered over ``(column, bin)`` (``(mb, d)``; this ``model`` device's
         columns where split), and whether it counts."""
-        bound = self.bound if self.bound is not None else Histogram.operands(self, jax.ShapeDtypeStruct((x.shape[1],),
-                                                                                                     x.dtype))
-        inner, lo, hi = bound
+        if self.bound is not None:  # inside the programs; split over model, this device's block (operand_partition)
+            inner, lo, hi = self.bound
+        else:  # unbound (outside the programs): the whole edges, this device's block where split
+            whole = Histogram.operands(self, jax.ShapeDtypeStruct((x.shape[1],), x.dtype))
+            inner, lo, hi = whole if self.model_shards == 1 else (column_block(e, self.model_shards, axis=0)
+                                                                   for e in whole)
         if self.model_shards > 1:  # padded columns: empty ranges, nothing counts
-            x, inner = column_block(x, self.model_shards), column_block(inner, self.model_shards, axis=0)
-            lo, hi = column_block(lo, self.model_shards, axis=0, value=1), column_block(hi, self.model_shards, axis=0)
+            x = column_block(x, self.model_shards)
         d = x.shape[1]
         x = x.astype(jnp.float32)
         index = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"))(inner, x.T).T  # (mb, d)
