@@ -38,8 +38,9 @@ state read split and laid out in shard 0), and an elastic restore of the per-sha
     python -m bench.scale --split --repeats 5
 
 For each additive job, ``--checkpoints`` also times a compact save without ``logical_shards`` on
-``data:8``, where the merge is one ``psum`` (:func:`scatter_point`): main's path (the ``psum``, the
-whole state on every device, then split) beside the reduce-scatter into the split leaves.
+``data:8`` (and the jobs of :data:`SCATTER_MODEL` on ``data:4,model:2``), where the merge is one
+``psum`` (:func:`scatter_point`): main's path (the ``psum``, the whole state on every device, then
+split) beside the reduce-scatter into the split leaves.
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ def held_bytes(compiled) -> int:
     return int(compiled.memory_analysis().output_size_in_bytes)
 
 
-#: Additive jobs whose compact save is also timed with the state split over ``model`` (:func:`scatter_point`).
-SCATTER_SPLIT = {"Gram d=1024": "data:4,model:2"}
+#: Additive jobs whose compact save is also timed on a mesh with a ``model`` axis (:func:`scatter_point`):
+#: ``Gram``'s state split over ``model``, ``Sum``'s leaves whole on each device.
+SCATTER_MODEL = {"Gram d=1024": "data:4,model:2", "Sum": "data:4,model:2"}
 
 
 def scatter_point(name: str, repeats: int, mesh: str = "data:8") -> dict:
@@ -261,7 +263,8 @@ def received_bytes(prog: pg.Program) -> tuple[int, int]:
     """The bytes a device receives in a compact save's collectives, before and after (ring algorithms, a
     model): before, each leaf's ``psum`` over ``data`` (2 (D - 1) / D of what a device holds of it) and a
     split leaf gathered whole over ``model`` ((M - 1) / M of it); after, each leaf's ``psum_scatter`` over
-    ``data`` ((D - 1) / D of what it scatters) and, for a split leaf, the busiest device's share of the
+    ``data`` ((D - 1) / D of what it scatters: a whole leaf's D pieces at the device's place on the other
+    axes, 1/M of it padded; a split leaf's block) and, for a split leaf, the busiest device's share of the
     ``ppermute``s that move its pieces (:func:`block_moves`)."""
     d, m = prog.layout.data_size, dict(prog.mesh.shape).get("model", 1)
     before = after = 0
@@ -270,7 +273,7 @@ def received_bytes(prog: pg.Program) -> tuple[int, int]:
         axis = split_axis(leaf.sharding.spec)
         if axis is None:
             before += 2 * (d - 1) * whole * item // d
-            after += (d - 1) * round_up(whole, prog.mesh.size) * item // d
+            after += (d - 1) * (round_up(whole, prog.mesh.size) // prog.mesh.size) * item
             continue
         block = list(leaf.shape[1:])
         block[axis] //= m
@@ -381,8 +384,8 @@ def main() -> None:
             print(json.dumps(p), flush=True)
         additive = [name for name in args.jobs.split(",") if jobs()[name][0].additive]
         scatter = [scatter_point(name, args.repeats) for name in additive]
-        scatter += [scatter_point(name, args.repeats, SCATTER_SPLIT[name]) for name in additive
-                    if name in SCATTER_SPLIT]
+        scatter += [scatter_point(name, args.repeats, SCATTER_MODEL[name]) for name in additive
+                    if name in SCATTER_MODEL]
         for p in scatter:
             print(json.dumps(p), flush=True)
         os.makedirs(RESULTS, exist_ok=True)

@@ -57,7 +57,8 @@ def compact(program: Program, partials: PyTree) -> tuple[list[jax.Array], dict[s
     ``shape`` (``{"shards": 1, "axes": ..., "compact": N}``). Where that merge is a ``psum``
     (:func:`scatters`) the partials are reduce-scattered straight into that layout
     (:func:`compile_scatter_sum`; a leaf split over ``model``: its blocks, then their pieces moved):
-    half the bytes of the ``psum`` moved (a split leaf: at most its piece more), 1/N of the state held."""
+    half the bytes of the ``psum`` over ``data`` moved (a whole leaf on a ``model`` mesh: 1/M of that; a
+    split leaf: at most its piece more), 1/N of the state held."""
     mesh = program.mesh
     if scatters(program):
         leaves = compile_scatter_sum(program.combiner, mesh)(partials)
@@ -116,7 +117,8 @@ def compile_scatter_sum(combiner: Combiner, mesh: Mesh) -> Callable[[PyTree], li
     """``scatter(partials) -> leaves``: a sum's partials (one shard a device) summed over ``data`` by
     one ``psum_scatter`` a leaf into :func:`compact`'s layout: each leaf flat, padded to a multiple of
     the N devices, device ``i`` (row-major over the mesh's axes) holding the ``i``-th of its N pieces.
-    A leaf whole on each device is reduce-scattered straight into its pieces (:func:`_own_piece`); a
+    A leaf whole on each device has the pieces of the devices at its place on the axes besides ``data``
+    reduce-scattered over ``data`` straight into them (:func:`_own_piece`: 1/M of the leaf); a
     leaf split over ``model`` (each device its block) has its block reduce-scattered over ``data``,
     then each device's share moved to the devices whose pieces it falls in (:func:`_block_pieces`)."""
     names = mesh.axis_names
@@ -132,13 +134,18 @@ def compile_scatter_sum(combiner: Combiner, mesh: Mesh) -> Callable[[PyTree], li
 
 
 def _own_piece(x: jax.Array, mesh: Mesh) -> jax.Array:
-    """This device's piece of a leaf whole on each device (``x``: this device's shard, ``[1, *leaf]``)."""
+    """This device's piece of a leaf whole on each device (``x``: this device's shard, ``[1, *leaf]``).
+
+    The flat padded leaf's ``N`` pieces, row-major over the mesh's axes, are a ``[*sizes, piece]``
+    array; the devices beside this one on ``data`` (its place on every other axis) own the ``D``
+    pieces at that place on the other axes: that slice alone (``1/(N/D)`` of the leaf) is
+    reduce-scattered over ``data``, so each device receives only its own piece's sum."""
     names, sizes = mesh.axis_names, tuple(mesh.devices.shape)
     flat = jnp.pad(x[0].reshape(-1), (0, round_up(x[0].size, mesh.size) - x[0].size))
-    piece = jax.lax.psum_scatter(flat.reshape(*sizes, -1), DATA_AXIS, scatter_dimension=names.index(DATA_AXIS))
-    for name in (n for n in names if n != DATA_AXIS):  # then its piece by its place on the other axes
-        piece = piece[jax.lax.axis_index(name)]
-    return piece
+    data_at, others = names.index(DATA_AXIS), tuple(n for n in names if n != DATA_AXIS)
+    pieces = jnp.moveaxis(flat.reshape(*sizes, -1), data_at, 0).reshape(sizes[data_at], -1, flat.size // mesh.size)
+    share = pieces[:, jax.lax.axis_index(others) if others else 0]  # [D, piece]: this place's pieces, by data
+    return jax.lax.psum_scatter(share, DATA_AXIS, scatter_dimension=0)
 
 
 def _block_pieces(block: jax.Array, axis: int, mesh: Mesh) -> jax.Array:

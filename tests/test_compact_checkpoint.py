@@ -3,6 +3,7 @@
 import logging
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -89,7 +90,8 @@ def stepped(program):
 
 
 @pytest.mark.parametrize("combiner,mesh", [(ss.Gram(), "data:8"), (HIST, "data:8"), (ss.Gram(), "data:4,model:2"),
-                                           (HIST, "model:2,data:4")])  # the last: split counts, whole columns
+                                           (HIST, "model:2,data:4"),  # split counts, whole columns (a
+                                           (ss.Sum(), "data:4,model:2")])  # whole leaf on either order)
 def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combiner, mesh):
     program = program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X), ss.RunOptions(mesh=mesh, **KW))
     assert relayout.scatters(program)
@@ -107,11 +109,18 @@ def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combi
             np.testing.assert_array_equal(got, want)
         else:  # a sum in another collective: the same values to rounding (no code of ours pins its order)
             np.testing.assert_allclose(got, want, rtol=1e-6)
-    if split:  # one program: each block reduce-scattered over data, then its pieces permuted (none moves for
-        # a histogram on model:2,data:4: block m's runs are pieces m*4..m*4+3); no block all-reduced or gathered
-        hlo = relayout.compile_scatter_sum(program.combiner, program.mesh).lower(program.like).as_text()
-        assert "reduce_scatter" in hlo and ("collective_permute" in hlo) == (mesh == "data:4,model:2")
-        assert "all_reduce" not in hlo and "all_gather" not in hlo and "all_to_all" not in hlo
+    # One program, one reduce-scatter over data a leaf, of only what its devices keep: a leaf whole on each
+    # device the D pieces of the devices at its place on model ([D, piece], 1/M of the padded flat leaf); a
+    # split one its model block, flat, padded to D runs.
+    hlo = relayout.compile_scatter_sum(program.combiner, program.mesh).lower(program.like).as_text()
+    n, d = program.mesh.size, program.layout.data_size
+    sizes = [(math.prod(s.shape[1:]), relayout.split_axis(s.sharding.spec)) for s in jax.tree.leaves(program.like)]
+    assert re.findall(r"reduce_scatter.*?\}\) : \(tensor<([\dx]+)x\w+>\)", hlo, re.S) == [
+        f"{d}x{-(-size // n)}" if axis is None else str(-(-size // (n // d) // d) * d) for size, axis in sizes]
+    assert "all_reduce" not in hlo and "all_gather" not in hlo and "all_to_all" not in hlo
+    # A split leaf's pieces are then permuted (none move for a histogram on model:2,data:4: block m's runs
+    # are pieces m*4..m*4+3).
+    assert ("collective_permute" in hlo) == (split and mesh == "data:4,model:2")
     # logical_shards fixes the merge's order (its tree): no psum to scatter.
     assert not relayout.scatters(program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X),
                                                   ss.RunOptions(mesh=mesh, logical_shards=8, **KW)))
