@@ -161,9 +161,12 @@ def test_operands_split_over_model_with_the_counts_and_whole_ones_alone_are_name
     for alone, start in ((True, "alone (8.00 GiB a device) do not fit: "), (False, "are the most of it: ")):
         advice = admission.axis_to_grow(program, {**whole, "operands": 8 * GIB}, operands_alone=alone)
         assert advice.startswith(f"the combiner's operands {start}grow the mesh's 'model' axis"), advice
-    # The weighted form's sums and edges stay whole on every device: no axis shrinks its operands.
-    weighted = build_program(ss.Weighted(JOB), as_source((X[:, 0], X)), OPTIONS)
-    advice = admission.axis_to_grow(weighted, {**whole, "operands": 8 * GIB}, operands_alone=True)
+    # The weighted form's sums and edges split the same way (test_wide_model: bitwise the whole run's).
+    weighted = build_program(ss.Weighted(JOB), as_source((X[:, 0], X)), RunOptions(mesh="data:2,model:2"))
+    assert 2 * admission.memory_estimate(weighted)["operands"] == EDGES
+    # A gradient's parameters stay whole on every device: no axis shrinks them.
+    gradient = build_program(ss.Gradient(lambda p, x: x @ p, np.ones(16, np.float32)), as_source(X), OPTIONS)
+    advice = admission.axis_to_grow(gradient, {**whole, "operands": 8 * GIB}, operands_alone=True)
     assert advice.startswith("the combiner's operands alone (8.00 GiB, whole") and "'model'" not in advice
-    advice = admission.axis_to_grow(weighted, {**whole, "operands": 8 * GIB})  # the most of the peak
+    advice = admission.axis_to_grow(gradient, {**whole, "operands": 8 * GIB})  # the most of the peak
     assert advice.startswith("the combiner's operands are the most of it and whole") and "'model'" not in advice

@@ -98,6 +98,24 @@ FIVE = (np.random.default_rng(0).normal(size=(301, 5)) * np.arange(1, 6) + 1e3).
 FIVE_RUN = dict(microbatch=8, steps_per_call=2, logical_shards=4)
 
 
+def test_a_weighted_histogram_splits_its_sums_and_edges_and_is_bitwise_the_whole_ones():
+    # The covariance test's rows, shards and micro-batch, weighted (every 7th weight 0: an omitted row), each
+    # column its own range (values beyond it on both sides); over model:2 each device sums its 3 of 6 padded columns.
+    x, run = FIVE, FIVE_RUN
+    w = np.where(np.arange(len(x)) % 7, np.random.default_rng(1).uniform(0, 2, len(x)), 0).astype(np.float32)
+    ranges = np.stack([1e3 - 2 * np.arange(1, 6), 1e3 + 2 * np.arange(1, 6)], 1)
+    job = ss.Weighted(ss.Histogram(7, ranges))
+    whole = ss.run(job, (w, x), mesh="data:4", **run)
+    for j in range(5):
+        want, edges = np.histogram(f64(x[:, j]), 7, tuple(ranges[j]), weights=f64(w))
+        assert rel_err(whole.counts[j], want) < 1e-6 and np.array_equal(whole.edges[j], edges)
+    program = build_program(job, as_source((w, x)), RunOptions(mesh="data:4,model:2", **run))
+    sums = program.like.value.value.sums  # (shards, padded columns, bins): the float sums, compensated
+    assert sums.shape == (4, 6, 7) and sums.sharding.shard_shape(sums.shape) == (1, 3, 7)
+    assert [leaf.sharding.shard_shape(leaf.shape)[0] for leaf in program.operands] == [3, 3, 3]  # edges
+    assert_bitwise(ss.run(job, (w, x), mesh="data:4,model:2", **run), whole)
+
+
 def test_covariance_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(tmp_path):
     # 5 columns: over model:2 padded to 6, 3 a device (test_statistics runs them against numpy without
     # logical_shards); 4 logical shards (data:4's run is bitwise data:1's and data:2's: test_engine),
@@ -246,6 +264,7 @@ REFINE = RefinePass(np.zeros((6, 2, 5), np.int64))  # an exact pass's bin counts
 
 
 @pytest.mark.parametrize(("job", "spec"), [(SKETCH, ROW), (SKETCH, ONE), (ss.Histogram(7, (0, 1)), ROW),
+                                         (ss.Weighted(ss.Histogram(7, (0, 1))), (WEIGHTS, ROW)),
                                          (ss.DistinctCount(precision=8, exact_up_to=64), ROW),
                                          (ss.DistinctCount(precision=8, exact_up_to=64), ONE),
                                          (TOPK, ROW), (ss.Weighted(TOPK), (WEIGHTS, ROW)),

@@ -58,6 +58,15 @@ def unsplit(acc: SplitCounts) -> wide.Wide:
     return wide.Wide(acc.counts.limbs[: acc.columns.shape[0]])
 
 
+class SplitSums(NamedTuple):
+    """A :class:`WeightedHistogram`'s float sums split by columns over ``model`` as :class:`SplitCounts`
+    splits the counts: padded with empty columns to a multiple of the axis size, ``columns``' length the
+    real column count."""
+
+    sums: jax.Array
+    columns: jax.Array
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Histogram(SplitsByColumns, AdditiveCombiner):
     """Counts of each column's values in ``bins`` equal bins over ``range``.
@@ -183,7 +192,7 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
         return sums.reshape((d, self.bins) if keys is None else (num_keys, d, self.bins))
 
     def weighted(self):
-        return WeightedHistogram(self.bins, self.range, self.bound)
+        return WeightedHistogram(self.bins, self.range, self.bound, self.model_shards)
 
     def convert(self, acc, source):
         """Between whole counts and counts split over ``model`` (a resume on a mesh with other axes)."""
@@ -206,7 +215,9 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
 @dataclasses.dataclass(frozen=True, eq=False)
 class WeightedHistogram(Histogram):
     """``Histogram(...).weighted()``: on rows ``(w, X)``, the weights' sums per bin (float), like
-    ``np.histogram(x, bins, range, weights=w)``; takes the same operands (the edges) as the histogram."""
+    ``np.histogram(x, bins, range, weights=w)``; takes the same operands (the edges) as the histogram.
+    On a mesh with ``model`` its sums and edges split by columns as the counts do (:class:`SplitSums`);
+    the weights, one a row, stay whole."""
 
     def check_spec(self, spec):
         super().check_spec(spec[1])
@@ -214,22 +225,43 @@ class WeightedHistogram(Histogram):
     def operands(self, spec):
         return super().operands(spec[1])
 
+    def partition(self, mesh: Mesh):
+        return SplitSums(P(MODEL_AXIS), P()) if self.model_shards > 1 else None
+
     def init(self, spec):
         w, x = spec
-        return jnp.zeros((x.shape[0], self.bins), w.dtype)
+        d = x.shape[0]
+        if self.model_shards > 1:
+            return SplitSums(jnp.zeros((round_up(d, self.model_shards), self.bins), w.dtype),
+                             jnp.zeros((d,), jnp.int8))
+        return jnp.zeros((d, self.bins), w.dtype)
 
     def add(self, acc, batch, mask):
         w, x = batch
-        return acc + self._binned(x, mask, None, 1, acc.dtype, w)
+        return self._summed(acc, lambda dtype: self._binned(x, mask, None, 1, dtype, w))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         w, x = batch
-        return acc + self._binned(x, mask, keys, num_keys, acc.dtype, w)
+        return self._summed(acc, lambda dtype: self._binned(x, mask, keys, num_keys, dtype, w))
+
+    def _summed(self, acc, sums):
+        """``acc`` plus the micro-batch's ``sums(dtype)`` (this device's columns where split)."""
+        if self.model_shards > 1:
+            return acc._replace(sums=acc.sums + sums(acc.sums.dtype))
+        return acc + sums(acc.dtype)
 
     def weighted(self):
         return Combiner.weighted(self)
 
+    def convert(self, acc, source):
+        """Between whole sums and sums split over ``model`` (a resume on a mesh with other axes)."""
+        acc = acc.sums[: acc.columns.shape[0]] if source.model_shards > 1 else acc
+        if self.model_shards == 1:
+            return acc
+        d = acc.shape[0]
+        return SplitSums(padded_columns(acc, d, round_up(d, self.model_shards)), jnp.zeros((d,), jnp.int8))
+
     def finalize(self, acc):
-        acc = np.asarray(acc)
+        acc = np.asarray(acc.sums[: acc.columns.shape[0]] if self.model_shards > 1 else acc)
         edges = self._edges(acc.shape[0])
         return HistogramResult(acc, edges if np.ndim(self.range) == 2 else edges[0])
