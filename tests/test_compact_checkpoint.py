@@ -83,24 +83,40 @@ def test_a_compact_checkpoint_resumes_on_any_device_count_every_row_once(compact
     np.testing.assert_array_equal(got.counts, counts)  # integer counts: exact
 
 
-def stepped(program):
-    """``program``'s partials after one step of X's rows (not the identity)."""
+W = np.random.default_rng(4).uniform(0, 2, len(X)).astype(np.float32)  # a weighted job's rows are (W, X)
+
+
+def weighted(combiner):
+    return isinstance(combiner, ss.Weighted)
+
+
+def spec(combiner):
+    row = jax.ShapeDtypeStruct((5,), np.float32)
+    return (jax.ShapeDtypeStruct((), np.float32), row) if weighted(combiner) else row
+
+
+def stepped(program, combiner=None):
+    """``program``'s partials after one step of X's rows, weighted by W for a weighted ``combiner`` (not the
+    identity)."""
     rows = program.layout.rows_per_step
-    return program.step(program.init(), jax.device_put(X[:rows], data_sharding(program.mesh)), rows)
+    batch = (W[:rows], X[:rows]) if weighted(combiner) else X[:rows]
+    return program.step(program.init(), jax.device_put(batch, data_sharding(program.mesh)), rows)
 
 
 @pytest.mark.parametrize("combiner,mesh", [(ss.Gram(), "data:8"), (HIST, "data:8"), (ss.Gram(), "data:4,model:2"),
                                            (HIST, "model:2,data:4"),  # split counts, whole columns (a
-                                           (ss.Sum(), "data:4,model:2")])  # whole leaf on either order)
+                                           (ss.Sum(), "data:4,model:2"),  # whole leaf on either order)
+                                           (ss.Weighted(HIST), "data:4,model:2")])  # split float sums
 def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combiner, mesh):
-    program = program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X), ss.RunOptions(mesh=mesh, **KW))
+    program = program_for_spec(combiner, spec(combiner), len(X), ss.RunOptions(mesh=mesh, **KW))
     assert relayout.scatters(program)
-    partials = stepped(program)
+    partials = stepped(program, combiner)
     flat, _ = relayout.compact(program, partials)
     # The long way: the run's merge (one psum, every device the whole state or its model block), each
     # leaf flattened, padded and split (a split one gathered whole first).
     longway = relayout.merged_and_split(program, partials)
     split = program.combiner.partition(program.mesh) is not None  # Gram: 5 columns padded to 6, 30 values over 8
+    assert split or not weighted(combiner)  # a weighted histogram's float sums split with its columns
     for leaf, want in zip(flat, longway, strict=True):
         assert leaf.sharding.is_equivalent_to(NamedSharding(program.mesh, P(program.mesh.axis_names)), 1)
         assert leaf.shape == want.shape
@@ -122,7 +138,7 @@ def test_a_compact_save_of_a_sum_reduce_scatters_the_state_the_psum_merged(combi
     # are pieces m*4..m*4+3).
     assert ("collective_permute" in hlo) == (split and mesh == "data:4,model:2")
     # logical_shards fixes the merge's order (its tree): no psum to scatter.
-    assert not relayout.scatters(program_for_spec(combiner, jax.ShapeDtypeStruct((5,), np.float32), len(X),
+    assert not relayout.scatters(program_for_spec(combiner, spec(combiner), len(X),
                                                   ss.RunOptions(mesh=mesh, logical_shards=8, **KW)))
 
 
