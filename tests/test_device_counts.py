@@ -1,24 +1,36 @@
-"""The same job on backends with 1 and 2 simulated devices (each in a fresh subprocess)."""
+"""The same job on backends with 1 and 2 simulated devices (each in a fresh subprocess) and on this
+process's 8 (tests/conftest.py): no interpreter of its own for the third size (~2 s of CPU)."""
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-SCRIPT = """
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = f"""
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-import numpy as np
-import sharded_scan as ss
-x = np.random.default_rng(0).normal(size=(1009, 6)).astype(np.float32)
-gram = ss.run(ss.Gram(), x, microbatch=8)
-fixed = ss.run(ss.Gram(), x, microbatch=8, logical_shards=4)
-print(json.dumps({"devices": jax.device_count(), "gram": gram.tolist(), "fixed": fixed.tolist()}))
+sys.path.insert(0, {ROOT!r})
+from tests.test_device_counts import job
+print(json.dumps(job()))
 """
+
+
+def job() -> dict:
+    """The job, on this process's backend (8 devices here, as tests/conftest.py sets; a subprocess's own)."""
+    import jax
+
+    import sharded_scan as ss
+
+    x = np.random.default_rng(0).normal(size=(1009, 6)).astype(np.float32)
+    gram = ss.run(ss.Gram(), x, microbatch=8)
+    fixed = ss.run(ss.Gram(), x, microbatch=8, logical_shards=8)  # a multiple of every size here
+    return {"devices": jax.device_count(), "gram": gram.tolist(), "fixed": fixed.tolist()}
 
 
 def run_with_devices(count: int) -> dict:
@@ -31,14 +43,17 @@ def run_with_devices(count: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    counts = (1, 2, 4)
-    with concurrent.futures.ThreadPoolExecutor(len(counts)) as pool:  # the three backends at once
-        return dict(zip(counts, pool.map(run_with_devices, counts), strict=True))
+    counts = (1, 2)
+    with concurrent.futures.ThreadPoolExecutor(len(counts)) as pool:  # the two backends at once, this one meanwhile
+        done = pool.map(run_with_devices, counts)
+        here = job()
+        return {**dict(zip(counts, done, strict=True)), here["devices"]: here}
 
 
 def test_every_backend_size_matches_float64(results):
     x = np.random.default_rng(0).normal(size=(1009, 6))
     want = x.astype(np.float32).astype(np.float64).T @ x.astype(np.float32).astype(np.float64)
+    assert sorted(results) == [1, 2, 8]
     for count, got in results.items():
         assert got["devices"] == count
         np.testing.assert_allclose(got["gram"], want, rtol=1e-5, atol=1e-4)

@@ -1,8 +1,12 @@
 """Multi-host slicing: 2 processes x 2 CPU devices give the result of 1 process x 4 devices, also
-with a state split over `model`, whose checkpoint resumes whole in one process."""
+with a state split over `model`, whose checkpoint resumes whole in one process.
+
+The 2 x 2 processes run both tests' jobs (``both_workers``): one start, imports and ``jax.distributed``
+for the module (~4.5 s of CPU less than a group a test); the module's fixture waits for them to end."""
 
 import jax
 import numpy as np
+import pytest
 
 from tests import multiprocess
 from tests.helpers import f64, rel_err
@@ -37,14 +41,31 @@ def worker(npy: str, prefetch: int):
     return {"process": jax.process_index(), "devices": jax.device_count(), "ranges": logged.ranges, **results}
 
 
-def test_two_processes_match_one_process_and_read_only_their_rows(tmp_path):
-    x = np.random.default_rng(0).normal(size=(N, D)).astype(np.float32)
-    np.save(tmp_path / "x.npy", x)
-    kwargs = {"npy": str(tmp_path / "x.npy"), "prefetch": 2}
-    with multiprocess.running("tests.test_multihost:worker", 1, 4, kwargs=kwargs) as one, \
-            multiprocess.running("tests.test_multihost:worker", 2, 2, kwargs=kwargs) as two:  # both at once
-        one, two = one.results(timeout=90), two.results(timeout=90)
+def both_workers(worker_kwargs: dict, split_kwargs: dict):
+    """:func:`worker`'s and :func:`split_worker`'s results, one after the other in the same processes."""
+    return {"rows": worker(**worker_kwargs), "split": split_worker(**split_kwargs)}
 
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(x, checkpoint, one, two)``: :func:`worker` on 1 x 4 and :func:`both_workers` on 2 x 2, at once,
+    both ended here; ``checkpoint``, the 2 x 2 processes' crashed split save."""
+    from tests.test_wide_model import FIVE, FIVE_RUN
+
+    tmp = tmp_path_factory.mktemp("multihost")
+    x = np.random.default_rng(0).normal(size=(N, D)).astype(np.float32)
+    np.save(tmp / "x.npy", x)
+    rows = {"npy": str(tmp / "x.npy"), "prefetch": 2}
+    split = {"x": FIVE, "run": FIVE_RUN, "checkpoint": str(tmp / "split")}
+    with multiprocess.running("tests.test_multihost:worker", 1, 4, kwargs=rows) as one, \
+            multiprocess.running("tests.test_multihost:both_workers", 2, 2,
+                                 kwargs={"worker_kwargs": rows, "split_kwargs": split}) as two:
+        return x, split["checkpoint"], one.results(timeout=120), two.results(timeout=120)
+
+
+def test_two_processes_match_one_process_and_read_only_their_rows(runs):
+    x, _, one, two = runs
+    two = [r["rows"] for r in two]
     assert [r["process"] for r in two] == [0, 1] and all(r["devices"] == 4 for r in one + two)
     assert rel_err(one[0]["gram_npy"], f64(x).T @ f64(x)) < 1e-5
     for key in ("gram_npy", "sum_array", "sum_xy", "gram_iterator"):
@@ -83,17 +104,16 @@ def split_worker(x: np.ndarray, run: dict, checkpoint: str):
     return {"processes": jax.tree.map(lambda d: d.process_index, mesh.devices.tolist()), "cov": result}
 
 
-def test_a_state_split_over_model_across_processes_is_bitwise_one_processes_and_resumes_whole(tmp_path):
-    # test_wide_model's 5 columns (padded to 6 over model:2) and options, imported here so that the
-    # children import only this module. Covariance only: a sketch's program cost each process ~1.4 s more.
+def test_a_state_split_over_model_across_processes_is_bitwise_one_processes_and_resumes_whole(runs):
+    # test_wide_model's 5 columns (padded to 6 over model:2) and options, imported in the fixture and here
+    # so that the children import only this module. Covariance only: a sketch's program cost each process
+    # ~1.4 s more.
     import sharded_scan as ss
     from tests.test_wide_model import FIVE, FIVE_RUN, assert_bitwise
 
-    checkpoint = str(tmp_path / "split")
-    kwargs = {"x": FIVE, "run": FIVE_RUN, "checkpoint": checkpoint}
-    with multiprocess.running("tests.test_multihost:split_worker", 2, 2, kwargs=kwargs) as group:
-        whole = ss.run(ss.Covariance(), FIVE, mesh="data:4", **FIVE_RUN)  # while they run
-        results = group.results(timeout=120)
+    _, checkpoint, _, two = runs
+    results = [r["split"] for r in two]
+    whole = ss.run(ss.Covariance(), FIVE, mesh="data:4", **FIVE_RUN)
     # jax.make_mesh puts each process's 2 devices on one row: model spans a process's devices, data crosses processes.
     assert [r["processes"] for r in results] == [[[0, 0], [1, 1]]] * 2
     assert rel_err(whole.cov, np.cov(f64(FIVE), rowvar=False)) < 1e-5
