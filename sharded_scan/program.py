@@ -480,12 +480,18 @@ def place(host: PyTree, shardings: PyTree) -> PyTree:
     )
 
 
+def per_leaf(mesh: Mesh, specs: PyTree, tree: PyTree) -> PyTree:
+    """One ``NamedSharding`` on ``mesh`` per leaf of ``tree``, from ``specs``, a pytree prefix of it
+    of PartitionSpecs."""
+    prefix = named(mesh, specs)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+
+
 def leaf_shardings(combiner: Combiner, mesh: Mesh, like: PyTree) -> PyTree:
     """One ``NamedSharding`` per leaf of the stacked partials ``like``."""
-    prefix = named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS))
-    return jax.tree.map(
-        lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, like, is_leaf=lambda x: isinstance(x, NamedSharding)
-    )
+    return per_leaf(mesh, accumulator_specs(combiner, mesh, DATA_AXIS), like)
 
 
 def mesh_axes(mesh: Mesh) -> dict[str, int]:
@@ -535,9 +541,7 @@ class Program:
     def operand_shardings(self) -> PyTree:
         """One ``NamedSharding`` per leaf of the operands: replicated, or split as
         ``combiner.operand_partition`` says (:func:`operand_specs`)."""
-        prefix = named(self.mesh, operand_specs(self.combiner, self.mesh))
-        return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, self.host_operands,
-                            is_leaf=lambda x: isinstance(x, NamedSharding))
+        return per_leaf(self.mesh, operand_specs(self.combiner, self.mesh), self.host_operands)
 
     @functools.cached_property
     def operands(self) -> PyTree:
