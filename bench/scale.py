@@ -41,6 +41,9 @@ For each additive job, ``--checkpoints`` also times a compact save without ``log
 ``data:8`` (and the jobs of :data:`SCATTER_MODEL` on ``data:4,model:2``), where the merge is one
 ``psum`` (:func:`scatter_point`): main's path (the ``psum``, the whole state on every device, then
 split) beside the reduce-scatter into the split leaves.
+
+Each mode writes its JSON under ``bench/results/``; a run of some ``--jobs`` replaces those jobs'
+entries and keeps the others'.
 """
 
 from __future__ import annotations
@@ -373,9 +376,7 @@ def main() -> None:
         points = [split_point(name, s, args.repeats) for name in SPLIT_JOBS for s in counts]
         for p in points:
             print(json.dumps(p), flush=True)
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "scale_split.json"), "w") as f:
-            json.dump({"points": points}, f, indent=1)
+        write_results("scale_split.json", {"points": points})
         return
     if args.checkpoints:
         counts = [1, 8, 32] if args.quick else [1, 8, 32, 64, 256]
@@ -388,14 +389,11 @@ def main() -> None:
                     if name in SCATTER_MODEL]
         for p in scatter:
             print(json.dumps(p), flush=True)
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "scale_checkpoints.json"), "w") as f:
-            json.dump({"points": points, "scatter": scatter}, f, indent=1)
+        write_results("scale_checkpoints.json", {"points": points, "scatter": scatter})
         return
     if args.processes:
         points = [p for name in args.jobs.split(",") for p in over_processes(name, args.processes, args.repeats)]
-        with open(os.path.join(RESULTS, "scale_processes.json"), "w") as f:
-            json.dump({"points": points}, f, indent=1)
+        write_results("scale_processes.json", {"points": points})
         return
     shards = [1, 2, 4, 8, 16, 32, 64] + ([] if args.quick else [128, 256])
     repeats = 1 if args.quick else args.repeats
@@ -408,8 +406,28 @@ def main() -> None:
         out["points"] += points
         out["projection"][name] = projection(points, args.gbps)
         print(name, json.dumps(out["projection"][name], indent=None), flush=True)
+    write_results("scale_quick.json" if args.quick else "scale.json", out)
+
+
+def write_results(filename: str, fresh: dict) -> None:
+    """``fresh`` into ``bench/results/filename``, keeping the jobs a run with ``--jobs`` did not
+    measure: each list's entries of the jobs ``fresh`` has replace theirs, a dict's keys theirs."""
+    path = os.path.join(RESULTS, filename)
+    kept = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+    rerun = {entry["job"] for value in fresh.values() if isinstance(value, list) for entry in value}
+    out = dict(kept)
+    for key, value in fresh.items():
+        if isinstance(value, list):
+            out[key] = [e for e in kept.get(key, []) if e.get("job") not in rerun] + value
+        elif isinstance(value, dict):
+            out[key] = {**kept.get(key, {}), **value}
+        else:
+            out[key] = value
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "scale_quick.json" if args.quick else "scale.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
 
