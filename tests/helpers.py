@@ -24,6 +24,33 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def assert_to_rounding(got, want, exact=(), tol=1e-6) -> None:
+    """``got`` is ``want`` as far as the code pins it: bitwise in its integer and boolean leaves and in
+    the float fields named in ``exact`` (values selected, never computed: minima, maxima); every other
+    float leaf to float32 rounding: NaN and infinities where ``want`` has them, the rest within ``tol``
+    of ``want`` relative to the leaf's largest magnitude (:func:`rel_err`).
+
+    For results of programs of other shapes (a state split over ``model`` against the whole one, a
+    ``psum`` over processes against one process's): XLA:CPU fuses their float arithmetic otherwise,
+    contracting other multiply-adds into FMAs where the CPU has them (DESIGN.md, ``logical_shards``).
+    """
+    import jax
+
+    fields = want._fields if hasattr(want, "_fields") else None
+    for name, mine, value in zip(fields, got, want, strict=True) if fields else [("", got, want)]:
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(value), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, a.dtype, b.shape, b.dtype)
+            if name in exact or not np.issubdtype(b.dtype, np.floating):
+                np.testing.assert_array_equal(a, b, err_msg=name)
+                continue
+            finite = np.isfinite(b)
+            np.testing.assert_array_equal(np.where(finite, 0, a), np.where(finite, 0, b), err_msg=name)
+            if finite.any():
+                err = rel_err(a[finite], b[finite])
+                assert err <= tol, f"{name}: {err:.2e} apart, relative to its largest magnitude (tol {tol:.0e})"
+
+
 def assert_usage_error(call, words) -> None:
     """``call()`` raises a one-line UsageError whose message holds every one of ``words``."""
     import pytest

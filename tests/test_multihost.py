@@ -1,5 +1,6 @@
-"""Multi-host slicing: 2 processes x 2 CPU devices give the result of 1 process x 4 devices, also
-with a state split over `model`, whose checkpoint resumes whole in one process.
+"""Multi-host slicing: 2 processes x 2 CPU devices give the result of 1 process x 4 devices (to float
+rounding: no `logical_shards`, so a `psum` over processes, whose order no code of ours pins), also with a
+state split over `model`, whose checkpoint resumes whole in one process.
 
 The 2 x 2 processes run both tests' jobs (``both_workers``): one start, imports and ``jax.distributed``
 for the module (~4.5 s of CPU less than a group a test); the module's fixture waits for them to end."""
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests import multiprocess
-from tests.helpers import f64, rel_err
+from tests.helpers import assert_to_rounding, f64, rel_err
 
 N, D = 1237, 6  # ragged against the 4 x 8 x 2 rows of a step
 
@@ -73,8 +74,8 @@ def test_two_processes_match_one_process_and_read_only_their_rows(runs):
         for r in two:
             got = jax.tree.leaves(r[key])
             assert len(got) == len(want) > 0
-            for g, w in zip(got, want, strict=True):
-                np.testing.assert_array_equal(g, w, err_msg=key)
+            for g, w in zip(got, want, strict=True):  # a row read twice or missed is far beyond rounding
+                assert_to_rounding(g, w)
 
     # Each step has 4 blocks of 16 rows; process p reads blocks 2p, 2p+1 of every step only.
     step, half = 64, 32
@@ -104,12 +105,12 @@ def split_worker(x: np.ndarray, run: dict, checkpoint: str):
     return {"processes": jax.tree.map(lambda d: d.process_index, mesh.devices.tolist()), "cov": result}
 
 
-def test_a_state_split_over_model_across_processes_is_bitwise_one_processes_and_resumes_whole(runs):
+def test_a_state_split_over_model_across_processes_is_one_processes_and_resumes_whole(runs):
     # test_wide_model's 5 columns (padded to 6 over model:2) and options, imported in the fixture and here
     # so that the children import only this module. Covariance only: a sketch's program cost each process
     # ~1.4 s more.
     import sharded_scan as ss
-    from tests.test_wide_model import FIVE, FIVE_RUN, assert_bitwise
+    from tests.test_wide_model import FIVE, FIVE_RUN
 
     _, checkpoint, _, two = runs
     results = [r["split"] for r in two]
@@ -117,8 +118,8 @@ def test_a_state_split_over_model_across_processes_is_bitwise_one_processes_and_
     # jax.make_mesh puts each process's 2 devices on one row: model spans a process's devices, data crosses processes.
     assert [r["processes"] for r in results] == [[[0, 0], [1, 1]]] * 2
     assert rel_err(whole.cov, np.cov(f64(FIVE), rowvar=False)) < 1e-5
-    for r in results:
-        assert_bitwise(r["cov"], whole)
+    for r in results:  # the split's programs are of other shapes (test_wide_model): to rounding, the count exact
+        assert_to_rounding(r["cov"], whole)
     got, report = ss.run_with_report(ss.Covariance(), FIVE, mesh="data:4", checkpoint=checkpoint, **FIVE_RUN)
     assert report.resumed_from_cursor > 0  # the 2 processes' split save, converted to whole in one process
-    assert_bitwise(got, whole)
+    assert_to_rounding(got, whole)

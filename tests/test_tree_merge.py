@@ -158,7 +158,8 @@ def test_a_state_split_over_model_merges_by_the_device_tree(shards, tree):
     # Each device merges its own block of its own shards, then log2 rounds of ppermute: no partial
     # gathered over data (O(S) states a device before), the merge traced once a level, not once a
     # shard. Three shards a device are not tree_fold's tree by levels: gathered over data, as before.
-    # Results: the split runs of test_wide_model, test_statistics, test_topk... bitwise the whole's.
+    # Results: the split runs of test_wide_model, test_statistics, test_topk... the whole's (bitwise where
+    # exact or a sum; co-moments and moments to rounding: DESIGN.md, logical_shards).
     spec = jax.ShapeDtypeStruct((3,), np.float32)
     prog = program_for_spec(ss.DistinctCount(precision=6), spec, 301,
                             ss.RunOptions(mesh="data:2,model:2", logical_shards=shards))

@@ -2,8 +2,12 @@
 ``Correlation``, split by columns (issue 29, item 2).
 
 The split runs the whole sketch's per-column arithmetic and random bits, and the whole
-co-moments' arithmetic on each block of columns, so on the same shards (``logical_shards``)
-its result is bitwise that of a mesh without ``model``.
+co-moments' arithmetic on each block of columns, so on the same shards (``logical_shards``) an
+exact state (a sketch, counts) and a sum (a weighted histogram's) are bitwise those of a mesh
+without ``model``; the co-moments and moments agree to rounding: their split programs are of other
+shapes, fused otherwise, so XLA:CPU contracts other multiply-adds into FMAs (Moments' skewness
+1 ulp apart in one column with FMA, AVX-512 or AVX2, bitwise without, AVX or SSE4.2), and
+bitwise only their exact leaves (counts, minima, maxima).
 """
 
 import jax
@@ -18,7 +22,7 @@ from sharded_scan.combiners.quantiles_exact import RefinePass
 from sharded_scan.options import RunOptions
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source
-from tests.helpers import CrashError, crash_at, f64, rel_err
+from tests.helpers import CrashError, assert_to_rounding, crash_at, f64, rel_err
 from tests.test_quantiles import EXACT_QS, KW, SKETCH, shaped
 
 # test_quantiles' sketch, rows (3001: ragged) and programs: its data:4 run is the reference here.
@@ -101,6 +105,8 @@ FIVE_RUN = dict(microbatch=8, steps_per_call=2, logical_shards=4)
 def test_a_weighted_histogram_splits_its_sums_and_edges_and_is_bitwise_the_whole_ones():
     # The covariance test's rows, shards and micro-batch, weighted (every 7th weight 0: an omitted row), each
     # column its own range (values beyond it on both sides); over model:2 each device sums its 3 of 6 padded columns.
+    # Bitwise: additions only (a bin's weights scattered in row order, Kahan terms, the tree's adds), no product
+    # an FMA could take, in any program shape.
     x, run = FIVE, FIVE_RUN
     w = np.where(np.arange(len(x)) % 7, np.random.default_rng(1).uniform(0, 2, len(x)), 0).astype(np.float32)
     ranges = np.stack([1e3 - 2 * np.arange(1, 6), 1e3 + 2 * np.arange(1, 6)], 1)
@@ -116,7 +122,7 @@ def test_a_weighted_histogram_splits_its_sums_and_edges_and_is_bitwise_the_whole
     assert_bitwise(ss.run(job, (w, x), mesh="data:4,model:2", **run), whole)
 
 
-def test_covariance_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(tmp_path):
+def test_covariance_split_over_model_is_the_whole_ones_and_resumes_across(tmp_path):
     # 5 columns: over model:2 padded to 6, 3 a device (test_statistics runs them against numpy without
     # logical_shards); 4 logical shards (data:4's run is bitwise data:1's and data:2's: test_engine),
     # test_statistics' micro-batch; 5 steps, ragged.
@@ -127,9 +133,9 @@ def test_covariance_split_over_model_is_bitwise_the_whole_ones_and_resumes_acros
     m2 = program.like.m2  # (shards, d, padded columns): split by columns, the means whole
     assert m2.shape == (4, 5, 6) and m2.sharding.shard_shape(m2.shape) == (1, 5, 3)
     assert program.like.mean.sharding.shard_shape(program.like.mean.shape) == (1, 5)
-    assert_bitwise(ss.run(ss.Covariance(), x, mesh="data:4,model:2", **run), whole)
+    assert_to_rounding(ss.run(ss.Covariance(), x, mesh="data:4,model:2", **run), whole)  # the count exact
     for got in resumed_across(ss.Covariance(), x, run, tmp_path):
-        assert_bitwise(got, whole)
+        assert_to_rounding(got, whole)
 
 
 def resumed_across(job, x, run, tmp_path):
@@ -144,7 +150,7 @@ def resumed_across(job, x, run, tmp_path):
         yield got
 
 
-def test_moments_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(tmp_path):
+def test_moments_split_over_model_is_the_whole_ones_and_resumes_across(tmp_path):
     # The covariance test's rows, shards and micro-batch: each model device folds its 3 of the 6 padded columns.
     x, run = FIVE.copy(), FIVE_RUN
     x[::7, 1] = 0
@@ -157,9 +163,8 @@ def test_moments_split_over_model_is_bitwise_the_whole_ones_and_resumes_across(t
     higher = build_program(ss.Moments(), as_source(x), RunOptions(mesh="data:4,model:2", **run)).like.value.higher
     assert higher.shape == (4, 3, 6) and higher.sharding.shard_shape(higher.shape) == (1, 3, 3)
 
-    def assert_whole(got):  # bitwise but M3 (skewness), whose merge over data rounds apart in one column
-        assert_bitwise(got._replace(skewness=0), whole._replace(skewness=0))
-        assert rel_err(got.skewness, whole.skewness) < 1e-6
+    def assert_whole(got):  # counts, minima and maxima bitwise; the moments to rounding (skewness: 1 ulp, with FMA)
+        assert_to_rounding(got, whole, exact=("min", "max"))
 
     assert_whole(ss.run(ss.Moments(), x, mesh="data:4,model:2", **run))
     for got in resumed_across(ss.Moments(), x, run, tmp_path):
@@ -221,8 +226,8 @@ def test_split_co_moments_merge_whole_and_finalize_without_their_padding():
     to_split = jax.jit(lambda acc: split.convert(acc, job))
     got = jax.device_get(jax.jit(split.merge)(to_split(a), to_split(b)))
     assert got.m2.shape == (6, 8) and not got.m2[:, 6:].any()
-    for result in (ss.Covariance, ss.Correlation):
-        assert_bitwise(result(model_shards=4).finalize(got), result().finalize(want))
+    for result in (ss.Covariance, ss.Correlation):  # merged in programs of other widths: to rounding
+        assert_to_rounding(result(model_shards=4).finalize(got), result().finalize(want))
     np.testing.assert_allclose(ss.Correlation(model_shards=4).finalize(got).corr, np.corrcoef(f64(x), rowvar=False),
                                rtol=0, atol=1e-6)
 
@@ -255,7 +260,7 @@ def test_linear_regression_on_co_moments_splits_them_over_model_and_the_memory_e
     assert program.combiner.model_shards == 2 and ss.LinearRegression().for_mesh(program.mesh).model_shards == 1
     split, whole_state = (admission.memory_estimate(p, temporaries=False) for p in (program, there))
     assert split["accumulator"] < 0.7 * whole_state["accumulator"]  # 15 of 25 co-moments, the means whole
-    assert_bitwise(ss.run(job, (x, y), mesh="data:4,model:2", **FIVE_RUN), whole)
+    assert_to_rounding(ss.run(job, (x, y), mesh="data:4,model:2", **FIVE_RUN), whole)
 
 
 TOPK = ss.TopK(k=2, capacity=4)
