@@ -327,7 +327,7 @@ def projection(points: list[dict], gbps: float) -> dict:
     else:  # the process tree: each host folds its chips' states on one, the hosts pair up
         after = lambda n: m * (CHIPS_PER_HOST - 1) + math.log2(n / CHIPS_PER_HOST) * (m + 2 * state / bw)  # noqa: E731
         held = CHIPS_PER_HOST.bit_length() + 2  # point's extra_states_after for a host's shards
-    return {"merge_seconds": m, **{str(n): {
+    return {"merge_seconds": m, "gbps": gbps, **{str(n): {
         "before": m * (n - 1) + n * state / bw, "after": after(n),
         "extra_bytes_per_device_before": n * state, "extra_bytes_per_device_after": held * state,
         "checkpoint_bytes_per_save": n * state} for n in CHIPS}}

@@ -67,6 +67,11 @@ class SplitSums(NamedTuple):
     columns: jax.Array
 
 
+def unsplit_sums(acc: SplitSums) -> jax.Array:
+    """The whole sums of ``acc``: its real columns (as :func:`unsplit` the counts)."""
+    return acc.sums[: acc.columns.shape[0]]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Histogram(SplitsByColumns, AdditiveCombiner):
     """Counts of each column's values in ``bins`` equal bins over ``range``.
@@ -255,13 +260,13 @@ class WeightedHistogram(Histogram):
 
     def convert(self, acc, source):
         """Between whole sums and sums split over ``model`` (a resume on a mesh with other axes)."""
-        acc = acc.sums[: acc.columns.shape[0]] if source.model_shards > 1 else acc
+        acc = unsplit_sums(acc) if source.model_shards > 1 else acc
         if self.model_shards == 1:
             return acc
         d = acc.shape[0]
         return SplitSums(padded_columns(acc, d, round_up(d, self.model_shards)), jnp.zeros((d,), jnp.int8))
 
     def finalize(self, acc):
-        acc = np.asarray(acc.sums[: acc.columns.shape[0]] if self.model_shards > 1 else acc)
+        acc = np.asarray(unsplit_sums(acc) if self.model_shards > 1 else acc)
         edges = self._edges(acc.shape[0])
         return HistogramResult(acc, edges if np.ndim(self.range) == 2 else edges[0])
