@@ -72,14 +72,14 @@ def test_compacted_sketch_percentiles_are_within_their_rank_error_and_exact_mode
 def test_a_pytree_of_columns_gives_a_pytree_of_results_with_their_names():
     frame = data(300)
     features, y = frame[["height", "income"]], frame["kids"].rename("target")
-    got = ss.run(ss.Describe(), (features, y), mesh="data:2", **KW)
-    assert isinstance(got, tuple) and len(got) == 2
+    vector = frame["noise"].to_numpy()  # one unnamed column; a leaf here, not a program of its own
+    got = ss.run(ss.Describe(), (features, y, vector), mesh="data:2", **KW)
+    assert isinstance(got, tuple) and len(got) == 3
     check_like_pandas(got[0], features)
     check_like_pandas(got[1], y.to_frame())
     assert got[1].columns.tolist() == ["target"]
-    vector = ss.run(ss.Describe(), frame["noise"].to_numpy(), mesh="data:2", **KW)  # one unnamed column
-    assert vector.to_pandas().columns.tolist() == [0]
-    np.testing.assert_allclose(vector.to_pandas()[0], frame[["noise"]].astype(np.float64).describe()["noise"],
+    assert got[2].to_pandas().columns.tolist() == [0]
+    np.testing.assert_allclose(got[2].to_pandas()[0], frame[["noise"]].astype(np.float64).describe()["noise"],
                                rtol=1e-5)
 
 
