@@ -132,7 +132,7 @@ def point(name: str, shards: int, repeats: int) -> dict:
     state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
     partials = folded_partials(prog)
     per_device, rounds = shards // devices, (devices - 1).bit_length()
-    by_processes = prog.merge_route == "process_tree"
+    by_processes = prog.merge_route is pg.MergeRoute.PROCESS_TREE
     out = {
         "job": name, "shards": shards, "devices": devices, "state_bytes": state,
         "route": str(prog.merge_route),
