@@ -16,8 +16,18 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402 - after the cache settings above
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Property-based tests: a fixed seed and a few examples in the default run (every run the same cases,
+# seconds a module); HYPOTHESIS_PROFILE=long searches deeper with fresh random cases (DESIGN.md).
+_SLOW_EXAMPLES = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("default", derandomize=True, max_examples=12, deadline=None,
+                          suppress_health_check=_SLOW_EXAMPLES, print_blob=True)
+settings.register_profile("long", max_examples=400, deadline=None, suppress_health_check=_SLOW_EXAMPLES,
+                          print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 # The longest modules first: under `-n 2` the other worker runs the rest beside them (a -n 2 run's
