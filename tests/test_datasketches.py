@@ -291,6 +291,11 @@ def test_finding3_a_seeds_item_type_is_named_and_a_mismatch_is_one_line(floats):
     for q, v in zip(QUANTILES.qs, result.quantiles[0], strict=True):
         assert abs(rank(union, v) - q) <= result.rank_error, q
     assert result.count[0] == ROWS + 3000
+    java = package_kll(ds.kll_doubles_sketch, [0.5, 1.5]).serialize()
+    java = java[:3] + bytes([java[3] | 8]) + java[4:]  # Java's KllDoublesSketch before 5.0 flags its bytes
+    with pytest.raises(ss.UsageError, match="a KllDoublesSketch's .* not a sketch of long items"):
+        formats.read_kll(java, "long")
+    assert formats.read_kll(java).levels[0].tolist() == [0.5, 1.5]
     longs = package_frequent([2**40, 2**40, 3]).serialize(ds.PyLongsSerDe())
     with pytest.raises(ss.UsageError, match="needs the Frequent Items sketches' item type"):
         ss.from_datasketches(TOPK, [longs, None])

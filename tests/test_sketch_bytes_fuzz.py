@@ -47,6 +47,13 @@ def corpus() -> list:
                              ("levels", _kll(cls, values, k=20)),
                              ("merged", _kll(cls, values[:900], k=40, merge=[_kll(cls, values[900:], k=64)]))):
             out.append((f"kll-{item}-{name}", formats.read_kll, sketch.serialize(), item, sketch))
+            blob = sketch.serialize()
+            if item == "double" and name in ("single", "levels"):  # Java's KllDoublesSketch 4.x (flag 8), 3.x (6 ints)
+                out.append((f"kll-{item}-{name}-java4", formats.read_kll, blob[:3] + bytes([blob[3] | 8]) + blob[4:],
+                            item, sketch))
+                if name == "levels":
+                    java3 = bytes([6]) + blob[1:3] + bytes([blob[3] | 8]) + blob[4:20] + bytes(4) + blob[20:]
+                    out.append((f"kll-{item}-{name}-java3", formats.read_kll, java3, item, sketch))
     serdes = {"long": ds.PyLongsSerDe(), "double": ds.PyDoublesSerDe(), "int": ds.PyIntsSerDe(),
               "float": ds.PyFloatsSerDe(), "string": ds.PyStringsSerDe()}
     zipf = RNG.zipf(1.3, size=2000) % 700
@@ -141,7 +148,7 @@ def _fields(name: str, blob: bytes) -> list:
     head = [(0, 1), (1, 1), (2, 1), (3, 1)]
     if name.startswith("kll"):
         return head + [(4, 2), (6, 1), (7, 1)] + ([(8, 8), (16, 2), (18, 1), (19, 1)] + [
-            (20 + 4 * h, 4) for h in range(blob[18])] if blob[0] == 5 else [])
+            (4 * blob[0] + 4 * h, 4) for h in range(blob[18])] if blob[0] in (5, 6) else [])
     if name.startswith("fi"):
         return head + [(4, 1), (5, 1), (6, 2)] + ([(8, 4), (12, 4), (16, 8), (24, 8)] if blob[0] == 4 else [])
     fields = head + [(4, 1), (5, 1), (6, 1), (7, 1)]
@@ -202,7 +209,7 @@ def test_edited_valid_bytes_are_one_line_or_a_sketch(which, edits):
 
 def test_malformed_seeds_are_one_line_through_run_before_compute():
     x = np.zeros((8, 1), np.float32)
-    kll = corpus()[8][2]  # kll-double-levels
+    kll = next(blob for name, _, blob, _, _ in corpus() if name == "kll-double-levels")
     with pytest.raises(ss.UsageError, match="sketch of column 0: .*KLL sketch bytes are malformed") as e:
         ss.run(ss.from_datasketches(ss.Quantiles(qs=[0.5], k=64), [kll[:-3]], item="double"), x, mesh="data:1")
     assert "\n" not in str(e.value)

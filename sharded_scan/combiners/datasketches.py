@@ -45,6 +45,7 @@ from sharded_scan.errors import UsageError
 
 KLL_FAMILY, KLL_M, KLL_MAX_K = 15, 8, (1 << 16) - 1
 KLL_EMPTY, KLL_LEVEL_ZERO_SORTED, KLL_SINGLE_ITEM = 1, 2, 4  # flag bits
+KLL_DOUBLES, KLL_UPDATABLE = 8, 16  # Java's before 5.0: a KllDoublesSketch's bytes; an updatable layout
 FI_FAMILY, FI_EMPTY = 10, 1 | 4  # DataSketches sets both of its empty bits
 FI_LOAD_FACTOR = 0.75
 
@@ -145,8 +146,15 @@ def read_kll(blob: bytes, item: str | None = None) -> KllImage:
     _need(m == KLL_M, "KLL", f"m={m}, not {KLL_M}")
     _need(k >= KLL_M, "KLL", f"k={k}, below the smallest k ({KLL_M})")
     size = None if item is None else _item_size(item, KLL_ITEMS, "a KLL sketch")
+    _need(not flags & KLL_UPDATABLE, "KLL", "an updatable sketch's bytes (flag 16); pass its compact bytes")
+    if flags & KLL_DOUBLES:  # Java's KllDoublesSketch before 5.0 says so (its full preamble: 5 ints, or 6 before 4.0)
+        if item not in (None, "double"):
+            raise UsageError(f"these KLL sketch bytes are a KllDoublesSketch's (their flags say so), not a sketch of "
+                             f"{item} items; pass item='double'.")
+        size = 8
     empty, single = bool(flags & KLL_EMPTY), bool(flags & KLL_SINGLE_ITEM)
-    _need(pre_ints == (2 if empty or single else 5), "KLL", f"{pre_ints} preamble ints with flags {flags}")
+    full = (5, 6) if flags & KLL_DOUBLES else (5,)
+    _need(pre_ints in ((2,) if empty or single else full), "KLL", f"{pre_ints} preamble ints with flags {flags}")
     if empty:
         _need(len(blob) == 8, "KLL", f"an empty sketch of {len(blob)} bytes, not 8")
         return KllImage(k, k, 0, [], math.nan, math.nan, size or 8)
@@ -161,10 +169,10 @@ def read_kll(blob: bytes, item: str | None = None) -> KllImage:
     n, min_k, num_levels, _ = struct.unpack_from("<QHBB", blob, 8)
     _need(KLL_M <= min_k <= k, "KLL", f"min_k={min_k}, not between {KLL_M} and k={k}")
     _need(1 <= num_levels <= kll.LEVELS, "KLL", f"{num_levels} levels, not 1 to {kll.LEVELS}")
-    start = 20 + 4 * num_levels
+    start = 4 * pre_ints + 4 * num_levels
     _need(len(blob) >= start, "KLL", f"its {len(blob)} bytes cannot hold the offsets of its {num_levels} levels")
     capacity = kll_capacity(k, num_levels)
-    bounds = np.append(np.frombuffer(blob, "<u4", num_levels, 20).astype(np.int64), capacity)
+    bounds = np.append(np.frombuffer(blob, "<u4", num_levels, 4 * pre_ints).astype(np.int64), capacity)
     _need(bool(np.all(np.diff(bounds) >= 0)) and bounds[0] < capacity, "KLL",
           f"level offsets {bounds[:-1].tolist()} out of order or past its capacity ({capacity})")
     retained = capacity - int(bounds[0])

@@ -1,4 +1,4 @@
-"""Runs that start from other systems' sketches: ``from_datasketches(combiner, sketches)``.
+"""Runs that start from other systems' sketches: ``from_datasketches(combiner, sketches, item)``.
 
 A :class:`FromDataSketches` runs ``combiner`` unchanged (the same accumulator, steps and
 checkpoints) and, in ``finalize``, merges into the merged accumulator the DataSketches
@@ -15,7 +15,13 @@ rank error for its ``min_k``, joins the result's ``rank_error``. A column's seed
 another ``n`` than the rows this run read, so a seeded ``QuantilesResult`` has one
 ``count`` per column. A Frequent Items sketch's items come in with their weights as
 counts and its offset as their slack and as the bound on unlisted values, as if TopK had
-counted them.
+counted them (an item listed twice: once, both weights).
+
+KLL and Frequent Items bytes hold no item type, so the caller names it (``item``) and the
+readers check it against what the bytes do tell (their lengths; Java's KLL flags); each value
+is then kept only if the column's type holds it exactly. Every seed is read and checked in
+``check_spec``, before any compute: malformed, truncated or crafted bytes, a weight past
+``2^63 - 1`` and a seed's rows past ``2^62`` (:data:`COUNT_MAX`) are one line naming the column.
 """
 
 from __future__ import annotations
