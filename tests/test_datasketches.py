@@ -342,3 +342,33 @@ def test_finding13_malformed_sketch_bytes_are_one_line_each(ints):
         assert "\n" not in str(e.value)
     with pytest.raises(ss.UsageError, match="sketch of column 1: .*an offset .* of 18446744073709546616"):
         ss.run(ss.from_datasketches(TOPK, [None, cases[4][1]], item="long"), x, **RUN)  # was: OverflowError at the end
+
+
+def test_exported_64_bit_values_are_exact_or_one_line():
+    """A kll_doubles_sketch holds doubles, DataSketches' longs are signed: an int64 past 2^53 and a uint64 past
+    2^63 - 1 went out as other values (the uint64 as its bits, a negative long); now one line each."""
+    from sharded_scan.combiners import seeded
+    from sharded_scan.combiners.topk import TopKResult
+
+    def kll_state(values, dtype):
+        code = keys.KIND_DTYPES.index(np.dtype(dtype))
+        state = np.zeros(1, formats.kll_state_dtype(np.uint64, 8))
+        state["items"][0, :len(values)] = seeded._keys(np.array(values, dtype), code)
+        state["sizes"][0, 0], state["kind"], state["k"] = len(values), code, 64
+        state["low"], state["high"] = seeded._keys(np.array([min(values), max(values)], dtype), code)
+        return state
+
+    exact = ds.kll_doubles_sketch.deserialize(formats.kll_sketches(kll_state([-(2**53), 5, 2**53], np.int64))[0])
+    assert (exact.get_min_value(), exact.get_max_value(), exact.n) == (-(2**53), 2**53, 3)
+    for values, dtype in (([1, 2**62 + 1], np.int64), ([0, 2**64 - 1], np.uint64)):
+        with pytest.raises(ss.UsageError, match="column 0 holds .* no double holds exactly"):
+            formats.kll_sketches(kll_state(values, dtype))
+    state = np.zeros(1, formats.frequent_state_dtype(np.uint64, 4))
+    state["keys"][0, :2], state["counts"][0, :2], state["held"], state["kind"] = [2**64 - 1, 3], [5, 2], 2, 5
+    result = TopKResult(np.array([[2**64 - 1, 3]], np.uint64), np.array([[5, 2]]), np.zeros((1, 2), np.int64),
+                           np.zeros(1, np.int64), np.ones(1, bool), state)
+    with pytest.raises(ss.UsageError, match="column 0 holds 18446744073709551615, past 2\\^63 - 1"):
+        result.to_datasketches()
+    state["keys"][0, 0] = 2**63 - 1
+    image = formats.read_frequent_items(formats.frequent_items_sketches(result)[0], "long")
+    assert sorted(image.items) == [3, 2**63 - 1]

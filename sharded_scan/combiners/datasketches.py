@@ -221,7 +221,8 @@ def _values(blob: bytes, item, size: int, count: int, at: int) -> np.ndarray:
     """``count`` items of ``item`` (None: floats of ``size`` bytes) at byte ``at``: int64 or float64."""
     dtype = ITEMS[item] if item is not None else ("<f4" if size == 4 else "<f8")
     values = np.frombuffer(blob, dtype, count, at)
-    return values.astype(np.int64 if values.dtype.kind == "i" else np.float64)
+    with np.errstate(invalid="ignore"):  # a signaling NaN's cast (then refused as NaN)
+        return values.astype(np.int64 if values.dtype.kind == "i" else np.float64)
 
 
 def _check_items(values: np.ndarray, sketch: str) -> None:
@@ -261,12 +262,27 @@ def kll_sketches(state: np.ndarray | None) -> list[bytes]:
             keys = column["items"][starts[h]:starts[h + 1]]
             if floats:
                 keys = keys[keys != nan_key(keys.dtype)]  # DataSketches ignores NaN
-            levels.append(decode(keys, code).astype(np.float64))
+            levels.append(decode(keys, code))
         kept = np.concatenate(levels)
         low, high = decode(column["low"], code), column["high"]  # (an empty column's are not written)
         high = kept.max(initial=-math.inf) if floats and high == nan_key(high.dtype) else decode(high, code)
+        if len(kept) and not floats:  # kll_doubles_sketch's items: every integer kept must be a double exactly
+            _exact_doubles(np.concatenate([kept, [low, high]]).astype(kept.dtype), len(out))
+        levels = [items.astype(np.float64) for items in levels]
         out.append(kll_bytes(levels, k, float(low), float(high), itemsize))
     return out
+
+
+def _exact_doubles(values: np.ndarray, column: int) -> None:
+    """One line when an integer of ``values`` has no float64 of its own (past 2^53): a kll_doubles_sketch would
+    hold another value."""
+    doubles = values.astype(np.float64)
+    fits = doubles < float(np.iinfo(values.dtype).max) + 1.0  # the first double past the type's largest
+    exact = fits & (np.where(fits, doubles, 0).astype(values.dtype) == values)
+    if not exact.all():
+        raise UsageError(f"column {column} holds {values[~exact][0]}, which no double holds exactly, so no "
+                         "kll_doubles_sketch of it keeps its values; its quantiles are in the result (to_datasketches "
+                         "writes integer columns whose values are within 2^53).")
 
 
 # ---- Frequent Items ----------------------------------------------------------------------------
@@ -304,7 +320,7 @@ def frequent_items_bytes(items: list, weights, offset: int, total_weight: int, c
         encoded = [s.encode() for s in items]
         payload = b"".join(struct.pack("<I", len(e)) + e for e in encoded)
     else:
-        payload = np.asarray(items).astype("<q" if item == "long" else "<d").tobytes()  # uint64: its bits
+        payload = np.asarray(items).astype("<q" if item == "long" else "<d").tobytes()
     return b"".join([
         struct.pack("<BBBBBBH", 4, 1, FI_FAMILY, lg, lg, 0, 0),
         struct.pack("<IIQQ", len(items), 0, total_weight, offset),
@@ -398,8 +414,13 @@ def frequent_items_sketches(result) -> list[bytes]:
         held = int(column["held"])
         weights, slacks = column["counts"][:held], column["slacks"][:held]
         offset = int(max(column["offset"], slacks.max(initial=0)))
-        out.append(frequent_items_bytes(decode(column["keys"][:held], column["kind"]), weights, offset,
-                                        int(weights.sum()), capacity, item_kind(column["kind"])))
+        values = decode(column["keys"][:held], column["kind"])
+        if values.dtype == np.uint64 and np.any(values > WEIGHT_MAX):  # PyLongsSerDe's longs are signed
+            raise UsageError(f"column {j} holds {values[values > WEIGHT_MAX][0]}, past 2^63 - 1, which no DataSketches "
+                             "long holds (a frequent_items_sketch of PyLongsSerDe would read another value); its "
+                             "counts are in the result.")
+        out.append(frequent_items_bytes(values, weights, offset, int(weights.sum()), capacity,
+                                        item_kind(column["kind"])))
     return out
 
 

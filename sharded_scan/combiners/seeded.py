@@ -282,8 +282,9 @@ def _keys(values: np.ndarray, code: int) -> np.ndarray:
         keys = np_float_keys(cast, t)
     else:
         info = np.iinfo(t)
-        if values.dtype.kind in "iu":  # int64 items (the readers'): compared as integers
-            exact = (values >= max(info.min, -(1 << 63))) & (values <= min(info.max, (1 << 63) - 1))
+        if values.dtype.kind in "iu":  # integers (the readers' int64): compared as integers, within both types
+            have = np.iinfo(values.dtype)
+            exact = (values >= max(info.min, have.min)) & (values <= min(info.max, have.max))
             whole = values
         else:  # floats: whole numbers in range (float(info.max) + 1: the first float past it)
             whole = np.where(np.isfinite(values), values, 0.5)
