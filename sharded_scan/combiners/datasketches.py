@@ -26,7 +26,13 @@ Spark, Druid, Pinot, Postgres and DuckDB merge DataSketches' serialized sketches
 
 and reads them back (:func:`read_kll`, :func:`read_frequent_items`, :func:`read_hll`: its LIST,
 SET, HLL_4, HLL_6 and HLL_8 forms), what
-:func:`~sharded_scan.from_datasketches` merges into a run. Layouts: datasketches-cpp
+:func:`~sharded_scan.from_datasketches` merges into a run. The readers take any bytes: every header
+field is checked and every count it implies is bounded by the bytes left before anything is read or
+allocated, so malformed, truncated or crafted bytes are one ``UsageError`` line (fuzzed in
+``tests/test_sketch_bytes_fuzz.py``). KLL and Frequent Items bytes do not name their item type
+(:data:`ITEMS`), so the caller does; their lengths (and Java's KLL flags) are checked against it.
+Written values no DataSketches item holds (an integer past 2^53 as a KLL double, a uint64 past
+2^63 - 1 as a long) are one line too. Layouts: datasketches-cpp
 ``kll_sketch_impl.hpp`` (serial versions 1 and 2), ``frequent_items_sketch_impl.hpp`` and ``hll/``
 (``HllArray``, ``CouponList``, ``Hll4Array``).
 """
