@@ -103,9 +103,10 @@ def _items(combiner, item, d: int) -> tuple:
     allowed = tuple(i for i in (KLL_ITEMS if isinstance(combiner, Quantiles) else FREQUENT_ITEMS) if i != "string")
     sketch = "KLL" if isinstance(combiner, Quantiles) else "Frequent Items"
     if item is None:
+        example = ("'float' for a kll_floats_sketch, 'int' for a kll_ints_sketch" if sketch == "KLL" else
+                   "'long' for PyLongsSerDe's items, 'double' for PyDoublesSerDe's")
         raise UsageError(f"from_datasketches needs the {sketch} sketches' item type, which their bytes do not hold: "
-                         f"pass item= one of {allowed} (e.g. 'float' for a kll_floats_sketch, 'long' for "
-                         "PyLongsSerDe's items).")
+                         f"pass item= one of {allowed} (e.g. {example}).")
     items = (item,) * d if isinstance(item, str) else tuple(item)
     if len(items) != d or not all(i in allowed for i in items):
         raise UsageError(f"from_datasketches takes item= one of {allowed}, or a list of one per sketch ({d}); got "
