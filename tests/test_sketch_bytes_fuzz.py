@@ -159,10 +159,13 @@ def _fields(name: str, blob: bytes) -> list:
     return fields
 
 
+EDGES = (3, 4, 5, 6, 7, 8, 9, 10, 15, 16, 21, 22, 26, 27, 31, 32, 47, 48, 49, 63, 64, 65)  # 1-byte ranges' ends
+
+
 def _extremes(value: int, width: int) -> set:
     top = (1 << 8 * width) - 1
     return {v for v in (0, 1, 2, top, top - 1, top >> 1, (top >> 1) + 1, value - 1, value + 1, value + 2, value * 2,
-                        value + 5000, top - 5000) if 0 <= v <= top}
+                        value + 5000, top - 5000, *(EDGES if width == 1 else ())) if 0 <= v <= top}
 
 
 def test_each_header_field_at_its_extremes_is_one_line_or_a_sketch():
