@@ -4,6 +4,8 @@ merged by the ``datasketches`` package (the reference), and runs seeded from the
 Compiles are the cost: one Quantiles, one TopK and one DistinctCount, each on one spec and mesh, shared
 by every case through module fixtures; the float64 KLL path is checked on its bytes."""
 
+import struct
+
 import jax
 import numpy as np
 import pytest
@@ -114,7 +116,7 @@ def test_a_run_seeded_with_the_packages_kll_sketches_answers_for_the_union(float
     x, plain = floats
     theirs = np.random.default_rng(6).normal(2e6, 1e6, size=4000).astype(np.float32)  # doubles float32 holds
     seeds = [package_kll(ds.kll_doubles_sketch, theirs, k=100).serialize(), None]
-    result = ss.run(ss.from_datasketches(QUANTILES, seeds), x, **ONE)
+    result = ss.run(ss.from_datasketches(QUANTILES, seeds, item="double"), x, **ONE)
     np.testing.assert_array_equal(result.count, [ROWS + 4000, ROWS])
     union = np.concatenate([x[:, 0], theirs])
     for q, v in zip(QUANTILES.qs, result.quantiles[0], strict=True):
@@ -162,7 +164,7 @@ def test_a_run_seeded_with_the_packages_frequent_items_counts_the_union(ints):
     x, plain = ints
     theirs = np.random.default_rng(9).zipf(1.2, size=3000) % 100
     seeds = [package_frequent(theirs).serialize(ds.PyLongsSerDe()), None]
-    result = ss.run(ss.from_datasketches(TOPK, seeds), x, **RUN)
+    result = ss.run(ss.from_datasketches(TOPK, seeds, item="long"), x, **RUN)
     union = np.concatenate([x[:, 0], theirs])
     for value, count, error in zip(result.values[0], result.counts[0], result.errors[0], strict=True):
         assert count <= np.sum(union == value) <= count + error
@@ -176,10 +178,11 @@ def test_mistakes_are_one_line_before_compute(floats):
     x = np.zeros((10, 2), np.int32)
     kll_double = package_kll(ds.kll_doubles_sketch, [0.5, 1.5]).serialize()
     cases = [
-        (ss.from_datasketches(QUANTILES, [kll_double]), "got 1 sketches for data of 2 columns"),
-        (ss.from_datasketches(QUANTILES, [kll_double, None]), "cannot hold exactly"),
-        (ss.from_datasketches(QUANTILES, [b"\x01\x02\x03\x04\x05\x06\x07\x08", None]), "not a DataSketches KLL"),
-        (ss.from_datasketches(TOPK, [kll_double, None]), "not a DataSketches Frequent Items"),
+        (ss.from_datasketches(QUANTILES, [kll_double], item="double"), "got 1 sketches for data of 2 columns"),
+        (ss.from_datasketches(QUANTILES, [kll_double, None], item="double"), "cannot hold exactly"),
+        (ss.from_datasketches(QUANTILES, [b"\x01\x02\x03\x04\x05\x06\x07\x08", None], item="float"),
+         "not a DataSketches KLL"),
+        (ss.from_datasketches(TOPK, [kll_double, None], item="long"), "not a DataSketches Frequent Items"),
     ]
     for combiner, message in cases:
         with pytest.raises(ss.UsageError, match=message):
@@ -270,3 +273,102 @@ def test_hll_bytes_read_back_in_every_mode():
                                                          10), want)
     empty = ds.hll_sketch.deserialize(formats.hll_bytes(np.zeros(1024, np.uint8)))
     assert empty.is_empty() and empty.lg_config_k == 10
+
+
+def test_finding3_a_seeds_item_type_is_named_and_a_mismatch_is_one_line(floats):
+    """Finding 3: a kll_ints_sketch read as floats gave a median of 6.2e-43, Frequent Items of longs read into a
+    float column 4.94e-322; the bytes hold no item type, so it is named (item=) and checked against their layout."""
+    x, _ = floats
+    ints = ds.kll_ints_sketch(100)
+    theirs = np.random.default_rng(12).integers(-(10**6), 10**6, size=3000)
+    for v in theirs.tolist():
+        ints.update(v)
+    for item, message in ((None, "needs the KLL sketches' item type"), ("double", "4-byte|items")):
+        with pytest.raises(ss.UsageError, match=message):
+            ss.run(ss.from_datasketches(QUANTILES, [ints.serialize(), None], item=item), x, **ONE)
+    result = ss.run(ss.from_datasketches(QUANTILES, [ints.serialize(), None], item="int"), x, **ONE)
+    union = np.concatenate([x[:, 0], theirs])  # int32 values float32 holds (|v| < 2^24)
+    for q, v in zip(QUANTILES.qs, result.quantiles[0], strict=True):
+        assert abs(rank(union, v) - q) <= result.rank_error, q
+    assert result.count[0] == ROWS + 3000
+    java = package_kll(ds.kll_doubles_sketch, [0.5, 1.5]).serialize()
+    java = java[:3] + bytes([java[3] | 8]) + java[4:]  # Java's KllDoublesSketch before 5.0 flags its bytes
+    with pytest.raises(ss.UsageError, match="a KllDoublesSketch's .* not a sketch of long items"):
+        formats.read_kll(java, "long")
+    assert formats.read_kll(java).levels[0].tolist() == [0.5, 1.5]
+    longs = package_frequent([2**40, 2**40, 3]).serialize(ds.PyLongsSerDe())
+    with pytest.raises(ss.UsageError, match="needs the Frequent Items sketches' item type"):
+        ss.from_datasketches(TOPK, [longs, None])
+    with pytest.raises(ss.UsageError, match="cannot hold exactly"):  # 2^40 in a float32 column: exact; 2^40+1 not
+        ss.run(ss.from_datasketches(TOPK, [package_frequent([2**40 + 1]).serialize(ds.PyLongsSerDe()), None],
+                                    item="long"), x, **RUN)
+    with pytest.raises(ss.UsageError, match="end inside its strings"):
+        formats.read_frequent_items(longs, "string")
+    image = formats.read_frequent_items(longs, "long")
+    assert sorted(zip(image.items, image.weights.tolist(), strict=True)) == [(3, 1), (2**40, 2)]
+    with pytest.raises(ss.UsageError, match="item= one of"):
+        ss.from_datasketches(TOPK, [longs, None], item="string")  # string columns take no seeds
+
+
+def test_finding3_an_item_weight_past_2_63_is_one_line_not_dropped(ints):
+    x, _ = ints
+    for weights, offset, message in (([2**64 - 5, 3], 0, "an item weight of 18446744073709551611, past 2"),
+                                     ([2**61, 3], 2**61, "sum past 2\\^62")):
+        blob = formats.frequent_items_bytes([7, 8], weights, offset, 2**63 - 1, 32, "long")
+        with pytest.raises(ss.UsageError, match=f"sketch of column 0: .*{message}"):
+            ss.run(ss.from_datasketches(TOPK, [blob, None], item="long"), x, **RUN)
+
+
+def test_finding13_malformed_sketch_bytes_are_one_line_each(ints):
+    """Finding 13: cut, crafted and oversized sketch bytes raised struct.error, ValueError, ZeroDivisionError,
+    OverflowError or MemoryError (16 TiB for lg_k=44); each is one UsageError line, before any compute."""
+    x, _ = ints
+    kll = package_kll(ds.kll_doubles_sketch, np.arange(5000.0), k=50).serialize()
+    capacity = formats.kll_capacity(50, kll[18])
+    frequent = package_frequent(np.arange(300) % 90).serialize(ds.PyLongsSerDe())
+    hll = package_hll(range(3000)).serialize_compact()
+    cases = [
+        (formats.read_kll, kll[:10], "shorter than a full sketch's 20-byte header"),
+        (formats.read_kll, kll[:21], "cannot hold the offsets"),
+        (formats.read_kll, kll[:20] + struct.pack("<I", capacity + 2) + kll[24:], "out of order or past"),
+        (formats.read_frequent_items, frequent[:-5], "bytes cannot hold 6 items"),
+        (formats.read_frequent_items, frequent[:24] + struct.pack("<Q", 2**64 - 5000) + frequent[32:], "past 2"),
+        (formats.read_hll, hll[:-1], "not the 1064"),
+        (formats.read_hll, hll[:3] + bytes([44]) + hll[4:], "lg_k=44, not 4 to 21"),
+    ]
+    for reader, blob, message in cases:
+        with pytest.raises(ss.UsageError, match=message) as e:
+            reader(blob, "long") if reader is formats.read_frequent_items else reader(blob)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ss.UsageError, match="sketch of column 1: .*an offset .* of 18446744073709546616"):
+        ss.run(ss.from_datasketches(TOPK, [None, cases[4][1]], item="long"), x, **RUN)  # was: OverflowError at the end
+
+
+def test_exported_64_bit_values_are_exact_or_one_line():
+    """A kll_doubles_sketch holds doubles, DataSketches' longs are signed: an int64 past 2^53 and a uint64 past
+    2^63 - 1 went out as other values (the uint64 as its bits, a negative long); now one line each."""
+    from sharded_scan.combiners import seeded
+    from sharded_scan.combiners.topk import TopKResult
+
+    def kll_state(values, dtype):
+        code = keys.KIND_DTYPES.index(np.dtype(dtype))
+        state = np.zeros(1, formats.kll_state_dtype(np.uint64, 8))
+        state["items"][0, :len(values)] = seeded._keys(np.array(values, dtype), code)
+        state["sizes"][0, 0], state["kind"], state["k"] = len(values), code, 64
+        state["low"], state["high"] = seeded._keys(np.array([min(values), max(values)], dtype), code)
+        return state
+
+    exact = ds.kll_doubles_sketch.deserialize(formats.kll_sketches(kll_state([-(2**53), 5, 2**53], np.int64))[0])
+    assert (exact.get_min_value(), exact.get_max_value(), exact.n) == (-(2**53), 2**53, 3)
+    for values, dtype in (([1, 2**62 + 1], np.int64), ([0, 2**64 - 1], np.uint64)):
+        with pytest.raises(ss.UsageError, match="column 0 holds .* no double holds exactly"):
+            formats.kll_sketches(kll_state(values, dtype))
+    state = np.zeros(1, formats.frequent_state_dtype(np.uint64, 4))
+    state["keys"][0, :2], state["counts"][0, :2], state["held"], state["kind"] = [2**64 - 1, 3], [5, 2], 2, 5
+    result = TopKResult(np.array([[2**64 - 1, 3]], np.uint64), np.array([[5, 2]]), np.zeros((1, 2), np.int64),
+                           np.zeros(1, np.int64), np.ones(1, bool), state)
+    with pytest.raises(ss.UsageError, match="column 0 holds 18446744073709551615, past 2\\^63 - 1"):
+        result.to_datasketches()
+    state["keys"][0, 0] = 2**63 - 1
+    image = formats.read_frequent_items(formats.frequent_items_sketches(result)[0], "long")
+    assert sorted(image.items) == [3, 2**63 - 1]

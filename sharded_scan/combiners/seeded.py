@@ -1,4 +1,4 @@
-"""Runs that start from other systems' sketches: ``from_datasketches(combiner, sketches)``.
+"""Runs that start from other systems' sketches: ``from_datasketches(combiner, sketches, item)``.
 
 A :class:`FromDataSketches` runs ``combiner`` unchanged (the same accumulator, steps and
 checkpoints) and, in ``finalize``, merges into the merged accumulator the DataSketches
@@ -15,7 +15,13 @@ rank error for its ``min_k``, joins the result's ``rank_error``. A column's seed
 another ``n`` than the rows this run read, so a seeded ``QuantilesResult`` has one
 ``count`` per column. A Frequent Items sketch's items come in with their weights as
 counts and its offset as their slack and as the bound on unlisted values, as if TopK had
-counted them.
+counted them (an item listed twice: once, both weights).
+
+KLL and Frequent Items bytes hold no item type, so the caller names it (``item``) and the
+readers check it against what the bytes do tell (their lengths; Java's KLL flags); each value
+is then kept only if the column's type holds it exactly. Every seed is read and checked in
+``check_spec``, before any compute: malformed, truncated or crafted bytes, a weight past
+``2^63 - 1`` and a seed's rows past ``2^62`` (:data:`COUNT_MAX`) are one line naming the column.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import numpy as np
 
 from sharded_scan.combiners import kll, wide
 from sharded_scan.combiners.datasketches import (
+    FREQUENT_ITEMS,
+    KLL_ITEMS,
     fold_registers,
-    item_kind,
     kll_rank_error,
     read_frequent_items,
     read_hll,
@@ -46,22 +53,30 @@ from sharded_scan.combiners.topk import LIMBS, TopK, TopKAcc
 from sharded_scan.combiners.wrappers import Wrapper
 from sharded_scan.errors import UsageError
 
+COUNT_MAX = 1 << 62  # a seed's rows: the counts (63-bit Wide) keep them exactly with any run's rows
 
-def from_datasketches(combiner: Any, sketches: Any) -> FromDataSketches:
+
+def from_datasketches(combiner: Any, sketches: Any, item: str | list | tuple | None = None) -> FromDataSketches:
     """``combiner`` seeded with Apache DataSketches sketches, merged into its result.
 
     Args:
       combiner: a :class:`~sharded_scan.Quantiles` (``exact=False``), :class:`~sharded_scan.TopK` or
         :class:`~sharded_scan.DistinctCount`.
       sketches: one serialized sketch per column of the data (a bytes for rows of one value):
-        KLL sketches (``kll_floats_sketch``/``kll_doubles_sketch``'s ``serialize()``) for
-        ``Quantiles``; Frequent Items sketches for ``TopK`` (``frequent_items_sketch`` of
-        ``PyLongsSerDe`` for integer columns, ``PyDoublesSerDe`` for float ones); HLL sketches
-        (``hll_sketch``'s ``serialize_compact()``) for ``DistinctCount``. None for a column skips it.
+        KLL sketches (``serialize()``) for ``Quantiles``; Frequent Items sketches for ``TopK``;
+        HLL sketches (``hll_sketch``'s ``serialize_compact()`` or ``serialize_updatable()``) for
+        ``DistinctCount``. None for a column skips it.
+      item: the sketches' item type, which KLL and Frequent Items bytes do not hold (their lengths
+        tell 4-byte items from 8-byte ones at most), so ``Quantiles`` and ``TopK`` need it: ``"float"``
+        (``kll_floats_sketch``, ``PyFloatsSerDe``), ``"double"`` (``kll_doubles_sketch``,
+        ``PyDoublesSerDe``), ``"int"`` (``kll_ints_sketch``, ``PyIntsSerDe``) or ``"long"`` (Java's
+        ``KllLongsSketch``, ``PyLongsSerDe``); one for every column, or a list of one per column.
+        None for ``DistinctCount`` (HLL registers hold no items).
 
     Returns:
       a combiner to pass to :func:`sharded_scan.run`: its result is ``combiner``'s over the rows
-      and the sketches together.
+      and the sketches together. Bytes that do not match ``item`` and every malformed, truncated
+      or crafted sketch are one :class:`~sharded_scan.UsageError` line before any compute.
     """
     if not isinstance(combiner, Quantiles | TopK | DistinctCount) or (isinstance(combiner, Quantiles)
                                                                       and combiner.exact):
@@ -74,7 +89,29 @@ def from_datasketches(combiner: Any, sketches: Any) -> FromDataSketches:
     if not all(b is None or isinstance(b, bytes | bytearray | memoryview) for b in blobs):
         raise UsageError("from_datasketches takes one serialized sketch (bytes) per column, or None for a column "
                          f"without one; got {type(sketches).__name__}.")
-    return FromDataSketches(combiner, tuple(None if b is None else bytes(b) for b in blobs))
+    return FromDataSketches(combiner, tuple(None if b is None else bytes(b) for b in blobs),
+                            _items(combiner, item, len(blobs)))
+
+
+def _items(combiner, item, d: int) -> tuple:
+    """Per column, the item type of ``combiner``'s seeds (one line when missing or not one it takes)."""
+    if isinstance(combiner, DistinctCount):
+        if item is not None:
+            raise UsageError("from_datasketches reads HLL sketches' registers, which hold no item type; leave item= "
+                             "out for DistinctCount.")
+        return ()
+    allowed = tuple(i for i in (KLL_ITEMS if isinstance(combiner, Quantiles) else FREQUENT_ITEMS) if i != "string")
+    sketch = "KLL" if isinstance(combiner, Quantiles) else "Frequent Items"
+    if item is None:
+        example = ("'float' for a kll_floats_sketch, 'int' for a kll_ints_sketch" if sketch == "KLL" else
+                   "'long' for PyLongsSerDe's items, 'double' for PyDoublesSerDe's")
+        raise UsageError(f"from_datasketches needs the {sketch} sketches' item type, which their bytes do not hold: "
+                         f"pass item= one of {allowed} (e.g. {example}).")
+    items = (item,) * d if isinstance(item, str) else tuple(item)
+    if len(items) != d or not all(i in allowed for i in items):
+        raise UsageError(f"from_datasketches takes item= one of {allowed}, or a list of one per sketch ({d}); got "
+                         f"{item!r}.")
+    return items
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,6 +123,7 @@ class FromDataSketches(Wrapper):
     """
 
     sketches: tuple = ()
+    items: tuple = ()  # per column, the seeds' item type (datasketches.ITEMS); () for HLL
 
     def __eq__(self, other):
         return self.inner == (other.inner if isinstance(other, FromDataSketches) else other)
@@ -95,7 +133,8 @@ class FromDataSketches(Wrapper):
 
     def fingerprint(self):
         digests = [None if b is None else hashlib.sha256(b).hexdigest() for b in self.sketches]
-        return {**self.inner.fingerprint(), "datasketches": repr(digests)}
+        return {**self.inner.fingerprint(), "datasketches": repr(digests),
+                **({"datasketches_items": repr(list(self.items))} if self.items else {})}
 
     def check_spec(self, spec):
         self.inner.check_spec(spec)
@@ -104,16 +143,27 @@ class FromDataSketches(Wrapper):
             raise UsageError(f"from_datasketches got {len(self.sketches)} sketches for data of {d} columns; pass one "
                              "per column (None for a column without one).")
         code = KIND_DTYPES.index(keyed_as(spec.dtype))
-        for blob in self.sketches:  # every seed read and its values checked before any compute
-            if blob is None:
-                continue
-            if isinstance(self.inner, Quantiles):
-                image = read_kll(blob)
-                _keys(np.concatenate([*image.levels, [image.min, image.max]]) if image.n else np.zeros(0), code)
-            elif isinstance(self.inner, DistinctCount):
-                self._registers(blob)
-            else:
-                _keys(np.asarray(read_frequent_items(blob, item_kind(code)).items), code)
+        for j, blob in enumerate(self.sketches):  # every seed read and its values checked before any compute
+            if blob is not None:
+                try:
+                    self._check_seed(j, blob, code)
+                except UsageError as e:
+                    raise UsageError(f"from_datasketches: the sketch of column {j}: {e}") from None
+
+    def _check_seed(self, j: int, blob: bytes, code: int) -> None:
+        if isinstance(self.inner, Quantiles):
+            image = read_kll(blob, self.items[j])
+            if image.n > COUNT_MAX:
+                raise UsageError(f"a KLL sketch of n={image.n} rows, past 2^62, the most a seeded count holds exactly.")
+            _keys(np.concatenate([*image.levels, [image.min, image.max]]) if image.n else np.zeros(0), code)
+        elif isinstance(self.inner, DistinctCount):
+            self._registers(blob)
+        else:
+            image = read_frequent_items(blob, self.items[j])
+            if sum(image.weights.tolist()) + image.offset > COUNT_MAX:
+                raise UsageError(f"a Frequent Items sketch whose weights and offset ({image.offset}) sum past 2^62, "
+                                 "the most TopK's counts hold exactly with the run's rows.")
+            _keys(np.asarray(image.items), code)
 
     def partition(self, mesh):
         return self.inner.partition(mesh)
@@ -165,7 +215,7 @@ class FromDataSketches(Wrapper):
         for j, blob in enumerate(self.sketches):
             sketch = acc.sketch._replace(items=np.asarray(acc.sketch.items)[j:j + 1])
             column = acc._replace(sketch=sketch, low=low[j:j + 1], high=high[j:j + 1])
-            for seed in ([] if blob is None else _kll_seeds(read_kll(blob), k, code)):
+            for seed in ([] if blob is None else _kll_seeds(read_kll(blob, self.items[j]), k, code)):
                 column = _host(_merger(self.inner)(column, seed))
             results.append(self.inner.finalize(column))
         one = np.ndim(acc.low) == 0
@@ -185,14 +235,17 @@ class FromDataSketches(Wrapper):
         for j, blob in enumerate(self.sketches):
             if blob is None:
                 continue
-            image = read_frequent_items(blob, item_kind(code))
-            order = np.argsort(-image.weights, kind="stable")
+            image = read_frequent_items(blob, self.items[j])
+            found, where = np.unique(_keys(np.asarray(image.items), code), return_inverse=True)
+            weights = np.zeros(len(found), np.int64)
+            np.add.at(weights, where.reshape(-1), image.weights)  # an item listed twice counts once, both weights
+            order = np.argsort(-weights, kind="stable")
             kept, dropped = order[:c], order[c:]
             n = len(kept)
-            keys[j, :n] = _keys(np.asarray(image.items)[kept], code)
-            count[j, :n], slack[j, :n] = image.weights[kept], image.offset
+            keys[j, :n] = found[kept]
+            count[j, :n], slack[j, :n] = weights[kept], image.offset
             held[j] = n
-            bound[j] = max(image.offset, int(image.weights[dropped].max(initial=0)) + image.offset)
+            bound[j] = max(image.offset, int(weights[dropped].max(initial=0)) + image.offset)
         return TopKAcc(keys, _wide(count), _wide(slack), held.reshape(np.shape(acc.held)), _wide(bound),
                        np.asarray(acc.kind))
 
@@ -222,12 +275,21 @@ def _keys(values: np.ndarray, code: int) -> np.ndarray:
     values = np.asarray(values)
     if t.kind == "f":
         cast = values.astype(t)
-        exact = (cast.astype(np.float64) == values) | np.isnan(values)
+        if values.dtype.kind in "iu":  # integers: exact when the float is that integer
+            whole = np.isfinite(cast) & (np.abs(cast) < 2.0**63)
+            exact = whole & (np.where(whole, cast, 0).astype(np.int64) == values)
+        else:
+            exact = (cast.astype(np.float64) == values) | np.isnan(values)
         keys = np_float_keys(cast, t)
     else:
         info = np.iinfo(t)
-        whole = values if values.dtype.kind in "iu" else np.where(np.isfinite(values), values, 0.5)
-        exact = (np.floor(whole) == whole) & (whole >= info.min) & (whole <= info.max)
+        if values.dtype.kind in "iu":  # integers (the readers' int64): compared as integers, within both types
+            have = np.iinfo(values.dtype)
+            exact = (values >= max(info.min, have.min)) & (values <= min(info.max, have.max))
+            whole = values
+        else:  # floats: whole numbers in range (float(info.max) + 1: the first float past it)
+            whole = np.where(np.isfinite(values), values, 0.5)
+            exact = (np.floor(whole) == whole) & (whole >= float(info.min)) & (whole < float(info.max) + 1.0)
         cast = np.where(exact, whole, 0).astype(t)
         keys = cast.astype(b.key) if t.kind == "u" else cast.view(b.key) ^ b.key(b.sign)
     if not np.all(exact):
