@@ -97,11 +97,12 @@ class DistinctAcc(NamedTuple):
 
 
 def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
-                     code: int | None = None) -> tuple[jax.Array, jax.Array]:
+                     code: int | None = None, string_ids: bool = False) -> tuple[jax.Array, jax.Array]:
     """Each key's register index and value (0 for masked rows): ``(d, mb)`` each; with ``code`` (the keys'
-    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`)."""
+    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`; of strings' ids,
+    ``string_ids``: :func:`~.murmur.string_coupons`)."""
     if code is not None:
-        index, rank = murmur.coupons(keys, code, precision)
+        index, rank = (murmur.string_coupons if string_ids else murmur.coupons)(keys, code, precision)
     elif keys.dtype == jnp.uint64:
         first = mix64(keys)
         second = first.astype(jnp.uint32)  # the low half: bits the index (the top ones) does not use
@@ -194,6 +195,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
     precision: int = DEFAULT_PRECISION
     exact_up_to: int | None = None
     datasketches: bool = False
+    string_ids: bool = False  # set by the engine for a string column's ids (datasketches: hashed as their strings)
     model_shards: int = 1  # set by for_mesh: above 1 each model device counts its block of the columns
     takes_string_ids = True  # string columns: their hash ids count the distinct strings
     state_type = DistinctAcc  # split over model: each device counts its block of the columns (column_split)
@@ -213,6 +215,17 @@ class DistinctCount(SplitsEachColumn, Combiner):
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
 
+    def fingerprint(self):
+        named = super().fingerprint()
+        if not self.string_ids:  # as before the field: a checkpoint written then resumes
+            del named["string_ids"]
+        return named
+
+    def for_string_ids(self) -> DistinctCount:
+        """This count over a string column's :func:`~sharded_scan.hash_strings` ids: with ``datasketches``, each id
+        hashed as DataSketches hashes its string (:func:`~.murmur.string_coupons`); else unchanged."""
+        return dataclasses.replace(self, string_ids=True) if self.datasketches else self
+
     def init(self, spec):
         if self.model_shards > 1:
             return self.split(self.whole.init(spec))
@@ -230,7 +243,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     def _add(self, acc, batch, mask):
         keys = columns(batch)
-        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch))
+        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch), self.string_ids)
         d = keys.shape[0]
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
         registers = acc.registers.at[rows, index].max(rank)
@@ -257,7 +270,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
         if self.model_shards > 1:
             return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
         cols = columns(batch)
-        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch))
+        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch), self.string_ids)
         d = cols.shape[0]
         group = jnp.broadcast_to(jnp.where(mask, keys, 0)[None, :], index.shape)
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
