@@ -190,6 +190,13 @@ class DistinctCount(SplitsEachColumn, Combiner):
     ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
     skipped. float64 and int64 values are compared exactly, by 64-bit keys: no two
     distinct values are counted as one.
+
+    A string column is counted by its 64-bit :func:`~sharded_scan.hash_strings` ids: ``n`` distinct
+    strings share an id with probability about ``n (n - 1) / 2^65``, so its count is marked ``exact``
+    only up to 192,077 distinct strings (``topk_strings.EXACT_STRINGS``), where that is at most 1e-9;
+    past it ``exact`` is False and ``relative_error`` the expected share lost, ``count / 2^65``.
+    With ``datasketches=True`` a string's registers are DataSketches' ``hll_sketch.update(str)``'s
+    (MurmurHash3 of its UTF-8 bytes; but DataSketches skips the empty string, which counts here).
     """
 
     precision: int = DEFAULT_PRECISION
@@ -214,6 +221,9 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
+        if self.string_ids and np.dtype(spec.dtype) != np.int64:
+            raise UsageError("DistinctCount(datasketches=True) hashes a string column as DataSketches does from its "
+                             f"64-bit ids, and these are {np.dtype(spec.dtype).name}: leave the source's dtype unset.")
 
     def fingerprint(self):
         named = super().fingerprint()

@@ -6,7 +6,8 @@ source that hashed them finds the strings of the few ids a result lists afterwar
 ids)``: it reads the column from its first row to its last, so every process gets the same strings and
 two strings sharing an id are both found), and the result lists those strings as Python strings
 (an object array: every code point, trailing NULs too), so a vocabulary is one call. Two strings
-sharing an id (a hash collision: about ``2^-64`` a pair) are listed apart with their exact rows
+sharing an id (a hash collision: about ``2^-64`` a pair, ``2^-32`` for the int32 ids of a source's
+``dtype='int32'``) are listed apart with their exact rows
 where the result counts the column's rows (a ``TopK`` of the column itself); in a ``GroupBy`` or
 ``Weighted`` result, whose counts are per key or weights, one warning line says so and the column
 is not ``certain``. A ``DistinctCount`` of a string column is ``exact`` only while the chance that
@@ -20,6 +21,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from sharded_scan.combiners.distinct import DistinctCountResult
@@ -28,9 +30,6 @@ from sharded_scan.dtypes import STRING_ID_BITS
 from sharded_scan.errors import UsageError
 
 COLLISION_CHANCE = 1e-9  # the most a string column's `exact` distinct count may be wrong by a shared id
-# The most distinct strings whose 64-bit ids all differ but for a chance of at most COLLISION_CHANCE:
-# n (n - 1) / 2 pairs, each sharing an id with probability 2^-64 (192,077).
-EXACT_STRINGS = math.floor((1 + math.sqrt(1 + 8 * COLLISION_CHANCE * 2.0**STRING_ID_BITS)) / 2)
 
 
 def with_strings(result: Any, columns: Sequence[str], source: Any) -> Any:
@@ -50,7 +49,7 @@ def with_strings(result: Any, columns: Sequence[str], source: Any) -> Any:
     if not columns or not set(columns) <= set(source.string_columns):
         return result
     if isinstance(result, DistinctCountResult):
-        return _distinct(result)
+        return _distinct(result, id_bits(source))
     if not isinstance(result, TopKResult) or np.asarray(result.values).dtype.kind not in "iu":
         return result
     one = np.ndim(result.values) == 1
@@ -74,7 +73,7 @@ def with_strings(result: Any, columns: Sequence[str], source: Any) -> Any:
                 entries.extend((s, type(count)(n), type(error)(0)) for s, n in strings)
             else:
                 names = ", ".join(repr(s) for s, _ in strings)
-                warnings.warn(f"the strings {names} of column {column!r} share the id {i} (a 64-bit hash collision): "
+                warnings.warn(f"the strings {names} of column {column!r} share the id {i} (a hash collision): "
                               f"the count listed for {strings[0][0]!r} is theirs together, and the column is not "
                               "certain.", stacklevel=2)
                 entries.append((strings[0][0], count, error))
@@ -93,14 +92,29 @@ def with_strings(result: Any, columns: Sequence[str], source: Any) -> Any:
     return result._replace(values=out, counts=counts, errors=errors, bound=bound, certain=certain)
 
 
-def _distinct(result: DistinctCountResult) -> DistinctCountResult:
-    """``result`` with ``exact`` only where at most :data:`EXACT_STRINGS` strings were counted."""
+def exact_strings(bits: int = STRING_ID_BITS) -> int:
+    """The most distinct strings whose ``bits``-bit ids all differ but for a chance of at most
+    :data:`COLLISION_CHANCE`: ``n (n - 1) / 2`` pairs, each sharing an id with probability ``2^-bits``."""
+    return math.floor((1 + math.sqrt(1 + 8 * COLLISION_CHANCE * 2.0**bits)) / 2)
+
+
+EXACT_STRINGS = exact_strings()  # 192,077 of 64-bit ids (3 of the 32-bit ids of dtype='int32')
+
+
+def id_bits(source: Any) -> int:
+    """The bits of ``source``'s string ids: 64, or 32 where it read them as int32 (``dtype='int32'``)."""
+    dtypes = {np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(source.spec)}
+    return 32 if dtypes == {4} else STRING_ID_BITS
+
+
+def _distinct(result: DistinctCountResult, bits: int) -> DistinctCountResult:
+    """``result`` with ``exact`` only where at most :func:`exact_strings` strings were counted."""
     count = np.asarray(result.count)
-    past = np.asarray(result.exact) & (count > EXACT_STRINGS)
+    past = np.asarray(result.exact) & (count > exact_strings(bits))
     if not past.any():
         return result
     return result._replace(exact=np.asarray(result.exact) & ~past,
-                           relative_error=np.where(past, count / 2.0 ** (STRING_ID_BITS + 1), result.relative_error))
+                           relative_error=np.where(past, count / 2.0 ** (bits + 1), result.relative_error))
 
 
 class StringsReadOnce:

@@ -92,6 +92,7 @@ def _text(arrow_type: Any) -> bool:
 
 
 STRINGS = ("hash", "refuse")
+ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # a string column's ids: 64 bits, or their low 32 (a TPU's)
 
 
 class Selection(NamedTuple):
@@ -190,9 +191,14 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strin
                 "read as int64 ids, for TopK and DistinctCount) with numeric ones, and a source reads one dtype; "
                 f"select only string columns in one source (e.g. columns={chosen_text[0]!r}), the numbers in another."
             )
-        if dtype not in (None, "int64", np.int64, np.dtype(np.int64)):
-            raise UsageError(f"string columns of {where} are read as int64 ids; leave dtype unset, got {dtype!r}.")
-        dtype = np.int64
+        try:
+            ids = np.dtype(np.int64 if dtype is None else dtype)
+        except TypeError:
+            ids = None
+        if ids not in ID_DTYPES:
+            raise UsageError(f"string columns of {where} are read as int64 ids (dtype='int32': their low 32 bits, "
+                             f"where the backend has no 64-bit values); leave dtype unset, got {dtype!r}.")
+        dtype = ids
     vectors = [n for n in dict.fromkeys(chosen) if _vector(schema.field(n).type)]
     if dtype is None:
         types = [(schema.field(n).type.value_type if n in vectors else schema.field(n).type).to_pandas_dtype()
@@ -261,9 +267,10 @@ def string_ids(chunk: Any) -> np.ndarray:
     return string_ids_of_utf8(*_utf8_buffers(dictionary))[indices]
 
 
-def find_strings(chunks: Iterable[Any], ids: Iterable[int]) -> dict[int, dict[str, int]]:
-    """``{id: {string: rows}}``: every string of the Arrow string ``chunks`` whose id is among ``ids``, and its
-    rows, the chunks read to their end (two strings sharing an id are both found)."""
+def find_strings(chunks: Iterable[Any], ids: Iterable[int], dtype: Any = np.int64) -> dict[int, dict[str, int]]:
+    """``{id: {string: rows}}``: every string of the Arrow string ``chunks`` whose id (as ``dtype``, the source's:
+    int32 keeps the low 32 bits) is among ``ids``, and its rows, the chunks read to their end (two strings sharing an
+    id are both found)."""
     wanted = np.unique(np.asarray(list(ids), np.int64))
     found: dict[int, dict[str, int]] = {}
     if not wanted.size:
@@ -272,7 +279,7 @@ def find_strings(chunks: Iterable[Any], ids: Iterable[int]) -> dict[int, dict[st
         if not len(chunk):
             continue
         dictionary, indices = _dictionary(chunk)
-        keys = string_ids_of_utf8(*_utf8_buffers(dictionary))
+        keys = string_ids_of_utf8(*_utf8_buffers(dictionary)).astype(dtype)
         hit = np.flatnonzero(np.isin(keys, wanted))
         if not hit.size:
             continue
@@ -451,7 +458,8 @@ class ParquetSource(Source):
         checked (two strings sharing an id are both found)."""
         scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
-        return find_strings((batch.column(0) for batch in scan.to_batches(columns=[column])), ids)
+        batches = scan.to_batches(columns=[column])
+        return find_strings((batch.column(0) for batch in batches), ids, self._selection.dtype)
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         first = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
@@ -679,7 +687,7 @@ class CsvSource(Source):
 
     def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
         """As :meth:`ParquetSource.strings`: the file parsed again from its start (not this reader's place)."""
-        return find_strings((batch.column(column) for batch in self._open()), ids)
+        return find_strings((batch.column(column) for batch in self._open()), ids, self._selection.dtype)
 
     def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
         super().seek(cursor, state)
@@ -732,7 +740,7 @@ class FrameSource(ArraySource):
 
     def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
         """As :meth:`ParquetSource.strings`, from the frame's column."""
-        return find_strings(self._strings[column].chunks, ids)
+        return find_strings(self._strings[column].chunks, ids, jax.tree.leaves(self.spec)[0].dtype)
 
 
 def dataframe_source(
