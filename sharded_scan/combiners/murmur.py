@@ -14,11 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from sharded_scan.combiners.keys import KIND_DTYPES
-from sharded_scan.dtypes import ID_LOW_BITS, STRING_RANK_BITS
+from sharded_scan.dtypes import ID_LOW_BITS, MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2, SEED, STRING_RANK_BITS
 
-SEED = 9001
-C1, C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F
-F1, F2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
+C1, C2, F1, F2 = MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2
 MAX_RANK = 63  # a register's largest value: min(clz64, 62) + 1
 
 U32 = jnp.uint32

@@ -16,7 +16,8 @@ of names it takes ``k`` places (``["a", "vec"]``: ``(rows, 1 + k)``, named ``a``
 ``k`` NaNs and a null inside one as NaN (in integer dtypes both are one line, as nulls are).
 
 String and categorical columns are read as the stable int64 ids of
-:func:`~sharded_scan.hash_strings` (of their UTF-8 bytes) (``strings="hash"``, the default; ``"refuse"`` refuses
+:func:`~sharded_scan.hash_strings` (of their UTF-8 bytes; ``dtype="int32"``: their low 32 bits, for a backend
+without 64-bit values) (``strings="hash"``, the default; ``"refuse"`` refuses
 them in one line), in a source of their own (one source reads one dtype). Only combiners
 that count values by key take them (``takes_string_ids``: ``TopK``, ``DistinctCount``;
 the others refuse them in one line before any compute), and ``TopK`` lists the strings
