@@ -82,7 +82,8 @@ def test_distinct_count_is_exact_only_while_a_shared_id_is_at_most_1e_9_likely()
 
 def test_distinct_count_datasketches_of_strings_sets_datasketches_own_registers():
     words = [f"w{i}" for i in range(500)]
-    mine = ss.run(ss.DistinctCount(precision=12, datasketches=True), frame(words), **RUN)
+    count = ss.DistinctCount(precision=12, datasketches=True)
+    mine = ss.run(count, frame(words), **RUN)
     theirs = ds.hll_sketch(12, ds.HLL_8)
     for s in words:
         theirs.update(s)
@@ -91,6 +92,8 @@ def test_distinct_count_datasketches_of_strings_sets_datasketches_own_registers(
     union.update(theirs)
     union.update(ds.hll_sketch.deserialize(mine.to_datasketches()[0]))
     assert abs(union.get_estimate() - 500) < 500 * 3 * 1.04 / math.sqrt(4096)  # not 999: each string once
+    seeded = ss.run(ss.from_datasketches(count, [theirs.serialize_compact()]), frame(words), **RUN)  # the same
+    np.testing.assert_array_equal(read_hll(seeded.to_datasketches()[0]), read_hll(theirs.serialize_compact()))
 
 
 def test_strings_keep_trailing_nuls_and_every_code_point_through_results_and_the_workdir(tmp_path):
