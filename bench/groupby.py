@@ -96,7 +96,7 @@ def callers(stats: tuple[str, ...], ours: ss.Combiner, keys: np.ndarray, x: np.n
 
     def sharded_scan():
         r = ss.run(ours, (keys, x))
-        fields = {"count": np.broadcast_to(r.count[:, None], (KEYS, COLUMNS)),
+        fields = {"count": np.broadcast_to(r.rows[:, None], (KEYS, COLUMNS)),
                   **{s: getattr(r.result, s) for s in stats if s != "count"}}
         return np.stack([np.asarray(fields[s], np.float64) for s in stats], axis=-1)
 

@@ -245,7 +245,7 @@ DATA_FIELDS = {
     "weight": "parquet, csv: the weights' column (>= 0; 0 omits a row): rows are (weights, X), reduced by "
                "Weighted(combiner), per key GroupBy(Weighted(combiner.inner))",
     "dtype": "synthetic: float32 when empty; parquet, csv: the columns' own type when empty (e.g. float32)",
-    "strings": "parquet, csv: 'hash' (when empty) reads string columns as int32 ids (TopK, DistinctCount); 'refuse'",
+    "strings": "parquet, csv: 'hash' (when empty) reads string columns as int64 ids (TopK, DistinctCount); 'refuse'",
     "zero_copy": "npy, npy_shards: rows as memory-map views (faster; a truncated file: bus error)",
     "zarr_driver": "zarr: 'zarr' or 'zarr3'; empty to detect",
     "zarr_fill_missing": "zarr: read chunks that are not stored as the fill value",

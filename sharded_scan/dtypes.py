@@ -15,7 +15,6 @@ narrowing.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -109,12 +108,101 @@ def check_placeable(spec: Any) -> None:
         )
 
 
-def hash_strings(strings: Iterable[str]) -> np.ndarray:
-    """Stable 32-bit ids of strings (BLAKE2b), to count strings with :class:`TopK` on the devices.
+SEED = 9001  # Apache DataSketches' hash seed (its ``DEFAULT_UPDATE_SEED``)
+MURMUR_C1, MURMUR_C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F  # MurmurHash3_x64_128's (combiners.murmur's too)
+MURMUR_F1, MURMUR_F2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53  # its fmix64's
+_C1, _C2, _F1, _F2 = (np.uint64(c) for c in (MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2))
+ID_LOW_BITS = 26  # a string id's low bits: h1's (DataSketches' HLL slot); the rest: h2's top bits
+STRING_ID_BITS = 64
+STRING_RANK_BITS = 64 - ID_LOW_BITS  # h2's bits an id keeps: its leading zeros known up to 37
 
-    The ids are the same in every process and run; two distinct strings share one with
-    probability ``2^-32`` per pair (about ``n^2 / 2^33`` collisions among ``n`` strings).
-    Map the returned values back with a dict of the candidate strings' ids.
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
+
+
+def _fmix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(33))
+    x = x * _F1
+    x = x ^ (x >> np.uint64(33))
+    x = x * _F2
+    return x ^ (x >> np.uint64(33))
+
+
+def murmur3_128(data: np.ndarray, offsets: np.ndarray, seed: int = SEED) -> tuple[np.ndarray, np.ndarray]:
+    """``(h1, h2)`` (``uint64`` each) of MurmurHash3_x64_128 with ``seed`` of the byte strings
+    ``data[offsets[i]:offsets[i + 1]]`` (an Arrow string array's buffers), vectorized over the strings:
+    what DataSketches' ``hll_sketch.update(str)`` hashes a string's UTF-8 bytes with."""
+    offsets = np.asarray(offsets, np.int64)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    data = np.concatenate([np.asarray(data, np.uint8).reshape(-1), np.zeros(16, np.uint8)])  # whole blocks
+    h1 = np.full(len(starts), seed, np.uint64)
+    h2 = h1.copy()
+    blocks, lane = lengths // 16, np.arange(16)
+    with np.errstate(over="ignore"):
+        for j in range(int(blocks.max(initial=0))):
+            at = np.flatnonzero(blocks > j)
+            k = data[starts[at, None] + 16 * j + lane].view("<u8")
+            k1, k2, a1, a2 = k[:, 0], k[:, 1], h1[at], h2[at]
+            a1 = a1 ^ (_rotl(k1 * _C1, 31) * _C2)
+            a1 = (_rotl(a1, 27) + a2) * np.uint64(5) + np.uint64(0x52DCE729)
+            a2 = a2 ^ (_rotl(k2 * _C2, 33) * _C1)
+            a2 = (_rotl(a2, 31) + a1) * np.uint64(5) + np.uint64(0x38495AB5)
+            h1[at], h2[at] = a1, a2
+        rest = lengths & 15
+        tail = data[(starts + 16 * blocks)[:, None] + lane]
+        tail = np.where(lane < rest[:, None], tail, np.uint8(0)).view("<u8")
+        k1, k2 = tail[:, 0].copy(), tail[:, 1].copy()
+        h2 ^= np.where(rest > 8, _rotl(k2 * _C2, 33) * _C1, np.uint64(0))
+        h1 ^= np.where(rest > 0, _rotl(k1 * _C1, 31) * _C2, np.uint64(0))
+        h1 ^= lengths.astype(np.uint64)
+        h2 ^= lengths.astype(np.uint64)
+        h1 += h2
+        h2 += h1
+        h1, h2 = _fmix(h1), _fmix(h2)
+        h1 += h2
+        h2 += h1
+    return h1, h2
+
+
+def string_ids_of_utf8(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The int64 :func:`hash_strings` ids of the UTF-8 byte strings ``data[offsets[i]:offsets[i + 1]]``."""
+    h1, h2 = murmur3_128(data, offsets)
+    low = np.uint64((1 << ID_LOW_BITS) - 1)
+    return ((h2 & ~low) | (h1 & low)).view(np.int64)
+
+
+def utf8(strings: Iterable[str]) -> list[bytes]:
+    """The UTF-8 bytes of each string; a string that has none (a lone surrogate) is one line."""
+    out = []
+    for i, s in enumerate(strings):
+        try:
+            out.append(s.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise UsageError(
+                f"string {i} ({s!r}) holds the lone surrogate {s[e.start]!r} at position {e.start}: it is not text and "
+                "has no UTF-8 bytes (Arrow, Parquet and DataSketches refuse it too); fix its decoding (e.g. "
+                "bytes.decode('utf-8', 'replace')) first."
+            ) from None
+        except AttributeError:
+            raise UsageError(f"hash_strings takes strings, got {type(s).__name__} {s!r} at position {i}.") from None
+    return out
+
+
+def hash_strings(strings: Iterable[str]) -> np.ndarray:
+    """Stable 64-bit ids of strings (int64), to count strings with ``TopK`` and ``DistinctCount`` on the devices.
+
+    An id holds the low 26 bits of ``h1`` and the top 38 bits of ``h2``, ``(h1, h2)`` the
+    MurmurHash3_x64_128 (seed 9001) of the string's UTF-8 bytes: the hash Apache DataSketches'
+    ``hll_sketch.update(str)`` takes, so ``DistinctCount(datasketches=True)`` of a string column
+    sets the registers DataSketches would (its slot from ``h1``, its value from ``h2``'s leading
+    zeros, exact up to 37 of them: a string in 2^38 gets 39 where DataSketches may give more).
+    The ids are the same in every process, run and platform; two distinct strings share one
+    with probability ``2^-64`` a pair (about ``n^2 / 2^65`` shared ids among ``n`` strings:
+    ``TopK`` checks the strings of the ids it lists, and ``DistinctCount`` marks a string
+    column's count exact only while that is at most 1e-9). A lone surrogate (no UTF-8 bytes)
+    is one line. Map the returned values back with a dict of the candidate strings' ids.
     """
-    ids = [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=4).digest(), "little") for s in strings]
-    return np.array(ids, np.uint32).view(np.int32)
+    encoded = utf8(strings)
+    offsets = np.cumsum([0] + [len(e) for e in encoded], dtype=np.int64)
+    return string_ids_of_utf8(np.frombuffer(b"".join(encoded), np.uint8), offsets)

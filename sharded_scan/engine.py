@@ -25,7 +25,7 @@ import numpy as np
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
-from sharded_scan.combiners.topk_strings import with_strings
+from sharded_scan.combiners.topk_strings import read_once, with_strings
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
@@ -392,6 +392,7 @@ def with_column_names(result: Any, source: Source) -> Any:
     A pytree of such results shaped like the data (``Describe``'s) names each by its leaf; a
     ``GroupBy`` result, each key's inner result."""
     if hasattr(result, "per_key"):
+        source = read_once(result.result, source)  # a GroupBy's TopK of strings: the data read once for every key
         return result.per_key(lambda inner: with_column_names(inner, source))
     if not _has_columns(result):
         leaves, tree = jax.tree.flatten(result, is_leaf=_has_columns)

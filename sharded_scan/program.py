@@ -49,7 +49,7 @@ from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA
 from sharded_scan.combiners.regression import LinearRegression
-from sharded_scan.combiners.wrappers import apply_policies, innermost
+from sharded_scan.combiners.wrappers import Wrapper, apply_policies, innermost
 from sharded_scan.dtypes import check_placeable, x64_scope
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order
@@ -748,6 +748,7 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
         raise UsageError(f"the data's rows hold no values (rows of {', '.join(empty)}); there is nothing to reduce "
                          "per row: check the data's columns.")
     check_string_ids(innermost(job), source)
+    job = on_string_ids(job, source)
     job.check_spec(source.spec)
     if isinstance(source, ArraySource):  # in memory: bad values (keys, weights) are one line before compute
         job.check_rows(source.read(0, source.num_rows))
@@ -776,10 +777,20 @@ def check_string_ids(combiner: Combiner, source: Source) -> None:
     strings = source.string_columns
     if strings and not combiner.takes_string_ids:
         raise UsageError(
-            f"the string column(s) {', '.join(map(repr, strings))} are read as stable int32 ids, not as numbers: only "
+            f"the string column(s) {', '.join(map(repr, strings))} are read as stable int64 ids, not as numbers: only "
             f"combiners that count values take them (TopK, DistinctCount), and {type(combiner).__name__} reduces "
             "numbers; leave them out of columns=, or encode them as numbers first."
         )
+
+
+def on_string_ids(job: Combiner, source: Source) -> Combiner:
+    """``job``, its innermost combiner's ``for_string_ids()`` where the source reads string columns as ids
+    (``DistinctCount(datasketches=True)`` then hashes each id as DataSketches hashes its string)."""
+    if not source.string_columns or not hasattr(innermost(job), "for_string_ids"):
+        return job
+    if isinstance(job, Wrapper):
+        return job.rewrap(on_string_ids(job.inner, source))
+    return job.for_string_ids()
 
 
 def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: RunOptions | None = None) -> Program:

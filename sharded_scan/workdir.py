@@ -284,7 +284,7 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
     root = as_path(workdir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        write_atomically(workdir, RESULT, lambda f: np.savez(f, **arrays))
+        write_atomically(workdir, RESULT, lambda f: np.savez(f, **without_objects(arrays)))
         summary = {**summary, "result_sha256": result_digest(workdir)}
         write_atomically(workdir, SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))
     except OSError as e:
@@ -294,6 +294,37 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
         needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
         raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
     return summary
+
+
+STRING_LENGTHS = ".string_lengths"  # the companion of an array of Python strings in result.npz
+
+
+def without_objects(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` as ``np.savez`` writes them with no pickle: an object array of strings (a ``TopK`` of a string
+    column's values) as numpy unicode, which drops trailing NULs, and its strings' lengths beside it
+    (``NAME.string_lengths``), from which :func:`load_result` gives back the very strings."""
+    out = {}
+    for name, array in arrays.items():
+        if array.dtype == object and all(isinstance(v, str) for v in array.flat):
+            out[name + STRING_LENGTHS] = np.vectorize(len, otypes=[np.int64])(array) if array.size else \
+                np.zeros(array.shape, np.int64)
+            array = array.astype(str)
+        out[name] = array
+    return out
+
+
+def with_objects(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What :func:`without_objects` was given: each array of strings with its trailing NULs, as Python strings."""
+    out = {}
+    for name, array in arrays.items():
+        if name.endswith(STRING_LENGTHS) and name[: -len(STRING_LENGTHS)] in arrays:
+            continue
+        lengths = arrays.get(name + STRING_LENGTHS)
+        if lengths is not None:
+            strings = [s + "\0" * (int(n) - len(s)) for s, n in zip(array.flat, lengths.flat, strict=True)]
+            array = np.array(strings + [None], dtype=object)[:-1].reshape(array.shape)
+        out[name] = array
+    return out
 
 
 def result_digest(workdir: str) -> str:
@@ -362,7 +393,7 @@ def finished(workdir: str, fingerprint: dict[str, Any]) -> dict[str, Any] | None
 def load_result(workdir: str) -> dict[str, np.ndarray]:
     """The arrays of ``workdir/result.npz`` by name."""
     with (as_path(workdir) / RESULT).open("rb") as f, np.load(f) as arrays:
-        return {k: arrays[k] for k in arrays.files}
+        return with_objects({k: arrays[k] for k in arrays.files})
 
 
 def one_line(e: BaseException) -> str:

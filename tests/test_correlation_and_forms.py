@@ -110,7 +110,7 @@ def test_keyed_weighted_moments_are_pandas_per_group():
     assert rel_err(got.mean, mean) < 1e-6
     for k in range(7):
         part, weight = f64(x)[keys == k], w[keys == k]
-        assert got.result.count[k] == (weight > 0).sum() and got.count[k] == len(weight)
+        assert got.count[k] == (weight > 0).sum() and got.rows[k] == len(weight)
         assert rel_err(got.var[k], np.average((part - mean[k]) ** 2, axis=0, weights=weight)) < 1e-5
 
 

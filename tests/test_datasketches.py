@@ -147,7 +147,7 @@ def test_frequent_items_bytes_bound_every_count_and_merge_with_the_packages(ints
 
 def test_frequent_items_of_strings_and_doubles():
     pd = pytest.importorskip("pandas")
-    rng = np.random.default_rng(8)  # two string columns: the ints fixture's spec, int32 (2,) ids, and program
+    rng = np.random.default_rng(8)  # two string columns, read as int64 (2,) ids
     words = np.array(["a", "bb", "ccc", "dddd", "é"])[rng.integers(0, 5, size=(ROWS, 2))]
     result = ss.run(TOPK, pd.DataFrame({"w": words[:, 0], "v": words[:, 1]}), **RUN)
     for j, blob in enumerate(result.to_datasketches()):

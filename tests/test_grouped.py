@@ -30,7 +30,7 @@ def test_groupby_sum_is_numpy_per_key():
     keys, x, _ = data(997)
     r = ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), **RUN)
     np.testing.assert_allclose(r.sum, np.stack([x[keys == k].sum(0) for k in range(K)]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(r.count, np.bincount(keys, minlength=K))
+    np.testing.assert_array_equal(r.rows, np.bincount(keys, minlength=K))
     np.testing.assert_array_equal(r.keys, np.arange(K))
 
 
@@ -53,10 +53,10 @@ def test_keys_out_of_range_are_one_line_or_an_other_row():
         ss.run(ss.GroupBy(ss.Sum(), K), (bad, x), **RUN)
     assert "\n" not in str(err.value)
     r = ss.run(ss.GroupBy(ss.Sum(), K, out_of_range="other"), (bad, x), **RUN)
-    assert r.keys[-1] == -1 and r.count[-1] == 2
+    assert r.keys[-1] == -1 and r.rows[-1] == 2
     np.testing.assert_allclose(r.sum[-1], x[[3, 10]].sum(0), rtol=1e-6)
     inside = (bad >= 0) & (bad < K)
-    np.testing.assert_array_equal(r.count[:K], np.bincount(bad[inside], minlength=K))
+    np.testing.assert_array_equal(r.rows[:K], np.bincount(bad[inside], minlength=K))
 
 
 @pytest.mark.parametrize("combiner, rows, message", [
@@ -114,7 +114,7 @@ def test_keys_out_of_range_in_data_not_in_memory_fail_the_run_in_one_line_and_na
     keys, x, _ = data(300)
     frame = pd.DataFrame(x, columns=["a", "b", "c"])
     table = ss.run(ss.GroupBy(ss.Sum(), K), (keys, frame), **RUN).to_pandas()
-    assert table.index.names == ["key", None] and table.loc[(2, "b"), "count"] == np.count_nonzero(keys == 2)
+    assert table.index.names == ["key", None] and table.loc[(2, "b"), "rows"] == np.count_nonzero(keys == 2)
     np.testing.assert_allclose(table.loc[(2, "b"), "sum"], x[keys == 2, 1].sum(), rtol=1e-5)
     keys[5] = K
     with pytest.raises(ss.UsageError, match="1 rows have keys outside 0..6; pass a larger num_keys") as err:
@@ -137,7 +137,7 @@ def test_groupby_resumes_and_splits_a_weighted_gram_per_key_over_model(tmp_path)
         ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, progress=stop_at_2, **RUN)
     resumed = ss.run(ss.GroupBy(ss.Sum(), K), (keys, x), checkpoint=options, **RUN)
     np.testing.assert_allclose(resumed.sum, [x[keys == k].sum(0) for k in range(K)], rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(resumed.count, np.bincount(keys, minlength=K))
+    np.testing.assert_array_equal(resumed.rows, np.bincount(keys, minlength=K))
 
     job = ss.GroupBy(ss.Weighted(ss.Gram()), K)
     gram = ss.run(job, (keys, (w, x)), mesh="data:4,model:2", **RUN)  # (K, d, d) split by columns over model
@@ -184,13 +184,13 @@ def test_groupby_moments_is_pandas_groupby_on_1_3_and_8_devices(dtype, mesh):
     frame = pd.DataFrame(x.astype(np.float64)).groupby(keys)
     present = np.unique(keys)
     rtol = 1e-12 if dtype == np.float64 else 1e-6
-    np.testing.assert_array_equal(got.count[present], frame.size())
+    np.testing.assert_array_equal(got.rows[present], frame.size())
     np.testing.assert_allclose(got.mean[present], frame.mean(), rtol=rtol)
     np.testing.assert_allclose(got.var[present], frame.var(ddof=0), rtol=max(rtol, 1e-9 if dtype == np.float64 else 0))
     np.testing.assert_array_equal(got.min[present], frame.min().astype(dtype))
     np.testing.assert_array_equal(got.max[present], frame.max().astype(dtype))
     absent = np.setdiff1d(np.arange(40), present)
-    assert np.isnan(got.mean[absent]).all() and (got.count[absent] == 0).all()
+    assert np.isnan(got.mean[absent]).all() and (got.rows[absent] == 0).all()
 
 
 def test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas():
@@ -203,7 +203,7 @@ def test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas():
     kept = ~np.isnan(x).any(1)
     g = ss.run(ss.GroupBy(ss.Moments(), K), (keys, x), nan_policy="omit", **RUN)
     np.testing.assert_array_equal(g.nan_count, frame.isna().groupby(keys).sum().reindex(range(K), fill_value=0))
-    np.testing.assert_array_equal(g.count, np.bincount(keys[kept], minlength=K))
+    np.testing.assert_array_equal(g.rows, np.bincount(keys[kept], minlength=K))
     np.testing.assert_allclose(g.mean[2], x[kept & (keys == 2)].mean(0), rtol=1e-12)
     r = ss.run(ss.Weighted(ss.Moments()), (w, x), nan_policy="omit", **RUN)
     np.testing.assert_array_equal(r.nan_count, np.isnan(x[w > 0]).sum(0))  # a zero weight omits its row

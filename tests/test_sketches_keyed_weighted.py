@@ -103,7 +103,7 @@ def test_per_key_sketches_are_pandas_groupby_within_their_bounds():
     d = ss.run(ss.GroupBy(ss.DistinctCount(precision=8), K), (keys, ids), **RUN)
     e = ss.run(ss.GroupBy(ss.DistinctCount(precision=8, exact_up_to=0), K), (keys, ids), **RUN)
     frame = pd.DataFrame({"key": keys, "a": ids[:, 0], "b": ids[:, 1]})
-    np.testing.assert_array_equal(d.result.count, frame.groupby("key")[["a", "b"]].nunique().to_numpy())
+    np.testing.assert_array_equal(d.count, frame.groupby("key")[["a", "b"]].nunique().to_numpy())
     assert d.result.exact.all()
     for k in range(K):
         mine = keys == k

@@ -188,7 +188,7 @@ def test_string_columns_are_counted_like_pandas_and_topk_lists_the_strings(frame
                        ["'city'", "not as numbers", "TopK", "Moments", "columns="])
     assert_usage_error(lambda: dataframe_source(cities, columns=["city"], strings="refuse"), ["'city'", "not a number"])
     assert_usage_error(lambda: ParquetSource(files / "one.parquet", columns=["name", "age"], strings="hash"),
-                       ["int32 ids", "only string columns"])
+                       ["int64 ids", "only string columns"])
     assert_usage_error(lambda: CsvSource(files / "all.csv", columns=["name"], strings="yes"), ["strings must be"])
 
 

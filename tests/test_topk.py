@@ -125,7 +125,7 @@ def test_strings_are_counted_by_their_hash_ids():
     counts = {"the": 120, "of": 80, "and": 40, "sharded": 20, "scan": 10, "rare": 1}
     words = np.random.default_rng(0).permutation([w for w, c in counts.items() for _ in range(c)])
     ids = ss.hash_strings(words)
-    assert ids.dtype == np.int32 and np.array_equal(ss.hash_strings([words[0]]), ids[:1])  # stable
+    assert ids.dtype == np.int64 and np.array_equal(ss.hash_strings([words[0]]), ids[:1])  # stable
     got = ss.run(ss.TopK(k=3), ids, mesh="data:2", **KW)
     names = dict(zip(ids.tolist(), words.tolist(), strict=True))
     assert [names[int(v)] for v in got.values] == ["the", "of", "and"]

@@ -412,7 +412,7 @@ def frequent_items_sketches(result) -> list[bytes]:
     out = []
     for j, column in enumerate(np.atleast_1d(result.sketch)):
         capacity = column["keys"].shape[0]
-        if values.dtype.kind == "U":  # strings: the listed values, the result's bound as offset
+        if values.dtype.kind in "UO":  # strings: the listed values, the result's bound as offset
             listed = counts[j] > 0
             out.append(frequent_items_bytes(values[j][listed].tolist(), counts[j][listed], int(bound[j]),
                                             int(counts[j].sum()), capacity, "string"))

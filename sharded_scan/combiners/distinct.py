@@ -97,11 +97,12 @@ class DistinctAcc(NamedTuple):
 
 
 def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
-                     code: int | None = None) -> tuple[jax.Array, jax.Array]:
+                     code: int | None = None, string_ids: bool = False) -> tuple[jax.Array, jax.Array]:
     """Each key's register index and value (0 for masked rows): ``(d, mb)`` each; with ``code`` (the keys'
-    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`)."""
+    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`; of strings' ids,
+    ``string_ids``: :func:`~.murmur.string_coupons`)."""
     if code is not None:
-        index, rank = murmur.coupons(keys, code, precision)
+        index, rank = (murmur.string_coupons if string_ids else murmur.coupons)(keys, code, precision)
     elif keys.dtype == jnp.uint64:
         first = mix64(keys)
         second = first.astype(jnp.uint32)  # the low half: bits the index (the top ones) does not use
@@ -189,11 +190,19 @@ class DistinctCount(SplitsEachColumn, Combiner):
     ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
     skipped. float64 and int64 values are compared exactly, by 64-bit keys: no two
     distinct values are counted as one.
+
+    A string column is counted by its 64-bit :func:`~sharded_scan.hash_strings` ids: ``n`` distinct
+    strings share an id with probability about ``n (n - 1) / 2^65``, so its count is marked ``exact``
+    only up to 192,077 distinct strings (``topk_strings.EXACT_STRINGS``), where that is at most 1e-9;
+    past it ``exact`` is False and ``relative_error`` the expected share lost, ``count / 2^65``.
+    With ``datasketches=True`` a string's registers are DataSketches' ``hll_sketch.update(str)``'s
+    (MurmurHash3 of its UTF-8 bytes; but DataSketches skips the empty string, which counts here).
     """
 
     precision: int = DEFAULT_PRECISION
     exact_up_to: int | None = None
     datasketches: bool = False
+    string_ids: bool = False  # set by the engine for a string column's ids (datasketches: hashed as their strings)
     model_shards: int = 1  # set by for_mesh: above 1 each model device counts its block of the columns
     takes_string_ids = True  # string columns: their hash ids count the distinct strings
     state_type = DistinctAcc  # split over model: each device counts its block of the columns (column_split)
@@ -212,6 +221,20 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     def check_spec(self, spec):
         check_column_spec(spec, "DistinctCount")
+        if self.string_ids and np.dtype(spec.dtype) != np.int64:
+            raise UsageError("DistinctCount(datasketches=True) hashes a string column as DataSketches does from its "
+                             f"64-bit ids, and these are {np.dtype(spec.dtype).name}: leave the source's dtype unset.")
+
+    def fingerprint(self):
+        named = super().fingerprint()
+        if not self.string_ids:  # as before the field: a checkpoint written then resumes
+            del named["string_ids"]
+        return named
+
+    def for_string_ids(self) -> DistinctCount:
+        """This count over a string column's :func:`~sharded_scan.hash_strings` ids: with ``datasketches``, each id
+        hashed as DataSketches hashes its string (:func:`~.murmur.string_coupons`); else unchanged."""
+        return dataclasses.replace(self, string_ids=True) if self.datasketches else self
 
     def init(self, spec):
         if self.model_shards > 1:
@@ -230,7 +253,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     def _add(self, acc, batch, mask):
         keys = columns(batch)
-        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch))
+        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch), self.string_ids)
         d = keys.shape[0]
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
         registers = acc.registers.at[rows, index].max(rank)
@@ -257,7 +280,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
         if self.model_shards > 1:
             return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
         cols = columns(batch)
-        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch))
+        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch), self.string_ids)
         d = cols.shape[0]
         group = jnp.broadcast_to(jnp.where(mask, keys, 0)[None, :], index.shape)
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)

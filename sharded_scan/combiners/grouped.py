@@ -42,16 +42,23 @@ class GroupByResult(NamedTuple):
 
     Attributes:
       result: the inner combiner's result with a leading axis of one entry per key on every
-        field (``columns`` excepted); its fields are also this result's (``r.mean[k]``).
-      count: rows per key (int64), as read: rows of weight 0 too (a ``Weighted`` inner result's own
-        ``count`` leaves them out).
+        field (``columns`` excepted); its fields are also this result's (``r.mean[k]``, and
+        ``r.count[k]``: the inner result's ``count``, e.g. ``DistinctCount``'s distinct values).
+      rows: rows per key (int64), as read: rows of weight 0 too (a ``Weighted`` inner result's own
+        ``count`` leaves them out). (``count`` before: it hid the inner result's ``count``.)
       keys: the key of each entry: ``0..num_keys-1``, then ``-1`` for the ``other`` row
         (``out_of_range="other"``: rows whose key was outside ``[0, num_keys)``).
     """
 
     result: Any
-    count: np.ndarray
+    rows: np.ndarray
     keys: np.ndarray
+
+    @property
+    def count(self):
+        """The inner result's ``count`` per key (``DistinctCount``'s distinct values, ``Sum``'s rows...), not
+        the tuple's ``count`` method."""
+        return self.result.count
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -77,14 +84,14 @@ class GroupByResult(NamedTuple):
 
     def to_pandas(self):
         """A DataFrame of every key's inner ``to_pandas()`` stacked, indexed by ``key`` first,
-        with the ``count`` of rows of each key where the inner frame has none."""
+        with the ``rows`` of each key first."""
         pd = pandas()
         frames = {}
         for i, key in enumerate(self.keys.tolist()):
             one = entry(self.result, i)
             frame = one.to_pandas() if hasattr(one, "to_pandas") else pd.DataFrame(np.atleast_2d(np.asarray(one)))
-            if "count" not in frame.columns:
-                frame.insert(0, "count", self.count[i])
+            if "rows" not in frame.columns:
+                frame.insert(0, "rows", self.rows[i])
             frames[key] = frame
         return pd.concat(frames, names=["key", *frames[self.keys[0].item()].index.names])
 

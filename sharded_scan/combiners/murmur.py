@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from sharded_scan.combiners.keys import KIND_DTYPES
+from sharded_scan.dtypes import ID_LOW_BITS, MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2, SEED, STRING_RANK_BITS
 
-SEED = 9001
-C1, C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F
-F1, F2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
+C1, C2, F1, F2 = MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2
 MAX_RANK = 63  # a register's largest value: min(clz64, 62) + 1
 
 U32 = jnp.uint32
@@ -127,3 +126,15 @@ def coupons(keys: jax.Array, code: int, precision: int) -> tuple[jax.Array, jax.
     index = (h1[1] & U32((1 << precision) - 1)).astype(jnp.int32)
     clz = jnp.where(h2[0] == 0, 32 + jax.lax.clz(h2[1]), jax.lax.clz(h2[0]))
     return index, (jnp.minimum(clz, 62) + 1).astype(jnp.uint8)
+
+
+def string_coupons(keys: jax.Array, code: int, precision: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`coupons` of strings given by their :func:`~sharded_scan.hash_strings` ids (int64 keys of kind
+    ``code``): an id holds the low 26 bits of the string's ``h1`` and the top 38 of its ``h2``, so the register is
+    the id's low bits and the value ``min(clz64(h2), 37) + 1``: DataSketches' own but where ``h2`` starts with 38
+    zeros (a string in 2^38: 39, where DataSketches' is 39 or more)."""
+    hi, lo = value_bits(keys, code)
+    index = (lo & U32((1 << precision) - 1)).astype(jnp.int32)
+    top = lo & ~U32((1 << ID_LOW_BITS) - 1)  # the id's bits of h2
+    clz = jnp.where(hi == 0, 32 + jax.lax.clz(top), jax.lax.clz(hi))
+    return index, (jnp.minimum(clz, STRING_RANK_BITS) + 1).astype(jnp.uint8)

@@ -185,13 +185,14 @@ class Source(abc.ABC):
 
     @property
     def string_columns(self) -> tuple[str, ...]:
-        """The columns read as :func:`~sharded_scan.hash_strings` ids (string and categorical
+        """The columns read as :func:`~sharded_scan.hash_strings` int64 ids (string and categorical
         columns), which only a combiner with ``takes_string_ids`` may reduce; () for numbers."""
         return ()
 
-    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
-        """``{id: string}`` of the values of the string column ``column`` whose ids are ``ids``
-        (what ``TopK`` lists); read from the first row on, so the same on every process."""
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
+        """``{id: {string: rows}}``: every string of the string column ``column`` whose id is among
+        ``ids`` (what ``TopK`` lists) and its rows, the column read from its first row to its last, so
+        the same on every process, and two strings sharing an id are both found."""
         del column, ids
         return {}
 

@@ -65,6 +65,10 @@ class TreeSource(Source):
     def string_columns(self) -> tuple[str, ...]:
         return tuple(name for s in self._sources for name in s.string_columns)
 
+    def strings(self, column: str, ids: Any) -> dict[int, dict[str, int]]:
+        """The strings of the source that reads ``column`` as ids (``(keys, frame)`` of a ``GroupBy``...)."""
+        return next((s.strings(column, ids) for s in self._sources if column in s.string_columns), {})
+
     @property
     def column_names(self) -> Any:
         names = [s.column_names for s in self._sources]
@@ -75,6 +79,8 @@ class SourcePart:
     """The part at ``path`` (indices into the row's pytree) of every row of ``source``, as far as naming
     a result's columns goes (``spec``, ``column_names``, ``string_columns``, ``strings``): the data of
     ``(keys, data)`` or ``(weights, data)`` that a ``GroupBy`` or ``Weighted`` result describes."""
+
+    counts_rows = False  # a GroupBy or Weighted result counts this part's values per key or by weight
 
     def __init__(self, source: Source, path: tuple[int, ...]):
         self._source, self._path = source, tuple(path)
@@ -96,7 +102,7 @@ class SourcePart:
     def string_columns(self) -> tuple[str, ...]:
         return self._source.string_columns
 
-    def strings(self, column: str, ids: Any) -> dict[int, str]:
+    def strings(self, column: str, ids: Any) -> dict[int, dict[str, int]]:
         return self._source.strings(column, ids)
 
 

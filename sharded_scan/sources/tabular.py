@@ -15,8 +15,9 @@ of names it takes ``k`` places (``["a", "vec"]``: ``(rows, 1 + k)``, named ``a``
 ...). A list of another length is one line naming its row and file; a null list reads as
 ``k`` NaNs and a null inside one as NaN (in integer dtypes both are one line, as nulls are).
 
-String and categorical columns are read as the stable int32 ids of
-:func:`~sharded_scan.hash_strings` (``strings="hash"``, the default; ``"refuse"`` refuses
+String and categorical columns are read as the stable int64 ids of
+:func:`~sharded_scan.hash_strings` (of their UTF-8 bytes; ``dtype="int32"``: their low 32 bits, for a backend
+without 64-bit values) (``strings="hash"``, the default; ``"refuse"`` refuses
 them in one line), in a source of their own (one source reads one dtype). Only combiners
 that count values by key take them (``takes_string_ids``: ``TopK``, ``DistinctCount``;
 the others refuse them in one line before any compute), and ``TopK`` lists the strings
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sharded_scan.dtypes import hash_strings
+from sharded_scan.dtypes import string_ids_of_utf8
 from sharded_scan.errors import UsageError
 from sharded_scan.sources.base import ALIGN, FileWatch, PyTree, Source, aligned_empty, file_stamp, row_spec
 from sharded_scan.sources.memory import ArraySource
@@ -92,6 +93,7 @@ def _text(arrow_type: Any) -> bool:
 
 
 STRINGS = ("hash", "refuse")
+ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # a string column's ids: 64 bits, or their low 32 (a TPU's)
 
 
 class Selection(NamedTuple):
@@ -145,7 +147,7 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strin
     when there is none, every string column; a None inside a pytree every such column the
     others do not name (``(None, "y")``: y, and X of the rest). The columns it leaves out are
     named in a warning. ``strings="hash"`` reads selected string (or categorical) columns as
-    the stable int32 ids of :func:`sharded_scan.hash_strings`, for the sketches (``TopK``,
+    the stable int64 ids of :func:`sharded_scan.hash_strings`, for the sketches (``TopK``,
     ``DistinctCount``). ``sample(names)`` gives a table of the first rows of those ``list``
     columns, whose length the schema does not say.
     """
@@ -187,12 +189,17 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strin
         if len(chosen_text) < len(chosen):
             raise UsageError(
                 f"columns= of {where} mixes the string column(s) {', '.join(map(repr, chosen_text))} (not a number: "
-                "read as int32 ids, for TopK and DistinctCount) with numeric ones, and a source reads one dtype; "
+                "read as int64 ids, for TopK and DistinctCount) with numeric ones, and a source reads one dtype; "
                 f"select only string columns in one source (e.g. columns={chosen_text[0]!r}), the numbers in another."
             )
-        if dtype not in (None, "int32", np.int32, np.dtype(np.int32)):
-            raise UsageError(f"string columns of {where} are read as int32 ids; leave dtype unset, got {dtype!r}.")
-        dtype = np.int32
+        try:
+            ids = np.dtype(np.int64 if dtype is None else dtype)
+        except TypeError:
+            ids = None
+        if ids not in ID_DTYPES:
+            raise UsageError(f"string columns of {where} are read as int64 ids (dtype='int32': their low 32 bits, "
+                             f"where the backend has no 64-bit values); leave dtype unset, got {dtype!r}.")
+        dtype = ids
     vectors = [n for n in dict.fromkeys(chosen) if _vector(schema.field(n).type)]
     if dtype is None:
         types = [(schema.field(n).type.value_type if n in vectors else schema.field(n).type).to_pandas_dtype()
@@ -238,23 +245,50 @@ def check_nulls(values: Any, name: str, dtype: np.dtype, first_row: int, where: 
         )
 
 
-def string_ids(chunk: Any) -> np.ndarray:
-    """The :func:`hash_strings` ids of an Arrow string (or dictionary) array, each distinct string hashed once."""
+def _utf8_buffers(strings: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The UTF-8 bytes and offsets (int64, ``len + 1``) of an Arrow string array, without a copy of the bytes."""
+    pa = _pyarrow()
+    strings = strings.cast(pa.large_string()) if not pa.types.is_large_string(strings.type) else strings
+    _, offsets, data = strings.buffers()
+    offsets = np.frombuffer(offsets, np.int64)[strings.offset : strings.offset + len(strings) + 1]
+    return (np.zeros(0, np.uint8) if data is None else np.frombuffer(data, np.uint8)), offsets
+
+
+def _dictionary(chunk: Any) -> tuple[Any, np.ndarray]:
+    """An Arrow string (or dictionary) array as its distinct strings and each row's index among them."""
     pa = _pyarrow()
     encoded = chunk if pa.types.is_dictionary(chunk.type) else pa.compute.dictionary_encode(chunk)
-    return hash_strings(encoded.dictionary.to_pylist())[encoded.indices.to_numpy(zero_copy_only=False)]
+    return encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
 
 
-def find_strings(chunks: Iterable[Any], ids: Iterable[int]) -> dict[int, str]:
-    """``{id: string}`` for the ``ids`` found in Arrow string ``chunks``, read in order until each is found."""
-    pa, wanted, found = _pyarrow(), set(ids), {}
+def string_ids(chunk: Any) -> np.ndarray:
+    """The int64 :func:`hash_strings` ids of an Arrow string (or dictionary) array, each distinct string hashed
+    once, from its UTF-8 bytes as Arrow holds them."""
+    dictionary, indices = _dictionary(chunk)
+    return string_ids_of_utf8(*_utf8_buffers(dictionary))[indices]
+
+
+def find_strings(chunks: Iterable[Any], ids: Iterable[int], dtype: Any = np.int64) -> dict[int, dict[str, int]]:
+    """``{id: {string: rows}}``: every string of the Arrow string ``chunks`` whose id (as ``dtype``, the source's:
+    int32 keeps the low 32 bits) is among ``ids``, and its rows, the chunks read to their end (two strings sharing an
+    id are both found)."""
+    wanted = np.unique(np.asarray(list(ids), np.int64))
+    found: dict[int, dict[str, int]] = {}
+    if not wanted.size:
+        return found
     for chunk in chunks:
-        if len(found) == len(wanted):
-            break
-        dictionary = (chunk.dictionary if pa.types.is_dictionary(chunk.type) else pa.compute.unique(chunk)).to_pylist()
-        for key, string in zip(hash_strings(dictionary).tolist(), dictionary, strict=True):
-            if key in wanted:
-                found.setdefault(key, string)
+        if not len(chunk):
+            continue
+        dictionary, indices = _dictionary(chunk)
+        keys = string_ids_of_utf8(*_utf8_buffers(dictionary)).astype(dtype)
+        hit = np.flatnonzero(np.isin(keys, wanted))
+        if not hit.size:
+            continue
+        rows = np.bincount(indices, minlength=len(keys))
+        for at in hit.tolist():
+            one = found.setdefault(int(keys[at]), {})
+            string = dictionary[at].as_py()
+            one[string] = one.get(string, 0) + int(rows[at])
     return found
 
 
@@ -356,7 +390,7 @@ class ParquetSource(Source):
       columns: see the module docstring; None for every numeric column.
       dtype: the row dtype; None for the columns' common type.
       format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
-      strings: ``"hash"`` (default) reads selected string columns as stable int32 ids (see
+      strings: ``"hash"`` (default) reads selected string columns as stable int64 ids (see
         :func:`resolve_columns`); ``"refuse"`` refuses them in one line.
     """
 
@@ -419,12 +453,14 @@ class ParquetSource(Source):
     def string_columns(self) -> tuple[str, ...]:
         return self._selection.strings
 
-    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
-        """The strings of ``column`` whose ids are ``ids``, the dataset read in order (that column
-        only) until each is found: the few values a ``TopK`` lists, found again after the run."""
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
+        """``{id: {string: rows}}`` of the strings of ``column`` whose ids are ``ids``, the dataset (that
+        column only) read to its end: the few values a ``TopK`` lists, found again after the run, and
+        checked (two strings sharing an id are both found)."""
         scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
-        return find_strings((batch.column(0) for batch in scan.to_batches(columns=[column])), ids)
+        batches = scan.to_batches(columns=[column])
+        return find_strings((batch.column(0) for batch in batches), ids, self._selection.dtype)
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
         first = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
@@ -650,9 +686,9 @@ class CsvSource(Source):
     def string_columns(self) -> tuple[str, ...]:
         return self._selection.strings
 
-    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
         """As :meth:`ParquetSource.strings`: the file parsed again from its start (not this reader's place)."""
-        return find_strings((batch.column(column) for batch in self._open()), ids)
+        return find_strings((batch.column(column) for batch in self._open()), ids, self._selection.dtype)
 
     def seek(self, cursor: int, state: dict[str, Any] | None = None) -> None:
         super().seek(cursor, state)
@@ -703,9 +739,9 @@ class FrameSource(ArraySource):
     def string_columns(self) -> tuple[str, ...]:
         return tuple(self._strings)
 
-    def strings(self, column: str, ids: Iterable[int]) -> dict[int, str]:
+    def strings(self, column: str, ids: Iterable[int]) -> dict[int, dict[str, int]]:
         """As :meth:`ParquetSource.strings`, from the frame's column."""
-        return find_strings(self._strings[column].chunks, ids)
+        return find_strings(self._strings[column].chunks, ids, jax.tree.leaves(self.spec)[0].dtype)
 
 
 def dataframe_source(
@@ -715,12 +751,16 @@ def dataframe_source(
 
     Nullable columns (pandas ``Int64``, ``Float64``) become NaN in float dtypes; columns of
     equal-length arrays (or lists) are vector columns; ``strings="hash"`` (default): string or
-    categorical columns as stable int32 ids.
+    categorical columns as stable int64 ids.
     """
     pa = _pyarrow()
     where = f"the {type(frame).__name__}"
     try:
         table = pa.Table.from_pandas(frame, preserve_index=False) if hasattr(frame, "iloc") else frame.to_arrow()
+    except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 bytes (dtypes.utf8 says the same of hash_strings)
+        raise UsageError(f"cannot read {where} as columns: a string holds the lone surrogate "
+                         f"{e.object[e.start:e.end]!r} ({e.object[:40]!r}), which is not text and has no UTF-8 bytes; "
+                         "fix its decoding (e.g. bytes.decode('utf-8', 'replace')) first.") from None
     except (AttributeError, TypeError, pa.ArrowException) as e:
         raise UsageError(f"cannot read {where} as columns: {str(e).splitlines()[0]}") from None
     selection = resolve_columns(table.schema, columns, dtype, where, strings, lambda names: table.select(names))
