@@ -29,6 +29,9 @@ NOT_BY_COLUMN = ("qs", "edges", "components", "explained_variance", "explained_v
 STATE = "sketch"
 # A 2-D field whose second axis another field labels: quantiles[0.5] rather than quantiles[4].
 LABELLED_BY = {"quantiles": "qs"}
+# What starts a formula in a spreadsheet (OWASP's "CSV injection"): a text cell starting so is written after a single
+# quote, "'=...", which spreadsheets show as text; numbers, negative ones too, are written as they are.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def result_json(arrays: dict[str, np.ndarray]) -> str:
@@ -60,10 +63,18 @@ def result_table(arrays: dict[str, np.ndarray]) -> str | None:
     if len(header) == 1:
         return None
     text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows([repr(v) if isinstance(v, float) else v for v in row] for row in cells)
+    writer = csv.writer(text, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)  # every text in quotes, as OWASP
+    writer.writerow([csv_cell(v) for v in header])  # says: a CR or tab in a name stays in its cell
+    writer.writerows([csv_cell(v) for v in row] for row in cells)
     return text.getvalue()
+
+
+def csv_cell(value: Any) -> Any:
+    """One cell of ``result.csv``: a text a spreadsheet would run (:data:`FORMULA_STARTS`) after a single quote;
+    anything else as it is (numbers unquoted, a float as ``repr`` writes it: ``-1.5``, ``-inf``, ``nan``)."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
 
 
 def result_files(combiner: Any) -> dict[str, Callable[[Any], str | None]]:
