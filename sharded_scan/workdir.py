@@ -378,12 +378,11 @@ def finished(workdir: str, fingerprint: dict[str, Any], outputs: Mapping[str, An
         return None
     if not isinstance(summary, dict) or not (root / RESULT).is_file():
         return None
+    changed = None
     if summary.get("job") != job_digest(fingerprint):
         if "files" not in summary or summary.get("job") != job_digest({**fingerprint, "files": summary["files"]}):
             return None  # another job (or a summary of an older version, without files)
         changed = files_difference(summary, fingerprint)
-        if changed is not None:
-            return {**summary, "data_changed": changed}
     digests = {RESULT: summary.get(RESULT_DIGEST)}
     digests.update(summary.get(OUTPUT_DIGESTS) if isinstance(summary.get(OUTPUT_DIGESTS), dict) else {})
     for name in outputs:
@@ -398,7 +397,7 @@ def finished(workdir: str, fingerprint: dict[str, Any], outputs: Mapping[str, An
                          root / name, "is missing" if found is None else
                          f"is not the file {root / SUMMARY} was written with (replaced or damaged)")
             return None
-    return summary
+    return summary if changed is None else {**summary, "data_changed": changed}
 
 
 def file_digest(path: Any) -> str | None:
