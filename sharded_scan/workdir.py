@@ -304,7 +304,7 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
     arrays = named_arrays(result)
     texts = {name: render(result) for name, render in (outputs or {}).items()}
     texts = {name: text.encode() if isinstance(text, str) else text for name, text in texts.items()}
-    root = as_path(workdir)
+    root, name = as_path(workdir), RESULT  # name: the file being written
     try:
         root.mkdir(parents=True, exist_ok=True)
         write_atomically(workdir, RESULT, lambda f: np.savez(f, **arrays))
@@ -317,13 +317,14 @@ def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: st
                 write_atomically(workdir, name, lambda f, data=data: f.write(data))
             digests[name] = None if data is None else hashlib.sha256(data).hexdigest()
         summary = json_value({**summary, RESULT_DIGEST: result_digest(workdir), OUTPUT_DIGESTS: digests})
+        name = SUMMARY
         write_atomically(workdir, SUMMARY, lambda f: f.write(json_text(summary, indent=2, default=repr).encode()))
     except OSError as e:
         code = storage_reason(e)
         if code is None:
             raise
         needed = sum(a.nbytes for a in arrays.values()) + sum(len(t or b"") for t in texts.values()) + (64 << 10)
-        raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
+        raise storage_error(f"write {root / name}", code, intact, needed) from None
     return summary
 
 
