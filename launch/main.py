@@ -3,7 +3,8 @@ r"""Runs one sharded_scan job from a config: ``python -m launch.main``. Intentio
     python -m launch.main --config=gram:quick --workdir=/tmp/gram --config.microbatch=64
 
 Flags and the config, then one library call, :func:`sharded_scan.run_in_workdir` (writes
-``WORKDIR/result.npz``, ``summary.json`` and ``checkpoints/``; resumes; or says "already done"),
+``WORKDIR/result.npz``, ``result.json``, ``result.csv``, ``describe.json`` (:mod:`launch.outputs`),
+``summary.json`` and ``checkpoints/``; resumes; or says "already done"),
 then its exit status: 0 done or preempted (saved; rerun to resume), 2 a usage error (one
 line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save, 143 SIGTERM
 with checkpoints off (one line: nothing saved).
@@ -43,10 +44,9 @@ from launch.data import make_combiner, make_source, run_options
 from launch.help import flag_lines, help_text
 from launch.logs import ProgressLog, set_up_logging
 from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
-from launch.outputs import JSON, write_result_files
+from launch.outputs import result_files
 from sharded_scan import distributed
-from sharded_scan.combiners.describe import DESCRIBE_JSON
-from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, where
 from sharded_scan.workdir import EXIT_USAGE, exits, row_bytes, run_in_workdir
 
@@ -136,8 +136,9 @@ def run_job(
     config: Any, workdir: str, started_as: str = "single", step_timeout: float | None = None,
     force_unlock: bool = False, tensorboard: bool = False, profile_steps: tuple[int, int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The job ``config`` describes, run in ``workdir`` (:func:`sharded_scan.run_in_workdir`), and its
-    result as ``result.json`` (and ``result.csv`` for a per-column result: :mod:`launch.outputs`).
+    """The job ``config`` describes, run in ``workdir`` (:func:`sharded_scan.run_in_workdir`), its result
+    also as ``result.json`` (and ``result.csv`` for a per-column result, ``describe.json`` for ``Describe``:
+    :mod:`launch.outputs`), each covered by ``summary.json``'s digests.
 
     ``tensorboard`` writes TensorBoard scalars to ``workdir/tensorboard``; ``profile_steps``
     ``(A, B)`` traces steps A..B into ``workdir/profile``.
@@ -153,16 +154,8 @@ def run_job(
         combiner, source, workdir, run_options(config, progress=progress, step_timeout=step_timeout),
         checkpoint=ck.enabled and {k: v for k, v in ck.items() if k != "enabled"}, force_unlock=force_unlock,
         record={"distributed": started_as, "config": json.loads(json.dumps(config.to_dict(), default=repr))},
+        outputs=result_files(combiner),
     )
-    if jax.process_index() == 0 and not (summary.get("already_done") and (root / JSON).exists()):
-        try:
-            write_result_files(workdir, result)
-        except StorageError as e:
-            if not summary.get("already_done"):
-                raise
-            logging.warning("%s", e)  # a read-only workdir holding an older job's result: it is still done
-    if hasattr(result, "to_json") and jax.process_index() == 0:  # Describe: the per-feature statistics
-        result.to_json(root / DESCRIBE_JSON)
     return result, summary
 
 

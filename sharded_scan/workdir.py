@@ -5,21 +5,25 @@ wants the same files calls::
 
     result, summary = sharded_scan.run_in_workdir(sharded_scan.Gram(), X, "/tmp/gram")
 
-It writes ``WORKDIR/result.npz`` (the result's named arrays) and ``WORKDIR/summary.json``
-(what the run did, the job's digest, :func:`~sharded_scan.identity.job_digest`, and the
-stamps of the files it read), with checkpoints in ``WORKDIR/checkpoints``. Running the
-same job again resumes from the latest checkpoint or, when its result is there, returns it
-("already done"; this reads only, so it works on a read-only workdir too); when a file it
-read changed since, it says which instead. One job at a time holds the workdir: one
-lease, ``WORKDIR/lock.json``, held while the job runs and writes, which also covers its
-checkpoints. :func:`exits` ends a process with the CLI's exit statuses
-(:func:`exit_status`).
+It writes ``WORKDIR/result.npz`` (the result's named arrays), the files ``outputs`` renders
+from the result (the launcher's ``result.json``, ``result.csv``, ``describe.json``) and, last,
+``WORKDIR/summary.json`` (what the run did, the job's digest,
+:func:`~sharded_scan.identity.job_digest`, the stamps of the files it read and the SHA-256 of
+every output), with checkpoints in ``WORKDIR/checkpoints``. Running the same job again resumes
+from the latest checkpoint or, when every output is there as the summary's digests say, returns
+the result ("already done"; this reads only, so it works on a read-only workdir too); an output
+missing or damaged (a crash between the writes too) makes the job not done: the rerun writes
+them all again from the final checkpoint. When a file it read changed since, it says which
+instead. One job at a time holds the workdir: one lease, ``WORKDIR/lock.json``, held while the
+job runs and writes, which also covers its checkpoints. :func:`exits` ends a process with the
+CLI's exit statuses (:func:`exit_status`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -35,6 +39,7 @@ import numpy as np
 from sharded_scan import compile_cache
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
 from sharded_scan.combiners.passes import reads_several_times
+from sharded_scan.combiners.results import json_text, json_value
 from sharded_scan.digest import stream_digest
 from sharded_scan.distributed import Preempted, Terminated, gather_json
 from sharded_scan.engine import RunReport, agree_on_job, run_passes, run_program
@@ -50,6 +55,8 @@ from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abo
 _log = logging.getLogger(__name__)
 
 RESULT, SUMMARY, CHECKPOINTS = "result.npz", "summary.json", "checkpoints"
+RESULT_DIGEST, OUTPUT_DIGESTS = "result_sha256", "outputs_sha256"  # summary.json's digests of the outputs
+Render = Callable[[Any], "str | bytes | None"]  # an output's content from the result; None: this result has none
 EXIT_DONE = 0          # done, or preempted / interrupted with a checkpoint saved (rerun to resume)
 EXIT_ERROR = 1         # an unexpected error (its traceback)
 EXIT_USAGE = 2         # a usage error: one line, nothing computed or written; also another job holding the workdir
@@ -60,7 +67,7 @@ EXIT_TERMINATED = 143   # SIGTERM while a run without checkpoints folded: nothin
 def run_in_workdir(
     combiner: Any, data: Any, workdir: str | os.PathLike, options: RunOptions | None = None, *,
     checkpoint: bool | Mapping[str, Any] = True, force_unlock: bool = False, record: Mapping[str, Any] | None = None,
-    **overrides: Any,
+    outputs: Mapping[str, Render] | None = None, **overrides: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Runs ``combiner`` over ``data`` in ``workdir``, or returns the result already there.
 
@@ -76,6 +83,11 @@ def run_in_workdir(
       force_unlock: take the workdir even though its lock file names a running job
         (only when you know that job is gone).
       record: more fields for ``summary.json`` (the launcher's config).
+      outputs: more files beside ``result.npz``, ``{name: render}``: ``render(result)``
+        gives a file's text or bytes, None where the result has none (the launcher's
+        ``result.json``, ``result.csv`` and ``describe.json``: ``launch.outputs.result_files``).
+        Each is rendered before any write, written before ``summary.json`` and covered by its
+        ``outputs_sha256``; a job is done only when every one of them is there as written.
 
     Returns:
       ``(result, summary)``: the result and what ``summary.json`` holds; an already
@@ -102,7 +114,8 @@ def run_in_workdir(
         program = dataclasses.replace(program, fingerprint=checkpointer.identity(program.fingerprint))
     job = job_digest(program.fingerprint)
     agree_on_job(program, workdir)  # every process the same job and workdir, before any read or write there
-    done = gather_json(finished(workdir, program.fingerprint))[0]
+    outputs = dict(outputs or {})
+    done = gather_json(finished(workdir, program.fingerprint, outputs))[0]
     if done is not None and "data_changed" in done:
         _refuse_changed(root, done["data_changed"], checkpointer)
     if done is not None:
@@ -123,7 +136,7 @@ def run_in_workdir(
         if jax.process_index() == 0:
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
                       else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
-            summary = write_outputs(workdir, result, summary, intact)
+            summary = write_outputs(workdir, result, summary, intact, outputs)
             _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; %s; wrote %s", summary["rows"],
                       summary["seconds"], summary["rows_per_second"], summary["devices"], warm_start_words(cache),
                       root / RESULT)
@@ -271,28 +284,47 @@ def named_arrays(result: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: str) -> dict[str, Any]:
-    """Writes result.npz and summary.json atomically (temp file, then rename; any epath workdir).
+def write_outputs(workdir: str, result: Any, summary: dict[str, Any], intact: str,
+                  outputs: Mapping[str, Render] | None = None) -> dict[str, Any]:
+    """Writes result.npz, each of ``outputs`` and, last, summary.json, each atomically (temp file, then
+    rename; any epath workdir).
 
-    Returns the summary as written: with ``result_sha256``, the digest of result.npz that
-    "already done" checks.
+    Every output is rendered before the first write (a render that fails leaves the workdir as it was);
+    summary.json, written last, holds each one's digest: ``result_sha256`` of result.npz, and in
+    ``outputs_sha256`` each of ``outputs`` by name (None: the result has none, and a file of that name
+    left by another job is removed). A crash between the writes leaves a job that is not done
+    (:func:`finished`), whose rerun writes them all again. JSON in the one spelling of
+    :func:`~sharded_scan.combiners.results.json_text` (NaN null, the infinities ``"inf"``/``"-inf"``).
+
+    Returns the summary as written.
 
     Raises:
       StorageError: the workdir refused a write; ``intact`` says what is still there.
     """
     arrays = named_arrays(result)
-    root = as_path(workdir)
+    texts = {name: render(result) for name, render in (outputs or {}).items()}
+    texts = {name: text.encode() if isinstance(text, str) else text for name, text in texts.items()}
+    root, name = as_path(workdir), RESULT  # name: the file being written
     try:
         root.mkdir(parents=True, exist_ok=True)
         write_atomically(workdir, RESULT, lambda f: np.savez(f, **without_objects(arrays)))
-        summary = {**summary, "result_sha256": result_digest(workdir)}
-        write_atomically(workdir, SUMMARY, lambda f: f.write(json.dumps(summary, indent=2, default=repr).encode()))
+        digests = {}
+        for name, data in texts.items():
+            if data is None:  # another job's file of the name, if any: not this result's
+                with contextlib.suppress(FileNotFoundError):
+                    (root / name).unlink()
+            else:
+                write_atomically(workdir, name, lambda f, data=data: f.write(data))
+            digests[name] = None if data is None else hashlib.sha256(data).hexdigest()
+        summary = json_value({**summary, RESULT_DIGEST: result_digest(workdir), OUTPUT_DIGESTS: digests})
+        name = SUMMARY
+        write_atomically(workdir, SUMMARY, lambda f: f.write(json_text(summary, indent=2, default=repr).encode()))
     except OSError as e:
         code = storage_reason(e)
         if code is None:
             raise
-        needed = sum(a.nbytes for a in arrays.values()) + (64 << 10)
-        raise storage_error(f"write {root / RESULT}", code, intact, needed) from None
+        needed = sum(a.nbytes for a in arrays.values()) + sum(len(t or b"") for t in texts.values()) + (64 << 10)
+        raise storage_error(f"write {root / name}", code, intact, needed) from None
     return summary
 
 
@@ -328,9 +360,8 @@ def with_objects(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def result_digest(workdir: str) -> str:
-    """SHA-256 of ``workdir/result.npz``'s bytes."""
-    with (as_path(workdir) / RESULT).open("rb") as f:
-        return stream_digest(f)
+    """SHA-256 of ``workdir/result.npz``'s bytes (None: it is not there)."""
+    return file_digest(as_path(workdir) / RESULT)
 
 
 def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> None:
@@ -362,11 +393,13 @@ def write_atomically(workdir: str, name: str, write: Callable[[Any], Any]) -> No
             os.unlink(tmp)
 
 
-def finished(workdir: str, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    """The summary of the job of ``fingerprint`` when the workdir holds its result, else None (reads
-    only: the stamps ``summary.json`` recorded against the fingerprint's, which holds digests of the
-    files' bytes too under ``verify_data="digest"``).
+def finished(workdir: str, fingerprint: dict[str, Any], outputs: Mapping[str, Any] = ()) -> dict[str, Any] | None:
+    """The summary of the job of ``fingerprint`` when the workdir holds its result and every output,
+    else None (reads only: the stamps ``summary.json`` recorded against the fingerprint's, which holds
+    digests of the files' bytes too under ``verify_data="digest"``; each output's bytes against its digest).
 
+    ``outputs`` names the files the caller writes beside result.npz (:func:`run_in_workdir`'s): a summary
+    that does not cover one (written without it, or by an older version) is not done either.
     The result of the same job over data that changed since (the recorded ``files`` put in the
     fingerprint give the recorded job) comes back with ``data_changed``: which file, as a phrase.
     """
@@ -377,17 +410,35 @@ def finished(workdir: str, fingerprint: dict[str, Any]) -> dict[str, Any] | None
         return None
     if not isinstance(summary, dict) or not (root / RESULT).is_file():
         return None
+    changed = None
     if summary.get("job") != job_digest(fingerprint):
         if "files" not in summary or summary.get("job") != job_digest({**fingerprint, "files": summary["files"]}):
             return None  # another job (or a summary of an older version, without files)
         changed = files_difference(summary, fingerprint)
-        if changed is not None:
-            return {**summary, "data_changed": changed}
-    if "result_sha256" in summary and result_digest(workdir) != summary["result_sha256"]:
-        _log.warning("%s is not the result %s was written with (replaced or damaged): running the job again, "
-                     "from its final checkpoint where there is one.", root / RESULT, root / SUMMARY)
+    digests = {RESULT: summary.get(RESULT_DIGEST)}
+    digests.update(summary.get(OUTPUT_DIGESTS) if isinstance(summary.get(OUTPUT_DIGESTS), dict) else {})
+    for name in outputs:
+        if name not in digests:
+            _log.warning("%s has no digest of %s (written without it): running the job again, from its final "
+                         "checkpoint where there is one, to write it.", root / SUMMARY, name)
+            return None
+    for name, digest in digests.items():
+        found = None if digest is None else file_digest(root / name)
+        if found != digest:
+            _log.warning("%s %s: running the job again, from its final checkpoint where there is one, to write it.",
+                         root / name, "is missing" if found is None else
+                         f"is not the file {root / SUMMARY} was written with (replaced or damaged)")
+            return None
+    return summary if changed is None else {**summary, "data_changed": changed}
+
+
+def file_digest(path: Any) -> str | None:
+    """SHA-256 of the bytes of the file ``path`` (local or epath), None when it is not there."""
+    try:
+        with path.open("rb") as f:
+            return stream_digest(f)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    return summary
 
 
 def load_result(workdir: str) -> dict[str, np.ndarray]:

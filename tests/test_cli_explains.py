@@ -149,5 +149,5 @@ def test_result_table_is_one_row_per_column_and_json_has_no_nan():
     # k == d; the layout and 3 float32 columns of test_results' PCA(2) (k is finalize's only): its compiled programs
     pca = named_arrays(ss.run(ss.PCA(3), np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32),
                               mesh="data:2", microbatch=16, steps_per_call=2))
-    assert result_table(pca).splitlines()[0] == "column,mean"  # components are not per column, even at k == d
+    assert result_table(pca).splitlines()[0] == '"column","mean"'  # components are not per column, even at k == d
     assert result_table(named_arrays(ss.run(ss.Gram(), x[:, :1]))) is None

@@ -146,6 +146,35 @@ def test_the_describe_config_writes_the_json_next_to_the_result(tmp_path):
     assert done["already_done"] and json.loads((tmp_path / "describe.json").read_text()) == stats
 
 
+def reject(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_infinities_from_parquet_write_every_output_and_a_deleted_describe_json_is_written_again(tmp_path):
+    """Issue 42, finding 11: a Parquet file holding inf wrote result.npz, then failed on describe.json (not JSON
+    compliant), status 1; the rerun said "already done" and describe.json never appeared, nor once deleted."""
+    x = np.random.default_rng(4).normal(size=(1000, 5)).astype(np.float32)  # the config test's shapes: its programs
+    x[3, 1], x[5, 2] = np.inf, -np.inf
+    pd.DataFrame(x, columns=list("abcde")).to_parquet(tmp_path / "inf.parquet")
+    config = importlib.import_module("configs.describe").get_config("quick")
+    config.data.kind, config.data.path = "parquet", str(tmp_path / "inf.parquet")
+    work = tmp_path / "w"
+    run_job(config, str(work))
+    files = {name: json.loads((work / name).read_text(), parse_constant=reject)
+             for name in ("describe.json", "result.json", "summary.json")}
+    stats = files["describe.json"]["features"]
+    assert stats["b"]["max"] == "inf" and stats["c"]["min"] == "-inf" and stats["a"]["max"] == x[:, 0].max()
+    assert files["result.json"]["max"][1] == "inf" and files["result.json"]["min"][2] == "-inf"  # one spelling
+    assert set(files["summary.json"]["outputs_sha256"]) == {"result.json", "result.csv", "describe.json"}
+    table = pd.read_csv(work / "result.csv")
+    assert table["max"][1] == np.inf and table["min"][2] == -np.inf and table["column"].tolist() == list("abcde")
+    (work / "describe.json").unlink()
+    _, again = run_job(config, str(work))
+    assert "already_done" not in again and again["rows_this_run"] == 0  # written again from the final checkpoint
+    assert json.loads((work / "describe.json").read_text(), parse_constant=reject)["features"] == stats
+    assert run_job(config, str(work))[1]["already_done"]
+
+
 def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
     frame, kw = data(997), dict(KW, logical_shards=2)
     want = ss.run(ss.Describe(), frame, mesh="data:2", **kw)

@@ -4,11 +4,13 @@ import importlib
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import sharded_scan as ss
 from launch.data import make_combiner, make_source
 from launch.main import run_job
+from launch.outputs import CSV, result_json, result_table
 from sharded_scan import distributed
 from sharded_scan.workdir import named_arrays
 from tests import cli
@@ -141,3 +143,27 @@ def test_progress_of_a_one_step_job_says_no_nan(caplog):
     lines = [r.getMessage() for r in caplog.records if "step " in r.getMessage()]
     assert len(lines) == 3 and not any("nan" in line for line in lines), lines
     assert "ETA 00:00:00" in lines[0] and "100 rows/s  ETA 00:00:01" in lines[2], lines
+
+
+def reject(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_text_and_read_back_with_pandas(tmp_path):
+    """Issue 42: a column named =HYPERLINK(...) was result.csv's first cell, which a spreadsheet runs."""
+    names = ['=HYPERLINK("http://evil","x")', "+1", "-2", "@SUM(A1)", "\tt", "\rr", "plain", "a=b"]
+    mean = np.array([-1.5, -np.inf, np.inf, np.nan, 0.0, -2.0, 1e-310, 2.5])
+    count = np.array([-3, 0, 1, 2, 3, 4, 5, 6])
+    values = np.array([[f"-{j}", "=1+1"] for j in range(8)])  # text cells of a (d, 2) field (TopK's strings)
+    result = {"mean": mean, "count": count, "values": values, "columns": np.array(names)}
+    (tmp_path / CSV).write_text(result_table(result))
+    assert (tmp_path / CSV).read_text().splitlines()[1].startswith('"\'=HYPERLINK(""http://evil""')
+    back = pd.read_csv(tmp_path / CSV)
+    text = [f"'{n}" if n[0] in "=+-@\t\r" else n for n in names]
+    assert back.columns.tolist() == ["column", "mean", "count", "values[0]", "values[1]"]
+    assert back["column"].tolist() == text
+    np.testing.assert_array_equal(back["mean"].to_numpy(), mean)  # negative numbers stay numbers
+    np.testing.assert_array_equal(back["count"].to_numpy(), count)
+    assert back["values[0]"].tolist() == [f"'-{j}" for j in range(8)] and set(back["values[1]"]) == {"'=1+1"}
+    spelt = json.loads(result_json(result), parse_constant=reject)  # JSON: the names as they are, strict
+    assert spelt["columns"] == names and spelt["mean"][:4] == [-1.5, "-inf", "inf", None]

@@ -227,3 +227,23 @@ def test_files_that_disagree_nulls_in_integers_and_ragged_lines_are_one_line_bef
         np.testing.assert_array_equal(np.isnan(source("float32").read(0, 3))[:, 0], nulls)
     (tmp_path / "ragged.csv").write_text("a,b\n1,2\n3\n4,5\n")
     assert_usage_error(lambda: CsvSource(tmp_path / "ragged.csv"), ["ragged.csv", "Expected 2 columns, got 1"])
+
+
+def test_empty_vectors_and_column_names_read_as_one_are_one_line_naming_the_column_and_the_fix(tmp_path):
+    """Issue 42, finding 14: empty lists, duplicate names and names that are one as text were tracebacks."""
+    lists = pa.list_(pa.float32())
+    pq.write_table(pa.table({"v": pa.array([[], [], []], lists), "a": [1.0, 2.0, 3.0]}), tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"v": pa.array([[], [1.0, 2.0], [3.0, 4.0]], lists)}), tmp_path / "first.parquet")
+    pq.write_table(pa.table({"v": pa.array([[], []], pa.list_(pa.float32(), 0))}), tmp_path / "size0.parquet")
+    empty_only = ["list column 'v'", "only empty lists", "no values a row", "leave 'v' out of columns="]
+    assert_usage_error(lambda: ParquetSource(tmp_path / "empty.parquet"), empty_only)  # was: cannot reshape
+    assert_usage_error(lambda: ParquetSource(tmp_path / "empty.parquet", columns=["v"]), empty_only)
+    assert_usage_error(lambda: ParquetSource(tmp_path / "first.parquet", columns="v"),  # was: rows hold no values
+                       ["'v'", "empty list at row 0", "row 1 holds 2 values", "nulls", "pad them to 2 values"])
+    assert_usage_error(lambda: ParquetSource(tmp_path / "size0.parquet"), ["'v'", "no values a row", "out of columns="])
+    assert_usage_error(lambda: dataframe_source(pd.DataFrame({"v": [np.zeros(0, np.float32)] * 3})), empty_only)
+    twice = pd.DataFrame(np.ones((3, 2), np.float32), columns=["a", "a"])
+    assert_usage_error(lambda: ss.run(ss.Sum(), twice), ["two columns named 'a'", "rename one"])  # was: ValueError
+    one_text = pd.DataFrame(np.ones((3, 2), np.float32), columns=[1, "1"])
+    assert_usage_error(lambda: ss.run(ss.Sum(), one_text), ["columns 1 and '1'", "one name as text", "rename one"])
+    assert_usage_error(lambda: dataframe_source(one_text, columns=["1"]), ["columns 1 and '1'"])  # was: KeyError

@@ -180,3 +180,49 @@ def test_a_replaced_or_damaged_result_is_rebuilt_from_the_final_checkpoint(tmp_p
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(workdir.load_result(tmp_path)["result"], want)
     assert ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)[1]["already_done"]
+
+
+def reject(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_a_workdir_holds_every_output_or_is_not_done_and_the_rerun_writes_what_is_missing(tmp_path, monkeypatch):
+    """Issue 42, build item 6: an output missing (deleted, or a crash between the writes) or damaged was never
+    written again ("already done"); summary.json now covers each, and every JSON file is strict JSON."""
+    outputs = {"gram.txt": lambda r: np.array2string(np.asarray(r)), "none.txt": lambda r: None}
+    (tmp_path / "none.txt").write_text("another job's file")
+    writes = workdir.write_atomically
+
+    def crash_at_gram(where, name, write):
+        if name == "gram.txt":
+            raise CrashError  # after result.npz, before gram.txt and summary.json
+        writes(where, name, write)
+
+    monkeypatch.setattr(workdir, "write_atomically", crash_at_gram)
+    with pytest.raises(CrashError):
+        ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=outputs, **KW)
+    monkeypatch.setattr(workdir, "write_atomically", writes)
+    assert (tmp_path / workdir.RESULT).exists() and not (tmp_path / "gram.txt").exists()
+    record = {"limits": (float("inf"), float("-inf"), float("nan"))}
+    want, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=outputs, record=record, **KW)
+    assert "already_done" not in summary and summary["rows_this_run"] == 0  # from the final checkpoint
+    text = (tmp_path / "gram.txt").read_text()
+    assert text == outputs["gram.txt"](want) and not (tmp_path / "none.txt").exists()
+    written = json.loads((tmp_path / workdir.SUMMARY).read_text(), parse_constant=reject)
+    assert written == summary and written["limits"] == ["inf", "-inf", None]  # the one spelling: result.json's
+    assert written["outputs_sha256"]["none.txt"] is None and written["result_sha256"] == workdir.result_digest(tmp_path)
+    for damage in ("delete", "truncate"):
+        if damage == "delete":
+            (tmp_path / "gram.txt").unlink()
+        else:
+            (tmp_path / "gram.txt").write_text(text[:10])
+        got, again = ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=outputs, **KW)
+        assert "already_done" not in again and again["resumed_from_cursor"] == len(X) and again["rows_this_run"] == 0
+        np.testing.assert_array_equal(got, want)
+        assert (tmp_path / "gram.txt").read_text() == text
+    assert ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=outputs, **KW)[1]["already_done"]
+    assert ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW)[1]["already_done"]  # asks for fewer files: done
+    more = {**outputs, "new.txt": lambda r: "a file this summary does not cover"}
+    assert "already_done" not in ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=more, **KW)[1]
+    assert (tmp_path / "new.txt").exists() and ss.run_in_workdir(ss.Gram(), X, tmp_path, outputs=more, **KW)[1][
+        "already_done"]

@@ -24,8 +24,6 @@ an :class:`Each`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import pathlib
 import warnings
@@ -43,7 +41,7 @@ from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks, split, unsplit
 from sharded_scan.combiners.quantiles_exact import Brackets, RefinePass, SketchPass
 from sharded_scan.combiners.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
-from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.results import frame, json_text, json_value
 from sharded_scan.combiners.statistics import Moments, MomentsAcc
 from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
@@ -95,11 +93,14 @@ class DescribeResult(NamedTuple):
              "qs": [0.25, ...], "rank_error": {NAME: float}, "passes": int}
 
         ``q<P>`` is the ``P`` percent quantile, named as :func:`percentile_key` writes it
-        (``q01``, ``q50``, ``q99``, ``q99.9``); NaN (a column of no values) is written as null.
+        (``q01``, ``q50``, ``q99``, ``q99.9``). Strict JSON in the project's one spelling
+        (:func:`~sharded_scan.combiners.results.json_value`): NaN (a column of no values) is
+        null, an infinity (a column holding one: its ``max``, ``min``, percentiles) the string
+        ``"inf"`` or ``"-inf"``.
         """
         table = as_json(self)
         target = path if hasattr(path, "write_text") else pathlib.Path(path)
-        target.write_text(json.dumps(table, indent=1, allow_nan=False) + "\n")
+        target.write_text(describe_json(self))
         return table
 
 
@@ -115,25 +116,25 @@ def percentile_key(q: float) -> str:
     return f"q{int(value):02d}" if value == int(value) else f"q{whole}"
 
 
-def _number(x) -> float | int | None:
-    x = x.item()
-    return None if isinstance(x, float) and math.isnan(x) else x
-
-
 def as_json(result: DescribeResult) -> dict[str, Any]:
-    """The content :meth:`DescribeResult.to_json` writes (plain Python values)."""
+    """The content :meth:`DescribeResult.to_json` writes (JSON values: :func:`json_value`'s NaN and infinities)."""
     names = [str(n) for n in (result.columns if result.columns is not None and len(result.columns)
                               else range(len(result.count)))]
     features = {}
     for j, name in enumerate(names):
-        row = {f: _number(getattr(result, f)[j]) for f in ("count", "nan_count", "mean", "std", "min", "max")}
-        row.update({percentile_key(q): _number(result.percentiles[j, i]) for i, q in enumerate(result.qs)})
+        row = {f: json_value(getattr(result, f)[j]) for f in ("count", "nan_count", "mean", "std", "min", "max")}
+        row.update({percentile_key(q): json_value(result.percentiles[j, i]) for i, q in enumerate(result.qs)})
         features[name] = row
     return {
         "format": FORMAT, "features": features, "qs": [float(q) for q in result.qs],
-        "rank_error": {name: float(result.rank_error[j]) for j, name in enumerate(names)},
+        "rank_error": {name: json_value(np.float64(result.rank_error[j])) for j, name in enumerate(names)},
         "passes": int(result.passes),
     }
+
+
+def describe_json(result: DescribeResult) -> str:
+    """The text :meth:`DescribeResult.to_json` writes (the CLI's ``describe.json``)."""
+    return json_text(as_json(result), indent=1) + "\n"
 
 
 class DescribeAcc(NamedTuple):

@@ -7,10 +7,15 @@ with several values per column (``(d, m)``: the quantiles at each ``q``, the cov
 every column) spreads over ``m`` columns labelled by what they are; ``long=`` turns such
 statistics into rows instead (a ``(column, LABEL)`` index, e.g. ``TopK``'s ranks). A result of
 rows of one value (a vector, not ``(rows, d)``) gives one row. pandas is needed only here.
+
+Also the one JSON spelling of every JSON file the project writes (``result.json``, ``describe.json``,
+``summary.json``): :func:`json_value`, :func:`json_text`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +31,36 @@ def pandas():
     except ImportError:
         raise UsageError("to_pandas() needs pandas; pip install pandas.") from None
     return pd
+
+
+# JSON has no NaN and no infinities: NaN is written null, the infinities these strings (Python's float() reads them).
+INF, NEG_INF = "inf", "-inf"
+
+
+def json_value(value: Any) -> Any:
+    """``value`` in the values strict JSON has, spelt the one way every JSON file of the project spells them.
+
+    numpy arrays become lists and numpy scalars numbers; NaN becomes null and the infinities the
+    strings ``"inf"`` / ``"-inf"``; bytes UTF-8 text; dicts, lists and tuples are converted
+    element by element; anything else is left as it is (for ``json.dumps``' ``default``).
+    """
+    if isinstance(value, np.ndarray | np.generic):
+        return json_value(value.tolist())
+    if isinstance(value, dict):
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_value(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (INF if value > 0 else NEG_INF)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+def json_text(value: Any, **dumps: Any) -> str:
+    """``value`` as strict JSON text (:func:`json_value`'s spelling; ``dumps``: ``json.dumps``' ``indent``...):
+    a reader that refuses NaN and Infinity (``json.loads(..., parse_constant=...)``, other languages) reads it."""
+    return json.dumps(json_value(value), allow_nan=False, **dumps)
 
 
 def labels(result: Any, d: int) -> list:

@@ -218,12 +218,33 @@ def _widths(schema: Any, vectors: list[str], where: str, sample: Callable[[list[
     lists = [n for n in vectors if n not in widths]
     first = sample(lists) if lists and sample is not None else None
     for name in lists:
-        lengths = pa.compute.list_value_length(first.column(name)).drop_null() if first is not None else []
-        if not len(lengths):
+        lengths = pa.compute.list_value_length(first.column(name)).to_pylist() if first is not None else []
+        known = [(row, n) for row, n in enumerate(lengths) if n is not None]
+        if not known:
             raise UsageError(f"list column {name!r} of {where} has no list in its first rows to tell its length; "
                              "fill them, or write the column as a fixed_size_list.")
-        widths[name] = lengths[0].as_py()
+        row, widths[name] = known[0]
+        if not widths[name]:
+            _refuse_empty_lists(name, where, row, next(((r, n) for r, n in known if n), None), len(lengths))
+    for name, k in widths.items():
+        if not k:  # a fixed_size_list of 0 values
+            raise UsageError(f"vector column {name!r} of {where} holds no values a row ({schema.field(name).type}): "
+                             f"there is nothing in it to reduce; leave {name!r} out of columns=.")
     return widths
+
+
+def _refuse_empty_lists(name: str, where: str, row: int, other: tuple[int, int] | None, rows: int) -> None:
+    """One line for a list column whose first list is empty (``other``: a later row of the first ``rows`` and its
+    list's length)."""
+    if other is None:
+        raise UsageError(f"list column {name!r} of {where} holds only empty lists in its first {rows} rows: there "
+                         f"are no values a row to reduce; leave {name!r} out of columns=, or fill its lists.")
+    at, k = other
+    raise UsageError(
+        f"list column {name!r} of {where} holds an empty list at row {row}, its first list, which sets a vector "
+        f"column's length (row {at} holds {k} values): write its empty lists as nulls (read as {k} NaN values) or "
+        f"pad them to {k} values, or leave {name!r} out of columns=."
+    )
 
 
 def table_rows(table: Any, selection: Selection, first_row: int, where: str) -> PyTree:
@@ -755,6 +776,8 @@ def dataframe_source(
     """
     pa = _pyarrow()
     where = f"the {type(frame).__name__}"
+    if hasattr(frame, "iloc"):
+        _check_names(list(frame.columns), where)
     try:
         table = pa.Table.from_pandas(frame, preserve_index=False) if hasattr(frame, "iloc") else frame.to_arrow()
     except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 bytes (dtypes.utf8 says the same of hash_strings)
@@ -766,3 +789,18 @@ def dataframe_source(
     selection = resolve_columns(table.schema, columns, dtype, where, strings, lambda names: table.select(names))
     return FrameSource(table_rows(table, selection, 0, where), selection.column_names(),
                        {name: table.column(name) for name in selection.strings})
+
+
+def _check_names(names: list, where: str) -> None:
+    """One line when two of a pandas frame's columns have one name, or names that are one text (``1`` and
+    ``"1"``): columns are read by name, as Arrow's text."""
+    seen: dict[str, Any] = {}
+    for name in names:
+        text = str(name)
+        if text in seen:
+            if seen[text] is name or (type(seen[text]) is type(name) and seen[text] == name):
+                raise UsageError(f"{where} has two columns named {name!r}, and columns are read by name; rename one "
+                                 "(df.columns = [...]) or drop it (df.loc[:, ~df.columns.duplicated()]).")
+            raise UsageError(f"{where}'s columns {seen[text]!r} and {name!r} are one name as text ({text!r}), and "
+                             "columns are read by name as text; rename one (df.columns = [...]).")
+        seen[text] = name
