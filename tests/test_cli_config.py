@@ -119,8 +119,9 @@ def runs(user_files):
 
 
 def test_a_fit_over_rows_holding_nan_is_nan_and_the_done_line_says_which_policy_to_use(user_files, runs):
-    # Issue 42, finding 4: the CLI wrote coefficients 0 (result.csv: `income,0.0,nan`) after one WARNING line, status
-    # 0. Now the fit is NaN and the done: line says where the NaN came from and what to run instead; still status 0.
+    # Issue 42, finding 4: the CLI wrote coefficients 0 (result.csv: `a,0.0,nan`, 200,000 rows) after one WARNING
+    # line, or (these 600 rows) failed the solve with status 2. Now the fit is NaN and the done: line says where the
+    # NaN came from and what to run instead; status 0.
     root, _ = user_files
     proc, workdir = runs["nan"], root / "runs" / "nan"
     assert proc.returncode == 0, proc.stderr[-3000:]
