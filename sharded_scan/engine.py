@@ -73,6 +73,7 @@ class RunReport(NamedTuple):
     processes: int
     mesh: dict[str, int]
     passes: int = 1            # passes over the data (more than one for a MultiPass reduction)
+    nonfinite_values: int = 0  # values of the merged accumulator NaN or inf where its identity is finite
 
 
 def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any) -> Any:
@@ -145,7 +146,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
     finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
                                         f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
-    check_overflow(program, merged)
+    nonfinite = check_overflow(program, merged)
     result = with_column_names(finalize(program, merged), part_of(source, program.job.data_part))
     layout = program.layout
     report = RunReport(
@@ -160,6 +161,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
         devices=program.mesh.size,
         processes=jax.process_count(),
         mesh=dict(program.mesh.shape),
+        nonfinite_values=nonfinite,
     )
     return result, report
 
@@ -250,6 +252,7 @@ def run_passes(
         checkpoints_written=sum(r.checkpoints_written for r in reports),
         merge_bytes=max(r.merge_bytes for r in reports),
         passes=len(reports),
+        nonfinite_values=sum(r.nonfinite_values for r in reports),
     )
 
 
@@ -460,8 +463,8 @@ def overflow_words(merged: PyTree) -> tuple[str, str]:
             "scale the data down" + (", or use float64 data with jax_enable_x64 (--config.x64=True)" if wider else ""))
 
 
-def check_overflow(program: Program, merged: PyTree) -> None:
-    """Reports accumulator values that are NaN or infinite where the identity is finite.
+def check_overflow(program: Program, merged: PyTree) -> int:
+    """Reports accumulator values that are NaN or infinite where the identity is finite, and returns their count.
 
     Under ``nan_policy="raise"`` every row was finite (or the run stopped), so such a
     value is an overflow (float32 holds at most 3.4e38): it raises. Otherwise it warns.
@@ -471,7 +474,7 @@ def check_overflow(program: Program, merged: PyTree) -> None:
     """
     count = nonfinite_values(program, merged)
     if not count:
-        return
+        return 0
     policy = program.options.nan_policy
     if policy == "raise":
         overflowed = (f"the accumulator overflowed: {count} of its values are inf or NaN although every row is "
@@ -481,3 +484,4 @@ def check_overflow(program: Program, merged: PyTree) -> None:
     cause = "rows holding NaN/Inf (nan_policy='propagate') or an overflow" if policy == "propagate" else "an overflow"
     _log.warning("the result may be wrong: %d accumulator values are inf or NaN, from %s; nan_policy='raise' "
                  "tells which.", count, cause)
+    return count

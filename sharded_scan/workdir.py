@@ -119,8 +119,8 @@ def run_in_workdir(
     if done is not None and "data_changed" in done:
         _refuse_changed(root, done["data_changed"], checkpointer)
     if done is not None:
-        _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again).",
-                  root / RESULT, done.get("rows"))
+        _log.info("already done: %s holds this job's result (%s rows); nothing to do (a new workdir runs it again)%s.",
+                  root / RESULT, done.get("rows"), nonfinite_words(done.get("nonfinite_values", 0), options.nan_policy))
         return load_result(workdir), {**done, "already_done": True}
     check_writable(workdir)
     lease = take_lease(workdir, job, force_unlock)
@@ -137,9 +137,9 @@ def run_in_workdir(
             intact = (f"the finished job's checkpoint in {root / CHECKPOINTS} is intact" if checkpointer is not None
                       else "nothing else was changed (checkpoints are off: a rerun starts afresh)")
             summary = write_outputs(workdir, result, summary, intact, outputs)
-            _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; %s; wrote %s", summary["rows"],
+            _log.info("done: %d rows in %.2f s (%.3g rows/s) on %d devices; %s; wrote %s%s", summary["rows"],
                       summary["seconds"], summary["rows_per_second"], summary["devices"], warm_start_words(cache),
-                      root / RESULT)
+                      root / RESULT, nonfinite_words(summary["nonfinite_values"], program.options.nan_policy))
     finally:
         if lease is not None:
             lease.release()
@@ -260,7 +260,20 @@ def summary_of(report: RunReport, source: Source) -> dict[str, Any]:
         "checkpoints_written": report.checkpoints_written,
         "merge_bytes": report.merge_bytes,
         "passes": report.passes,
+        "nonfinite_values": report.nonfinite_values,
     }
+
+
+def nonfinite_words(count: int, nan_policy: str) -> str:
+    """The ``done:`` line's end when ``count`` accumulator values turned NaN or inf: what the result holds, and
+    which ``nan_policy`` to use instead (nothing when none did)."""
+    if not count:
+        return ""
+    if nan_policy != "propagate":  # every row folded was finite
+        return f"; the result may hold NaN or inf: {count} accumulator values overflowed on finite rows"
+    return (f"; the result holds NaN (or inf) from rows holding NaN or Inf ({count} accumulator values; or an "
+            "overflow): nan_policy='omit' (--config.nan_policy=omit) skips such rows, 'raise' "
+            "(--config.nan_policy=raise) stops at the first and tells an overflow")
 
 
 def named_arrays(result: Any) -> dict[str, np.ndarray]:

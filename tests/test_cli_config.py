@@ -71,6 +71,9 @@ def user_files(tmp_path_factory):
     frame = income_frame()
     frame.to_parquet(root / "sales.parquet", row_group_size=128)
     frame.to_csv(root / "sales.csv", index=False)
+    holes = frame.copy()
+    holes.loc[[7, 300], "income"], holes.loc[[11, 500], "age"] = np.nan, np.nan  # issue 42's finding 4, in a file
+    holes.to_parquet(root / "sales_nan.parquet", row_group_size=128)
     x = frame[["year", "income", "age"]].to_numpy(np.float64)
     assert x.flags.f_contiguous  # as pandas gives it: np.save keeps Fortran order
     np.save(root / "X.npy", x)  # float64, as the Parquet and CSV columns: the npy ridge runs their programs
@@ -100,6 +103,8 @@ def runs(user_files):
                 "--config.microbatch=16", "--config.steps_per_call=2"),  # the quick layout, as parquet's
         "mine": ("--config=gram:quick", "--config.combiner.name=my_stats:ColumnMax",
                  "--config.combiner.kwargs.scale=2", "--config.data.kind=npy", f"--config.data.path={root}/X.npy"),
+        "nan": ("--config=linreg:quick", "--config.data.kind=parquet", f"--config.data.path={root}/sales_nan.parquet",
+                "--config.data.columns=year,income,age", "--config.data.target=spend", x64),  # parquet's programs
     }
     for name, args in cases.items():
         cases[name] = (*args, f"--workdir={root}/runs/{name}")
@@ -107,10 +112,29 @@ def runs(user_files):
     # ridge's quick layout): parquet first, then csv and npy load its compiled programs from the compilation
     # cache instead of compiling them too (measured: all 6 programs from the cache, ~4 s of CPU less each)
     procs = {}
-    for names in (["parquet", "mine"], ["csv", "npy"]):
+    for names in (["parquet", "mine"], ["csv", "npy", "nan"]):
         with cli.concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
             procs.update(zip(names, pool.map(lambda name: launch(root, *cases[name]), names), strict=True))
     return procs
+
+
+def test_a_fit_over_rows_holding_nan_is_nan_and_the_done_line_says_which_policy_to_use(user_files, runs):
+    # Issue 42, finding 4: the CLI wrote coefficients 0 (result.csv: `a,0.0,nan`, 200,000 rows) after one WARNING
+    # line, or (these 600 rows) failed the solve with status 2. Now the fit is NaN and the done: line says where the
+    # NaN came from and what to run instead; status 0.
+    root, _ = user_files
+    proc, workdir = runs["nan"], root / "runs" / "nan"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = cli.result(workdir)
+    assert np.isnan(got["coef"]).all() and np.isnan(got["r2"]) and got["rank"] == -1
+    table = pd.read_csv(workdir / "result.csv")
+    assert table["coef"].isna().all() and len(table) == 3
+    done = [line for line in proc.stderr.splitlines() if "done: " in line]
+    assert len(done) == 1, proc.stderr[-3000:]
+    for words in ("the result holds NaN", "from rows holding NaN", "--config.nan_policy=omit",
+                  "--config.nan_policy=raise"):
+        assert words in done[0], done[0]
+    assert cli.summary(workdir)["nonfinite_values"] > 0
 
 
 @pytest.mark.parametrize("kind", ["parquet", "csv", "npy"])

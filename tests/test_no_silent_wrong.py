@@ -1,5 +1,5 @@
 """Inputs that used to be reduced silently wrong: an iterator with more or fewer rows than it
-says, an accumulator that overflows on finite rows."""
+says, an accumulator that overflows on finite rows, a fit over rows holding NaN."""
 
 import logging
 
@@ -48,13 +48,31 @@ def test_an_accumulator_overflowing_on_finite_rows_raises_or_warns(caplog):
     assert np.isinf(got).all() and "accumulator values are inf or NaN" in caplog.text
 
 
-def test_a_solve_that_fails_on_the_data_is_one_line():
-    x = np.random.default_rng(0).normal(size=(100, 3)).astype(np.float32)
-    x[5] = np.nan  # reaches the solve under the default nan_policy="propagate"
-    could_not = "LinearRegression could not finish on this data .*nan_policy='omit'"
-    with pytest.raises(ss.UsageError, match=could_not) as err:
-        ss.run(ss.LinearRegression(), (x, x.sum(1)), **KW)
-    assert "rows hold NaN/inf" in str(err.value) and "every row it folded is finite" not in str(err.value)
+def test_rows_holding_nan_make_the_fit_nan_not_a_lower_rank_and_zeros():
+    # Issue 42, finding 4, with fewer rows: y = X [1, 2, 3] + noise, NaN in 3 rows of column 0 and 3 others of
+    # column 1. Under the default nan_policy="propagate" LinearRegression gave coefficients 0, rank 0 and PCA unit
+    # axes of variance 0: any statistic computed from a row holding NaN is NaN (every solver, weighted too:
+    # test_regression.py, test_weighted_linalg.py).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 3))
+    y = (x @ [1.0, 2.0, 3.0] + 0.1 * rng.normal(size=512)).astype(np.float32)
+    rows = rng.permutation(512)
+    x[rows[:3], 0], x[rows[3:6], 1] = np.nan, np.nan
+    x = x.astype(np.float32)
+    fit = ss.run(ss.LinearRegression(), (x, y), **KW)
+    for field in ("coef", "intercept", "cond", "r2", "residual_std", "coef_stderr", "intercept_stderr"):
+        assert np.isnan(getattr(fit, field)).all(), (field, getattr(fit, field))
+    assert fit.rank == -1 and fit.coef.shape == (3,)
+    pca = ss.run(ss.PCA(2), x, **KW)
+    for field in ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values"):
+        assert np.isnan(getattr(pca, field)).all(), (field, getattr(pca, field))
+    assert pca.components.shape == (2, 3)
+    # nan_policy="omit" fits the 506 rows without NaN, as before.
+    keep = np.isfinite(x).all(axis=1)
+    fit = ss.run(ss.LinearRegression(), (x, y), nan_policy="omit", **KW)
+    want = np.linalg.lstsq(np.column_stack([x[keep], np.ones(keep.sum())]).astype(np.float64), y[keep], rcond=None)[0]
+    np.testing.assert_allclose(fit.coef, want[:3], rtol=1e-4)
+    assert fit.rank == 3 and fit.r2 > 0.99
 
 
 def test_a_solve_on_finite_rows_that_overflowed_says_so():

@@ -145,6 +145,19 @@ def test_every_solver_matches_lstsq_and_is_in_the_fingerprint(solver):
     assert ss.LinearRegression(solver=solver).fingerprint()["solver"] == repr(solver)
 
 
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_rows_holding_nan_give_every_solver_nan_not_zeros(solver):
+    # Issue 42, finding 4: under nan_policy="propagate" a NaN row reached the whitened solve as a zero column
+    # (coefficients 0, a lower rank) and failed the others' solve; now every field is NaN (rank -1).
+    x, y = problem(1009, t=2, seed=4)  # the programs of test_every_solver_...
+    x[:, 0] += 1e3
+    x[[5, 600], 1], y[700, 1] = np.nan, np.nan
+    got = ss.run(ss.LinearRegression(solver=solver), (x, y), mesh="data:3", microbatch=8, steps_per_call=2)
+    for field in ("coef", "intercept", "cond", "r2", "residual_std", "coef_stderr", "intercept_stderr"):
+        assert np.isnan(getattr(got, field)).all(), (field, getattr(got, field))
+    assert got.rank == -1 and got.coef.shape == (2, 4) and got.intercept.shape == (2,)
+
+
 def test_merge_is_associative_with_init_as_identity():
     import jax
 

@@ -76,3 +76,60 @@ def test_negative_weights_are_one_line_before_compute():
     w[5] = -1
     with pytest.raises(ss.UsageError, match="negative or non-finite weights"):
         ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), (w, (x, y)), mesh="data:1", **RUN)
+
+
+@pytest.mark.parametrize("solver, mesh", [("whitened", "data:8"), ("tsqr", "data:1"), ("comoments", "data:3")])
+def test_weighted_fits_over_rows_holding_nan_are_nan(solver, mesh):
+    # Issue 42, finding 4, weighted: under nan_policy="propagate" a row of positive weight holding NaN makes every
+    # field NaN (rank -1); a row of zero weight is an omitted row, its NaN too. The programs of the test above.
+    w, x, y = data()
+    x[3, 2], x[7, 0] = np.nan, np.nan  # w[7] == 0: omitted
+    assert w[3] > 0 and w[7] == 0
+    with jax.enable_x64(True):
+        got = ss.run(ss.Weighted(ss.LinearRegression(solver=solver)), (w, (x, y)), mesh=mesh, **RUN)
+        pca = None if solver == "whitened" else ss.run(ss.Weighted(ss.PCA(2, solver=solver)), (w, x), mesh=mesh, **RUN)
+        x[3, 2] = 1.0  # only the zero-weight row holds NaN now
+        kept = ss.run(ss.Weighted(ss.LinearRegression(solver=solver)), (w, (x, y)), mesh=mesh, **RUN)
+    for field in ("coef", "intercept", "cond", "r2", "residual_std", "coef_stderr", "intercept_stderr"):
+        assert np.isnan(getattr(got, field)).all(), (field, getattr(got, field))
+    assert got.rank == -1
+    assert pca is None or all(np.isnan(v).all() for v in pca[:5]), pca
+    x[7, 0] = 0.0
+    assert_is_wls(kept, wls(x, y, w), True, rtol=1e-9)
+
+
+def nan_weights(tmp_path=None):
+    """data(301, seed=2) with a NaN and an inf weight; the weights that omit those rows; and the rows in Parquet."""
+    w, x, y = data(301, seed=2)
+    w[5], w[9] = np.nan, np.inf
+    path = None
+    if tmp_path is not None:
+        pd = pytest.importorskip("pandas")
+        pytest.importorskip("pyarrow")
+        path = tmp_path / "rows.parquet"
+        pd.DataFrame({"w": w, "a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "y": y}).to_parquet(path)
+    return w, x, y, np.where(np.isfinite(w), w, 0.0), path
+
+
+def test_nan_weights_are_skipped_under_omit_in_memory():
+    # Issue 42: in memory a NaN weight was refused under nan_policy="omit", while read from Parquet it was skipped.
+    # Both skip its row now, as pandas' skipna would; "propagate" and "raise" still refuse it in one line.
+    w, x, y, omitted, _ = nan_weights()
+    with jax.enable_x64(True):
+        got = ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), (w, (x, y)), nan_policy="omit", mesh="data:1",
+                     **RUN)
+        with pytest.raises(ss.UsageError, match="2 rows have negative or non-finite weights"):
+            ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), (w, (x, y)), mesh="data:1", **RUN)
+    assert_is_wls(got, wls(x, y, omitted), True, rtol=1e-9)
+
+
+def test_nan_weights_are_skipped_under_omit_from_parquet(tmp_path):
+    from sharded_scan.sources import ParquetSource
+
+    w, x, y, omitted, path = nan_weights(tmp_path)
+    source = ParquetSource(path, columns=("w", (["a", "b", "c"], "y")))
+    with jax.enable_x64(True):  # the program of the test above
+        got = ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), source, nan_policy="omit", mesh="data:1", **RUN)
+        with pytest.raises(ss.UsageError, match="2 rows have negative or non-finite weights"):
+            ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), source, mesh="data:1", **RUN)
+    assert_is_wls(got, wls(x, y, omitted), True, rtol=1e-9)

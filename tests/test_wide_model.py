@@ -255,11 +255,11 @@ def test_linear_regression_on_co_moments_splits_them_over_model_and_the_memory_e
     assert rel_err(whole.coef, want[:4]) < 1e-4 and rel_err(whole.intercept, want[4]) < 1e-4
     program, there = (build_program(job, as_source((x, y)), RunOptions(mesh=mesh, **FIVE_RUN))
                       for mesh in ("data:4,model:2", "data:4"))
-    m2 = program.like.rows.m2
+    m2 = program.like.rows.value.m2  # beside the count of rows holding NaN (solvers.SolverAcc)
     assert m2.shape == (4, 5, 6) and m2.sharding.shard_shape(m2.shape) == (1, 5, 3)
     assert program.combiner.model_shards == 2 and ss.LinearRegression().for_mesh(program.mesh).model_shards == 1
     split, whole_state = (admission.memory_estimate(p, temporaries=False) for p in (program, there))
-    assert split["accumulator"] < 0.7 * whole_state["accumulator"]  # 15 of 25 co-moments, the means whole
+    assert split["accumulator"] < 0.75 * whole_state["accumulator"]  # 15 of 25 co-moments, the means, counts whole
     assert_to_rounding(ss.run(job, (x, y), mesh="data:4,model:2", **FIVE_RUN), whole)
 
 

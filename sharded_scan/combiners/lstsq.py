@@ -9,6 +9,9 @@ Rank decisions are scale-invariant: singular values are those of ``F``'s ``X`` c
 scaled to unit norm, so a column measured in millimetres instead of kilometres never
 looks "singular". A rank-deficient problem gets the minimum-norm solution, like
 ``numpy.linalg.lstsq``.
+
+A factor of rows holding NaN or inf (``Factor.nonfinite``, under ``nan_policy="propagate"``) is
+NaN throughout, and every result made from it is NaN (a rank of -1): never a finite number.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class Factor(NamedTuple):
       weight: ``Σw`` of weighted rows (then ``mean`` is the weighted mean and ``centred``
         factors ``Σ w (z - mean)(z - mean)ᵀ``; ``count`` the rows of positive weight); None:
         every row weighs 1.
+      nonfinite: the rows holding NaN or inf among ``count``; when any, ``mean`` and ``centred``
+        are NaN (:func:`nan_factor`) and so is everything solved from them.
     """
 
     count: int
@@ -39,6 +44,7 @@ class Factor(NamedTuple):
     centred: np.ndarray
     noise: float
     weight: float | None = None
+    nonfinite: int = 0
 
     @property
     def total(self) -> float:
@@ -46,9 +52,15 @@ class Factor(NamedTuple):
         return self.count if self.weight is None else self.weight
 
 
+def nan_factor(count: int, p: int, nonfinite: int) -> Factor:
+    """The factor of ``count`` rows of ``p`` values, ``nonfinite`` of which hold NaN or inf: NaN throughout."""
+    return Factor(count, np.full(p, np.nan), np.full((p, p), np.nan), noise=0.0, nonfinite=nonfinite)
+
+
 def check_finite(factor: Factor) -> None:
-    """Raises ``np.linalg.LinAlgError`` when NaN or inf reached the factor (a NaN row under
-    ``nan_policy="propagate"``): the engine words it as one line."""
+    """Raises ``np.linalg.LinAlgError`` when NaN or inf reached a factor of finite rows (an overflow):
+    the engine words it as one line. A factor of rows holding NaN or inf (``nonfinite``) is NaN by
+    design; the callers give NaN results for it before this."""
     if not (np.isfinite(factor.centred).all() and np.isfinite(factor.mean).all()):
         raise np.linalg.LinAlgError("NaN or inf values reached the solve")
 
@@ -87,7 +99,12 @@ def least_squares(factor: Factor, d: int, l2: float = 0.0, fit_intercept: bool =
     Returns:
       Coefficients ``(t, d)``, intercepts ``(t,)``, the rank of the column-scaled
       (centred) ``X`` and its condition number (inf only for an exactly zero singular value).
+      NaN coefficients, intercepts and condition number, and rank -1, for a factor of rows
+      holding NaN or inf (``factor.nonfinite``).
     """
+    if factor.nonfinite:
+        t = factor.mean.size - d
+        return Solution(np.full((t, d), np.nan), np.full(t, np.nan), np.int64(-1), np.float64(np.nan))
     check_finite(factor)
     f = _triangular(factor, fit_intercept)
     fx, fy = f[:, :d], f[:, d:]
@@ -147,9 +164,13 @@ def diagnostics(factor: Factor, solution: Solution, l2: float = 0.0, fit_interce
       degree of freedom), and the standard errors of the coefficients and intercept
       (statsmodels' ``bse``): NaN for a ridge fit (the OLS formula does not hold for a
       biased estimator), a rank-deficient ``X``, no degree of freedom, and, without an
-      intercept, for the intercept (fixed at 0, not estimated).
+      intercept, for the intercept (fixed at 0, not estimated). All NaN for a factor of rows
+      holding NaN or inf.
     """
     d = solution.coef.shape[1]
+    if factor.nonfinite:
+        t = solution.coef.shape[0]
+        return Diagnostics(np.full(t, np.nan), np.full(t, np.nan), np.full((t, d), np.nan), np.full(t, np.nan))
     f = _triangular(factor, fit_intercept)
     fx, fy = f[:, :d], f[:, d:]
     rss = np.sum((fy - fx @ solution.coef.T) ** 2, axis=0)
@@ -186,8 +207,11 @@ def principal_axes(factor: Factor) -> Axes:
     """The right singular vectors and singular values of the centred data.
 
     Each component is signed so that its largest-magnitude entry is positive
-    (scikit-learn's ``svd_flip`` convention for PCA).
+    (scikit-learn's ``svd_flip`` convention for PCA). NaN for a factor of rows holding NaN or inf.
     """
+    if factor.nonfinite:
+        d = factor.mean.size
+        return Axes(np.full((d, d), np.nan), np.full(d, np.nan))
     check_finite(factor)
     _, s, vt = np.linalg.svd(factor.centred, full_matrices=False)
     d = factor.centred.shape[1]

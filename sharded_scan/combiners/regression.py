@@ -37,6 +37,10 @@ class LinearRegressionResult(NamedTuple):
     when ``n <= rank + intercept`` (no degree of freedom; ``residual_std`` NaN too);
     ``intercept_stderr`` is NaN without ``fit_intercept`` (the intercept is fixed at 0).
 
+    Rows holding NaN or inf (which ``nan_policy="propagate"``, the default, lets in) make every
+    field NaN and ``rank`` -1, as any statistic computed from a row holding NaN: never a lower
+    rank and finite coefficients; ``nan_policy="omit"`` fits the other rows.
+
     Weighted (``Weighted(LinearRegression())`` on ``(w, (X, y))``) the fit is scikit-learn's with
     ``sample_weight`` and the diagnostics statsmodels ``WLS(weights=)``'s on the rows of positive
     weight: a zero weight is an omitted row, so ``n`` above counts the rows of positive weight

@@ -8,6 +8,11 @@
   a square root of the co-moments, so it carries their rounding: errors grow with the
   square of the condition number instead of with it. The only solver whose state splits over a
   mesh's ``model`` axis (:class:`SplitsCoMoments`): the co-moments by columns, as Covariance's.
+
+Every solver's state is a :class:`SolverAcc`: the named accumulator and how many real rows
+holding NaN or inf it folded (``nan_policy="propagate"`` lets them in; ``"omit"`` and
+``"raise"`` never do). Such a row leaves the factor NaN (:func:`~.lstsq.nan_factor`), so the
+fit is NaN, never a finite number the re-whitening or a rank decision made of it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import statistics, tsqr, whitened, wide
 from sharded_scan.combiners.base import Combiner, masked
-from sharded_scan.combiners.lstsq import Factor
+from sharded_scan.combiners.lstsq import Factor, nan_factor
 from sharded_scan.combiners.sums import SplitsByColumns
 from sharded_scan.errors import UsageError
 
@@ -39,6 +45,43 @@ class Solver(NamedTuple):
     factor: Callable[[Any], Factor]
     add_weighted: Callable
     merge_weighted: Callable
+
+
+class SolverAcc(NamedTuple):
+    """A solver's accumulator (``value``: a ``WhitenedAcc``, ``TSQRAcc`` or ``CenteredAcc``) and the real
+    rows holding NaN or inf it folded (exact)."""
+
+    value: Any
+    nonfinite: wide.Wide
+
+
+def _nonfinite_rows(count: wide.Wide, z: jax.Array, mask: jax.Array) -> wide.Wide:
+    """``count`` plus the rows of ``z`` where ``mask`` that hold a NaN or an inf."""
+    return wide.count_rows(count, mask & ~jnp.all(jnp.isfinite(z), axis=1))
+
+
+def _counting(solver: Solver) -> Solver:
+    """``solver`` on :class:`SolverAcc`: the same accumulator, and the NaN/inf rows it folded counted beside it.
+
+    Counted from the rows, not read off the accumulator: a re-whitening, a deflated direction or
+    a ``where`` can turn a NaN there into a zero, and an overflow of finite rows is no NaN row."""
+
+    def factor(acc: SolverAcc) -> Factor:
+        bad = int(wide.to_int(acc.nonfinite))
+        if bad:  # the factor's numbers are what NaN made of them: none is used
+            return nan_factor(int(wide.to_int(acc.value.count)), np.shape(acc.value.shift)[-1], bad)
+        return solver.factor(acc.value)
+
+    return Solver(
+        lambda p, dtype: SolverAcc(solver.init(p, dtype), wide.zeros()),
+        lambda acc, z, mask: SolverAcc(solver.add(acc.value, z, mask), _nonfinite_rows(acc.nonfinite, z, mask)),
+        lambda a, b: SolverAcc(solver.merge(a.value, b.value), wide.add(a.nonfinite, b.nonfinite)),
+        factor,
+        lambda acc, z, mask, w, before: SolverAcc(solver.add_weighted(acc.value, z, mask, w, before),
+                                                  _nonfinite_rows(acc.nonfinite, z, mask)),
+        lambda a, b, wa, wb: SolverAcc(solver.merge_weighted(a.value, b.value, wa, wb),
+                                       wide.add(a.nonfinite, b.nonfinite)),
+    )
 
 
 def _comoments_factor(acc: statistics.CenteredAcc) -> Factor:
@@ -111,16 +154,17 @@ class SplitsCoMoments(SplitsByColumns):
     def solver_for(self, targets: int) -> Solver:
         """The solver of ``targets`` target columns, split over ``model_shards`` devices."""
         make = SOLVERS[self.solver]
-        return make(targets, self.model_shards) if self.model_shards > 1 else make(targets)
+        return _counting(make(targets, self.model_shards) if self.model_shards > 1 else make(targets))
 
     def partition(self, mesh):
-        return statistics.split_partition(self.model_shards)
+        parts = statistics.split_partition(self.model_shards)
+        return None if parts is None else SolverAcc(parts, P())
 
     def convert(self, acc, source):
         """Between whole co-moments and ones split over ``model`` (a resume on a mesh with other axes)."""
         if self.solver != "comoments":
             return super().convert(acc, source)
-        return statistics.laid_out(acc, self.model_shards)
+        return acc._replace(value=statistics.laid_out(acc.value, self.model_shards))
 
 
 @dataclasses.dataclass(frozen=True)

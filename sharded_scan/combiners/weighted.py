@@ -3,7 +3,9 @@
 :class:`Weighted` runs ``inner.weighted()`` (:meth:`~sharded_scan.combiners.base.Combiner.weighted`)
 and guards its weights: a zero weight is an omitted row (masked like padding), and a
 negative or non-finite one is one line, before compute when the data is in memory, else
-when the run ends (counted exactly on the way; ``nan_policy="omit"`` skips non-finite ones).
+when the run ends (counted exactly on the way). ``nan_policy="omit"`` skips the rows of non-finite
+weights, as pandas' ``skipna`` skips a NaN, in memory as from a file (its ``NonFinite`` checks the
+rows it folds only); negative weights are refused under every policy.
 """
 
 from __future__ import annotations

@@ -178,6 +178,18 @@ class NonFinite(Wrapper):
     def init(self, spec):
         return NonFiniteAcc(self.inner.init(spec), wide.zeros())
 
+    def check_rows(self, rows):
+        """The inner combiner's checks of the rows it will fold: under ``"omit"`` only the finite ones
+        (a NaN weight of ``Weighted`` is skipped in memory as from a file, not refused)."""
+        if self.policy == "omit":
+            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
+            keep = np.ones(leaves[0].shape[0], bool)
+            for leaf in leaves:
+                if _is_float(leaf):  # as add's rows: every float value of the row finite
+                    keep &= np.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+            rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)
+        self.inner.check_rows(rows)
+
     def add(self, acc, batch, mask):
         finite = jnp.ones_like(mask)
         for leaf in jax.tree.leaves(batch):
