@@ -18,6 +18,40 @@ def run(combiner, x, mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_uint64_values_come_back_as_uint64(mesh):
+    # finding 5: TopK of uint64 reported 2**64-1 as -1 and 2**63 as -2**63 (values read back as int64)
+    x = np.array([2**64 - 1] * 2 + [0, 1, 2**63, 2**63 + 5], np.uint64)
+    top = run(ss.TopK(k=3), x, mesh)
+    assert top.values.dtype == np.uint64
+    assert top.values.tolist() == [2**64 - 1, 0, 1]
+    assert top.to_pandas()["values"].dtype == np.uint64
+    assert top.to_pandas()["values"].tolist() == [2**64 - 1, 0, 1]
+    high = run(ss.Quantiles(qs=[0.0, 0.5, 0.9, 1.0], exact=True, method="higher"), x, mesh)
+    assert high.quantiles.dtype == np.uint64
+    assert high.quantiles.tolist() == np.quantile(x, [0.0, 0.5, 0.9, 1.0], method="higher").tolist()
+    assert run(ss.DistinctCount(), x, mesh).count == 5
+
+
+QS = [0.0, 0.25, 0.5, 0.7, 1.0]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_exact_quantiles_of_integers_are_the_datas_own_integers(mesh):
+    # finding 6: method="lower" of int64 [2**62+1, 2**62+3, 2**62+5] gave 4.611686018427388e+18, not in the data
+    x = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)
+    for method in ("lower", "higher", "nearest", "inverted_cdf"):
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x, mesh).quantiles
+        want = np.quantile(x, QS, method=method)
+        assert got.dtype == np.int64 and want.dtype == np.int64, method
+        assert got.tolist() == want.tolist(), method
+    assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), x[:3], mesh).quantiles.tolist() == [2**62 + 3]
+    for method in ("linear", "midpoint"):  # these mix two values: float64, as numpy's
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x[:3], mesh).quantiles
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, np.quantile(x[:3], QS, method=method))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(mesh):
     # finding 8: NaN on data:8 with a few rows (an empty device's partial merged in: its far shift made delta inf)
     for n in (2, 3, 9, 17):
