@@ -91,9 +91,10 @@ class SubnormalWatch:
         if self.on and holds_subnormals(rows):
             self.on = False
             _log.warning(
-                "rows from %d hold subnormal floats (nonzero, below float32's 1.2e-38 or float64's 2.2e-308 in "
-                "magnitude), which XLA on %s flushes to 0: sums, means, moments, minima, maxima, histograms and "
-                "weights count them as 0; Quantiles, TopK and DistinctCount keep them (DESIGN.md, edge values).",
+                "the rows from row %d on hold subnormal floats (nonzero, below float32's 1.2e-38 or float64's "
+                "2.2e-308 in magnitude), which XLA on %s flushes to 0: sums, means, moments, minima, maxima, "
+                "histograms and weights count them as 0; Quantiles, TopK and DistinctCount keep them (DESIGN.md, "
+                "edge values).",
                 cursor, self.platform)
 
 
