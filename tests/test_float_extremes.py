@@ -118,6 +118,8 @@ def test_infinities_propagate_and_finite_means_stay_finite(mesh):
         np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
         assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
         assert run(ss.Covariance(), x[:, 3:], mesh).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
+    keyed = run(ss.GroupBy(ss.Moments(), 2), (np.array([0, 1, 0]), x[:, 3:]), mesh)  # the per-key folds too
+    assert keyed.mean[0, 0] == 0.0 and keyed.mean[1, 0] == 1e308 and keyed.mean[0, 1] == 4.0
     # rows far apart over many micro-batches and devices, float32 and float64: every merge and fold
     for big, dtype in ((1e308, np.float64), (3e38, np.float32)):
         far = np.array([big] * 40 + [-big] * 20, dtype)[:, None]

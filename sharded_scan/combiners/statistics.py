@@ -182,7 +182,8 @@ def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bo
         s2 = jax.ops.segment_sum(wdev * dev, keys, num_keys)
     weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
-    return jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
+    out = jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
+    return keyed_without_overflow(acc, out, before, weight, x.astype(dev.dtype), mask, keys, weights)
 
 
 def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -256,6 +257,24 @@ def batch_mean(x: jax.Array, keep: jax.Array, nb: jax.Array, weights=None):
         part = masked(x, keep) * scale if weights is None else masked(x, keep) * (weights / jnp.sum(weights))[:, None]
         return jnp.sum(part, axis=0)
     return mean
+
+
+def keyed_without_overflow(acc: CenteredAcc, out: CenteredAcc, before, weight, x, keep, keys, weights=None):
+    """:func:`_without_overflow` per key: ``out``, each key's ``acc`` (leading ``num_keys`` axis, of
+    weights ``before``) with its rows of ``x`` (``keep``; ``keys`` in range) of weights ``weight`` folded
+    in, with the means that overflowed from finite rows replaced by the convex combination."""
+    num_keys = before.shape[0]
+    total = before + weight
+    share = (weight / jnp.where(total > 0, total, 1))[:, None]
+
+    def batch_means():
+        per_row = jnp.where(weight > 0, weight, 1)[keys] if weights is not None else (
+            jnp.maximum(jax.ops.segment_sum(keep.astype(jnp.int32), keys, num_keys), 1)[keys].astype(x.dtype))
+        scale = (weights if weights is not None else 1) / per_row
+        return jax.ops.segment_sum(masked(x, keep) * scale[:, None], keys, num_keys)
+
+    shift, mean = _without_overflow(acc, out.shift, out.mean, before[:, None], share, batch_means)
+    return out._replace(shift=shift, mean=mean)
 
 
 HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
@@ -664,7 +683,8 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(c.count, x.dtype) if before is None else before
     counts = sums[:, 5:][:, ::-1].astype(jnp.int32)  # nans, zeros
-    return jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+    out = jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+    return out._replace(centered=keyed_without_overflow(c, out.centered, before, weight, x, keep, keys, weights))
 
 
 def _powers(dev, kept, weights):
