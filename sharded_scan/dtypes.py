@@ -73,6 +73,29 @@ def has_float64(platform: str | None = None) -> bool:
     return (platform or jax.default_backend()) not in NO_FLOAT64
 
 
+# Backends whose arithmetic flushes subnormal floats to zero: XLA:CPU sets flush-to-zero and
+# denormals-are-zero (MXCSR FTZ/DAZ) on every thread that runs a program, unconditionally (no XLA flag
+# or JAX option turns it off: `--xla_cpu_ftz=false` changes code generation only); TPUs flush them too
+# (measured on a v5e: float32 1e-40 + 1e-40 is 0, 1e-40 > 0 False; the bits survive the transfer).
+FLUSHES_SUBNORMALS = ("cpu", "tpu")
+
+
+def holds_subnormals(rows: Any) -> bool:
+    """Whether a float leaf of ``rows`` (host arrays) holds a subnormal value (nonzero, smaller in
+    magnitude than the dtype's smallest normal): one pass over their bits, no float arithmetic."""
+    for leaf in jax.tree.leaves(rows):
+        leaf = np.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.size == 0:
+            continue
+        unsigned = np.dtype(f"uint{8 * leaf.dtype.itemsize}")
+        tiny = np.array(jnp.finfo(leaf.dtype).tiny, leaf.dtype).view(unsigned)
+        two = unsigned.type(2)
+        # bits shifted left drop the sign; minus 2 wraps 0 (±0) past every subnormal
+        if np.any((np.ascontiguousarray(leaf).view(unsigned) << 1) - two < (tiny << 1) - two):
+            return True
+    return False
+
+
 def x64_scope(spec: Any) -> contextlib.AbstractContextManager:
     """Where a run over rows of ``spec`` traces, places, compiles, runs and finalizes.
 

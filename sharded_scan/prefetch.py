@@ -17,6 +17,7 @@ under :func:`sharded_scan.dtypes.x64_scope` places float64 rows as float64.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from sharded_scan.dtypes import check_placeable
+from sharded_scan.dtypes import FLUSHES_SUBNORMALS, check_placeable, holds_subnormals
 from sharded_scan.errors import UsageError
 from sharded_scan.layout import Layout, data_sharding
 from sharded_scan.sources import Source
@@ -33,6 +34,8 @@ from sharded_scan.sources import Source
 PyTree = Any
 
 __all__ = ["DeviceBatch", "ReadError", "check_placeable", "device_batches", "place", "read_local"]
+
+_log = logging.getLogger(__name__)
 
 _POLL_S = 0.05       # how often blocked queue calls look at the stop flag
 _JOIN_S = 10.0       # the longest a close waits for a reader stuck in source.read
@@ -75,9 +78,32 @@ def place(rows: PyTree, layout: Layout, mesh: Mesh) -> PyTree:
     )
 
 
-def _step(source: Source, layout: Layout, mesh: Mesh, cursor: int) -> DeviceBatch:
+class SubnormalWatch:
+    """Warns once, in one line, when rows read for devices that flush subnormal floats to zero
+    (:data:`~sharded_scan.dtypes.FLUSHES_SUBNORMALS`) hold one: their arithmetic and comparisons
+    read it as 0 (a checked limit, never a silent 0). One pass over the host rows' bits a step."""
+
+    def __init__(self, mesh: Mesh):
+        self.on = mesh.devices.flat[0].platform in FLUSHES_SUBNORMALS
+        self.platform = mesh.devices.flat[0].platform
+
+    def check(self, rows: PyTree, cursor: int) -> None:
+        if self.on and holds_subnormals(rows):
+            self.on = False
+            _log.warning(
+                "the rows from row %d on hold subnormal floats (nonzero, below float32's 1.2e-38 or float64's "
+                "2.2e-308 in magnitude), which XLA on %s flushes to 0: sums, means, moments, minima, maxima, "
+                "histograms and weights count them as 0; Quantiles, TopK and DistinctCount keep them (DESIGN.md, "
+                "edge values).",
+                cursor, self.platform)
+
+
+def _step(source: Source, layout: Layout, mesh: Mesh, cursor: int, watch: SubnormalWatch | None = None) -> DeviceBatch:
     num_valid = min(layout.rows_per_step, layout.num_rows - cursor)
-    return DeviceBatch(cursor, place(read_local(source, layout, cursor), layout, mesh), num_valid)
+    rows = read_local(source, layout, cursor)
+    if watch is not None:
+        watch.check(rows, cursor)
+    return DeviceBatch(cursor, place(rows, layout, mesh), num_valid)
 
 
 def _cursors(layout: Layout, cursor: int) -> range:
@@ -107,9 +133,10 @@ def device_batches(
       ReadError: reading failed otherwise; the cause is chained.
     """
     source.seek(cursor, state)
+    watch = SubnormalWatch(mesh)
     if prefetch == 0:
         for c in _cursors(layout, cursor):
-            yield _step(source, layout, mesh, c)
+            yield _step(source, layout, mesh, c, watch)
         return
 
     ready: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -131,7 +158,7 @@ def device_batches(
         try:
             with jax.enable_x64(x64):
                 for c in _cursors(layout, cursor):
-                    if stop.is_set() or not put(_step(source, layout, mesh, c)):
+                    if stop.is_set() or not put(_step(source, layout, mesh, c, watch)):
                         return
             put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it

@@ -74,3 +74,12 @@ def test_merge_adds_counts_with_init_as_identity():
 )
 def test_bad_arguments_are_one_clear_line(make, words):
     assert_usage_error(make, words)
+
+
+def test_subnormal_edges_are_one_line_never_every_row_in_the_last_bin():
+    # issue 42, finding 7: Histogram(4, (0, 4e-310)) put every row in the last bin (numpy [0, 1, 1, 1]): its float32
+    # edges are subnormal, which XLA on CPU reads as 0. One line before compute; edges of normal floats still fine.
+    assert_usage_error(lambda: ss.Histogram(4, (0, 4e-310)), ["(0.0, 4e-310)", "smallest normal", "flushes"])
+    assert_usage_error(lambda: ss.Histogram(3, np.array([[0, 1], [-1e-40, 0]])), ["(-1e-40, 0.0)", "scale"])
+    for bins, lo_hi in ((4, (0, 1e-37)), (2, (-1, 1)), (1000, (-1e-30, 1e-30))):
+        ss.Histogram(bins, lo_hi)

@@ -190,8 +190,8 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
       bits: with ``exact``, bits each further pass narrows by (``Quantiles``').
 
     NaN is skipped column by column, as pandas does; infinities count as values (in
-    ``count``, ``min``, ``max`` and the percentiles; a column holding one has a NaN mean and
-    std, as ``Moments``, where pandas gives an infinite mean).
+    ``count``, ``min``, ``max`` and the percentiles; a column holding one has pandas' mean,
+    ``inf``, ``-inf`` or NaN when it holds both, and a NaN std, as ``Moments``).
 
     On a mesh with a ``model`` axis the one-pass state is split by columns (the module's docstring).
     """

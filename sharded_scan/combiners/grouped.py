@@ -126,6 +126,20 @@ def like_no_rows(result: Any) -> Any:
     return jax.tree.map(blank, result)
 
 
+def typed_like(blank: Any, template: Any) -> Any:
+    """``blank`` (a key's result of no rows) with each float leaf that is an integer in ``template`` (a
+    key's with rows: e.g. ``Quantiles(method="lower")`` of integers, NaN only with no rows) as that
+    integer's zeros, so that stacking the keys never turns their integers into floats."""
+    def one(b, t):
+        b, t = np.asarray(b), np.asarray(t)
+        whole = np.issubdtype(t.dtype, np.integer) and np.issubdtype(b.dtype, np.floating) and b.shape == t.shape
+        return np.zeros_like(t) if whole else b
+
+    if template is None or jax.tree.structure(blank) != jax.tree.structure(template):
+        return blank
+    return jax.tree.map(one, blank, template)
+
+
 def check_num_keys(num_keys: Any) -> None:
     if isinstance(num_keys, bool) or not isinstance(num_keys, (int, np.integer)) or num_keys <= 0:
         raise UsageError(f"GroupBy num_keys must be a positive integer (keys are 0..num_keys-1), got {num_keys!r}.")
@@ -268,7 +282,7 @@ class GroupBy(Wrapper):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                return self.inner.finalize(jax.tree.map(lambda x: x[k], value))
+                return typed_like(self.inner.finalize(jax.tree.map(lambda x: x[k], value)), template)
         except UsageError:
             if template is None:
                 raise

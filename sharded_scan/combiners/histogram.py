@@ -45,6 +45,26 @@ def _float32_at_most(edges: np.ndarray) -> np.ndarray:
     return np.where(near.astype(np.float64) > edges, np.nextafter(near, np.float32(-np.inf)), near)
 
 
+def check_normal_edges(ranges: np.ndarray, bins: int) -> None:
+    """Raises one :class:`UsageError` line when an edge the values are compared with (float32) is
+    subnormal: XLA on CPU and TPU reads it as 0 (flush-to-zero), so every value would land in the
+    wrong bin (``Histogram(4, (0, 4e-310))``: every row in the last). Only ranges reaching within
+    float32's smallest normal of 0 can have such edges; theirs are checked."""
+    tiny = np.finfo(np.float32).tiny
+    near = ranges[(ranges[:, 0] < tiny) & (ranges[:, 1] > -tiny)]
+    if not near.size:
+        return
+    edges = np.stack([np.linspace(lo, hi, bins + 1) for lo, hi in near])
+    compared = np.concatenate([_float32_at_least(edges[:, :-1]), _float32_at_most(edges[:, -1:])], axis=1)
+    bad = ((compared != 0) & (np.abs(compared) < tiny)).any(axis=1)
+    if bad.any():
+        lo, hi = (float(v) for v in near[np.argmax(bad)])
+        raise UsageError(
+            f"Histogram range ({lo!r}, {hi!r}) with {bins} bins has edges below float32's smallest normal number "
+            f"{tiny:.3g} in magnitude (values are binned in float32, and XLA on CPU and TPU flushes such "
+            "values to 0): scale the data and the range up, or take a wider range or fewer bins.")
+
+
 class SplitCounts(NamedTuple):
     """A :class:`Histogram`'s counts split by columns over ``model``, padded with empty columns to a
     multiple of the axis size; ``columns``' length is the real column count (zeros: sums keep it)."""
@@ -79,8 +99,9 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
     ``np.linspace(lo, hi, bins + 1)`` in float64, each bin holds ``[edge_i, edge_i+1)``,
     the last also its right edge, and values outside ``[lo, hi]`` (and NaN) are not
-    counted. Values are compared in float32 against the float64 edges exactly (XLA
-    flushes subnormal values, below about 1e-38 in magnitude, to zero first).
+    counted. Values are compared in float32 against the float64 edges exactly (XLA on CPU and
+    TPU flushes subnormal values, below about 1e-38 in magnitude, to zero first; a range with
+    such edges is one line, :func:`check_normal_edges`).
 
     Args:
       bins: the number of bins, ``> 0``.
@@ -103,6 +124,7 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
             raise UsageError(f"Histogram range must be (lo, hi) or of shape (d, 2), got shape {ranges.shape}.")
         if not (np.isfinite(ranges).all() and (ranges[..., 0] < ranges[..., 1]).all()):
             raise UsageError(f"Histogram range needs finite lo < hi, got {self.range!r}.")
+        check_normal_edges(np.atleast_2d(ranges), bins)
 
     def _edges(self, d: int) -> np.ndarray:
         ranges = np.broadcast_to(np.asarray(self.range, np.float64), (d, 2))

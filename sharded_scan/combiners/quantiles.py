@@ -350,7 +350,8 @@ class WeightedQuantiles(Combiner, MultiPass):
         bound = max((kll.rank_error_bound(float(v), float(t), CONFIDENCE) for v, t in zip(variance, total[:, 0],
                                                                                              strict=True)), default=0.0)
         rows = int(wide.to_int(acc.count))
-        return result_from_keys(acc, qs, (picks, picks, np.zeros(picks.shape)), rows, bound, passes=1)
+        return result_from_keys(acc, qs, (picks, picks, np.zeros(picks.shape)), rows, bound, passes=1,
+                                method="inverted_cdf")
 
 
 def sketch_picks(host: kll.HostSketch, qs: np.ndarray, rows, method: str):
@@ -368,4 +369,4 @@ def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray, method: str) -> Quantile
     total = host.cumulative[:, -1:] if host.keys.shape[1] else np.ones((host.keys.shape[0], 1))
     rows = int(wide.to_int(acc.count))
     bound = kll.rank_error_bound(float(acc.sketch.variance), rows, CONFIDENCE)
-    return result_from_keys(acc, qs, sketch_picks(host, qs, total, method), rows, bound, passes=1)
+    return result_from_keys(acc, qs, sketch_picks(host, qs, total, method), rows, bound, passes=1, method=method)

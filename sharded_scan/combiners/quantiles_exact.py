@@ -431,7 +431,7 @@ def weighted_exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
     brackets = WeightedBrackets(acc, targets, (qs[None, :] == 0) | (qs[None, :] == 1) | nan_columns(acc), bits)
     passes = yield from refined(brackets, WeightedRefinePass)
     keys = brackets.keys
-    return result_from_keys(acc, qs, (keys, keys, np.zeros(keys.shape)), rows, 0.0, passes)
+    return result_from_keys(acc, qs, (keys, keys, np.zeros(keys.shape)), rows, 0.0, passes, "inverted_cdf")
 
 
 def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner):
@@ -450,4 +450,4 @@ def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner
     passes = yield from refined(brackets, RefinePass)
     keys = brackets.keys
     picks = (keys[:, : len(qs)], keys[:, len(qs):] if both else keys, weight)
-    return result_from_keys(acc, qs, picks, rows, 0.0, passes)
+    return result_from_keys(acc, qs, picks, rows, 0.0, passes, method)

@@ -26,13 +26,17 @@ from sharded_scan.combiners.results import frame
 from sharded_scan.errors import UsageError
 
 METHODS = ("linear", "lower", "higher", "nearest", "midpoint", "inverted_cdf")
+# The methods that answer with one of the values, never a mix of two: an integer column's answers are its integers.
+DISCONTINUOUS = ("lower", "higher", "nearest", "inverted_cdf")
 
 
 class QuantilesResult(NamedTuple):
     """Per column, the value at each ``q`` and how far its rank may be from ``q (n - 1)``.
 
-    ``quantiles`` is ``(d, len(qs))`` float64 (``(len(qs),)`` for rows of one value), each
-    answer read at the ranks ``method`` names (``np.quantile``'s; see the module docstring),
+    ``quantiles`` is ``(d, len(qs))`` float64 (``(len(qs),)`` for rows of one value; a
+    :data:`DISCONTINUOUS` method's over integer rows: the rows' own integers, int64, uint64 for
+    uint64 columns, as ``np.quantile``'s), each answer read at the ranks ``method`` names
+    (``np.quantile``'s; see the module docstring),
     NaN for a column that holds NaN (numpy's ``np.quantile`` does the same) or has no
     rows; ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
     probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data;
@@ -116,31 +120,41 @@ def method_ranks(qs: np.ndarray, n, method: str) -> tuple[np.ndarray, np.ndarray
 def interpolate(low: np.ndarray, high: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``low + weight (high - low)`` as numpy's quantiles compute it (from ``high`` for weights of
     one half or more); exactly ``low`` where the weight is 0 or the values are equal (infinities too)."""
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # infinities, and finite ends further apart than the largest
         diff = high - low
         mixed = np.where(weight >= 0.5, high - diff * (1 - weight), low + diff * weight)
     return np.where((weight == 0) | (low == high), low, mixed)
 
 
+def values_at(acc: QuantilesAcc, qs: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Per column and q (``(d, len(qs))``), the values of ``keys`` (the column's own: int64, uint64 for
+    uint64 columns, float64), ``q = 0`` and ``q = 1`` the column's exact smallest and largest."""
+    first, last = np.asarray(acc.low).reshape(-1)[:, None], np.asarray(acc.high).reshape(-1)[:, None]
+    return decode(np.where(qs[None, :] == 0, first, np.where(qs[None, :] == 1, last, keys)), acc.kind)
+
+
 def values_from_keys(acc: QuantilesAcc, qs: np.ndarray, low: np.ndarray, high: np.ndarray,
                      weight: np.ndarray) -> np.ndarray:
     """Per column and q (``(d, len(qs))``), the value between the keys ``low`` and ``high`` at
-    ``weight``; ``q = 0`` and ``q = 1`` are the column's exact smallest and largest keys."""
-    first, last = np.asarray(acc.low).reshape(-1)[:, None], np.asarray(acc.high).reshape(-1)[:, None]
-    ends = [(np.where(qs[None, :] == 0, first, np.where(qs[None, :] == 1, last, k))) for k in (low, high)]
-    return interpolate(decode(ends[0], acc.kind), decode(ends[1], acc.kind), weight)
+    ``weight`` (float64); ``q = 0`` and ``q = 1`` are the column's exact smallest and largest keys."""
+    return interpolate(values_at(acc, qs, low), values_at(acc, qs, high), weight)
 
 
 def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, picks: tuple[np.ndarray, np.ndarray, np.ndarray],
-                     rows: int, bound: float, passes: int):
-    """Builds the result from per-column keys ``(d, len(qs))`` at the ranks ``method_ranks`` gave and
-    its weights (``picks``: the keys at the low ranks, at the high ones, the weights): exact ends,
-    NaN columns, shape."""
+                     rows: int, bound: float, passes: int, method: str):
+    """Builds the result from per-column keys ``(d, len(qs))`` at the ranks ``method_ranks`` gave for
+    ``method`` and its weights (``picks``: the keys at the low ranks, at the high ones, the weights):
+    exact ends, NaN columns, shape. A :data:`DISCONTINUOUS` method's answers over integer rows are
+    the rows' own integers (int64; uint64 for uint64 columns), else float64 (NaN with no rows)."""
     low, high, weight = picks
-    values = values_from_keys(acc, qs, low, high, np.broadcast_to(weight, low.shape))
+    if method in DISCONTINUOUS and not is_float(acc.kind) and rows > 0:
+        values = values_at(acc, qs, low)  # such a method reads one rank: low and high are the same keys
+    else:
+        values = values_from_keys(acc, qs, low, high, np.broadcast_to(weight, low.shape)).astype(np.float64)
     high = np.asarray(acc.high).reshape(-1)
     nan = (high == nan_key(high.dtype)) & is_float(acc.kind)
-    values[nan | (rows == 0)] = np.nan
+    if values.dtype.kind == "f":
+        values[nan | (rows == 0)] = np.nan
     if np.ndim(acc.low) == 0:
         values = values[0]
     bound = 0.0 if math.isnan(bound) else bound

@@ -96,10 +96,16 @@ def merged(a: CenteredAcc, b: CenteredAcc, na, nb, full: bool,
     shift = jnp.where(a_empty, b.shift, a.shift)
     mean_a = a.mean + (a.shift - shift)   # the shifts are close, so their difference is exact
     mean_b = b.mean + (b.shift - shift)
-    delta = mean_b - mean_a
+    # An empty side's shift may lie anywhere (far from the other's: a delta of inf, then inf * 0): no delta.
+    delta = jnp.where(a_empty | b_empty, 0, mean_b - mean_a)
     total = na + nb
     share = nb / jnp.where(total > 0, total, 1)
     mean = jnp.where(a_empty, mean_b, jnp.where(b_empty, mean_a, mean_a + delta * share))
+    # Finite means further apart than the largest float overflow delta: their convex combination instead.
+    center_a, center_b = a.shift + a.mean, b.shift + b.mean
+    over = ~jnp.isfinite(mean) & jnp.isfinite(center_a) & jnp.isfinite(center_b)
+    shift = jnp.where(over, center_a * (1 - share) + center_b * share, shift)
+    mean = jnp.where(over, 0, mean)
     m2 = a.m2 + b.m2 + _scatter(delta, delta, full, a.m2.shape[-1], shards) * (na * share)
     return CenteredAcc(n, shift, mean, m2, a.m2_lost + b.m2_lost), delta, share
 
@@ -126,7 +132,8 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, w
         s2 = column_sum(wdev * dev)
     weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
-    return folded(acc, shift, nb, before, weight, s1, s2, full, shards)[0]
+    mean = batch_mean(x.astype(dev.dtype), mask, nb, weights)
+    return folded(acc, shift, nb, before, weight, s1, s2, full, shards, mean)[0]
 
 
 # column_sum adds rows in lines of about this many values (a whole number of rows).
@@ -175,7 +182,8 @@ def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bo
         s2 = jax.ops.segment_sum(wdev * dev, keys, num_keys)
     weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
-    return jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
+    out = jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
+    return keyed_without_overflow(acc, out, before, weight, x.astype(dev.dtype), mask, keys, weights)
 
 
 def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -190,7 +198,7 @@ def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Arr
 
 
 def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
-           shards: int = 1) -> tuple[CenteredAcc, jax.Array, ...]:
+           shards: int = 1, batch_mean=None) -> tuple[CenteredAcc, jax.Array, ...]:
     """``acc`` with a micro-batch added by Chan's formula, from the batch's sums about ``acc``'s mean.
 
     ``rows`` real rows (int32) of total weight ``weight`` (their number when unweighted) were
@@ -199,7 +207,8 @@ def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
     (outer products). ``delta = S1 / w_b`` is the batch's mean minus ``acc``'s and
     ``M2 = M2_a + (S2 - S1 delta) + delta² w_a w_b / w`` (split over ``shards`` ``model`` devices:
     the columns of ``acc``'s M2 and of ``s2``, :func:`own_columns`). Also returns ``delta`` and
-    ``w_b / w`` (what the higher moments' update needs).
+    ``w_b / w`` (what the higher moments' update needs). ``batch_mean``: a callable giving the
+    batch's mean without overflow (:func:`_without_overflow`), or None.
     """
     dtype, width = acc.m2.dtype, acc.m2.shape[-1]
     delta = s1 / jnp.where(weight > 0, weight, 1)
@@ -209,10 +218,63 @@ def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
     m2 = acc.m2 + y
     lost = (m2 - acc.m2) - y
     moved, mean = _two_sum(shift, acc.mean + delta * share)
+    if batch_mean is not None:
+        moved, mean = _without_overflow(acc, moved, mean, before, share, batch_mean)
     some = rows > 0
     out = CenteredAcc(wide.add_int32(acc.count, rows), jnp.where(some, moved, acc.shift),
                       jnp.where(some, mean, acc.mean), m2, lost)
     return out, delta.astype(dtype), share
+
+
+def _without_overflow(acc: CenteredAcc, moved, mean, before, share, batch_mean):
+    """``(shift, mean)`` of :func:`folded`, where they overflowed from finite rows, replaced by the
+    convex combination of ``acc``'s mean and ``batch_mean()``.
+
+    Finite rows further apart than the largest float (e.g. ``1e308`` and ``-1e308``) overflow their
+    deviations from the reference point and their sums: the mean turns inf or NaN though its true
+    value, between the least and the greatest row, is finite. Only then (``lax.cond``: clean data
+    never pays) the batch's mean is taken as ``Σ x / n`` term by term (no partial sum leaves the
+    rows' range) and weighed with ``acc``'s; the co-moments of such rows overflow (inf or NaN),
+    as they truly do. Rows holding inf or NaN keep their inf or NaN mean.
+    """
+    old = acc.shift + acc.mean
+    over = ~jnp.isfinite(moved) & ((before <= 0) | jnp.isfinite(old))
+
+    def convex():
+        new = batch_mean().astype(moved.dtype)
+        new = jnp.where(before > 0, old * (1 - share) + new * share, new)
+        use = over & jnp.isfinite(new)
+        return jnp.where(use, new, moved), jnp.where(use, 0, mean)
+
+    return jax.lax.cond(jnp.any(over), convex, lambda: (moved, mean))
+
+
+def batch_mean(x: jax.Array, keep: jax.Array, nb: jax.Array, weights=None):
+    """A callable: the mean of the rows ``keep`` of ``x`` (weighted by ``weights``, 0 where not kept),
+    each row divided before the sum, so that no partial sum overflows (:func:`_without_overflow`)."""
+    def mean():
+        scale = 1 / jnp.maximum(nb, 1).astype(x.dtype) if weights is None else None
+        part = masked(x, keep) * scale if weights is None else masked(x, keep) * (weights / jnp.sum(weights))[:, None]
+        return jnp.sum(part, axis=0)
+    return mean
+
+
+def keyed_without_overflow(acc: CenteredAcc, out: CenteredAcc, before, weight, x, keep, keys, weights=None):
+    """:func:`_without_overflow` per key: ``out``, each key's ``acc`` (leading ``num_keys`` axis, of
+    weights ``before``) with its rows of ``x`` (``keep``; ``keys`` in range) of weights ``weight`` folded
+    in, with the means that overflowed from finite rows replaced by the convex combination."""
+    num_keys = before.shape[0]
+    total = before + weight
+    share = (weight / jnp.where(total > 0, total, 1))[:, None]
+
+    def batch_means():
+        per_row = jnp.where(weight > 0, weight, 1)[keys] if weights is not None else (
+            jnp.maximum(jax.ops.segment_sum(keep.astype(jnp.int32), keys, num_keys), 1)[keys].astype(x.dtype))
+        scale = (weights if weights is not None else 1) / per_row
+        return jax.ops.segment_sum(masked(x, keep) * scale[:, None], keys, num_keys)
+
+    shift, mean = _without_overflow(acc, out.shift, out.mean, before[:, None], share, batch_means)
+    return out._replace(shift=shift, mean=mean)
 
 
 HEAD_ROWS = 64  # a fresh accumulator's shift is the mean of at most this many real rows
@@ -601,7 +663,8 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
                         lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
     before = wide.to_float(c.count, x.dtype) if before is None else before
     counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
-    return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high)
+    return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high,
+                          batch_mean(x, keep, nb, weights))
 
 
 def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None,
@@ -620,7 +683,8 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(c.count, x.dtype) if before is None else before
     counts = sums[:, 5:][:, ::-1].astype(jnp.int32)  # nans, zeros
-    return jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+    out = jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+    return out._replace(centered=keyed_without_overflow(c, out.centered, before, weight, x, keep, keys, weights))
 
 
 def _powers(dev, kept, weights):
@@ -633,13 +697,15 @@ def _powers(dev, kept, weights):
             size if weights is None else size * weights[:, None], (kept == 0).astype(kept.dtype))
 
 
-def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high) -> MomentsAcc:
+def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high,
+                   batch_mean=None) -> MomentsAcc:
     """``acc`` (of weight ``before``) with a micro-batch of ``nb`` real rows of weight ``weight``:
     ``sums`` ``(5, d)``, the (weighted) power sums of their deviations from ``acc``'s mean and Σ|x|;
-    ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima."""
+    ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima
+    (``batch_mean``: :func:`folded`'s)."""
     c = acc.centered
     s1, s2, s3, s4, l1 = sums
-    centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False)
+    centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False, batch_mean=batch_mean)
     m34b = batch_moments(s1, s2, s3, s4, delta)
     cross = pebay(before, share, delta, c.m2 - c.m2_lost, s2 - s1 * delta, acc.higher[0] - acc.higher_lost[0], m34b[0])
     y = jnp.concatenate([m34b + cross, l1[None]]) - acc.higher_lost
@@ -712,13 +778,37 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> Moments
     weight = float(count) if weight is None else weight
     m2 = host_m2(acc.centered)
     mean = host_mean(acc.centered)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    low, high = np.asarray(acc.min), np.asarray(acc.max)
+    finite = np.isfinite(low) & np.isfinite(high)  # every row kept finite (a NaN kept makes both NaN)
+    # Finite rows whose squared deviations overflowed (rows far apart near the largest float): an
+    # infinite M2, never NaN; the mean stays finite (_without_overflow).
+    m2 = np.where(finite & np.isnan(m2), np.inf, m2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         m2n, m3n, m4n = m2 / weight, higher[0] / weight, higher[1] / weight
-        skewness = np.where(m2 > 0, m3n / m2n**1.5, np.nan)
-        kurtosis = np.where(m2 > 0, m4n / (m2n * m2n) - 3.0, np.nan)
-    return MomentsResult(
-        count, mean, _divide(m2, count - ddof if dof is None else dof), np.asarray(acc.min), np.asarray(acc.max),
-        skewness, kurtosis, counts[0], counts[1], higher[2], np.sqrt(m2 + weight * mean * mean),
+        shape = (m2 > 0) & np.isfinite(m2)
+        skewness = np.where(shape, m3n / m2n**1.5, np.nan)
+        kurtosis = np.where(shape, m4n / (m2n * m2n) - 3.0, np.nan)
+        result = MomentsResult(
+            count, mean, _divide(m2, count - ddof if dof is None else dof), low, high,
+            skewness, kurtosis, counts[0], counts[1], higher[2], np.sqrt(m2 + weight * mean * mean),
+        )
+    return with_infinities(result)
+
+
+def with_infinities(result: MomentsResult) -> MomentsResult:
+    """``result`` with the columns holding an infinity (seen by their min and max) as numpy's: a
+    mean of +inf, -inf, or NaN when both; variance, skewness and kurtosis NaN; the norms inf. The
+    accumulated moments of such a column are inf or NaN whatever the order (inf - inf)."""
+    up, down = result.max == np.inf, result.min == -np.inf
+    infinite = up | down
+    if not infinite.any():
+        return result
+    mean = np.where(up & down, np.nan, np.where(up, np.inf, -np.inf))
+    nan, inf = np.float64(np.nan), np.float64(np.inf)
+    return result._replace(
+        mean=np.where(infinite, mean, result.mean), var=np.where(infinite, nan, result.var),
+        skewness=np.where(infinite, nan, result.skewness), kurtosis=np.where(infinite, nan, result.kurtosis),
+        norm_l1=np.where(infinite, inf, result.norm_l1), norm_l2=np.where(infinite, inf, result.norm_l2),
     )
 
 

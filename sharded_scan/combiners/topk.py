@@ -73,7 +73,7 @@ SELECT_ROWS = 1024  # micro-batches of at least this many rows choose by _select
 class TopKResult(NamedTuple):
     """Per column, the ``k`` most frequent values, most frequent first (ties: smaller value first).
 
-    ``values`` ``(d, k)`` (``(k,)`` for rows of one value): int64 for integer columns, float64
+    ``values`` ``(d, k)`` (``(k,)`` for rows of one value): int64 for integer columns (uint64: uint64), float64
     for float ones; a column with fewer than ``k`` values has empty slots last, with
     ``counts`` 0 (and value 0, or NaN for floats). ``counts`` int64 (rows counted: at most the true count),
     ``errors`` int64 (the true count is at most ``counts + errors``), ``bound`` int64
@@ -423,7 +423,8 @@ class TopK(SplitsEachColumn, Combiner):
         count, slack = to_host(acc.count), to_host(acc.slack)
         held, bound = np.asarray(acc.held).reshape(-1), to_host(acc.bound).reshape(-1)
         d, k, kind = keys.shape[0], self.k, count.dtype
-        values = np.full((d, k), np.nan) if is_float(acc.kind) else np.zeros((d, k), np.int64)  # integers stay
+        integers = decode(keys[0, :0], acc.kind).dtype  # integers stay: int64, uint64 for uint64 columns
+        values = np.full((d, k), np.nan) if is_float(acc.kind) else np.zeros((d, k), integers)
         counts, errors = np.zeros((d, k), kind), np.zeros((d, k), kind)
         bounds, certain = np.zeros(d, kind), np.zeros(d, bool)
         for j in range(d):

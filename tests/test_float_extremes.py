@@ -1,0 +1,127 @@
+"""64-bit integers and floats at their extremes, as numpy treats them (issue 42, findings 5-9).
+
+Every run takes ``microbatch=8, steps_per_call=1``: whatever the row count (at most 64), one step's
+shapes, so each combiner, dtype and mesh compiles once for the whole module.
+"""
+
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.dtypes import holds_subnormals
+
+MESHES = ["data:1", "data:8"]
+SMALL = {"microbatch": 8, "steps_per_call": 1}
+
+
+def run(combiner, x, mesh):
+    return ss.run(combiner, x, mesh=mesh, **SMALL)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_uint64_values_come_back_as_uint64(mesh):
+    # finding 5: TopK of uint64 reported 2**64-1 as -1 and 2**63 as -2**63 (values read back as int64)
+    x = np.array([2**64 - 1] * 2 + [0, 1, 2**63, 2**63 + 5], np.uint64)
+    top = run(ss.TopK(k=3), x, mesh)
+    assert top.values.dtype == np.uint64
+    assert top.values.tolist() == [2**64 - 1, 0, 1]
+    assert top.to_pandas()["values"].dtype == np.uint64
+    assert top.to_pandas()["values"].tolist() == [2**64 - 1, 0, 1]
+    high = run(ss.Quantiles(qs=[0.0, 0.5, 0.9, 1.0], exact=True, method="higher"), x, mesh)
+    assert high.quantiles.dtype == np.uint64
+    assert high.quantiles.tolist() == np.quantile(x, [0.0, 0.5, 0.9, 1.0], method="higher").tolist()
+    assert run(ss.DistinctCount(), x, mesh).count == 5
+
+
+QS = [0.0, 0.25, 0.5, 0.7, 1.0]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_exact_quantiles_of_integers_are_the_datas_own_integers(mesh):
+    # finding 6: method="lower" of int64 [2**62+1, 2**62+3, 2**62+5] gave 4.611686018427388e+18, not in the data
+    x = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)
+    for method in ("lower", "higher", "nearest", "inverted_cdf"):
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x, mesh).quantiles
+        want = np.quantile(x, QS, method=method)
+        assert got.dtype == np.int64 and want.dtype == np.int64, method
+        assert got.tolist() == want.tolist(), method
+    assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), x[:3], mesh).quantiles.tolist() == [2**62 + 3]
+    if mesh == "data:8":  # per key too: a key that met no rows holds 0 (count 0), never turning the others to floats
+        grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], method="lower"), 3), (np.array([0, 0, 0, 2, 2]), x), mesh)
+        assert grouped.quantiles.dtype == np.int64 and grouped.count.tolist() == [3, 0, 2]
+        assert grouped.quantiles[:, 0].tolist() == [2**62 + 3, 0, -(2**63)]
+    for method in ("linear", "midpoint"):  # these mix two values: float64, as numpy's
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x[:3], mesh).quantiles
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, np.quantile(x[:3], QS, method=method))
+
+
+def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
+    # finding 7: XLA:CPU flushes subnormals to 0 (Moments' min, max and mean 0, a Sum of 0, every row in the
+    # last bin of Histogram(4, (0, 4e-310))) and said nothing. It cannot keep them: one warning line says so.
+    x = np.array([[1e-310], [2e-310], [3e-310]])
+    with caplog.at_level(logging.WARNING, logger="sharded_scan.prefetch"):
+        run(ss.Moments(), x, "data:8")
+    lines = [r.getMessage() for r in caplog.records if r.name == "sharded_scan.prefetch"]
+    assert len(lines) == 1 and "subnormal" in lines[0] and "flushes to 0" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sharded_scan.prefetch"):
+        # the sketches compare keys (bits), not floats: they keep them, exactly
+        got = run(ss.Quantiles(qs=[0.0, 0.5, 1.0], exact=True, method="lower"), x, "data:8")
+        np.testing.assert_array_equal(got.quantiles, [[1e-310, 2e-310, 3e-310]])
+        run(ss.Moments(), np.array([[1e-300], [2.2250738585072014e-308], [0.0], [-0.0]]), "data:8")
+    assert sum("subnormal" in r.getMessage() for r in caplog.records) == 1  # the Quantiles run's; none for normals
+    assert holds_subnormals(np.array([1e-45], np.float32)) and holds_subnormals((np.zeros(2), np.array([-5e-324])))
+    assert holds_subnormals(np.array([1e-39], ml_dtypes.bfloat16))
+    tiny32 = np.finfo(np.float32).tiny
+    normals = np.array([0.0, -0.0, tiny32, -tiny32, np.inf, -np.inf, np.nan, 3e38], np.float32)
+    assert not holds_subnormals(normals) and not holds_subnormals(np.arange(5))
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(mesh):
+    # finding 8: NaN on data:8 with a few rows (an empty device's partial merged in: its far shift made delta inf)
+    for n in (2, 3, 9, 17):
+        x = np.full((n, 2), 1e308)
+        x[:, 1] = -1e308
+        moments = run(ss.Moments(ddof=1), x, mesh)
+        np.testing.assert_array_equal(moments.var, [0.0, 0.0])
+        np.testing.assert_array_equal(moments.mean, x[0])
+        np.testing.assert_array_equal(run(ss.Covariance(), x, mesh).cov, np.zeros((2, 2)))
+        np.testing.assert_array_equal(run(ss.Moments(), np.full((n, 1), 3e38, np.float32), mesh).var, [0.0])
+        if mesh == "data:8" and n in (2, 17):  # Describe's std: its one-column Moments, merged alike
+            described = run(ss.Describe(), x, mesh)
+            np.testing.assert_array_equal(described.std, [0.0, 0.0])
+            np.testing.assert_array_equal(described.mean, x[0])
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_infinities_propagate_and_finite_means_stay_finite(mesh):
+    # finding 9: the mean of [inf, 1, 2] was NaN (numpy: inf), that of [1e308, 1e308, -1e308] -inf (3.3e307)
+    x = np.array([[np.inf, -np.inf, np.inf, 1e308, 3.0],
+                  [1.0, 1.0, -np.inf, 1e308, 4.0],
+                  [2.0, 2.0, 2.0, -1e308, 5.0]])
+    got = run(ss.Moments(), x, mesh)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.testing.assert_array_equal(got.mean[:3], x[:, :3].mean(0))  # inf, -inf, NaN (numpy and pandas)
+        np.testing.assert_array_equal(got.var[:3], x[:, :3].var(0))  # NaN
+    np.testing.assert_array_equal(got.min, x.min(0))
+    np.testing.assert_array_equal(got.max, x.max(0))
+    assert got.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)  # numpy's own mean overflows here: inf
+    assert got.var[3] == np.inf  # the true variance, 8.9e615, overflows: inf, not NaN
+    assert got.mean[4] == 4.0 and got.var[4] == pytest.approx(2 / 3, rel=1e-15)
+    if mesh == "data:8":
+        described = run(ss.Describe(), x, mesh)
+        np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
+        assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
+        assert run(ss.Covariance(), x[:, 3:], mesh).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
+    keyed = run(ss.GroupBy(ss.Moments(), 2), (np.array([0, 1, 0]), x[:, 3:]), mesh)  # the per-key folds too
+    assert keyed.mean[0, 0] == 0.0 and keyed.mean[1, 0] == 1e308 and keyed.mean[0, 1] == 4.0
+    # rows far apart over many micro-batches and devices, float32 and float64: every merge and fold
+    for big, dtype in ((1e308, np.float64), (3e38, np.float32)):
+        far = np.array([big] * 40 + [-big] * 20, dtype)[:, None]
+        mean = run(ss.Moments(), far, mesh).mean[0]
+        assert mean == pytest.approx(np.float64(far[0, 0]) / 3, rel=1e-6 if dtype == np.float32 else 1e-14)
