@@ -48,6 +48,7 @@ KNOWN = {
     8: "issue 42 finding 8: a constant column's variance is NaN/nonzero at large magnitude on data:8",
     9: "issue 42 finding 9: infinities (or a finite mean whose partial sums overflow) give NaN/-inf means",
     10: "issue 42 finding 10: strings differing by trailing NULs are listed alike",
+    12: "issue 42 finding 12: GroupBy(TopK)/Weighted(TopK) on a string column fail after the run",
     14: "issue 42 finding 14: a lone surrogate in a string is a traceback, not one line",
 }
 # Found by these properties, not among the issue's findings (same mechanism: exemption + pinned strict xfail).
