@@ -108,7 +108,8 @@ def test_moments_match_numpy_and_scipy(x, policy, names, form):
     for i, r in enumerate(results):
         check_moments(r, x, policy, f"{mesh_name(i)} {policy} {form}")
     r = results[1]
-    assert list(r.columns) == columns
+    if not any(str(c).endswith("\x00") for c in columns):  # NEW["name_nuls"] (pinned below)
+        assert list(r.columns) == columns
     table = r.to_pandas()
     assert table.shape[0] == D
     for field in ("count", "mean", "var", "min", "max", "nan_count", "zeros"):
@@ -220,7 +221,8 @@ def test_describe_matches_pandas(x, names):
     want = df.describe()
     for i, r in enumerate(runs(ss.Describe(), df)):
         where = mesh_name(i)
-        assert list(r.columns) == names
+        if not any(name.endswith("\x00") for name in names):  # NEW["name_nuls"] (pinned below)
+            assert list(r.columns) == names
         for j, name in enumerate(names):
             col = x[:, j][~np.isnan(x[:, j])]  # Describe skips NaN column by column, as pandas
             at = f"{where} column {name!r} {x[:, j].tolist()!r}"
@@ -243,7 +245,9 @@ def test_describe_matches_pandas(x, names):
                 assert_close(r.std[j], std, math.sqrt(var_bound(col, var)) + 1e-300 if var else 0, f"std {at}")
         check_round_trips(r, exempt=("qs",))
         table = r.to_pandas()
-        assert list(table.columns) == names and list(table.index) == list(want.index)
+        assert list(table.index) == list(want.index)
+        if not any(name.endswith("\x00") for name in names):
+            assert list(table.columns) == names
 
 
 @given(x=float_frames(min_rows=3), keys=st.integers(0, 2**32 - 1), policy=st.sampled_from(["propagate", "omit"]))
@@ -332,3 +336,10 @@ def test_new_group_by_moments_keeps_nan_count_under_omit():
     x = pad([math.nan, math.nan, 1.0])  # key 3: its one row skipped; key 2: one of two
     for g in runs(ss.GroupBy(ss.Moments(), 4), (np.array([3, 2, 2], np.int32), x), nan_policy="omit"):
         np.testing.assert_array_equal(g.result.nan_count[:, 0], [0, 0, 1, 1])
+
+
+@pytest.mark.xfail(strict=True, reason=NEW["name_nuls"])
+def test_new_column_names_keep_trailing_nuls():
+    names = ["x\x00", "x", "y"]
+    for r in runs(ss.Moments(), pd.DataFrame(pad([1.0, 2.0]), columns=names)):
+        assert list(r.columns) == names
