@@ -54,6 +54,8 @@ KNOWN = {
 # Found by these properties, not among the issue's findings (same mechanism: exemption + pinned strict xfail).
 NEW = {
     "var_overflow": "new: a variance (and norm_l2) of finite values whose squares overflow is NaN, not inf as numpy's",
+    "norm_l1_overflow": ("new: Moments' norm_l1 of finite values whose magnitudes sum past the largest float64 is NaN "
+                         "on data:1 (inf on data:8; numpy: inf)"),
     "name_nuls": "new: a column name's trailing NULs are stripped in result.columns ('x\\x00' comes back 'x')",
     "groupby_nan_count": ("new: GroupBy(Moments()) under nan_policy='omit': a key whose every row is skipped "
                           "reports nan_count 0"),
