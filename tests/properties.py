@@ -56,6 +56,8 @@ NEW = {
     "var_overflow": "new: a variance (and norm_l2) of finite values whose squares overflow is NaN, not inf as numpy's",
     "norm_l1_overflow": ("new: Moments' norm_l1 of finite values whose magnitudes sum past the largest float64 is NaN "
                          "on data:1 (inf on data:8; numpy: inf)"),
+    "csv_cr": ("new: result.csv leaves a cell holding a lone CR (a column name 'a\\rb') unquoted: pandas reads "
+               "it back as two rows"),
     "name_nuls": "new: a column name's trailing NULs are stripped in result.columns ('x\\x00' comes back 'x')",
     "groupby_nan_count": ("new: GroupBy(Moments()) under nan_policy='omit': a key whose every row is skipped "
                           "reports nan_count 0"),
@@ -262,9 +264,9 @@ def check_round_trips(result, exempt: tuple[str, ...] = ()) -> None:
         got[name] = json_value(got[name])
         assert same_values(np.asarray(got[name], dtype=want.dtype if want.dtype.kind in "iub" else None), want), (
             f"result.json {name}: {got[name]!r} != {want.tolist()!r}")
-    if table is None:
-        return
     columns = arrays.get("columns")
+    if table is None or any("\r" in str(c) for c in np.ravel(columns)):  # NEW["csv_cr"] (pinned)
+        return
     assert len(table) == len(columns)
     for name, array in arrays.items():
         array = np.asarray(array)

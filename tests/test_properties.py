@@ -36,6 +36,7 @@ from tests.properties import (
     ref_var,
     to_float,
     var_bound,
+    written_outputs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's and ours, for NaN and empty columns
@@ -240,7 +241,7 @@ def test_describe_matches_pandas(x, names):
             if 7 in known or 9 in known:
                 continue
             assert_close(r.mean[j], ref_mean(col), mean_bound(col), f"mean {at}")
-            if 8 not in known:
+            if 8 not in known and "var_overflow" not in known:
                 var = ref_var(col, 1)
                 std = math.sqrt(var) if math.isfinite(var) else var
                 assert_close(r.std[j], std, math.sqrt(var_bound(col, var)) + 1e-300 if var else 0, f"std {at}")
@@ -350,3 +351,10 @@ def test_new_column_names_keep_trailing_nuls():
 def test_new_norm_l1_that_overflows_is_inf():
     for r in runs(ss.Moments(), pad([1e308, 1e308, 1.0])):
         assert r.norm_l1[0] == math.inf, r.norm_l1[0]
+
+
+@pytest.mark.xfail(strict=True, reason=NEW["csv_cr"])
+def test_new_result_csv_reads_back_with_a_cr_in_a_name():
+    r = runs(ss.Moments(), pd.DataFrame(pad([1.0, 2.0]), columns=["a\rb", "c", "d"]))[1]
+    table = written_outputs(r)[1]
+    assert table["column"].tolist() == ["a\rb", "c", "d"]
