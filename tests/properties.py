@@ -58,6 +58,8 @@ NEW = {
                          "on data:1 (inf on data:8; numpy: inf)"),
     "csv_cr": ("new: result.csv leaves a cell holding a lone CR (a column name 'a\\rb') unquoted: pandas reads "
                "it back as two rows"),
+    "quantile_interp_overflow": ("new: an interpolated exact quantile (linear/midpoint) of two finite neighbours whose "
+                                 "difference overflows is -inf/NaN (numpy's too), not their representable midpoint"),
     "name_nuls": "new: a column name's trailing NULs are stripped in result.columns ('x\\x00' comes back 'x')",
     "groupby_nan_count": ("new: GroupBy(Moments()) under nan_policy='omit': a key whose every row is skipped "
                           "reports nan_count 0"),

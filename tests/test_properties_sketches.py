@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import sharded_scan as ss
 from tests.helpers import assert_usage_error
-from tests.properties import KNOWN, RUN, D, check_round_trips, float_frames, kept_rows, same_values
-from tests.test_properties import mesh_name, runs
+from tests.properties import KNOWN, NEW, RUN, D, check_round_trips, float_frames, kept_rows, same_values
+from tests.test_properties import mesh_name, pad, runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 QS = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -72,6 +72,21 @@ def test_quantile_sketch_within_its_rank_error(x, policy):
         assert r.to_pandas().shape == (D, len(QS))
 
 
+def next_to_infinity(got, numpy_answers, lower, higher) -> np.ndarray:
+    """Where an interpolated answer has an infinite neighbour, numpy's ``a + (b - a) t`` is itself inconsistent
+    (NaN for ``[1, inf]``'s midpoint, inf for a midpoint of ``[..., 1.8e308, inf]``, NaN for ``[1, 2, inf]``'s
+    median, which is 2): there numpy's answer, the limit (the infinite end; NaN between opposite infinities),
+    the exact neighbour when the rank is whole, or NaN are each accepted. True where so."""
+    ok = np.zeros(len(got), bool)
+    for i, (g, w, a, b) in enumerate(zip(got, numpy_answers, lower, higher, strict=True)):
+        if math.isfinite(a) and math.isfinite(b) and not math.isfinite(w):
+            ok[i] = True  # NEW["quantile_interp_overflow"]: b - a overflows, numpy's and ours (pinned below)
+        elif math.isinf(a) or math.isinf(b):
+            limit = a if a == b else (math.nan if math.isinf(a) and math.isinf(b) else (a if math.isinf(a) else b))
+            ok[i] = math.isnan(g) or same_values(g, w) or same_values(g, limit) or g in (a, b)
+    return ok
+
+
 @given(x=float_frames(), policy=st.sampled_from(["propagate", "omit"]), method=st.sampled_from(METHODS))
 def test_exact_quantiles_are_numpys(x, policy, method):
     kept = kept_rows(x, policy)
@@ -82,12 +97,16 @@ def test_exact_quantiles_are_numpys(x, policy, method):
                 assert np.isnan(r.quantiles[j]).all(), at
                 continue
             want = np.quantile(col, QS, method=method)
+            got = np.array(r.quantiles[j], np.float64)
+            if method in ("linear", "midpoint") and not np.isnan(col).any():
+                ok = next_to_infinity(got, want, np.quantile(col, QS, method="lower"),
+                                      np.quantile(col, QS, method="higher"))
+                got, want = got[~ok], want[~ok]
             if method in ("linear", "midpoint") and np.isfinite(want).all():
                 scale = np.abs(col).max()
-                np.testing.assert_allclose(r.quantiles[j], want, rtol=0, atol=4 * np.finfo(float).eps * scale,
-                                           err_msg=at)
+                np.testing.assert_allclose(got, want, rtol=0, atol=4 * np.finfo(float).eps * scale, err_msg=at)
             else:
-                assert same_values(r.quantiles[j], want), f"{at}: got {r.quantiles[j]!r}, numpy {want!r}"
+                assert same_values(got, want), f"{at}: got {got!r}, numpy {want!r}"
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
@@ -333,3 +352,10 @@ def test_known_grouped_and_weighted_top_k_of_strings():
                     strict=True):
         assert g.result.values[0, 0].tolist()[:2] == ["a", "b"] or sorted(g.result.values[0, 0][:2]) == ["a", "b"]
         assert r.values[0, 0] == "b" and r.counts[0, 0] == 2.0
+
+
+@pytest.mark.xfail(strict=True, reason=NEW["quantile_interp_overflow"])
+def test_new_interpolated_quantile_whose_neighbours_differ_past_the_largest_float_is_finite():
+    col = [1.7976931348623157e308, -5.359575662188025e306]
+    for r in runs(ss.Quantiles(qs=list(QS), exact=True, method="midpoint"), pad(col)):
+        assert r.quantiles[0, 2] == (col[0] / 2 + col[1] / 2), r.quantiles[0]
