@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import sharded_scan as ss
 from tests.helpers import assert_usage_error
-from tests.properties import KNOWN, NEW, RUN, D, check_round_trips, float_frames, kept_rows, same_values
+from tests.properties import NEW, RUN, D, check_round_trips, float_frames, kept_rows, same_values
 from tests.test_properties import mesh_name, pad, runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -121,8 +121,6 @@ def test_exact_quantiles_of_64_bit_integers_are_the_datas_own(dtype, data):
             assert r.quantiles.dtype == np.float64, at
             np.testing.assert_allclose(r.quantiles, want, rtol=4e-16, err_msg=at)
             continue
-        if r.quantiles.dtype.kind == "f":
-            continue  # KNOWN[6]: exact integer quantiles come back as float64 (pinned below)
         assert r.quantiles.dtype == dtype and r.quantiles.tolist() == want.tolist(), (at, r.quantiles)
         check_round_trips(r)
 
@@ -179,16 +177,13 @@ def test_distinct_count_and_top_k_of_64_bit_integers(dtype, data):
     for i, (dc, tk) in enumerate(zip(runs(ss.DistinctCount(), x), runs(ss.TopK(k=3), x), strict=True)):
         at = f"{mesh_name(i)} {x.tolist()!r}"
         assert dc.count.tolist() == [distinct(x[:, j]) for j in range(D)], at
-        if dtype == np.uint64 and tk.values.dtype == np.int64:
-            tk = tk._replace(values=tk.values.view(np.uint64))  # KNOWN[5]: uint64 values as int64 (pinned below)
-        else:
-            assert tk.values.dtype == dtype, at
-            check_round_trips(tk)
+        assert tk.values.dtype == dtype, at
+        check_round_trips(tk)
         check_topk(tk, x, 3, at)
 
 
-# Strings: a small vocabulary a column draws from (repeats), of any code point but lone surrogates; words that
-# differ only by trailing NULs are known finding 10's.
+# Strings: a small vocabulary a column draws from (repeats), of any code point but lone surrogates (one line:
+# test_finding14_...), words that differ only by trailing NULs too.
 WORDS = st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=4), min_size=1, max_size=5,
                  unique=True)
 
@@ -198,13 +193,10 @@ def test_distinct_count_and_top_k_of_strings(words, seed, n):
     rng = np.random.default_rng(seed)
     cols = {name: [words[i] for i in rng.integers(0, len(words), n)] for name in ("s", "t")}
     df = pd.DataFrame(cols)
-    trailing = any(w.endswith("\x00") for w in words)
     for i, (dc, tk) in enumerate(zip(runs(ss.DistinctCount(), df), runs(ss.TopK(k=3), df), strict=True)):
         at = f"{mesh_name(i)} {cols!r}"
         assert dc.count.tolist() == [len(set(c)) for c in cols.values()], at
         assert list(tk.columns) == ["s", "t"]
-        if trailing:
-            continue  # KNOWN[10]: trailing NULs stripped from the listed strings (pinned below)
         check_topk(tk, np.array(list(cols.values()), dtype=object).T, 3, at)
         check_round_trips(tk)
         table = tk.to_pandas()
@@ -232,8 +224,10 @@ def test_linear_regression_and_pca_match_numpy(data, policy):
     finite = np.isfinite(x).all(axis=1)
     keep = finite if policy == "omit" else np.ones(len(x), bool)
     xk, yk = x[keep], y[keep]
-    if not np.isfinite(xk).all():
-        return  # KNOWN[4]: propagate gives a lower rank and zeros or one line, not NaN (pinned below)
+    if not np.isfinite(xk).all():  # propagate over rows holding NaN or inf: NaN, never a finite wrong number
+        for fit, pca in zip(runs(ss.LinearRegression(), (x, y)), runs(ss.PCA(k=2), x), strict=True):
+            assert np.isnan(fit.coef).all() and np.isnan(pca.components).all(), (fit.coef, pca.components)
+        return
     if len(xk) == 0:
         assert_usage_error(lambda: ss.run(ss.LinearRegression(), (x, y), nan_policy=policy, **RUN), ["rows"])
         return
@@ -299,32 +293,28 @@ def test_weighted_quantiles_and_grouped_top_k(x, seed, policy):
         check_round_trips(g)
 
 
-# --- the known findings these properties meet, pinned (strict: the fix merging flips them) --------------
+# --- the issue's findings these properties met, pinned (a strict xfail where one is still open) ---------
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN[6])
-def test_known_exact_quantiles_of_int64_are_int64():
+def test_finding6_exact_quantiles_of_int64_are_int64():
     x = np.array([[2**62 + 1] * D, [2**62 + 3] * D, [2**62 + 5] * D], np.int64)
     for r in runs(ss.Quantiles(qs=list(QS), exact=True, method="lower"), x):
         assert r.quantiles.dtype == np.int64 and r.quantiles[0, 2] == 2**62 + 3
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN[5])
-def test_known_top_k_of_uint64_is_uint64():
+def test_finding5_top_k_of_uint64_is_uint64():
     x = np.array([[2**64 - 1] * D, [2**64 - 1] * D, [0] * D, [1] * D, [2**63] * D], np.uint64)
     for r in runs(ss.TopK(k=3), x):
         assert r.values.dtype == np.uint64 and r.values[0, 0] == 2**64 - 1
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN[10])
-def test_known_trailing_nuls_survive_in_top_k():
+def test_finding10_trailing_nuls_survive_in_top_k():
     df = pd.DataFrame({"s": ["a", "a", "a\x00", "b"], "t": ["x"] * 4})
     for r in runs(ss.TopK(k=3), df):
         assert sorted(r.values[0].tolist()) == ["a", "a\x00", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN[14])
-def test_known_lone_surrogate_is_one_line():
+def test_finding14_lone_surrogate_is_one_line():
     # object columns: pandas' own string dtype refuses a lone surrogate before the run sees it
     df = pd.DataFrame({"s": pd.Series(["a\ud800", "b"], dtype=object), "t": pd.Series(["x", "y"], dtype=object)})
     try:
@@ -335,8 +325,7 @@ def test_known_lone_surrogate_is_one_line():
         assert "a\ud800" in r.values[0].tolist()
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN[4])
-def test_known_regression_and_pca_under_propagate_are_nan():
+def test_finding4_regression_and_pca_under_propagate_are_nan():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, D))
     y = x @ [1.0, 2.0, 3.0]
@@ -345,9 +334,7 @@ def test_known_regression_and_pca_under_propagate_are_nan():
         assert np.isnan(fit.coef).all() and np.isnan(pca.components).all(), (fit.coef, pca.components)
 
 
-
-@pytest.mark.xfail(strict=True, reason=KNOWN[12])
-def test_known_grouped_and_weighted_top_k_of_strings():
+def test_finding12_grouped_and_weighted_top_k_of_strings():
     df = pd.DataFrame({"s": ["a", "b", "a", "c"], "t": ["x"] * 4})
     keys, w = np.array([0, 0, 1, 1], np.int32), np.array([1.0, 2.0, 1.0, 0.5])
     for g, r in zip(runs(ss.GroupBy(ss.TopK(k=3), 2), (keys, df)), runs(ss.Weighted(ss.TopK(k=3)), (w, df)),
