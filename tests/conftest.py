@@ -16,6 +16,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402 - after the cache settings above
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -53,7 +54,24 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+# The slow tier: modules of many processes, launcher runs or generated cases. `pytest -m "not slow"` leaves them
+# out for the edit-test loop; README's test command and CI run every tier.
+SLOW = (
+    "tests/test_reproducible.py", "tests/test_docs.py", "tests/test_exact_counts.py", "tests/test_certified.py",
+    "tests/test_faults.py", "tests/test_dead_peer.py", "tests/test_multihost.py", "tests/test_local.py",
+    "tests/test_sigterm.py", "tests/test_properties.py", "tests/test_properties_sketches.py",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a module of many processes, launcher runs or generated cases")
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("::")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)
+
     def rank(item):
         path = item.nodeid.split("::")[0]
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
