@@ -223,10 +223,16 @@ def json_value(v):
 def written_outputs(result) -> tuple[dict, pd.DataFrame | None]:
     """``result`` written by launch/outputs.py in process (as the launcher writes it), read back: the JSON
     object (NaN/inf decoded) and the CSV as pandas reads it (None when the result has no per-column table)."""
-    from launch.outputs import CSV, JSON, write_result_files
+    from launch.outputs import CSV, JSON, result_files
 
     with tempfile.TemporaryDirectory() as workdir:
-        written = write_result_files(workdir, result)
+        written = []
+        for name, render in result_files(None).items():  # as run_in_workdir writes them: UTF-8 bytes
+            text = render(result)
+            if text is not None:
+                with open(os.path.join(workdir, name), "wb") as f:
+                    f.write(text.encode())
+                written.append(name)
         with open(os.path.join(workdir, JSON), encoding="utf-8") as f:
             arrays = json.load(f)
         table = None
@@ -267,7 +273,7 @@ def check_round_trips(result, exempt: tuple[str, ...] = ()) -> None:
         assert same_values(np.asarray(got[name], dtype=want.dtype if want.dtype.kind in "iub" else None), want), (
             f"result.json {name}: {got[name]!r} != {want.tolist()!r}")
     columns = arrays.get("columns")
-    texts = [str(v) for a in arrays.values() if np.asarray(a).dtype.kind == "U" for v in np.ravel(a)]
+    texts = [str(v) for a in arrays.values() if np.asarray(a).dtype.kind in "UO" for v in np.ravel(a)]
     if table is None or any("\r" in v for v in texts):  # NEW["csv_cr"]: a name or string value (pinned)
         return
     assert len(table) == len(columns)
