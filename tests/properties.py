@@ -266,15 +266,14 @@ def check_round_trips(result, exempt: tuple[str, ...] = ()) -> None:
         if name in exempt:
             continue
         want = np.asarray(array)
-        if want.dtype.kind == "U":
+        if want.dtype.kind == "U" or want.dtype == object:  # strings (object: Python str), "inf" among them text
             assert got[name] == want.tolist(), name
             continue
         got[name] = json_value(got[name])
         assert same_values(np.asarray(got[name], dtype=want.dtype if want.dtype.kind in "iub" else None), want), (
             f"result.json {name}: {got[name]!r} != {want.tolist()!r}")
     columns = arrays.get("columns")
-    texts = [str(v) for a in arrays.values() if np.asarray(a).dtype.kind in "UO" for v in np.ravel(a)]
-    if table is None or any("\r" in v for v in texts):  # NEW["csv_cr"]: a name or string value (pinned)
+    if table is None:
         return
     assert len(table) == len(columns)
     for name, array in arrays.items():

@@ -359,7 +359,6 @@ def test_new_norm_l1_that_overflows_is_inf():
         assert r.norm_l1[0] == math.inf, r.norm_l1[0]
 
 
-@pytest.mark.xfail(strict=True, reason=NEW["csv_cr"])
 def test_new_result_csv_reads_back_with_a_cr_in_a_name():
     r = runs(ss.Moments(), pd.DataFrame(pad([1.0, 2.0]), columns=["a\rb", "c", "d"]))[1]
     table = written_outputs(r)[1]
