@@ -388,10 +388,17 @@ def _has_columns(result: Any) -> bool:
     return "columns" in getattr(result, "_fields", ())
 
 
+def _names(names: Any) -> np.ndarray:
+    """``names`` (a name or a list of them) as a 1-D object array of Python ``str``, every one exactly."""
+    names = [names] if isinstance(names, str) else list(np.ravel(np.asarray(names, dtype=object)))
+    return np.array([str(n) for n in names], dtype=object)
+
+
 def with_column_names(result: Any, source: Source) -> Any:
     """``result`` with ``columns`` set, when it has that field: the names of X's columns (the
-    source's first leaf) as a numpy string array when the source names them, else their
-    positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array.
+    source's first leaf) as an object array of Python ``str`` when the source names them (numpy's
+    fixed-width unicode would drop a name's trailing NULs: ``"x\\0"`` and ``"x"`` would read alike), else
+    their positions ``np.arange(d)`` (as pandas numbers unnamed columns), so every field is an array.
     A pytree of such results shaped like the data (``Describe``'s) names each by its leaf; a
     ``GroupBy`` result, each key's inner result."""
     if hasattr(result, "per_key"):
@@ -403,13 +410,13 @@ def with_column_names(result: Any, source: Source) -> Any:
             return result
         names = [None] * len(leaves) if source.column_names is None else tree.flatten_up_to(source.column_names)
         return tree.unflatten([
-            r._replace(columns=np.arange(s.shape[0] if s.shape else 1) if n is None else np.asarray(n, str).reshape(-1))
+            r._replace(columns=np.arange(s.shape[0] if s.shape else 1) if n is None else _names(n))
             for r, n, s in zip(leaves, names, tree.flatten_up_to(source.spec), strict=True)
         ])
     names = jax.tree.leaves(source.column_names, is_leaf=lambda x: isinstance(x, (list, str)))
     if names and isinstance(names[0], (list, str)):  # a name alone: rows of one value, one column
         names = [names[0]] if isinstance(names[0], str) else names[0]
-        return with_strings(result._replace(columns=np.asarray(names, str)), names, source)
+        return with_strings(result._replace(columns=_names(names)), names, source)
     shape = jax.tree.leaves(source.spec)[0].shape
     return result._replace(columns=np.arange(shape[0] if shape else 1))
 

@@ -57,12 +57,11 @@ def mesh_name(i):
     return MESHES[i] or "data:8"
 
 
-def check_moments(r, x: np.ndarray, policy: str, where: str, nan_count: bool = True) -> None:
+def check_moments(r, x: np.ndarray, policy: str, where: str) -> None:
     """A MomentsResult against numpy/scipy/exact rationals, column by column (known findings exempt)."""
     kept = kept_rows(x, policy)
     assert int(r.count) == len(kept), where
-    if nan_count:
-        np.testing.assert_array_equal(r.nan_count, np.isnan(x).sum(axis=0), err_msg=where)
+    np.testing.assert_array_equal(r.nan_count, np.isnan(x).sum(axis=0), err_msg=where)
     for j in range(x.shape[1]):
         col, at = kept[:, j], f"{where} column {j} {x[:, j].tolist()!r}"
         known = known_mean_findings(col)
@@ -110,8 +109,7 @@ def test_moments_match_numpy_and_scipy(x, policy, names, form):
     for i, r in enumerate(results):
         check_moments(r, x, policy, f"{mesh_name(i)} {policy} {form}")
     r = results[1]
-    if not any(str(c).endswith("\x00") for c in columns):  # NEW["name_nuls"] (pinned below)
-        assert list(r.columns) == columns
+    assert list(r.columns) == columns
     table = r.to_pandas()
     assert table.shape[0] == D
     for field in ("count", "mean", "var", "min", "max", "nan_count", "zeros"):
@@ -223,8 +221,7 @@ def test_describe_matches_pandas(x, names):
     want = df.describe()
     for i, r in enumerate(runs(ss.Describe(), df)):
         where = mesh_name(i)
-        if not any(name.endswith("\x00") for name in names):  # NEW["name_nuls"] (pinned below)
-            assert list(r.columns) == names
+        assert list(r.columns) == names
         for j, name in enumerate(names):
             col = x[:, j][~np.isnan(x[:, j])]  # Describe skips NaN column by column, as pandas
             at = f"{where} column {name!r} {x[:, j].tolist()!r}"
@@ -248,8 +245,7 @@ def test_describe_matches_pandas(x, names):
         check_round_trips(r, exempt=("qs",))
         table = r.to_pandas()
         assert list(table.index) == list(want.index)
-        if not any(name.endswith("\x00") for name in names):
-            assert list(table.columns) == names
+        assert list(table.columns) == names
 
 
 @given(x=float_frames(min_rows=3), keys=st.integers(0, 2**32 - 1), policy=st.sampled_from(["propagate", "omit"]))
@@ -262,9 +258,7 @@ def test_group_by_moments_is_moments_of_each_key(x, keys, policy):
             if len(rows) == 0:
                 assert int(inner.count) == 0 and np.isnan(inner.mean).all(), (key, inner)
                 continue
-            # NEW["groupby_nan_count"]: under "omit" a key whose every row is skipped loses its nan_count
-            lost = policy == "omit" and not np.isfinite(rows).all(axis=1).any()
-            check_moments(inner, rows, policy, f"{mesh_name(i)} key {key}", nan_count=not lost)
+            check_moments(inner, rows, policy, f"{mesh_name(i)} key {key}")
         assert g.to_pandas().shape[0] == 4 * D
         check_round_trips(g)
 
@@ -337,18 +331,30 @@ def test_new_variance_of_finite_values_whose_squares_overflow_is_inf():
         assert r.var[0] == math.inf and not math.isnan(r.norm_l2[0]), (r.var[0], r.norm_l2[0])
 
 
-@pytest.mark.xfail(strict=True, reason=NEW["groupby_nan_count"])
 def test_new_group_by_moments_keeps_nan_count_under_omit():
     x = pad([math.nan, math.nan, 1.0])  # key 3: its one row skipped; key 2: one of two
     for g in runs(ss.GroupBy(ss.Moments(), 4), (np.array([3, 2, 2], np.int32), x), nan_policy="omit"):
         np.testing.assert_array_equal(g.result.nan_count[:, 0], [0, 0, 1, 1])
+        np.testing.assert_array_equal(g.result.nan_count[:, 1:], 0)
+        np.testing.assert_array_equal(g.result.count, [0, 0, 1, 0])
+        assert np.isnan(g.result.mean[[0, 1, 3]]).all() and g.result.mean[2].tolist() == [1.0, 4.0, 4.0]
 
 
-@pytest.mark.xfail(strict=True, reason=NEW["name_nuls"])
 def test_new_column_names_keep_trailing_nuls():
+    import io
+
+    from sharded_scan.workdir import named_arrays, with_objects, without_objects
+
     names = ["x\x00", "x", "y"]
     for r in runs(ss.Moments(), pd.DataFrame(pad([1.0, 2.0]), columns=names)):
-        assert list(r.columns) == names
+        assert list(r.columns) == names and list(r.to_pandas().index) == names
+        got, table = written_outputs(r)  # result.json, result.csv
+        assert got["columns"] == names and table["column"].tolist() == names
+        npz = io.BytesIO()
+        np.savez(npz, **without_objects(named_arrays(r)))  # result.npz, as run_in_workdir writes it
+        npz.seek(0)
+        with np.load(npz) as back:
+            assert with_objects({k: back[k] for k in back.files})["columns"].tolist() == names
 
 
 @pytest.mark.xfail(strict=True, reason=NEW["norm_l1_overflow"])

@@ -114,6 +114,17 @@ def stack(results: list) -> Any:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *results)
 
 
+def distinct_states(leaves: list, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The keys ``keys`` of the per-key accumulator ``leaves`` grouped by their state, byte for byte: the
+    position in ``keys`` of each distinct state's first key, and each key's state's number. The keys that
+    met no rows mostly hold the identity, but not all: ``Moments`` under ``nan_policy="omit"`` counts the
+    NaN rows it skipped (``nan_count``) in a key whose every row was skipped."""
+    rows = [np.ascontiguousarray(np.asarray(x)[keys]).reshape(len(keys), -1).view(np.uint8) for x in leaves]
+    rows = np.concatenate([np.zeros((len(keys), 0), np.uint8)] + rows, axis=1)
+    _, first, which = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return first, which.reshape(-1)
+
+
 def like_no_rows(result: Any) -> Any:
     """``result`` with every float value NaN and every integer 0: a key that met no rows."""
 
@@ -266,10 +277,12 @@ class GroupBy(Wrapper):
         results = [self.inner.finalize(tree.unflatten([x[k] for x in leaves])) if count[k] else None
                    for k in range(self.slots)]
         empty = np.flatnonzero(count == 0)
-        if empty.size:
-            blank = self._no_rows_result(acc.value, int(empty[0]), next((r for r in results if r is not None), None))
-            for k in empty:
-                results[k] = blank
+        if empty.size:  # one finalize per distinct state: a key whose every row was skipped still says so
+            template = next((r for r in results if r is not None), None)
+            first, which = distinct_states(leaves, empty)
+            blanks = [self._no_rows_result(acc.value, int(empty[i]), template) for i in first]
+            for k, i in zip(empty, which, strict=True):
+                results[k] = blanks[i]
         keys = np.arange(self.slots)
         if self.out_of_range == "other":
             keys[-1] = OTHER_KEY
