@@ -36,31 +36,11 @@ RUN = {"microbatch": 1, "steps_per_call": 1}  # one step shape for every row cou
 MESHES = ("data:1", None)  # None: every device on `data` (eight in the tests)
 D = 3  # columns of every generated float frame
 
-# The issue's numbered findings a property meets on a branch without their fixes (reason strings of the
-# strict xfails of the pinned examples). When a fix merges, its example's xfail fails: remove the marker
-# and the exemption that names the same finding.
+# The issue's findings a property meets that are still open: each exempt where it spoils a field and pinned by a
+# strict xfail (the reason string), so that a fix turns the xfail into a failure: then remove both.
 KNOWN = {
-    4: "issue 42 finding 4: LinearRegression/PCA under propagate give a lower rank and zeros, not NaN",
-    5: "issue 42 finding 5: TopK of uint64 reports values as int64",
-    6: "issue 42 finding 6: exact quantiles of int64 come back as float64",
     7: ("issue 42 finding 7: XLA flushes subnormals to zero on CPU and TPU and nothing turns it off: a documented "
         "limit with one warning a pass (DESIGN.md, Edge values)"),
-    8: "issue 42 finding 8: a constant column's variance is NaN/nonzero at large magnitude on data:8",
-    9: "issue 42 finding 9: infinities (or a finite mean whose partial sums overflow) give NaN/-inf means",
-    10: "issue 42 finding 10: strings differing by trailing NULs are listed alike",
-    12: "issue 42 finding 12: GroupBy(TopK)/Weighted(TopK) on a string column fail after the run",
-    14: "issue 42 finding 14: a lone surrogate in a string is a traceback, not one line",
-}
-# Found by these properties, not among the issue's findings (same mechanism: exemption + pinned strict xfail).
-NEW = {
-    "var_overflow": "new: a variance (and norm_l2) of finite values whose squares overflow is NaN, not inf as numpy's",
-    "norm_l1_overflow": ("new: Moments' norm_l1 of finite values whose magnitudes sum past the largest float64 is NaN "
-                         "on data:1 (inf on data:8; numpy: inf)"),
-    "quantile_interp_overflow": ("new: an interpolated exact quantile (linear/midpoint) of two finite neighbours whose "
-                                 "difference overflows is -inf/NaN (numpy's too), not their representable midpoint"),
-    "name_nuls": "new: a column name's trailing NULs are stripped in result.columns ('x\\x00' comes back 'x')",
-    "groupby_nan_count": ("new: GroupBy(Moments()) under nan_policy='omit': a key whose every row is skipped "
-                          "reports nan_count 0"),
 }
 
 SPECIALS = (NAN, INF, -INF, 0.0, -0.0, 5e-324, TINY / 3, BIG, -BIG, 1.0)
@@ -182,8 +162,6 @@ def known_mean_findings(col: np.ndarray) -> list[int]:
     out = []
     if has_subnormal(col):
         out.append(7)
-    if np.isfinite(col).all() and len(col) and math.isinf(ref_var(col, 0)):
-        out.append("var_overflow")
     return out
 
 

@@ -59,6 +59,17 @@ def test_exact_quantiles_of_integers_are_the_datas_own_integers(mesh):
         np.testing.assert_array_equal(got, np.quantile(x[:3], QS, method=method))
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+def test_interpolated_quantile_of_int64_neighbours_further_apart_than_int64_is_between_them(mesh):
+    # numpy's b - a of int64 wraps: its median of [-2**63, 2**63 - 1] is 9.2e18, ours -0.5 to rounding
+    x = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)[3:]
+    for method in ("linear", "midpoint"):
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x, mesh).quantiles
+        want = np.quantile(x.astype(object), QS, method=method).astype(np.float64)  # Python's ints do not wrap
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0**12, err_msg=method)
+        assert abs(got[2]) <= 2.0**11, (method, got)
+
+
 def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
     # finding 7: XLA:CPU flushes subnormals to 0 (Moments' min, max and mean 0, a Sum of 0, every row in the
     # last bin of Histogram(4, (0, 4e-310))) and said nothing. It cannot keep them: one warning line says so.

@@ -22,7 +22,6 @@ from tests.properties import (
     EPS,
     KNOWN,
     MESHES,
-    NEW,
     RUN,
     D,
     assert_close,
@@ -69,12 +68,13 @@ def check_moments(r, x: np.ndarray, policy: str, where: str) -> None:
             np.testing.assert_array_equal(r.zeros[j], (col == 0).sum(), err_msg=at)
             assert_close(r.min[j], np.min(col) if len(col) else math.nan, 0, f"min {at}")
             assert_close(r.max[j], np.max(col) if len(col) else math.nan, 0, f"max {at}")
+            if np.isfinite(col).all():  # also past the largest float64 (partial sums, squares that overflow)
+                check_norms(r.norm_l1[j], r.norm_l2[j], col, at)
         if 7 in known:
             continue
         assert_close(r.mean[j], ref_mean(col), mean_bound(col), f"mean {at}")
         var = ref_var(col, 0)
-        if "var_overflow" not in known:
-            assert_close(r.var[j], var, var_bound(col, var), f"var {at}")
+        assert_close(r.var[j], var, var_bound(col, var), f"var {at}")
         if len(col) and np.isfinite(col).all() and var > 0 and np.abs(col).max() < 1e100:
             # scipy's skewness/kurtosis are themselves float64: to a relative 1e-6 of the well-spread columns
             spread = math.sqrt(var) / max(np.abs(col).max(), 1e-300)
@@ -85,14 +85,29 @@ def check_moments(r, x: np.ndarray, policy: str, where: str) -> None:
                              f"kurtosis {at}")
         elif len(col) and np.isfinite(col).all() and var == 0:
             assert math.isnan(r.skewness[j]) and math.isnan(r.kurtosis[j]), f"skewness of a constant {at}"
-        if np.isfinite(col).all():
-            # NEW["norm_l1_overflow"]: magnitudes near the largest float64 (pinned below)
-            l1 = math.fsum(np.abs(col)) if np.abs(col).max(initial=0) < 1e300 else None
-            if l1 is not None and "var_overflow" not in known:
-                assert_close(r.norm_l1[j], l1, mean_bound(col) * len(col), f"norm_l1 {at}")
-                l2 = math.sqrt(to_float(sum((v * v for v in map(Fraction, col.tolist())),
-                                            Fraction(0))))
-                assert_close(r.norm_l2[j], l2, 1e-12 * l2 + 1e-300, f"norm_l2 {at}")
+
+
+def exact_norm_l2(col: np.ndarray) -> float:
+    """``√Σx²`` of finite ``col`` rounded from exact rationals (scaled by a power of four: no overflow or
+    underflow on the way; inf only where the norm itself is past the largest float64)."""
+    squares = sum((v * v for v in map(Fraction, col.tolist())), Fraction(0))
+    if not squares:
+        return 0.0
+    k = (squares.numerator.bit_length() - squares.denominator.bit_length()) // 2
+    try:
+        return math.ldexp(math.sqrt(float(squares / Fraction(4) ** k)), k)
+    except OverflowError:
+        return math.inf
+
+
+def check_norms(l1, l2, col: np.ndarray, at: str) -> None:
+    """Moments' ``norm_l1`` and ``norm_l2`` of a finite column against exact rationals, inf where the norm is
+    past the largest float64 (or within the rounding bound of it), never NaN."""
+    for got, want, bound, name in ((l1, to_float(sum(map(Fraction, np.abs(col).tolist()), Fraction(0))),
+                                    mean_bound(col) * len(col), "norm_l1"),
+                                   (l2, exact_norm_l2(col), 1e-12 * exact_norm_l2(col) + 1e-300, "norm_l2")):
+        if not (math.isfinite(want) and want + bound > np.finfo(np.float64).max and got == math.inf):
+            assert_close(got, want, bound, f"{name} {at}")
 
 
 @given(x=float_frames(), policy=st.sampled_from(["propagate", "omit"]), names=NAMES,
@@ -238,10 +253,9 @@ def test_describe_matches_pandas(x, names):
             if 7 in known:
                 continue
             assert_close(r.mean[j], ref_mean(col), mean_bound(col), f"mean {at}")
-            if "var_overflow" not in known:
-                var = ref_var(col, 1)
-                std = math.sqrt(var) if math.isfinite(var) else var
-                assert_close(r.std[j], std, math.sqrt(var_bound(col, var)) + 1e-300 if var else 0, f"std {at}")
+            var = ref_var(col, 1)
+            std = math.sqrt(var) if math.isfinite(var) else var
+            assert_close(r.std[j], std, math.sqrt(var_bound(col, var)) + 1e-300 if var else 0, f"std {at}")
         check_round_trips(r, exempt=("qs",))
         table = r.to_pandas()
         assert list(table.index) == list(want.index)
@@ -325,10 +339,14 @@ def test_finding9_infinities_in_means():
         assert abs(r.mean[0] - want) <= 2 * np.spacing(want), (r.mean[0], want)  # finite, to rounding
 
 
-@pytest.mark.xfail(strict=True, reason=NEW["var_overflow"])
 def test_new_variance_of_finite_values_whose_squares_overflow_is_inf():
-    for r in runs(ss.Moments(), pad([1.25730221e306, -1.32104863e306])):
-        assert r.var[0] == math.inf and not math.isnan(r.norm_l2[0]), (r.var[0], r.norm_l2[0])
+    # found by these properties (var_overflow), fixed:
+    # var inf as numpy's; norm_l2 (< the largest float) from the scaled sum of squares
+    col = [1.25730221e306, -1.32104863e306]
+    for r in runs(ss.Moments(), pad(col)):
+        assert r.var[0] == math.inf and r.norm_l2[0] == pytest.approx(math.hypot(*col), rel=1e-15), r
+    for r in runs(ss.Describe(), pad(col)):
+        assert r.std[0] == math.inf, r.std
 
 
 def test_new_group_by_moments_keeps_nan_count_under_omit():
@@ -357,10 +375,20 @@ def test_new_column_names_keep_trailing_nuls():
             assert with_objects({k: back[k] for k in back.files})["columns"].tolist() == names
 
 
-@pytest.mark.xfail(strict=True, reason=NEW["norm_l1_overflow"])
 def test_new_norm_l1_that_overflows_is_inf():
-    for r in runs(ss.Moments(), pad([1e308, 1e308, 1.0])):
-        assert r.norm_l1[0] == math.inf, r.norm_l1[0]
+    # found by these properties (norm_l1_overflow), fixed:
+    # the Kahan compensation of a sum that reached inf (inf - inf) is left out
+    col = [1e308, 1e308, 1.0]
+    for r in runs(ss.Moments(), pad(col)):
+        assert r.norm_l1[0] == math.inf and r.norm_l2[0] == pytest.approx(math.hypot(*col), rel=1e-15), r
+    for r in runs(ss.Moments(), pad(col, other=(-1e308, -1e308, -1.0)), nan_policy="omit"):  # the omitting fold
+        assert r.norm_l1.tolist() == [math.inf] * D, r.norm_l1
+
+
+def test_sum_that_overflows_stays_inf():
+    # The Compensated wrapper's leaves: a compensation of inf - inf after the sum overflowed never makes it NaN.
+    for r in runs(ss.Sum(), pad([1e308, 1e308, 1.0], other=(-1e308, -1e308, 1.0))):
+        assert r.sum.tolist() == [math.inf] + [-math.inf] * (D - 1), r.sum
 
 
 def test_result_csv_reads_back_with_a_cr_in_a_name():

@@ -119,10 +119,15 @@ def method_ranks(qs: np.ndarray, n, method: str) -> tuple[np.ndarray, np.ndarray
 
 def interpolate(low: np.ndarray, high: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """``low + weight (high - low)`` as numpy's quantiles compute it (from ``high`` for weights of
-    one half or more); exactly ``low`` where the weight is 0 or the values are equal (infinities too)."""
+    one half or more); exactly ``low`` where the weight is 0 or the values are equal (infinities too).
+    Finite ends further apart than the largest float or int64 (``high - low`` overflows, or wraps
+    below 0: numpy answers -inf, NaN or past ``high``) mix as ``low (1 - weight) + high weight`` in
+    float64, which cannot overflow: the value between them."""
     with np.errstate(invalid="ignore", over="ignore"):  # infinities, and finite ends further apart than the largest
         diff = high - low
         mixed = np.where(weight >= 0.5, high - diff * (1 - weight), low + diff * weight)
+        apart = (np.isinf(diff) | (diff < 0)) & np.isfinite(low) & np.isfinite(high)  # high >= low: sorted
+        mixed = np.where(apart, low * (1 - weight) + high * weight, mixed)
     return np.where((weight == 0) | (low == high), low, mixed)
 
 

@@ -39,6 +39,7 @@ from sharded_scan.combiners.sums import (
     padded_columns,
     round_up,
 )
+from sharded_scan.combiners.wrappers import kahan_add, kahan_total
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
@@ -214,9 +215,7 @@ def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
     delta = s1 / jnp.where(weight > 0, weight, 1)
     share = weight / jnp.where(before + weight > 0, before + weight, 1)
     cross, square = _scatter(s1, delta, full, width, shards), _scatter(delta, delta, full, width, shards)
-    y = (s2 - cross) + square * (before * share) - acc.m2_lost
-    m2 = acc.m2 + y
-    lost = (m2 - acc.m2) - y
+    m2, lost = kahan_add(acc.m2, acc.m2_lost, (s2 - cross) + square * (before * share))
     moved, mean = _two_sum(shift, acc.mean + delta * share)
     if batch_mean is not None:
         moved, mean = _without_overflow(acc, moved, mean, before, share, batch_mean)
@@ -344,7 +343,7 @@ def host_m2(acc: CenteredAcc) -> np.ndarray:
     """The compensated M2 in float64, its variances (the diagonal, or every entry of a
     vector) at least 0: rounding can leave a sum of squared deviations a few ulps below
     zero. NaN stays."""
-    m2 = np.asarray(acc.m2, np.float64) - np.asarray(acc.m2_lost, np.float64)
+    m2 = kahan_total(np.asarray(acc.m2, np.float64), np.asarray(acc.m2_lost, np.float64))
     diagonal = m2 if m2.ndim == 1 else np.einsum("ii->i", m2)
     diagonal[diagonal < 0] = 0.0
     return m2
@@ -566,13 +565,6 @@ class WeightedCentred(WeightSums):
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
 
 
-def kahan_add(total: jax.Array, lost: jax.Array, more: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum)."""
-    y = more - lost
-    new = total + y
-    return new, (new - total) - y
-
-
 class MomentsResult(NamedTuple):
     """Per column: row count, mean, variance (``np.var`` with ``ddof``), min and max, skewness and
     excess kurtosis (``scipy.stats.skew``/``kurtosis`` with their defaults: biased, Fisher's),
@@ -601,14 +593,23 @@ class MomentsAcc(NamedTuple):
     centered: CenteredAcc
     min: jax.Array
     max: jax.Array
-    higher: jax.Array       # (3, d): M3, M4 (about the mean) and Σ|x|, less higher_lost
-    higher_lost: jax.Array  # (3, d) Kahan compensation of higher
+    higher: jax.Array       # (4, d): M3, M4 (about the mean), Σ|x| and Σ(x s)² (s: squares_scale), less higher_lost
+    higher_lost: jax.Array  # (4, d) Kahan compensation of higher
     counts: wide.Wide       # (2, d): real rows holding NaN, rows counted holding 0
+
+
+def squares_scale(dtype) -> float:
+    """``s``, the power of two by which :class:`Moments` scales the rows in its second sum of squares ``Σ(x s)²``,
+    from which ``norm_l2`` is read where ``Σx²`` overflows (``dtype``'s largest float ``2^e``: ``s = 2^(-3e/4)``).
+    Each ``(x s)²`` is at most ``2^(e/2)``, so that sum never overflows; where ``Σx²`` does (at least ``2^e``)
+    it is at least ``2^(-e/2)``, a normal float: the values whose scaled squares underflow change it by far less
+    than a rounding."""
+    return 2.0 ** -(3 * np.finfo(dtype).maxexp // 4)
 
 
 def moments_init(d: int, dtype) -> MomentsAcc:
     """The identity of :class:`Moments` of ``d`` columns: no rows."""
-    higher = jnp.zeros((3, d), dtype)
+    higher = jnp.zeros((4, d), dtype)
     return MomentsAcc(centered_init(d, dtype, full=False), jnp.full((d,), jnp.inf, dtype),
                       jnp.full((d,), -jnp.inf, dtype), higher, higher, wide.zeros((2, d)))
 
@@ -653,7 +654,7 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     kept = masked(x, keep)
     *sums, low, high = column_reductions(_powers(dev, kept, weights), masked(x, keep, jnp.inf),
                                         masked(x, keep, -jnp.inf))
-    zeros = sums[5] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
+    zeros = sums[6] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
     weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
     # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
     # only then are the NaNs counted (a pass over the rows that clean data never pays).
@@ -663,7 +664,7 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
                         lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
     before = wide.to_float(c.count, x.dtype) if before is None else before
     counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
-    return moments_update(acc, shift, nb, before, weight, sums[:5], counts, low, high,
+    return moments_update(acc, shift, nb, before, weight, sums[:6], counts, low, high,
                           batch_mean(x, keep, nb, weights))
 
 
@@ -676,44 +677,48 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
     kept = masked(x, keep)
     nans = masked(jnp.isnan(x), keep if seen is None else seen)
-    values = (*_powers(dev, kept, weights)[:5], masked(kept == 0, keep), nans)
+    values = (*_powers(dev, kept, weights)[:6], masked(kept == 0, keep), nans)
     sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
     low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
     high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
     weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(c.count, x.dtype) if before is None else before
-    counts = sums[:, 5:][:, ::-1].astype(jnp.int32)  # nans, zeros
-    out = jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :5], counts, low, high)
+    counts = sums[:, 6:][:, ::-1].astype(jnp.int32)  # nans, zeros
+    out = jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :6], counts, low, high)
     return out._replace(centered=keyed_without_overflow(c, out.centered, before, weight, x, keep, keys, weights))
 
 
 def _powers(dev, kept, weights):
-    """Per row: the (weighted) deviations and their squares, cubes, fourth powers, ``|x|`` and
-    whether ``x`` is 0 (6 arrays ``(rows, d)``; ``kept``: the rows, 0 where not kept)."""
+    """Per row: the (weighted) deviations and their squares, cubes, fourth powers, ``|x|``, ``(x s)²``
+    (:func:`squares_scale`) and whether ``x`` is 0 (7 arrays ``(rows, d)``; ``kept``: the rows, 0 where not kept)."""
     wdev = dev if weights is None else dev * weights[:, None]
     w2 = wdev * dev
     size = jnp.abs(kept)
-    return (wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev,
-            size if weights is None else size * weights[:, None], (kept == 0).astype(kept.dtype))
+    scaled = kept * squares_scale(kept.dtype)
+    per_row = (size, scaled * scaled)
+    if weights is not None:
+        per_row = tuple(v * weights[:, None] for v in per_row)
+    return (wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev, *per_row,
+            (kept == 0).astype(kept.dtype))
 
 
 def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high,
                    batch_mean=None) -> MomentsAcc:
     """``acc`` (of weight ``before``) with a micro-batch of ``nb`` real rows of weight ``weight``:
-    ``sums`` ``(5, d)``, the (weighted) power sums of their deviations from ``acc``'s mean and Σ|x|;
+    ``sums`` ``(6, d)``, the (weighted) power sums of their deviations from ``acc``'s mean, Σ|x| and Σ(x s)²;
     ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima
     (``batch_mean``: :func:`folded`'s)."""
     c = acc.centered
-    s1, s2, s3, s4, l1 = sums
+    s1, s2, s3, s4, l1, squares = sums
     centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False, batch_mean=batch_mean)
     m34b = batch_moments(s1, s2, s3, s4, delta)
-    cross = pebay(before, share, delta, c.m2 - c.m2_lost, s2 - s1 * delta, acc.higher[0] - acc.higher_lost[0], m34b[0])
-    y = jnp.concatenate([m34b + cross, l1[None]]) - acc.higher_lost
-    higher = acc.higher + y
+    m2a, m3a = kahan_total(c.m2, c.m2_lost, jnp), kahan_total(acc.higher[0], acc.higher_lost[0], jnp)
+    cross = pebay(before, share, delta, m2a, s2 - s1 * delta, m3a, m34b[0])
+    higher, lost = kahan_add(acc.higher, acc.higher_lost, jnp.concatenate([m34b + cross, l1[None], squares[None]]))
     some = nb > 0
     return MomentsAcc(
         centered, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high),
-        jnp.where(some, higher, acc.higher), jnp.where(some, (higher - acc.higher) - y, acc.higher_lost),
+        jnp.where(some, higher, acc.higher), jnp.where(some, lost, acc.higher_lost),
         wide.add_int32(acc.counts, counts),
     )
 
@@ -760,7 +765,7 @@ def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None) -> MomentsAcc:
     cross = pebay(na, share, delta, a.centered.m2, b.centered.m2, a.higher[0], b.higher[0])
     either_empty = wide.is_zero(a.centered.count) | wide.is_zero(b.centered.count)
     cross = jnp.where(either_empty, 0, cross)  # exactly the other side (no inf·0 from a far shift)
-    higher = a.higher + b.higher + jnp.concatenate([cross, jnp.zeros_like(cross[:1])])
+    higher = a.higher + b.higher + jnp.concatenate([cross, jnp.zeros_like(cross)])  # Σ|x|, Σ(x s)²: added
     return MomentsAcc(centered, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max), higher,
                       a.higher_lost + b.higher_lost, wide.add(a.counts, b.counts))
 
@@ -770,7 +775,7 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> Moments
     (float64) and ``dof`` (the variance's divisor) of a weighted one; else from the count."""
     count = wide.to_int(acc.centered.count)
     counts = wide.to_int(acc.counts)
-    higher = np.asarray(acc.higher, np.float64) - np.asarray(acc.higher_lost, np.float64)
+    higher = kahan_total(np.asarray(acc.higher, np.float64), np.asarray(acc.higher_lost, np.float64))
     d = np.shape(acc.min)[0]
     if no_rows(count, "Moments"):
         nan = np.full(d, np.nan)
@@ -790,9 +795,20 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> Moments
         kurtosis = np.where(shape, m4n / (m2n * m2n) - 3.0, np.nan)
         result = MomentsResult(
             count, mean, _divide(m2, count - ddof if dof is None else dof), low, high,
-            skewness, kurtosis, counts[0], counts[1], higher[2], np.sqrt(m2 + weight * mean * mean),
+            skewness, kurtosis, counts[0], counts[1], higher[2],
+            norm_l2(m2, weight * mean * mean, higher[3], finite, np.asarray(acc.min).dtype),
         )
     return with_infinities(result)
+
+
+def norm_l2(m2: np.ndarray, squared_mean: np.ndarray, scaled: np.ndarray, finite: np.ndarray, dtype) -> np.ndarray:
+    """``√(M2 + w mean²)``, the L2 norm of the rows (float64); where that overflowed though every row
+    was finite (``finite``), from ``Σ(x s)²`` (``scaled``, :func:`squares_scale`): ``√Σ(x s)² / s``,
+    inf only past ``dtype``'s (the accumulator's) largest float, as the sums'."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm = np.sqrt(m2 + squared_mean)
+        rescued = (np.sqrt(scaled) / squares_scale(dtype)).astype(dtype).astype(np.float64)
+    return np.where(finite & ~np.isfinite(norm), rescued, norm)
 
 
 def with_infinities(result: MomentsResult) -> MomentsResult:

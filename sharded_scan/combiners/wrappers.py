@@ -75,6 +75,24 @@ def innermost(combiner: Combiner) -> Combiner:
     return combiner
 
 
+def kahan_add(total, lost, more):
+    """``total + more`` with its Kahan compensation ``lost`` (``total - lost`` is the running sum, :func:`kahan_total`).
+
+    A compensation that is not finite is left out: it is inf or NaN only once the sum reached an
+    infinity (an infinite value, or finite ones whose sum overflowed: ``inf - total``), and the sum
+    then goes on alone, as numpy's, so that it stays infinite and never turns NaN from ``inf - inf``.
+    """
+    y = more - jnp.where(jnp.isfinite(lost), lost, 0)
+    new = total + y
+    return new, (new - total) - y
+
+
+def kahan_total(total, lost, xp=np):
+    """The compensated sum of :func:`kahan_add`'s ``total`` and ``lost`` (``xp``: numpy on the host, in float64;
+    ``jax.numpy`` on the devices): ``total`` alone where ``lost`` is not finite (the sum reached an infinity)."""
+    return xp.where(xp.isfinite(lost), total - lost, total)
+
+
 class CompensatedAcc(NamedTuple):
     """An additive accumulator and the Kahan compensation of each float leaf."""
 
@@ -122,9 +140,7 @@ class Compensated(Wrapper):
                 return wide.add(s, d), c
             if not _is_float(s):
                 return s + d, c
-            y = d - jnp.where(jnp.isfinite(c), c, 0)  # after an inf the sum alone goes on, as numpy's
-            t = s + y
-            return t, (t - s) - y
+            return kahan_add(s, c, d)
 
         pairs = jax.tree.map(kahan, acc.value, acc.compensation, delta, is_leaf=wide.is_wide)
         value = jax.tree.map(lambda s, p: p[0], acc.value, pairs, is_leaf=wide.is_wide)
@@ -139,9 +155,7 @@ class Compensated(Wrapper):
             s = np.asarray(s)
             if not np.issubdtype(s.dtype, np.floating):
                 return s
-            c = np.asarray(c, np.float64)
-            # Inf or NaN in the data leaves a NaN compensation: keep numpy's sum then.
-            return np.where(np.isfinite(c), s.astype(np.float64) - c, s).astype(s.dtype)
+            return kahan_total(s.astype(np.float64), np.asarray(c, np.float64)).astype(s.dtype)
 
         return self.inner.finalize(jax.tree.map(corrected, acc.value, acc.compensation))
 
