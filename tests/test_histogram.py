@@ -4,8 +4,11 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sharded_scan as ss
+from sharded_scan.combiners import histogram
 from tests.helpers import assert_usage_error
 
 
@@ -83,3 +86,28 @@ def test_subnormal_edges_are_one_line_never_every_row_in_the_last_bin():
     assert_usage_error(lambda: ss.Histogram(3, np.array([[0, 1], [-1e-40, 0]])), ["(-1e-40, 0.0)", "scale"])
     for bins, lo_hi in ((4, (0, 1e-37)), (2, (-1, 1)), (1000, (-1e-30, 1e-30))):
         ss.Histogram(bins, lo_hi)
+
+
+def _subnormal_compare_by_every_edge(lo, hi, bins):
+    tiny = np.finfo(np.float32).tiny
+    edges = np.linspace(lo, hi, bins + 1)
+    compared = np.concatenate([histogram._float32_at_least(edges[:-1]), histogram._float32_at_most(edges[-1:])])
+    return bool(((compared != 0) & (np.abs(compared) < tiny)).any())
+
+
+@settings(max_examples=300)
+@given(st.floats(-1e-30, 1e-30, allow_subnormal=True), st.floats(0, 1e-30, allow_subnormal=True),
+       st.sampled_from([1, 2, 3, 7, 100, 4097]))
+def test_edge_check_by_bisection_equals_checking_every_edge(lo, width, bins):
+    # The check looks at a few edges, not bins + 1 of them: Histogram(10**9, ...) made 8 GB of edges
+    # (20 GB resident) before admission could refuse it. It must still say what every edge would.
+    hi = lo + width
+    if not lo < hi:
+        return
+    np.testing.assert_array_equal(histogram.edges_at(lo, hi, bins, np.arange(bins + 1)), np.linspace(lo, hi, bins + 1))
+    assert histogram._has_subnormal_compare(lo, hi, bins) == _subnormal_compare_by_every_edge(lo, hi, bins)
+
+
+def test_a_billion_bins_are_checked_without_making_their_edges():
+    assert_usage_error(lambda: ss.Histogram(10**9, (0, 1e-30)), ["smallest normal"])
+    ss.Histogram(10**12, (-1.0, 1.0))

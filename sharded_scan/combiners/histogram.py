@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -45,18 +46,43 @@ def _float32_at_most(edges: np.ndarray) -> np.ndarray:
     return np.where(near.astype(np.float64) > edges, np.nextafter(near, np.float32(-np.inf)), near)
 
 
+def edges_at(lo: float, hi: float, bins: int, index) -> np.ndarray:
+    """``np.linspace(lo, hi, bins + 1)[index]`` by numpy's own arithmetic, without making every edge."""
+    index = np.asarray(index, np.float64)
+    delta = np.float64(hi) - np.float64(lo)
+    step = delta / bins
+    inner = index / bins * delta if step == 0 else index * step
+    return np.where(index == bins, np.float64(hi), inner + np.float64(lo))
+
+
+def _has_subnormal_compare(lo: float, hi: float, bins: int) -> bool:
+    """Whether an edge of ``np.linspace(lo, hi, bins + 1)``, as compared in float32, is a nonzero
+    subnormal. The compared values rise with the edge's index, so two bisections per sign find
+    whether any lies strictly between 0 and float32's smallest normal: a handful of edges, not all."""
+    tiny = np.finfo(np.float32).tiny
+    inner = range(bins)  # edges 0..bins-1 are compared with x >= edge, the last with x <= edge
+
+    def compared(i: int) -> float:
+        return float(_float32_at_least(edges_at(lo, hi, bins, i)))
+
+    def first(predicate) -> int:
+        return bisect.bisect_left(inner, True, key=lambda i: predicate(compared(i)))
+
+    negative = first(lambda c: c > -tiny) < first(lambda c: c >= 0)
+    positive = first(lambda c: c > 0) < first(lambda c: c >= tiny)
+    last = float(_float32_at_most(np.float64(hi)))
+    return negative or positive or (last != 0 and abs(last) < tiny)
+
+
 def check_normal_edges(ranges: np.ndarray, bins: int) -> None:
     """Raises one :class:`UsageError` line when an edge the values are compared with (float32) is
     subnormal: XLA on CPU and TPU reads it as 0 (flush-to-zero), so every value would land in the
     wrong bin (``Histogram(4, (0, 4e-310))``: every row in the last). Only ranges reaching within
-    float32's smallest normal of 0 can have such edges; theirs are checked."""
+    float32's smallest normal of 0 can have such edges; theirs are checked, in time that does not
+    grow with ``bins``."""
     tiny = np.finfo(np.float32).tiny
     near = ranges[(ranges[:, 0] < tiny) & (ranges[:, 1] > -tiny)]
-    if not near.size:
-        return
-    edges = np.stack([np.linspace(lo, hi, bins + 1) for lo, hi in near])
-    compared = np.concatenate([_float32_at_least(edges[:, :-1]), _float32_at_most(edges[:, -1:])], axis=1)
-    bad = ((compared != 0) & (np.abs(compared) < tiny)).any(axis=1)
+    bad = np.array([_has_subnormal_compare(lo, hi, bins) for lo, hi in near], bool)
     if bad.any():
         lo, hi = (float(v) for v in near[np.argmax(bad)])
         raise UsageError(
