@@ -149,7 +149,8 @@ def help_text(flags_text: str, config: Any = None, config_name: str = "") -> str
     """The whole ``--help``: usage, the launcher's flags, the config's fields (of ``config``, or
     the shipped configs and the fields every one has), and where JAX's flags are."""
     parts = [USAGE, "", "Runs one job and writes DIR/result.npz, result.json (and result.csv for a per-column result), "
-             "summary.json and checkpoints/; rerunning resumes, or says 'already done'.", "", "flags:", flags_text, ""]
+             "summary.json and checkpoints/; rerunning resumes, or says 'already done'; 'sharded-scan show DIR' "
+             "prints the result as a table.", "", "flags:", flags_text, ""]
     if config is None:
         shipped = "\n".join(f"  {name:16s} {doc}" for name, doc in shipped_configs().items())
         parts += [f"shipped configs (--config=NAME, or NAME:quick for a tiny run):\n{shipped}", ""]

@@ -8,6 +8,7 @@ Flags and the config, then one library call, :func:`sharded_scan.run_in_workdir`
 then its exit status: 0 done or preempted (saved; rerun to resume), 2 a usage error (one
 line), 3 stalled, 4 a peer was lost, 5 a storage fault (one line), 130 Ctrl-C before a save, 143 SIGTERM
 with checkpoints off (one line: nothing saved).
+``sharded-scan show WORKDIR`` (:mod:`launch.show`) prints a finished job's result as a table.
 Multi-host: ``--coordinator_address``, ``--num_processes`` and ``--process_id`` on every
 process, or none of them inside a TPU pod / SLURM / Open MPI job (detected).
 """
@@ -194,6 +195,10 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
+    if sys.argv[1:2] == ["show"]:  # sharded-scan show WORKDIR: prints a finished job's result (launch.show)
+        from launch.show import main as show
+
+        sys.exit(show(sys.argv[2:]))
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the installed entry point: noted from here on
         signal.signal(signal.SIGTERM, _note_sigterm)
     set_up_logging()

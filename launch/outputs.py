@@ -13,7 +13,7 @@ import csv
 import io
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,8 +27,15 @@ JSON, CSV = "result.json", "result.csv"
 NOT_BY_COLUMN = ("qs", "edges", "components", "explained_variance", "explained_variance_ratio", "singular_values")
 # The sketches' state (result.sketch): kept in result.npz, for to_datasketches(); not a statistic.
 STATE = "sketch"
-# A 2-D field whose second axis another field labels: quantiles[0.5] rather than quantiles[4].
-LABELLED_BY = {"quantiles": "qs"}
+# A 2-D field whose second axis another field labels, by level: percentiles (0.25, 0.5) as q25, q50.
+LABELLED_BY = {"quantiles": "qs", "percentiles": "qs"}
+# A (d, d) field of every pair of X's columns: its columns named by the other column, as pandas' df.corr() prints.
+MATRICES = ("corr", "cov")
+# Per-column fields whose header is the name a user knows (statsmodels' summary: coef, std err).
+HEADERS = {"coef_stderr": "stderr"}
+# A regression of t targets: these fields are (t, d) (per column of X, transposed into the table) or (t,) (per
+# target: a value of each target); the header says the target: coef[0], r2[0].
+PER_TARGET = ("coef", "coef_stderr", "intercept", "r2", "residual_std", "intercept_stderr")
 # What starts a formula in a spreadsheet (OWASP's "CSV injection"): a text cell starting so is written after a single
 # quote, "'=...", which spreadsheets show as text; numbers, negative ones too, are written as they are.
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
@@ -40,32 +47,106 @@ def result_json(arrays: dict[str, np.ndarray]) -> str:
     return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
-def result_table(arrays: dict[str, np.ndarray]) -> str | None:
-    """The per-column fields of a result as CSV text, one row per column of X (named by
-    ``columns``), or None when the result has no per-column fields."""
-    columns = arrays.get("columns")
-    if columns is None or np.ndim(columns) != 1:
+class Table(NamedTuple):
+    """A result's per-column fields as a table, one row per column of X (:func:`column_table`)."""
+
+    index: list[Any]         # the column names (``columns``), one a row
+    header: list[Any]        # a label a column of values: a field, or one value of a 2-D field (q50, a, coef[1])
+    rows: list[list[Any]]    # each row's values, as Python numbers, booleans or strings
+    scalars: dict[str, Any]  # the fields of one value (count, intercept, r2): label -> value
+    fields: set[str]         # the names of the arrays it holds, scalars too (the others are along another axis)
+
+
+def column_table(arrays: dict[str, np.ndarray], prefix: str = "") -> Table | None:
+    """The per-column fields of the arrays named ``prefix + NAME`` (a result's, or one part's of a pytree of them),
+    or None when they hold no ``columns`` or no field by column.
+
+    Headers say what a user knows: a field by its name (``coef_stderr`` as ``stderr``), a field by quantile level as
+    ``q25``, ``q50`` (:data:`LABELLED_BY`), a correlation or covariance matrix (:data:`MATRICES`) by the other
+    column's name when that name is free (one matrix, distinct names that clash with no other header; else
+    ``corr[j]``), any other 2-D field as ``f[j]``; the fields of one value go to ``scalars``.
+    """
+    mine = {name[len(prefix):]: np.asarray(a) for name, a in arrays.items() if name.startswith(prefix)}
+    mine = {name: a for name, a in mine.items() if "." not in name}
+    columns = mine.get("columns")
+    if columns is None or columns.ndim != 1:
         return None
     d = len(columns)
-    header, cells = ["column"], [[json_value(c)] for c in columns]
-    for name, array in arrays.items():
-        array = np.asarray(array)
-        if name == "columns" or name in NOT_BY_COLUMN or array.ndim not in (1, 2) or array.shape[0] != d:
+    per_target = np.ndim(mine.get("intercept")) == 1 and np.ndim(mine.get("coef")) == 2  # t targets: coef (t, d)
+    parts: list[tuple[str, list[Any], np.ndarray]] = []  # (field, labels, its (d, m) values)
+    fields = {"columns"}
+    scalars: dict[str, Any] = {}
+    for name, array in mine.items():
+        label, used = HEADERS.get(name, name), len(parts) + len(scalars)
+        if per_target and name in PER_TARGET:
+            if array.ndim == 2:
+                parts.append((name, [f"{label}[{t}]" for t in range(array.shape[0])], array.T))
+            else:
+                scalars.update((f"{label}[{t}]", v) for t, v in enumerate(array.tolist()))
+        elif name == "columns" or name in NOT_BY_COLUMN:
             continue
-        if array.ndim == 1:
-            header.append(name)
-        else:
-            labels = arrays.get(LABELLED_BY.get(name, ""))
-            labels = labels if labels is not None and np.shape(labels) == array.shape[1:] else range(array.shape[1])
-            header += [f"{name}[{label}]" for label in json_value(np.asarray(labels))]
-        for row, values in zip(cells, array.reshape(d, -1).tolist(), strict=True):
-            row += values
-    if len(header) == 1:
+        elif array.ndim == 0:
+            scalars[label] = array.item()
+        elif array.ndim == 1 and array.shape[0] == d:
+            parts.append((name, [label], array[:, None]))
+        elif array.ndim == 2 and array.shape[0] == d:
+            parts.append((name, _labels(name, array, mine), array))
+        if len(parts) + len(scalars) > used:
+            fields.add(name)
+    if not parts:
+        return None
+    _name_matrix_columns(parts, [json_value(c) for c in columns.tolist()])
+    rows: list[list[Any]] = [[] for _ in range(d)]
+    for _, _, values in parts:
+        for row, more in zip(rows, values.reshape(d, -1).tolist(), strict=True):
+            row += more
+    header = [label for _, labels, _ in parts for label in labels]
+    return Table(columns.tolist(), header, rows, scalars, fields)
+
+
+def _labels(name: str, array: np.ndarray, arrays: dict[str, np.ndarray]) -> list[str]:
+    """The headers of the ``m`` values a column of the 2-D field ``name`` holds: ``q25`` by quantile level, else
+    ``name[j]``."""
+    levels = arrays.get(LABELLED_BY.get(name, ""))
+    if levels is not None and np.shape(levels) == array.shape[1:]:
+        labels = [quantile_label(q) for q in np.asarray(levels, np.float64).tolist()]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{HEADERS.get(name, name)}[{j}]" for j in range(array.shape[1])]
+
+
+def quantile_label(q: float) -> str:
+    """A quantile level as a header, by its percent: 0.25 as ``q25``, 0.999 as ``q99.9``, 1 as ``q100``."""
+    return "q" + np.format_float_positional(round(q * 100, 10), trim="-")
+
+
+def _name_matrix_columns(parts: list[tuple[str, list[Any], np.ndarray]], names: list[Any]) -> None:
+    """Names the columns of the one (d, d) matrix in ``parts`` by the other column (``a``, ``b``), as ``df.corr()``
+    does, where those names are distinct and clash with no other header (else they stay ``corr[j]``)."""
+    matrices = [i for i, (name, _, values) in enumerate(parts) if name in MATRICES and values.shape[1] == len(names)]
+    if len(matrices) != 1:
+        return
+    i = matrices[0]
+    others = {"column", *(str(label) for j, (_, labels, _) in enumerate(parts) if j != i for label in labels)}
+    texts = [str(n) for n in names]
+    if len(set(texts)) == len(texts) and not others & set(texts):
+        parts[i] = (parts[i][0], names, parts[i][2])
+
+
+def result_table(arrays: dict[str, np.ndarray]) -> str | None:
+    """The per-column fields of a result as CSV text, or None when the result has none (:func:`column_table`).
+
+    One row per column of X: its name (``column``), the table's fields, then each field of one value (``count``,
+    ``intercept``, ``r2``...) as a column holding that value on every row, as ``to_pandas()`` repeats them:
+    ``pd.read_csv`` reads the file as one table."""
+    table = column_table(arrays)
+    if table is None:
         return None
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)  # every text in quotes, as OWASP
-    writer.writerow([csv_cell(v) for v in header])  # says: a CR or tab in a name stays in its cell
-    writer.writerows([csv_cell(v) for v in row] for row in cells)
+    writer.writerow([csv_cell(v) for v in ["column", *table.header, *table.scalars]])  # says: a CR or tab in a
+    for name, row in zip(table.index, table.rows, strict=True):                          # name stays in its cell
+        writer.writerow([csv_cell(v) for v in [json_value(name), *row, *table.scalars.values()]])
     return text.getvalue()
 
 

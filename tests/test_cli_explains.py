@@ -131,8 +131,8 @@ def test_result_json_and_csv_hold_the_result(tmp_path):
     np.testing.assert_array_equal(got["quantiles"], want)
     assert got["count"] == 1000 and got["columns"] == list(range(config.data.features))
     table = pd.read_csv(tmp_path / "result.csv")
-    assert list(table.columns) == ["column", "quantiles[0.0]", "quantiles[0.5]", "quantiles[1.0]"]
-    np.testing.assert_array_equal(table.iloc[:, 1:].to_numpy(), want)
+    assert list(table.columns) == ["column", "q0", "q50", "q100", "count", "rank_error", "passes"]  # issue 43
+    np.testing.assert_array_equal(table.iloc[:, 1:4].to_numpy(), want)
 
 
 def test_result_table_is_one_row_per_column_and_json_has_no_nan():
@@ -141,7 +141,8 @@ def test_result_table_is_one_row_per_column_and_json_has_no_nan():
     arrays = named_arrays(ss.run(ss.Moments(), frame, microbatch=2))
     table = pd.read_csv(__import__("io").StringIO(result_table(arrays)))
     assert list(table.columns) == ["column", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros",
-                                   "norm_l1", "norm_l2"]
+                                   "norm_l1", "norm_l2", "count"]
+    assert table["count"].tolist() == [3, 3]  # a field of one value: on every row
     assert table["column"].tolist() == ["a", "b"]
     np.testing.assert_allclose(table["mean"], [3.0, np.nan]), np.testing.assert_allclose(table["max"], [5.0, np.nan])
     got = json.loads(result_json(arrays))
