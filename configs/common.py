@@ -13,7 +13,8 @@ from sharded_scan.options import config_fields
 VARIANTS = ("full", "quick")
 # What the fields below mean where neither RunOptions nor CheckpointOptions documents them (``--help`` prints them).
 FIELD_HELP = {
-    "x64": "jax_enable_x64: float64 and int64 data reduced in 64 bits (without it such data is refused in one line)",
+    "x64": "jax_enable_x64 for the whole process: 32-bit integer columns then accumulate in float64 (float32 without "
+           "it); 64-bit data (float64, int64) needs no flag: it is reduced in 64 bits either way",
     "checkpoint.enabled": "save checkpoints in DIR/checkpoints and resume from them (false: a rerun starts afresh)",
     "log_every_seconds": "seconds between progress lines in the log",
 }

@@ -119,16 +119,31 @@ def test_the_cli_runs_float64_data_in_float64_under_config_x64(tmp_path):
     assert rel_err(got["cov"], np.cov(f64(x), rowvar=False)) < 1e-12
 
 
-def test_the_launcher_runs_float64_data_in_float64_with_no_flag(tmp_path):
+def test_the_x64_help_line_says_what_a_job_does_with_and_without_the_flag(tmp_path):
+    # Issue 43: --help said "--config.x64 ... (without it such data is refused in one line)"; float64 ran fine
+    # without it. The line's two claims, checked against what the jobs do.
+    from launch.help import config_fields
     from launch.main import run_job
 
     config = importlib.import_module("configs.covariance").get_config("quick")
+    meaning = {field: text for field, _, text in config_fields(config)}["x64"]
+    assert "refused" not in meaning
+    assert "64-bit data (float64, int64) needs no flag: it is reduced in 64 bits either way" in meaning
     config.data.dtype = "float64"
     assert config.x64 is False
     got, _ = run_job(config, str(tmp_path / "w"))
     data = config.data
     x = SyntheticSource(data.num_rows, data.features, dtype="float64", seed=data.seed).read(0, data.num_rows)
     assert got.cov.dtype == np.float64 and rel_err(got.cov, np.cov(x, rowvar=False)) < 1e-12
+
+    assert "32-bit integer columns then accumulate in float64 (float32 without it)" in meaning
+    ints = (np.arange(64, dtype=np.int32) * 7 + 2**24 + 1).reshape(32, 2)  # products past float32's 2^24
+    want = f64(ints).T @ f64(ints)
+    plain = ss.run(ss.Gram(), ints, microbatch=8)
+    with jax.enable_x64(True):  # what --config.x64=True sets for the whole process
+        wide = ss.run(ss.Gram(), ints, microbatch=8)
+    assert plain.dtype == np.float32 and np.abs(plain - want).max() > 0
+    assert wide.dtype == np.float64 and np.array_equal(wide, want)
 
 
 def test_placing_64_bit_rows_outside_a_run_is_refused_not_narrowed():
