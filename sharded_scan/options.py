@@ -63,10 +63,12 @@ class RunOptions:
         :class:`sharded_scan.checkpoint.Checkpointer`: resume from the latest
         checkpoint there, save periodically and at the end, and on SIGTERM save and
         raise :class:`sharded_scan.Preempted`.
-      progress: called with a :class:`sharded_scan.Progress` after every step; True draws
-        a tqdm bar over rows on process 0 (``pip install tqdm``); a list of callables
-        and/or True calls each (:func:`sharded_scan.progress.combine` chains callbacks
-        and closes them). False is None.
+      progress: ``"auto"`` (None, the default): once a run has gone on for 3 seconds, a tqdm
+        bar over rows on process 0 when stderr is a terminal (a line every 5 seconds without
+        tqdm), nothing otherwise; False: nothing; True: a tqdm bar from the start
+        (``pip install tqdm``); a callable: called with a :class:`sharded_scan.Progress` after
+        every step (and no bar); a list of callables and/or True calls each
+        (:func:`sharded_scan.progress.combine` chains callbacks and closes them).
       step_timeout: seconds; when no step finishes for that long, print one line and
         end the process with status 3 (a stuck process or peer). None: no watchdog.
       compilation_cache: where compiled programs are kept for the next process (JAX's
@@ -84,7 +86,7 @@ class RunOptions:
     compensated: bool = _plain(True, bool)
     precision: str = _plain("highest", str)
     checkpoint: Any = None
-    progress: Callable[[Any], None] | bool | tuple | None = None
+    progress: Callable[[Any], None] | bool | str | tuple | None = None
     step_timeout: float | None = None
     compilation_cache: str | None = _plain(compile_cache.AUTO, str)
 

@@ -1,6 +1,7 @@
 """Metrics and profiling: TensorBoard scalars, a profiler window, the tqdm bar, chained callbacks."""
 
 import glob
+import io
 import sys
 
 import numpy as np
@@ -158,3 +159,66 @@ def test_writer_and_window_check_their_arguments(tmp_path):
     assert_usage_error(lambda: MetricsWriter(tmp_path, row_bytes=0), ["row_bytes"])
     assert_usage_error(lambda: ProfileWindow(3, 2, tmp_path), ["end before"])
     assert_usage_error(lambda: ProfileWindow(0, 2, tmp_path), ["count from 1"])
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+def test_auto_progress_is_only_on_a_terminal_and_progress_false_is_off(monkeypatch):
+    # Issue 43: ss.run showed no progress by default on a long run. "auto" is the default now, on a terminal only.
+    assert ss.RunOptions().progress == "auto" and ss.RunOptions(progress=None).progress == "auto"
+    assert ss.RunOptions(progress=False).progress is None
+    assert ss.RunOptions(progress=[print, "auto"]).progress == (print, "auto")
+    assert progress_module.auto_progress(io.StringIO()) is None  # a file, a pipe, pytest's capture: nothing
+    assert isinstance(progress_module.auto_progress(Terminal()), progress_module.AutoProgress)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    for option, shown in ((None, True), ("auto", True), (False, False), (print, False)):
+        with progress_module.reporter(ss.RunOptions(progress=option).progress, 0, 100) as report:
+            assert isinstance(report, progress_module.AutoProgress) == shown, option
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with progress_module.reporter(ss.RunOptions().progress, 0, 100) as report:
+        assert report is None
+
+
+def test_auto_progress_waits_a_few_seconds_then_shows_rows_rate_and_time_left():
+    lines = Terminal()
+    auto = progress_module.AutoProgress(lines)  # no tqdm: a line every 5 s, by the steps' own clock
+    for seconds, rows in ((2.0, 100), (2.5, 200), (2.9, 300)):  # the first step (compiling) ends at 2 s
+        auto(ss.Progress(rows // 100, 10, rows, 1000, seconds))
+    assert lines.getvalue() == ""  # a short run shows nothing
+    auto(ss.Progress(4, 10, 400, 1000, 3.5))
+    auto(ss.Progress(5, 10, 500, 1000, 8.0))
+    auto(ss.Progress(6, 10, 600, 1000, 8.6))
+    auto(ss.Progress(10, 10, 1000, 1000, 9.0))  # the last: one more line
+    auto.close()
+    assert lines.getvalue().splitlines() == [
+        "sharded_scan: 400/1,000 rows (40.0%), 200 rows/s, 3 s left",  # 300 rows in 1.5 s after the first step
+        "sharded_scan: 600/1,000 rows (60.0%), 76 rows/s, 5 s left",
+        "sharded_scan: 1,000/1,000 rows (100.0%), 129 rows/s, 0 s left",
+    ]
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, initial, **options):
+            self.n, self.total, self.options = initial, total, options
+            bars.append(self)
+
+        def update(self, rows):
+            self.n += rows
+
+        def close(self):
+            self.closed = True
+
+    auto = progress_module.AutoProgress(lines, tqdm=Bar)
+    auto(ss.Progress(1, 10, 100, 1000, 2.0))
+    assert not bars
+    auto(ss.Progress(2, 10, 200, 1000, 3.0))
+    auto(ss.Progress(3, 10, 300, 1000, 3.4))
+    auto.close()
+    assert len(bars) == 1 and bars[0].n == 300 and bars[0].total == 1000 and bars[0].options["file"] is lines
+    assert bars[0].closed
