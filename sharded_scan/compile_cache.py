@@ -18,7 +18,8 @@ the last run's setting holds for every ``jax.jit`` of the process from then on. 
 sharded_scan picks the directory itself, every program is cached, also those compiling in
 under a second (``jax_persistent_cache_min_compile_time_secs=0``, unless the environment sets
 ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``). :func:`counts` tells how many programs were
-looked up in the cache and how many came from it (JAX's ``jax.monitoring`` events). Like JAX's
+looked up in the cache and how many came from it, :func:`compile_seconds` how long compiling took
+(JAX's ``jax.monitoring`` events). Like JAX's
 own, the cache is trusted: anyone who can write the directory can run code in your jobs.
 """
 
@@ -52,13 +53,33 @@ class CacheCounts(NamedTuple):
     from_cache: int  # of those, loaded from it (not compiled)
 
 
+# JAX's durations of tracing, lowering and compiling a program (the last also loading it from the persistent cache).
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
+
+
 def _count(event: str, **kwargs: Any) -> None:
     if event in _counts:
         with _lock:
             _counts[event] += 1
 
 
+def _time(event: str, seconds: float, **kwargs: Any) -> None:
+    if event in COMPILE_EVENTS:
+        with _lock:
+            _compile_seconds[0] += seconds
+
+
 jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_time)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling programs (or loading them from the
+    persistent cache) so far, by JAX's ``jax.monitoring`` durations, in every thread (subtract two for a run's)."""
+    with _lock:
+        return _compile_seconds[0]
 
 
 def counts() -> CacheCounts:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from sharded_scan import compile_cache
 from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
@@ -63,7 +64,7 @@ class RunReport(NamedTuple):
 
     rows: int                  # rows of the dataset (all folded once the run finishes)
     rows_this_run: int         # rows folded by this run (less when it resumed)
-    seconds: float             # wall time of this run, restore to result
+    seconds: float             # wall time of this run, restore to result (compile_seconds included)
     steps: int                 # steps run by this run
     resumed_from_cursor: int | None  # the checkpoint's cursor when the run resumed
     resumed_from_step: int | None    # steps done before the resume (over all earlier runs)
@@ -74,6 +75,8 @@ class RunReport(NamedTuple):
     mesh: dict[str, int]
     passes: int = 1            # passes over the data (more than one for a MultiPass reduction)
     nonfinite_values: int = 0  # values of the merged accumulator NaN or inf where its identity is finite
+    compile_seconds: float = 0.0  # of seconds: tracing and compiling programs (or loading them from the persistent
+                                  # compilation cache), in any thread; the rest is reading, computing and saving
 
 
 def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any) -> Any:
@@ -111,24 +114,32 @@ def run_with_report(
     options = RunOptions.make(options, **overrides)
     if reads_several_times(combiner):
         return run_passes(combiner, data, options)
-    started = time.perf_counter()
+    started, compiled = time.perf_counter(), compile_cache.compile_seconds()
     source = as_source(data)
-    return run_program(build_program(combiner, source, options), source, started)
+    return run_program(build_program(combiner, source, options), source, started, compiled)
 
 
-def run_program(program: Program, source: Source, started: float | None = None) -> tuple[Any, RunReport]:
+def run_program(
+    program: Program, source: Source, started: float | None = None, compiled: float | None = None
+) -> tuple[Any, RunReport]:
     """Runs a built ``program`` over ``source`` (what :func:`run_with_report` does once it is built),
     64-bit data under :func:`~sharded_scan.dtypes.x64_scope` (restore, reads, steps, merge, finalize).
+
+    ``started`` (``time.perf_counter()``) and ``compiled`` (:func:`~sharded_scan.compile_cache.compile_seconds`)
+    at the run's start, for the report's ``seconds`` and ``compile_seconds``; None: now.
 
     Raises:
       UsageError, StorageError, Preempted: as :func:`run`.
     """
     with x64_scope(program.spec):
-        return _run_program(program, source, started)
+        return _run_program(program, source, started, compiled)
 
 
-def _run_program(program: Program, source: Source, started: float | None) -> tuple[Any, RunReport]:
+def _run_program(
+    program: Program, source: Source, started: float | None, compiled: float | None
+) -> tuple[Any, RunReport]:
     started = time.perf_counter() if started is None else started
+    compiled = compile_cache.compile_seconds() if compiled is None else compiled
     ckpt = as_checkpointer(program.options.checkpoint)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         agree_on_job(program, stop=watch.signal_name is not None)  # stop: a SIGTERM since the watch began
@@ -162,6 +173,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
         processes=jax.process_count(),
         mesh=dict(program.mesh.shape),
         nonfinite_values=nonfinite,
+        compile_seconds=compile_cache.compile_seconds() - compiled,
     )
     return result, report
 
@@ -253,6 +265,7 @@ def run_passes(
         merge_bytes=max(r.merge_bytes for r in reports),
         passes=len(reports),
         nonfinite_values=sum(r.nonfinite_values for r in reports),
+        compile_seconds=sum(r.compile_seconds for r in reports),
     )
 
 

@@ -1,5 +1,6 @@
 """Warm starts: the compilation_cache option, and a second process loading its programs from the cache."""
 
+import logging
 import os
 import pathlib
 
@@ -37,28 +38,67 @@ def fresh_sum():
     return ss.from_fn(body, jnp.zeros(3, jnp.float32))
 
 
-def test_a_second_run_loads_its_compiled_programs_from_the_cache(tmp_path):
+@pytest.fixture(scope="module")
+def cold_and_warm(tmp_path_factory):
+    """A job run twice through its own compilation cache: ``(x, (result, summary) cold, the same warm, the done:
+    lines logged)``."""
+    tmp_path = tmp_path_factory.mktemp("warm")
     x = np.arange(600, dtype=np.float32).reshape(200, 3)
     cache = tmp_path / "cache"
     before = jax.config.jax_compilation_cache_dir  # tests/conftest.py's, restored after
+    lines, log = Lines(), logging.getLogger("sharded_scan.workdir")
+    level = log.level
+    log.addHandler(lines), log.setLevel(logging.INFO)
     try:
         run = dict(compilation_cache=str(cache), checkpoint=False, mesh="data:2", microbatch=16)
-        got, cold = ss.run_in_workdir(fresh_sum(), x, tmp_path / "a", **run)
+        cold = ss.run_in_workdir(fresh_sum(), x, tmp_path / "a", **run)
         assert compile_cache.in_use() == str(cache) and os.listdir(cache)  # filled
-        assert cold["compilation_cache"]["programs"] > 0 and cold["compilation_cache"]["from_cache"] == 0
-        assert not cold["compiled_from_cache"] and cold["first_step_seconds"] > 0
-
-        again, warm = ss.run_in_workdir(fresh_sum(), x, tmp_path / "b", **run)
-        assert warm["compilation_cache"] == {"directory": str(cache), "programs": warm["compilation_cache"]["programs"],
-                                             "from_cache": warm["compilation_cache"]["programs"]}
-        assert warm["compiled_from_cache"] and warm["first_step_seconds"] > 0
-        np.testing.assert_array_equal(again, x.sum(0))
-        np.testing.assert_array_equal(got, again)
+        warm = ss.run_in_workdir(fresh_sum(), x, tmp_path / "b", **run)
 
         assert compile_cache.use(None) is None and compile_cache.in_use() is None  # off, process-wide
     finally:
+        log.removeHandler(lines), log.setLevel(level)
         compile_cache.use(before)
     assert compile_cache.in_use() == before
+    return x, cold, warm, [line for line in lines.messages if line.startswith("done: ")]
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_second_run_loads_its_compiled_programs_from_the_cache(cold_and_warm):
+    x, (got, cold), (again, warm), _ = cold_and_warm
+    directory = cold["compilation_cache"]["directory"]
+    assert cold["compilation_cache"]["programs"] > 0 and cold["compilation_cache"]["from_cache"] == 0
+    assert not cold["compiled_from_cache"] and cold["first_step_seconds"] > 0
+    assert warm["compilation_cache"] == {"directory": directory, "programs": warm["compilation_cache"]["programs"],
+                                         "from_cache": warm["compilation_cache"]["programs"]}
+    assert warm["compiled_from_cache"] and warm["first_step_seconds"] > 0
+    np.testing.assert_array_equal(again, x.sum(0))
+    np.testing.assert_array_equal(got, again)
+
+
+def test_the_done_line_tells_compiling_from_reading_and_computing(cold_and_warm):
+    # Issue 43: "done: 10000 rows in 1.75 s (642 rows/s) ... first step after 2.33 s": compiling counted as reading,
+    # and the first step's time (from before the run) longer than the run. Now each is said apart, and rows/s is
+    # over the reading and computing.
+    _, (_, cold), (_, warm), done = cold_and_warm
+    assert len(done) == 2, done
+    for summary, line in ((cold, done[0]), (warm, done[1])):
+        assert 0 < summary["compile_seconds"] < summary["seconds"]  # tracing, at least, even from the cache
+        assert summary["compute_seconds"] == pytest.approx(summary["seconds"] - summary["compile_seconds"])
+        assert summary["rows_per_second"] == pytest.approx(summary["rows_this_run"] / summary["compute_seconds"])
+        assert (f"done: 200 rows in {summary['seconds']:.2f} s (compiling {summary['compile_seconds']:.2f} s, "
+                f"reading and computing {summary['compute_seconds']:.2f} s: {summary['rows_per_second']:,.0f} rows/s)"
+                ) in line, line
+        assert "first step" not in line
+    assert "0 of " in done[0] and "programs from the compilation cache" in done[1]
 
 
 def test_a_cache_directory_that_cannot_be_written_is_one_line(tmp_path):
