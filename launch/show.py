@@ -6,8 +6,9 @@ r"""Prints a finished job's result as a table: ``sharded-scan show WORKDIR`` (``
     0   1000          0  0.0123685  0.996541  ...
 
 The table is ``result.csv``'s (:func:`launch.outputs.column_table`): one row per column of the data, wrapped
-into blocks that fit the terminal as pandas prints a wide frame; then the fields of one value (``count``, ``r2``)
-and any other array (quantile levels, bin edges, a Gram matrix) by name. It reads ``result.npz`` and
+into blocks that fit the terminal as pandas prints a wide frame (a ``GroupBy`` result: each key's table, the first
+:data:`MAX_KEYS`); then the fields of one value (``count``, ``r2``) and any other array (quantile levels, bin
+edges, a Gram matrix) by name. It reads ``result.npz`` and
 ``summary.json`` only, never the data, and needs no JAX device. A workdir that holds no finished result (no
 ``summary.json``, a missing or damaged ``result.npz``) is one ``error:`` line, status 2.
 """
@@ -28,6 +29,7 @@ from sharded_scan.workdir import CHECKPOINTS, EXIT_USAGE, RESULT, RESULT_DIGEST,
 
 USAGE = "usage: sharded-scan show WORKDIR   (python -m launch.show WORKDIR): prints the finished job's result"
 GAP = 2  # spaces between the table's columns
+MAX_KEYS = 20  # the GroupBy keys whose tables are printed
 
 
 def show_text(workdir: str, width: int = 80) -> str:
@@ -44,6 +46,11 @@ def show_text(workdir: str, width: int = 80) -> str:
     shown: set[str] = set()
     prefixes = [name[: -len("columns")] for name in arrays if name == "columns" or name.endswith(".columns")]
     for prefix in prefixes:  # a pytree of results (Describe of (X, y)): each part's table, under its name
+        parent = prefix[:-1].rpartition(".")[0]
+        keys = arrays.get(f"{parent}.keys".lstrip("."))
+        if keys is not None:  # GroupBy: the inner result's table of each key
+            shown |= by_key(arrays, prefix, keys, arrays.get(f"{parent}.rows".lstrip(".")), width, lines)
+            continue
         table = column_table(arrays, prefix)
         if table is None:
             continue
@@ -62,6 +69,30 @@ def show_text(workdir: str, width: int = 80) -> str:
         pad = max(len(label) for label in scalars) + GAP
         lines += [""] + [f"{label:<{pad}}{cell(value)}".rstrip() for label, value in scalars.items()]
     return "\n".join(lines)
+
+
+def by_key(arrays: dict[str, Any], prefix: str, keys: Any, rows: Any, width: int, lines: list[str]) -> set[str]:
+    """Appends to ``lines`` the table of each key of a ``GroupBy`` result (its inner result's arrays under
+    ``prefix``, each with a leading axis of one entry per key), the first :data:`MAX_KEYS` of them; returns the
+    names shown."""
+    inner = {name[len(prefix):]: np.asarray(a) for name, a in arrays.items()
+             if name.startswith(prefix) and "." not in name[len(prefix):]}
+    columns = inner.pop("columns")
+    keys = np.asarray(keys)
+    if any(a.ndim == 0 or a.shape[0] != len(keys) for a in inner.values()):
+        return set()
+    shown: set[str] = set()
+    for i, key in enumerate(keys.tolist()[:MAX_KEYS]):
+        table = column_table({**{name: a[i] for name, a in inner.items()}, "columns": columns})
+        if table is None:
+            return set()
+        held = f" ({int(np.asarray(rows)[i])} rows)" if rows is not None else ""
+        one = "".join(f", {label} {cell(v)}" for label, v in table.scalars.items())
+        lines += ["", f"key {cell(key)}{held}{one}:", *table_lines(table.index, table.header, table.rows, width)]
+        shown |= {prefix + name for name in table.fields}
+    if len(keys) > MAX_KEYS:
+        lines += ["", f"... and {len(keys) - MAX_KEYS} more keys ({RESULT} holds every one)"]
+    return shown | {prefix + "columns"}
 
 
 def finished_summary(workdir: str) -> dict[str, Any]:

@@ -126,6 +126,14 @@ def test_show_prints_the_finished_result_as_a_table(finished, frame, capsys):
     narrow = show_text(str(workdir), width=60).splitlines()  # wrapped in blocks, each within the width
     assert max(map(len, narrow[1:])) <= 60 and sum(line.split()[:1] == ["a"] for line in narrow) >= 2
 
+    by_key = {"result": {"count": np.array([2, 1]), "mean": np.array([[1.5, -2.0], [np.nan, 4.0]]),
+                         "columns": np.array(["u", "v"], dtype=object)},
+              "rows": np.array([2, 1]), "keys": np.array(["x", "y"], dtype=object)}  # a GroupBy(Moments) result's
+    write_outputs(str(workdir.parent / "grouped"), by_key, {"rows": 3}, "nothing")
+    grouped = show_text(str(workdir.parent / "grouped"), width=80).splitlines()
+    at = grouped.index("key y (1 rows), count 1:")  # each key's table, its fields of one value in its heading
+    assert [line.split() for line in grouped[at + 1: at + 4]] == [["mean"], ["u", "NaN"], ["v", "4"]]
+
     sys_argv = sys.argv
     try:  # the console script: sharded-scan show WORKDIR
         sys.argv = ["sharded-scan", "show", str(workdir)]
