@@ -22,7 +22,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
+from sharded_scan.checkpoint import (
+    Checkpointer,
+    CheckpointJob,
+    CheckpointOptions,
+    CheckpointSession,
+    Restored,
+    as_checkpointer,
+)
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.topk_strings import read_once, with_strings
@@ -132,17 +139,18 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
     ckpt = as_checkpointer(program.options.checkpoint)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         agree_on_job(program, stop=watch.signal_name is not None)  # stop: a SIGTERM since the watch began
+        session = None if ckpt is None else ckpt.open(checkpoint_job(program))  # the lease, damage set aside
         try:
-            start = _start(program, ckpt)
-            partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
+            start = _start(program, session)
+            partials, steps = fold_all(program, source, start, session, dog, started, watch)
         except BaseException as e:
-            if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
-                ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
-            elif ckpt is not None:
-                _close_quietly(ckpt, e)  # the first error is the one to report
+            if session is not None and jax.process_count() > 1 and is_peer_lost(e):
+                session.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+            elif session is not None:
+                _close_quietly(session, e)  # the first error is the one to report
             raise
-        if ckpt is not None:
-            ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+        if session is not None:
+            session.close()  # waits for the saves in flight; a failed one raises StorageError
     finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
                                         f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
@@ -156,7 +164,7 @@ def _run_program(program: Program, source: Source, started: float | None) -> tup
         steps=steps,
         resumed_from_cursor=start.cursor if start.meta else None,
         resumed_from_step=start.steps if start.meta else None,
-        checkpoints_written=0 if ckpt is None else ckpt.written,
+        checkpoints_written=0 if session is None else session.written,
         merge_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(partials)) // layout.num_shards,
         devices=program.mesh.size,
         processes=jax.process_count(),
@@ -281,19 +289,25 @@ def check_rereadable(source: Source) -> None:
         )
 
 
-def _close_quietly(ckpt: Checkpointer, error: BaseException) -> None:
+def _close_quietly(session: CheckpointSession, error: BaseException) -> None:
     try:
-        ckpt.close()
+        session.close()
     except Exception as e:  # noqa: BLE001 - ``error`` is already on its way out
         if e is not error:
             _log.warning("while stopping: %s", e)
 
 
-def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
+def checkpoint_job(program: Program) -> CheckpointJob:
+    """What the checkpointer needs of ``program``'s job: its partials, fingerprint and layout, its relayout
+    of partials written on another layout, and what a compact save writes."""
+    return CheckpointJob(program.like, program.fingerprint, program.shape_meta, functools.partial(relayout, program),
+                         functools.partial(compact, program))
+
+
+def _start(program: Program, session: CheckpointSession | None) -> Restored:
     """The latest checkpoint of the job, or identity partials at row 0 (``meta`` empty)."""
-    if ckpt is not None:
-        restored = ckpt.restore_latest(program.like, program.fingerprint, functools.partial(relayout, program),
-                                       program.shape_meta, functools.partial(compact, program))
+    if session is not None:
+        restored = session.restore_latest()
         if restored is not None:
             return restored
     return Restored(program.init(), 0, 0, {}, {})
@@ -319,8 +333,8 @@ class _Health:
 
 
 def fold_all(
-    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float,
-    watch: PreemptionWatch | None = None,
+    program: Program, source: Source, start: Restored, ckpt: CheckpointSession | None, dog: Watchdog,
+    started: float, watch: PreemptionWatch | None = None,
 ) -> tuple[PyTree, int]:
     """Folds every step from ``start.cursor`` on; saves between steps; stops on SIGTERM/SIGINT.
 
