@@ -45,7 +45,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -73,12 +73,17 @@ VERIFY_DATA = ("stamps", "digest")
 class CheckpointOptions:
     """Where and how often :func:`sharded_scan.run` checkpoints.
 
+    ``checkpoint=`` takes it, or a directory (these options' defaults there), or None (no
+    checkpoints), the same in :func:`sharded_scan.run` and :func:`sharded_scan.run_in_workdir`;
+    a workdir keeps its checkpoints in ``WORKDIR/checkpoints``, so there it names no directory.
+
     Attributes:
       directory: the checkpoint directory (shared by every process): a local path
         (``str``, ``pathlib.Path``, ``epath.Path``) or a URL such as ``gs://bucket/dir``
         (where orbax, through etils.epath, can write it). Running the same job again with
         it resumes from its latest checkpoint. One job at a time may use it (a lease in
-        ``directory/lock.json``; advisory on a remote store).
+        ``directory/lock.json``; advisory on a remote store). None (the default): the
+        workdir's ``checkpoints/`` under :func:`sharded_scan.run_in_workdir`; ``run`` needs one.
       every_steps: save after this many steps; None for no step-based saves.
       every_seconds: save when this many seconds passed since the last save; None for
         no time-based saves.
@@ -122,7 +127,7 @@ class CheckpointOptions:
         resumes whatever this option says.
     """
 
-    directory: str | os.PathLike
+    directory: str | os.PathLike | None = None
     every_steps: int | None = None
     every_seconds: float | None = 600.0
     keep: int = 2
@@ -134,9 +139,11 @@ class CheckpointOptions:
     compact: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
-            raise UsageError(f"checkpoint directory must be a path, got {self.directory!r}.")
-        as_path(self.directory)  # a URL epath cannot open is one line now
+        if self.directory is not None and (not isinstance(self.directory, (str, os.PathLike))
+                                           or not str(self.directory)):
+            raise UsageError(f"checkpoint directory must be a path or None, got {self.directory!r}.")
+        if self.directory is not None:
+            as_path(self.directory)  # a URL epath cannot open is one line now
         for name in ("every_steps", "every_seconds", "keep", "per_job"):
             value = getattr(self, name)
             if value is None and name != "keep":
@@ -526,16 +533,38 @@ def intact(root: Any, failed: int) -> str:
 
 
 def as_checkpointer(checkpoint: Any) -> Checkpointer | None:
-    """Accepts None, a path, :class:`CheckpointOptions` or a :class:`Checkpointer`."""
+    """``checkpoint=`` of :func:`sharded_scan.run`: None, a directory or :class:`CheckpointOptions` naming
+    one (a :class:`Checkpointer`, a workdir's, as it is).
+
+    Raises:
+      UsageError: anything else (the workdir's old True, False or dict of fields: their new spelling),
+        options that name no directory, or a directory that is not writable.
+    """
     if checkpoint is None or isinstance(checkpoint, Checkpointer):
         return checkpoint
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = CheckpointOptions(os.fspath(checkpoint))
     if not isinstance(checkpoint, CheckpointOptions):
-        raise UsageError(
-            "checkpoint must be None, a directory, CheckpointOptions or a Checkpointer; "
-            f"got {type(checkpoint).__name__}."
-        )
+        raise not_an_option(checkpoint, "None, a directory or sharded_scan.CheckpointOptions(directory, ...)",
+                            "'DIR'", "CheckpointOptions('DIR', ")
+    if checkpoint.directory is None:
+        raise UsageError("checkpoint=CheckpointOptions(...) names no directory, and only run_in_workdir has one of "
+                         "its own (WORKDIR/checkpoints): give it one, checkpoint=sharded_scan.CheckpointOptions('DIR', "
+                         "...), or use run_in_workdir.")
     check_writable(where(checkpoint.directory))
     return Checkpointer(checkpoint)
 
+
+def not_an_option(checkpoint: Any, takes: str, true: str, fields: str) -> UsageError:
+    """The one line for a ``checkpoint=`` of another type: what it takes, and, for the retired
+    spellings (``True``, ``False``, a dict of :class:`CheckpointOptions` fields), the new one
+    (``true``: what ``True`` is now; ``fields``: how a call of CheckpointOptions with fields opens)."""
+    if isinstance(checkpoint, bool):
+        new = f"checkpoint={true}" if checkpoint else "checkpoint=None"
+    elif isinstance(checkpoint, Mapping):
+        args = ", ".join(f"{k}={v!r}" for k, v in checkpoint.items())
+        new = f"checkpoint=sharded_scan.{fields}{args})".replace(", )", ")")
+    else:
+        return UsageError(f"checkpoint must be {takes}; got {type(checkpoint).__name__}.")
+    return UsageError(f"checkpoint must be {takes}, the same in run and run_in_workdir; got {checkpoint!r}: "
+                      f"write {new}.")

@@ -25,7 +25,6 @@ import numpy as np
 from sharded_scan.checkpoint import (
     Checkpointer,
     CheckpointJob,
-    CheckpointOptions,
     CheckpointSession,
     Restored,
     as_checkpointer,
@@ -114,10 +113,20 @@ def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **over
 def run_with_report(
     combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
 ) -> tuple[Any, RunReport]:
-    """Like :func:`run`, also returning a :class:`RunReport` of what the run did."""
+    """Like :func:`run`, also returning a :class:`RunReport` of what the run did.
+
+    A reduction that reads the data several times (a
+    :class:`~sharded_scan.combiners.passes.MultiPass`, e.g. ``Quantiles(exact=True)``) runs pass
+    by pass, each an ordinary run with the same options; pass ``i`` checkpoints in the
+    subdirectory ``pass{i}`` of the checkpoint directory, so a killed job run again returns the
+    finished passes' results from their final checkpoints at once and resumes the pass it was
+    in. Its report sums the passes' rows, steps, seconds and checkpoints (``rows_this_run``
+    counts every row read over all passes) and gives their number in ``passes``.
+    """
     options = RunOptions.make(options, **overrides)
     if reads_several_times(combiner):
-        return run_passes(combiner, data, options)
+        return _run_passes(combiner, data, options)
+    as_checkpointer(options.checkpoint)  # a bad checkpoint= is one line before anything is built
     started = time.perf_counter()
     source = as_source(data)
     return run_program(build_program(combiner, source, options), source, started)
@@ -216,26 +225,9 @@ def agree_on_job(program: Program, workdir: str | None = None, stop: bool = Fals
           "with cp -p or rsync -a)", stop)
 
 
-def run_passes(
-    reduction: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
-) -> tuple[Any, RunReport]:
-    """Runs a reduction that reads the data several times (e.g. ``Quantiles(exact=True)``), or any combiner once.
-
-    Each pass is an ordinary run with the same options; pass ``i`` checkpoints in the
-    subdirectory ``pass{i}`` of the checkpoint directory, so a killed job run again
-    returns the finished passes' results from their final checkpoints at once and
-    resumes the pass it was in. :func:`run` and :func:`run_with_report` call this for a
-    :class:`~sharded_scan.combiners.passes.MultiPass`.
-
-    Returns:
-      ``(result, report)``: the report sums the passes' rows, steps, seconds and
-      checkpoints (``rows_this_run`` counts every row read over all passes) and gives
-      their number in ``passes``.
-    """
-    options = RunOptions.make(options, **overrides)
-    if not reads_several_times(reduction):
-        return run_with_report(reduction, data, options)  # one pass
-    pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
+def _run_passes(reduction: Combiner, data: Any, options: RunOptions) -> tuple[Any, RunReport]:
+    """Runs a reduction that reads the data several times, pass by pass (:func:`run_with_report`)."""
+    ckpt = as_checkpointer(options.checkpoint)  # a bad checkpoint option is refused before any compute
     source = as_source(data)  # once: each pass reads it from row 0
     check_rereadable(source)
     started = time.perf_counter()
@@ -244,7 +236,7 @@ def run_passes(
     try:
         combiner = next(plan)
         while True:
-            checkpoint = pass_checkpoint(options.checkpoint, len(reports) + 1)
+            checkpoint = pass_checkpoint(ckpt, len(reports) + 1)
             result, report = run_with_report(combiner, source, dataclasses.replace(options, checkpoint=checkpoint))
             reports.append(report)
             combiner = plan.send(result)
@@ -264,20 +256,12 @@ def run_passes(
     )
 
 
-def pass_checkpoint(checkpoint: Any, index: int) -> Any:
-    """The checkpoint option of pass ``index`` (from 1): its own subdirectory ``pass{index}``."""
-    if checkpoint is None:
+def pass_checkpoint(ckpt: Checkpointer | None, index: int) -> Checkpointer | None:
+    """The checkpointer of pass ``index`` (from 1): its own subdirectory ``pass{index}``, under the same lease."""
+    if ckpt is None:
         return None
-    if isinstance(checkpoint, (str, os.PathLike)):
-        return os.path.join(os.fspath(checkpoint), f"pass{index}")
-    if isinstance(checkpoint, CheckpointOptions):
-        return dataclasses.replace(checkpoint, directory=os.path.join(os.fspath(checkpoint.directory), f"pass{index}"))
-    if isinstance(checkpoint, Checkpointer):  # a workdir's: the pass's own, under the same lease
-        return Checkpointer(pass_checkpoint(checkpoint.options, index), leased=checkpoint.leased)
-    raise UsageError(
-        "a reduction of several passes checkpoints each pass in its own subdirectory: pass checkpoint= "
-        f"a directory, CheckpointOptions or a Checkpointer, not a {type(checkpoint).__name__}."
-    )
+    return Checkpointer(dataclasses.replace(ckpt.options, directory=os.path.join(ckpt.directory, f"pass{index}")),
+                        leased=ckpt.leased)
 
 
 def check_rereadable(source: Source) -> None:

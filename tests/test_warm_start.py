@@ -42,7 +42,7 @@ def test_a_second_run_loads_its_compiled_programs_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     before = jax.config.jax_compilation_cache_dir  # tests/conftest.py's, restored after
     try:
-        run = dict(compilation_cache=str(cache), checkpoint=False, mesh="data:2", microbatch=16)
+        run = dict(compilation_cache=str(cache), checkpoint=None, mesh="data:2", microbatch=16)
         got, cold = ss.run_in_workdir(fresh_sum(), x, tmp_path / "a", **run)
         assert compile_cache.in_use() == str(cache) and os.listdir(cache)  # filled
         assert cold["compilation_cache"]["programs"] > 0 and cold["compilation_cache"]["from_cache"] == 0
