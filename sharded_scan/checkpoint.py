@@ -231,6 +231,7 @@ def take_lease(directory: str, job: str, force: bool) -> Lease | None:
         raise UsageError(problem)
     return lease
 
+
 class CheckpointJob(NamedTuple):
     """The job whose checkpoints :meth:`Checkpointer.open` opens: what a restore and a save need of it."""
 
@@ -337,7 +338,7 @@ class CheckpointSession:
           UsageError: the latest checkpoint belongs to another job, or its data changed (never skipped).
           StorageError: a damaged checkpoint cannot be set aside.
         """
-        while (cursor := self._store.latest_step()) is not None:
+        while (cursor := self._live().latest_step()) is not None:
             restored, problem = None, None
             try:
                 restored, verified = self._read(cursor)
@@ -386,6 +387,7 @@ class CheckpointSession:
             (checked first, on every process), or an earlier save failed.
         """
         self.raise_failure()
+        store = self._live()
         shape = self._job.shape
         if self.options.compact:
             partials, shape = self._job.compact(partials)
@@ -398,7 +400,7 @@ class CheckpointSession:
             raise storage_error(f"save the checkpoint at row {cursor} in {self.directory}", code,
                                 self._intact(cursor), needed)
         try:
-            self._store.save(cursor, partials, meta, states)
+            store.save(cursor, partials, meta, states)
         except Exception as e:
             code = storage_reason(e)
             if code is None:
@@ -439,7 +441,6 @@ class CheckpointSession:
     def _intact(self, failed: int) -> str:
         """What a failed save at ``failed`` leaves: the checkpoint before it, or none."""
         return intact(self._root, failed)
-
 
     def _check_job(self, meta: dict[str, Any], fingerprint: dict[str, Any]) -> None:
         """Refuses a checkpoint of another job, or of data that changed since (unless told to ignore it)."""
@@ -517,6 +518,13 @@ class CheckpointSession:
                 raise self._failure
         finally:
             self._release()
+
+    def _live(self) -> Store:
+        """The open store (a session closed or abandoned has none: a programming error, not a user's)."""
+        if self._store is None:
+            raise RuntimeError(f"the checkpoint session of {self.directory} is closed; open the job's checkpoints "
+                               "again with Checkpointer.open.")
+        return self._store
 
     def _release(self) -> None:
         if self._lease is not None:
