@@ -61,7 +61,7 @@ import numpy as np
 
 import sharded_scan as ss
 from sharded_scan import program as pg
-from sharded_scan.checkpoint import Checkpointer, CheckpointOptions
+from sharded_scan.checkpoint import Checkpointer, CheckpointJob, CheckpointOptions, CheckpointSession
 from sharded_scan.combiners.sums import round_up
 from sharded_scan.paths import as_path
 from sharded_scan.relayout import (
@@ -169,14 +169,15 @@ def disk_bytes(directory: str) -> int:
 
 
 def checkpointer(prog: pg.Program, directory: str, compact_saves: bool, saves=compact):
-    """A Checkpointer of ``prog``'s job in ``directory``, opened: its latest checkpoint restored (on the devices);
+    """``prog``'s checkpoints in ``directory``, opened: its latest checkpoint restored (on the devices);
     a compact save writes ``saves(prog, partials)``."""
     ckpt = Checkpointer(CheckpointOptions(directory, every_steps=1, every_seconds=None, keep=1, compact=compact_saves))
-    restored = ckpt.restore_latest(prog.like, prog.fingerprint, functools.partial(relayout, prog), prog.shape_meta,
-                                   functools.partial(saves, prog))
+    session = ckpt.open(CheckpointJob(prog.like, prog.fingerprint, prog.shape_meta, functools.partial(relayout, prog),
+                                      functools.partial(saves, prog)))
+    restored = session.restore_latest()
     if restored is not None:
         jax.block_until_ready(restored.partials)
-    return ckpt
+    return session
 
 
 def checkpoint_point(name: str, shards: int, rows: int) -> dict:
@@ -204,7 +205,7 @@ def checkpoint_point(name: str, shards: int, rows: int) -> dict:
     return out
 
 
-def save_seconds(ckpt: Checkpointer, partials, repeats: int = 1) -> float:
+def save_seconds(ckpt: CheckpointSession, partials, repeats: int = 1) -> float:
     """A save's seconds until written (best of ``repeats``), after a first save compiled what a save runs
     (compact: the merge); closes ``ckpt``."""
     ckpt.save(16, 1, partials, {})

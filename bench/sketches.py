@@ -102,7 +102,7 @@ def quantiles(n: int, k: int) -> list[dict]:
             "bitwise_equal_to_uninterrupted": bool(np.array_equal(resumed.quantiles, uninterrupted.quantiles)),
         }
         start = time.perf_counter()
-        got, _ = ss.run_passes(exact, x, mesh="data:8")
+        got, _ = ss.run_with_report(exact, x, mesh="data:8")
         want = np.quantile(sorted_x, exact.qs, method="lower")
         row["exact"] = {"equal_to_numpy_lower": bool(np.array_equal(got.quantiles, want)), "passes": int(got.passes),
                         "seconds": time.perf_counter() - start}

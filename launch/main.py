@@ -47,6 +47,7 @@ from launch.logs import ProgressLog, set_up_logging
 from launch.metrics import MetricsWriter, ProfileWindow, combine, parse_steps, tensorboardx_installed
 from launch.outputs import result_files
 from sharded_scan import distributed
+from sharded_scan.checkpoint import CheckpointOptions
 from sharded_scan.errors import UsageError
 from sharded_scan.paths import as_path, where
 from sharded_scan.workdir import EXIT_USAGE, exits, row_bytes, run_in_workdir
@@ -153,7 +154,8 @@ def run_job(
     ck = config.checkpoint
     result, summary = run_in_workdir(
         combiner, source, workdir, run_options(config, progress=progress, step_timeout=step_timeout),
-        checkpoint=ck.enabled and {k: v for k, v in ck.items() if k != "enabled"}, force_unlock=force_unlock,
+        checkpoint=CheckpointOptions(**{k: v for k, v in ck.items() if k != "enabled"}) if ck.enabled else None,
+        force_unlock=force_unlock,
         record={"distributed": started_as, "config": json.loads(json.dumps(config.to_dict(), default=repr))},
         outputs=result_files(combiner),
     )

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from sharded_scan.checkpoint import COMMIT_MARKER
+from sharded_scan.checkpoint_store import COMMIT_MARKER
 from sharded_scan.errors import UsageError
 from sharded_scan.watchdog import EXIT_PEER_LOST
 

@@ -1,4 +1,14 @@
-"""sharded_scan: exact, restartable reductions over huge datasets on many devices."""
+"""sharded_scan: exact, restartable reductions over huge datasets on many devices.
+
+Running: :func:`run`, :func:`run_with_report`, :func:`run_in_workdir`, with :class:`RunOptions`
+and ``checkpoint=`` None, a directory or :class:`CheckpointOptions` (the same in all three).
+What it raises to you, each one line: :class:`UsageError` (your input or options; its
+:class:`NonFiniteError`: NaN or Inf met ``nan_policy="raise"``), :class:`StorageError` (the storage
+refused a write), :class:`Preempted` (SIGTERM or SIGINT; a checkpoint was saved),
+:class:`Terminated` (SIGTERM before the first step, or with no checkpoints) and :class:`ReadError`
+(the data could not be read; the cause chained). Your own :class:`Combiner` counts rows exactly
+past 2^31 with :mod:`counts` (``counts.zeros()``, ``counts.count_rows(acc, mask)``, ``counts.to_int``).
+"""
 
 from sharded_scan.checkpoint import CheckpointOptions
 from sharded_scan.combiners import (
@@ -23,11 +33,14 @@ from sharded_scan.combiners import (
     from_fn,
     hash_strings,
 )
-from sharded_scan.distributed import Preempted
-from sharded_scan.engine import Progress, RunReport, run, run_passes, run_with_report
+from sharded_scan.combiners import wide as counts
+from sharded_scan.combiners.wrappers import NonFiniteError
+from sharded_scan.distributed import Preempted, Terminated
+from sharded_scan.engine import Progress, RunReport, run, run_with_report
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.mesh import make_mesh
 from sharded_scan.options import RunOptions
+from sharded_scan.prefetch import ReadError
 from sharded_scan.workdir import run_in_workdir
 
 __all__ = [
@@ -45,22 +58,25 @@ __all__ = [
     "Histogram",
     "LinearRegression",
     "Moments",
+    "NonFiniteError",
     "Preempted",
     "Progress",
     "Quantiles",
+    "ReadError",
     "RunOptions",
     "RunReport",
     "StorageError",
     "Sum",
+    "Terminated",
     "TopK",
     "UsageError",
     "Weighted",
+    "counts",
     "from_datasketches",
     "from_fn",
     "hash_strings",
     "make_mesh",
     "run",
     "run_in_workdir",
-    "run_passes",
     "run_with_report",
 ]

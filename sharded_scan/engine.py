@@ -23,7 +23,13 @@ import jax
 import numpy as np
 
 from sharded_scan import compile_cache
-from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, Restored, as_checkpointer
+from sharded_scan.checkpoint import (
+    Checkpointer,
+    CheckpointJob,
+    CheckpointSession,
+    Restored,
+    as_checkpointer,
+)
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.topk_strings import read_once, with_strings
@@ -110,10 +116,20 @@ def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **over
 def run_with_report(
     combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
 ) -> tuple[Any, RunReport]:
-    """Like :func:`run`, also returning a :class:`RunReport` of what the run did."""
+    """Like :func:`run`, also returning a :class:`RunReport` of what the run did.
+
+    A reduction that reads the data several times (a
+    :class:`~sharded_scan.combiners.passes.MultiPass`, e.g. ``Quantiles(exact=True)``) runs pass
+    by pass, each an ordinary run with the same options; pass ``i`` checkpoints in the
+    subdirectory ``pass{i}`` of the checkpoint directory, so a killed job run again returns the
+    finished passes' results from their final checkpoints at once and resumes the pass it was
+    in. Its report sums the passes' rows, steps, seconds and checkpoints (``rows_this_run``
+    counts every row read over all passes) and gives their number in ``passes``.
+    """
     options = RunOptions.make(options, **overrides)
     if reads_several_times(combiner):
-        return run_passes(combiner, data, options)
+        return _run_passes(combiner, data, options)
+    as_checkpointer(options.checkpoint)  # a bad checkpoint= is one line before anything is built
     started, compiled = time.perf_counter(), compile_cache.compile_seconds()
     source = as_source(data)
     return run_program(build_program(combiner, source, options), source, started, compiled)
@@ -143,17 +159,18 @@ def _run_program(
     ckpt = as_checkpointer(program.options.checkpoint)
     with Watchdog(program.options.step_timeout) as dog, PreemptionWatch(enabled=ckpt is not None) as watch:
         agree_on_job(program, stop=watch.signal_name is not None)  # stop: a SIGTERM since the watch began
+        session = None if ckpt is None else ckpt.open(checkpoint_job(program))  # the lease, damage set aside
         try:
-            start = _start(program, ckpt)
-            partials, steps = fold_all(program, source, start, ckpt, dog, started, watch)
+            start = _start(program, session)
+            partials, steps = fold_all(program, source, start, session, dog, started, watch)
         except BaseException as e:
-            if ckpt is not None and jax.process_count() > 1 and is_peer_lost(e):
-                ckpt.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
-            elif ckpt is not None:
-                _close_quietly(ckpt, e)  # the first error is the one to report
+            if session is not None and jax.process_count() > 1 and is_peer_lost(e):
+                session.abandon()  # a save in flight would wait for the dead peer until the heartbeat aborts us
+            elif session is not None:
+                _close_quietly(session, e)  # the first error is the one to report
             raise
-        if ckpt is not None:
-            ckpt.close()  # waits for the saves in flight; a failed one raises StorageError
+        if session is not None:
+            session.close()  # waits for the saves in flight; a failed one raises StorageError
     finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
                                         f"{ckpt.directory} is saved; merging and writing the result"))
     merged = to_host(program.merge(partials))
@@ -167,7 +184,7 @@ def _run_program(
         steps=steps,
         resumed_from_cursor=start.cursor if start.meta else None,
         resumed_from_step=start.steps if start.meta else None,
-        checkpoints_written=0 if ckpt is None else ckpt.written,
+        checkpoints_written=0 if session is None else session.written,
         merge_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(partials)) // layout.num_shards,
         devices=program.mesh.size,
         processes=jax.process_count(),
@@ -220,26 +237,9 @@ def agree_on_job(program: Program, workdir: str | None = None, stop: bool = Fals
           "with cp -p or rsync -a)", stop)
 
 
-def run_passes(
-    reduction: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any
-) -> tuple[Any, RunReport]:
-    """Runs a reduction that reads the data several times (e.g. ``Quantiles(exact=True)``), or any combiner once.
-
-    Each pass is an ordinary run with the same options; pass ``i`` checkpoints in the
-    subdirectory ``pass{i}`` of the checkpoint directory, so a killed job run again
-    returns the finished passes' results from their final checkpoints at once and
-    resumes the pass it was in. :func:`run` and :func:`run_with_report` call this for a
-    :class:`~sharded_scan.combiners.passes.MultiPass`.
-
-    Returns:
-      ``(result, report)``: the report sums the passes' rows, steps, seconds and
-      checkpoints (``rows_this_run`` counts every row read over all passes) and gives
-      their number in ``passes``.
-    """
-    options = RunOptions.make(options, **overrides)
-    if not reads_several_times(reduction):
-        return run_with_report(reduction, data, options)  # one pass
-    pass_checkpoint(options.checkpoint, 1)  # a bad checkpoint option is refused before any compute
+def _run_passes(reduction: Combiner, data: Any, options: RunOptions) -> tuple[Any, RunReport]:
+    """Runs a reduction that reads the data several times, pass by pass (:func:`run_with_report`)."""
+    ckpt = as_checkpointer(options.checkpoint)  # a bad checkpoint option is refused before any compute
     source = as_source(data)  # once: each pass reads it from row 0
     check_rereadable(source)
     started = time.perf_counter()
@@ -248,7 +248,7 @@ def run_passes(
     try:
         combiner = next(plan)
         while True:
-            checkpoint = pass_checkpoint(options.checkpoint, len(reports) + 1)
+            checkpoint = pass_checkpoint(ckpt, len(reports) + 1)
             result, report = run_with_report(combiner, source, dataclasses.replace(options, checkpoint=checkpoint))
             reports.append(report)
             combiner = plan.send(result)
@@ -269,20 +269,12 @@ def run_passes(
     )
 
 
-def pass_checkpoint(checkpoint: Any, index: int) -> Any:
-    """The checkpoint option of pass ``index`` (from 1): its own subdirectory ``pass{index}``."""
-    if checkpoint is None:
+def pass_checkpoint(ckpt: Checkpointer | None, index: int) -> Checkpointer | None:
+    """The checkpointer of pass ``index`` (from 1): its own subdirectory ``pass{index}``, under the same lease."""
+    if ckpt is None:
         return None
-    if isinstance(checkpoint, (str, os.PathLike)):
-        return os.path.join(os.fspath(checkpoint), f"pass{index}")
-    if isinstance(checkpoint, CheckpointOptions):
-        return dataclasses.replace(checkpoint, directory=os.path.join(os.fspath(checkpoint.directory), f"pass{index}"))
-    if isinstance(checkpoint, Checkpointer):  # a workdir's: the pass's own, under the same lease
-        return Checkpointer(pass_checkpoint(checkpoint.options, index), leased=checkpoint.leased)
-    raise UsageError(
-        "a reduction of several passes checkpoints each pass in its own subdirectory: pass checkpoint= "
-        f"a directory, CheckpointOptions or a Checkpointer, not a {type(checkpoint).__name__}."
-    )
+    return Checkpointer(dataclasses.replace(ckpt.options, directory=os.path.join(ckpt.directory, f"pass{index}")),
+                        leased=ckpt.leased)
 
 
 def check_rereadable(source: Source) -> None:
@@ -294,19 +286,25 @@ def check_rereadable(source: Source) -> None:
         )
 
 
-def _close_quietly(ckpt: Checkpointer, error: BaseException) -> None:
+def _close_quietly(session: CheckpointSession, error: BaseException) -> None:
     try:
-        ckpt.close()
+        session.close()
     except Exception as e:  # noqa: BLE001 - ``error`` is already on its way out
         if e is not error:
             _log.warning("while stopping: %s", e)
 
 
-def _start(program: Program, ckpt: Checkpointer | None) -> Restored:
+def checkpoint_job(program: Program) -> CheckpointJob:
+    """What the checkpointer needs of ``program``'s job: its partials, fingerprint and layout, its relayout
+    of partials written on another layout, and what a compact save writes."""
+    return CheckpointJob(program.like, program.fingerprint, program.shape_meta, functools.partial(relayout, program),
+                         functools.partial(compact, program))
+
+
+def _start(program: Program, session: CheckpointSession | None) -> Restored:
     """The latest checkpoint of the job, or identity partials at row 0 (``meta`` empty)."""
-    if ckpt is not None:
-        restored = ckpt.restore_latest(program.like, program.fingerprint, functools.partial(relayout, program),
-                                       program.shape_meta, functools.partial(compact, program))
+    if session is not None:
+        restored = session.restore_latest()
         if restored is not None:
             return restored
     return Restored(program.init(), 0, 0, {}, {})
@@ -332,8 +330,8 @@ class _Health:
 
 
 def fold_all(
-    program: Program, source: Source, start: Restored, ckpt: Checkpointer | None, dog: Watchdog, started: float,
-    watch: PreemptionWatch | None = None,
+    program: Program, source: Source, start: Restored, ckpt: CheckpointSession | None, dog: Watchdog,
+    started: float, watch: PreemptionWatch | None = None,
 ) -> tuple[PyTree, int]:
     """Folds every step from ``start.cursor`` on; saves between steps; stops on SIGTERM/SIGINT.
 

@@ -44,7 +44,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan import compile_cache
-from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
+from sharded_scan.admission import check_fits
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.pca import PCA

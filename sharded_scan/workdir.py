@@ -37,12 +37,12 @@ import jax
 import numpy as np
 
 from sharded_scan import compile_cache
-from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, take_lease
+from sharded_scan.checkpoint import Checkpointer, CheckpointOptions, not_an_option, take_lease
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.results import json_text, json_value
 from sharded_scan.digest import stream_digest
 from sharded_scan.distributed import Preempted, Terminated, gather_json
-from sharded_scan.engine import RunReport, agree_on_job, run_passes, run_program
+from sharded_scan.engine import RunReport, agree_on_job, run_program, run_with_report
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.identity import files_difference, job_digest
 from sharded_scan.options import RunOptions
@@ -66,8 +66,8 @@ EXIT_TERMINATED = 143   # SIGTERM while a run without checkpoints folded: nothin
 
 def run_in_workdir(
     combiner: Any, data: Any, workdir: str | os.PathLike, options: RunOptions | None = None, *,
-    checkpoint: bool | Mapping[str, Any] = True, force_unlock: bool = False, record: Mapping[str, Any] | None = None,
-    outputs: Mapping[str, Render] | None = None, **overrides: Any,
+    checkpoint: CheckpointOptions | None = CheckpointOptions(), force_unlock: bool = False,  # noqa: B008 - frozen
+    record: Mapping[str, Any] | None = None, outputs: Mapping[str, Render] | None = None, **overrides: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Runs ``combiner`` over ``data`` in ``workdir``, or returns the result already there.
 
@@ -77,11 +77,11 @@ def run_in_workdir(
         manager (:func:`sharded_scan.progress.combine`) is entered around the run only,
         not when the job is already done.
       workdir: a local path or a URL (``gs://...``).
-      checkpoint: True (the defaults), False (none: a rerun starts afresh), or the
-        :class:`~sharded_scan.CheckpointOptions` fields other than ``directory`` and
-        ``force_unlock`` (``{"every_steps": 50}``).
+      checkpoint: as in :func:`sharded_scan.run`: :class:`~sharded_scan.CheckpointOptions`
+        (default: its defaults), which here name no directory (the workdir's ``checkpoints/``),
+        e.g. ``CheckpointOptions(every_steps=50)``; None: no checkpoints (a rerun starts afresh).
       force_unlock: take the workdir even though its lock file names a running job
-        (only when you know that job is gone).
+        (only when you know that job is gone; ``CheckpointOptions(force_unlock=True)`` too).
       record: more fields for ``summary.json`` (the launcher's config).
       outputs: more files beside ``result.npz``, ``{name: render}``: ``render(result)``
         gives a file's text or bytes, None where the result has none (the launcher's
@@ -105,9 +105,11 @@ def run_in_workdir(
     options = RunOptions.make(options, **overrides)
     user_progress, options = options.progress, first_step.watching(options)
     if options.checkpoint is not None:
-        raise UsageError(f"a workdir keeps its checkpoints in {CHECKPOINTS}/: pass run_in_workdir(checkpoint=True, "
-                         "False or CheckpointOptions fields), not the checkpoint option.")
+        raise UsageError(f"a workdir keeps its checkpoints in {CHECKPOINTS}/: pass run_in_workdir(checkpoint="
+                         "sharded_scan.CheckpointOptions(...)) naming no directory, or checkpoint=None, not "
+                         "RunOptions(checkpoint=...).")
     checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
+    force_unlock = force_unlock or (checkpointer is not None and checkpointer.options.force_unlock)
     source = as_source(data)
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     if checkpointer is not None:  # verify_data="digest": the files' digests, read once for both uses
@@ -127,7 +129,7 @@ def run_in_workdir(
     try:
         with _entered(user_progress):
             if reads_several_times(combiner):  # e.g. Quantiles(exact=True)
-                result, report = run_passes(combiner, source, program.options)
+                result, report = run_with_report(combiner, source, program.options)  # pass by pass
             else:
                 result, report = run_program(program, source)
         cache = warm_start(first_step.seconds, cached_before)
@@ -204,7 +206,7 @@ def _refuse_changed(root: Any, changed: str, checkpointer: Checkpointer | None) 
         f"{root} holds this job's result, computed before the data changed: {changed}; to reduce the new data, "
         f"use a new workdir (or delete {RESULT}, {SUMMARY} and {CHECKPOINTS}/ here); if the rows are the same (a "
         "copy that lost its times), rerun with --config.checkpoint.ignore_changed_data=true "
-        "(run_in_workdir(checkpoint={'ignore_changed_data': True}))."
+        "(run_in_workdir(checkpoint=sharded_scan.CheckpointOptions(ignore_changed_data=True)))."
     )
 
 
@@ -228,20 +230,24 @@ def _entered(progress: Any) -> Iterator[None]:
     progress.__exit__(None, None, None)
 
 
-def _checkpointer(directory: str, checkpoint: bool | Mapping[str, Any]) -> Checkpointer | None:
-    """The workdir's checkpointer (under the workdir's lease), or None."""
-    if checkpoint is False or checkpoint is None:
+def _checkpointer(directory: str, checkpoint: Any) -> Checkpointer | None:
+    """The workdir's checkpointer (in ``directory``, under the workdir's lease), or None.
+
+    Raises:
+      UsageError: ``checkpoint`` is not None or :class:`CheckpointOptions` (the old True, False or dict of
+        fields: their new spelling), or it names another directory.
+    """
+    if checkpoint is None:
         return None
-    fields = {} if checkpoint is True else checkpoint
-    if not isinstance(fields, Mapping):
-        raise UsageError(f"checkpoint must be True, False or a dict of CheckpointOptions fields; got "
-                         f"{type(checkpoint).__name__}.")
-    try:
-        return Checkpointer(CheckpointOptions(directory, **fields), leased=True)
-    except TypeError:
-        names = [f.name for f in dataclasses.fields(CheckpointOptions) if f.name not in ("directory", "force_unlock")]
-        raise UsageError(f"checkpoint takes the CheckpointOptions fields {', '.join(names)}; got "
-                         f"{', '.join(map(str, fields))}.") from None
+    if not isinstance(checkpoint, (CheckpointOptions, str, os.PathLike)):
+        raise not_an_option(checkpoint, "None or sharded_scan.CheckpointOptions(...) naming no directory (the "
+                            "workdir's checkpoints/)", "sharded_scan.CheckpointOptions()", "CheckpointOptions(")
+    named = checkpoint if not isinstance(checkpoint, CheckpointOptions) else checkpoint.directory
+    if named is not None and where(named) != where(directory):
+        raise UsageError(f"a workdir keeps its checkpoints in {directory}: pass checkpoint=sharded_scan."
+                         f"CheckpointOptions(...) naming no directory, or None for none; got the directory {named}.")
+    options = checkpoint if isinstance(checkpoint, CheckpointOptions) else CheckpointOptions()
+    return Checkpointer(dataclasses.replace(options, directory=directory), leased=True)
 
 
 def row_bytes(source: Source) -> int:

@@ -2,6 +2,7 @@
 (stamps, or the bytes themselves under verify_data="digest"), and after the job finished
 (not "already done")."""
 
+import dataclasses
 import os
 import shutil
 
@@ -117,7 +118,7 @@ def test_a_finished_job_whose_input_changed_says_which_instead_of_already_done(t
     path = tmp_path / "x.npy"
     write("npy", path, X)
     work = tmp_path / "work"
-    fields = {"verify_data": verify}
+    fields = ss.CheckpointOptions(verify_data=verify)
     want, summary = ss.run_in_workdir(ss.Gram(), ss.sources.NpySource(path), work, checkpoint=fields, **KW)
     assert list(summary["files"]) == [str(path)]
     assert (", sha256 " in summary["files"][str(path)]) == (verify == "digest")
@@ -132,7 +133,7 @@ def test_a_finished_job_whose_input_changed_says_which_instead_of_already_done(t
         [str(work), "holds this job's result, computed before the data changed", "x.npy", "new workdir",
          "ignore_changed_data=true"])
     got, again = ss.run_in_workdir(ss.Gram(), ss.sources.NpySource(path), work,
-                                   checkpoint={**fields, "ignore_changed_data": True}, **KW)
+                                   checkpoint=dataclasses.replace(fields, ignore_changed_data=True), **KW)
     assert again["already_done"] and "x.npy" in again["data_changed"]
     assert {p: os.stat(work / p).st_mtime_ns for p in os.listdir(work)} == listing  # both read only
     np.testing.assert_array_equal(got["result"], want)

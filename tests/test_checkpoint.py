@@ -170,3 +170,24 @@ def test_bad_checkpoint_arguments_are_usage_errors(tmp_path):
             assert_usage_error(lambda: ss.run(ss.Gram(), x, checkpoint=str(locked / "c")), ["not writable"])
     finally:
         locked.chmod(0o700)
+
+
+def test_a_session_saves_before_any_restore_and_a_run_resumes_from_that_save(tmp_path):
+    from sharded_scan.checkpoint import Checkpointer
+    from sharded_scan.engine import checkpoint_job
+    from sharded_scan.program import build_program
+
+    x = rows()
+    program = build_program(ss.Gram(), ss.sources.as_source(x), ss.RunOptions(mesh="data:8", **KW))
+    ckpt = Checkpointer(ss.CheckpointOptions(str(tmp_path), every_seconds=None))
+    session = ckpt.open(checkpoint_job(program))  # the job is named here: no restore_latest needed first
+    session.save(256, 2, program.init())  # identity partials, as if rows 0..255 folded nothing
+    session.close()
+    assert session.written == 1 and sorted(os.listdir(tmp_path)) == ["256"]
+    again = ckpt.open(checkpoint_job(program))
+    restored = again.restore_latest()
+    again.close()
+    assert (restored.cursor, restored.steps, restored.source_state) == (256, 2, {})
+    got, report = ss.run_with_report(ss.Gram(), x, mesh="data:8", checkpoint=str(tmp_path), **KW)
+    assert report.resumed_from_cursor == 256 and report.resumed_from_step == 2
+    assert rel_err(got, f64(x[256:]).T @ f64(x[256:])) < 1e-5  # only the rows after the save

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import sharded_scan as ss
 from sharded_scan import relayout
-from sharded_scan.checkpoint import DAMAGED, META, PARTIALS
+from sharded_scan.checkpoint_damage import DAMAGED
+from sharded_scan.checkpoint_store import META, PARTIALS
 from sharded_scan.layout import data_sharding
 from sharded_scan.program import program_for_spec
 from tests.helpers import CrashError, crash_at, f64, rel_err

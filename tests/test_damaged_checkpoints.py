@@ -16,7 +16,8 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import fs
-from sharded_scan.checkpoint import DAMAGED, KEY_ENV, damaged_steps
+from sharded_scan.checkpoint import KEY_ENV
+from sharded_scan.checkpoint_damage import DAMAGED, damaged_steps
 from sharded_scan.digest import json_digest, keyed_digest
 from sharded_scan.errors import StorageError
 from tests import cli

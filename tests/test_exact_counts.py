@@ -38,15 +38,15 @@ def test_a_value_past_int64_comes_back_as_python_ints():
 
 
 @dataclasses.dataclass(frozen=True)
-class RowCount(ss.AdditiveCombiner):
+class RowCount(ss.AdditiveCombiner):  # a user's own combiner: the public ss.counts
     def init(self, spec):
-        return wide.zeros()
+        return ss.counts.zeros()
 
     def add(self, acc, batch, mask):
-        return wide.count_rows(acc, mask)
+        return ss.counts.count_rows(acc, mask)
 
     def finalize(self, acc):
-        return wide.to_int(acc)
+        return ss.counts.to_int(acc)
 
 
 def test_compensated_psum_and_ordered_merges_keep_the_count_exact():

@@ -17,7 +17,7 @@ from etils.epath import gpath
 from fsspec.implementations.memory import MemoryFileSystem
 
 import sharded_scan as ss
-from sharded_scan import checkpoint, storage
+from sharded_scan import checkpoint, checkpoint_damage, checkpoint_store, storage
 from sharded_scan.lease import LEASE_FILE, Lease
 from sharded_scan.sources import NpyShardsSource, NpySource, ZarrSource
 from tests.helpers import assert_usage_error
@@ -52,7 +52,7 @@ def test_a_run_from_an_npy_file_crashes_and_resumes_bitwise_whatever_the_path_ty
     assert report.resumed_from_cursor == 2 * 128
     np.testing.assert_array_equal(got, want)
     assert LEASE_FILE not in os.listdir(odd / "ck")
-    assert checkpoint.damaged_steps(KINDS[then](odd / "ck")) == []
+    assert checkpoint_damage.damaged_steps(KINDS[then](odd / "ck")) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -172,22 +172,23 @@ def crashed(tmp_path_factory):
 def test_a_remote_checkpoint_directory_is_listed_checked_and_set_aside_through_epath(gs, crashed):
     url = f"gs://bucket/{ODD}/ck"
     upload(crashed, url)
-    assert checkpoint.damaged_steps(url) == []
-    (epath.Path(url) / "384" / checkpoint.COMMIT_MARKER).unlink()
-    assert checkpoint.damaged_steps(epath.Path(url)) == [("384", "commit_success.txt is missing")]
+    assert checkpoint_damage.damaged_steps(url) == []
+    (epath.Path(url) / "384" / checkpoint_store.COMMIT_MARKER).unlink()
+    assert checkpoint_damage.damaged_steps(epath.Path(url)) == [("384", "commit_success.txt is missing")]
 
     ckpt = checkpoint.as_checkpointer(url)  # not made absolute, not checked as a local directory
+    root = epath.Path(url)
     assert ckpt.directory == url and storage.check_room(url, 1 << 60) is None
-    assert checkpoint._committed_steps(ckpt._root) == [256]
-    assert ckpt._intact(384) == "the previous checkpoint at row 256 is intact"
+    assert checkpoint_store.committed_steps(root) == [256]
+    assert checkpoint.intact(root, 384) == "the previous checkpoint at row 256 is intact"
     on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(crashed / "256") for f in fs)
-    assert ckpt._room_needed(None) == int(1.25 * on_disk) + checkpoint.METADATA_BYTES
-    ckpt._set_aside("384", "commit_success.txt is missing")
-    assert sorted(p.name for p in epath.Path(url).iterdir()) == ["256", checkpoint.DAMAGED]
-    [moved] = (epath.Path(url) / checkpoint.DAMAGED).iterdir()
+    assert checkpoint_store.room_needed(root, None) == int(1.25 * on_disk) + checkpoint_store.METADATA_BYTES
+    checkpoint_damage.move_aside(url, "384", checkpoint_damage.aside_target(root, "384"), "the marker is missing")
+    assert sorted(p.name for p in root.iterdir()) == ["256", checkpoint_damage.DAMAGED]
+    [moved] = (root / checkpoint_damage.DAMAGED).iterdir()
     assert moved.name.startswith("384-")
     want = {str(p.relative_to(crashed / "384")) for p in (crashed / "384").rglob("*") if p.is_file()}
-    assert files_under(moved) == want - {checkpoint.COMMIT_MARKER}  # every file moved, the marker deleted first
+    assert files_under(moved) == want - {checkpoint_store.COMMIT_MARKER}  # every file moved, the marker deleted first
 
 
 def files_under(url, prefix=""):

@@ -1,5 +1,12 @@
 """The design's public contract: every stable name imports from where it is promised."""
 
+import ast
+import configparser
+import functools
+import pathlib
+import re
+import tomllib
+
 import numpy as np
 
 import sharded_scan as ss
@@ -9,10 +16,17 @@ CONTRACT = [
     "make_mesh", "run", "UsageError", "Combiner", "AdditiveCombiner",
     "Sum", "Gram", "Covariance", "Correlation", "Moments", "PCA", "LinearRegression", "Histogram", "Gradient",
     "from_fn",
-    "Quantiles", "DistinctCount", "TopK", "hash_strings", "run_passes", "RunOptions", "StorageError",
+    "Quantiles", "DistinctCount", "TopK", "hash_strings", "RunOptions", "StorageError",
     "run_in_workdir", "Describe", "GroupBy", "Weighted",
-    "from_datasketches",
+    "from_datasketches", "counts", "NonFiniteError", "Terminated", "ReadError", "Preempted",
 ]
+ROOT = pathlib.Path(ss.__file__).parent.parent
+PACKAGES = ("sharded_scan", "launch", "configs")  # what setup.cfg installs
+# Exceptions the library raises but catches itself, never reaching a user.
+CAUGHT_INSIDE = {"Damaged"}  # checkpoint_store: a damaged checkpoint, set aside by the restore
+# Standard-library names the code may use, and the Python that brought them (3, minor).
+NEWER_STDLIB = {"StrEnum": 11, "tomllib": 11, "Self": 11, "ExceptionGroup": 11, "TaskGroup": 11,
+                "batched": 12, "override": 12, "TypeAliasType": 12}
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
     "WeightedSumResult": ("sum", "count", "weight", "columns"),
@@ -63,3 +77,71 @@ def test_builtins_are_combiners_and_the_additive_ones_say_so():
         assert isinstance(combiner, ss.Combiner), name
         assert combiner.additive == (name in additive), name
         assert combiner.fingerprint()["combiner"] in (name, "from_fn")
+
+
+def declared_minor() -> int:
+    """The minor version of setup.cfg's ``python_requires = >=3.MINOR``."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    declared = re.fullmatch(r">=\s*3\.(\d+)", cfg["options"]["python_requires"].strip())
+    assert declared, cfg["options"]["python_requires"]
+    return int(declared.group(1))
+
+
+@functools.cache
+def package_trees() -> tuple[tuple[pathlib.Path, ast.Module], ...]:
+    """Every installed source, parsed with the syntax of the Python setup.cfg declares (once for both tests)."""
+    paths = sorted(p for d in PACKAGES for p in (ROOT / d).rglob("*.py"))
+    return tuple((p, ast.parse(p.read_text(), str(p), feature_version=(3, declared_minor()))) for p in paths)
+
+
+def library_trees():
+    return [(path, tree) for path, tree in package_trees() if path.relative_to(ROOT).parts[0] == "sharded_scan"]
+
+
+def test_every_exception_the_library_raises_is_exported_and_the_old_homes_are_gone():
+    base = {"Exception", "BaseException", "ValueError", "OSError", "RuntimeError", "KeyError", "TypeError"}
+    bases, raised = {}, set()
+    for _, tree in library_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {getattr(b, "id", getattr(b, "attr", None)) for b in node.bases}
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                raised.add(getattr(call, "id", getattr(call, "attr", None)))
+    exceptions = set(base)
+    while grown := {name for name, of in bases.items() if of & exceptions} - exceptions:
+        exceptions |= grown
+    ours = (raised & exceptions) - base - CAUGHT_INSIDE
+    assert ours >= {"UsageError", "StorageError", "NonFiniteError", "Preempted", "Terminated", "ReadError"}, ours
+    for name in ours:
+        assert name in ss.__all__ and issubclass(getattr(ss, name), BaseException), name
+        assert getattr(ss, name).__doc__, name
+    # one home a name: no import kept only so an old path still works (0.1.0 has no users of old paths)
+    kept = [f"{path.name}: {line.strip()}" for path, _ in library_trees() for line in path.read_text().splitlines()
+            if "noqa: F401" in line and "loads the submodule" not in line and "import pyarrow" not in line]
+    assert kept == [], kept
+    assert not hasattr(ss, "run_passes")  # run and run_with_report run a reduction of several passes
+    # a user's combiner counts rows exactly with the public counts
+    assert {"zeros", "count_rows", "to_int", "sum_rows"} <= set(dir(ss.counts)) and "sharded_scan.counts" in (
+        ss.counts.__doc__)
+
+
+def test_python_requires_matches_the_features_the_code_uses():
+    minor = declared_minor()
+    used = {}
+    for path, tree in package_trees():  # parsed with the syntax of 3.minor: a newer construct fails here
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    for part in (alias.name.split(".")[-1], *(getattr(node, "module", None) or "").split(".")):
+                        if part in NEWER_STDLIB:
+                            used[part] = path.name
+            elif name in NEWER_STDLIB:
+                used[name] = path.name
+    needs = max([NEWER_STDLIB[n] for n in used] or [0])
+    assert minor >= needs, f"setup.cfg says python_requires >=3.{minor}, but the code uses {used}: 3.{needs}"
+    assert used.get("StrEnum") and minor >= 11  # program.py's enum.StrEnum
+    ruff = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["target-version"]
+    assert ruff == f"py3{minor}", ruff  # the linter checks the same Python

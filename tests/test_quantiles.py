@@ -107,19 +107,19 @@ def test_nothing_compacted_is_numpy_lower_exactly(mesh, n):
 def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     x, qs, kw = shaped(3001), EXACT_QS, EXACT_KW
     exact = ss.Quantiles(qs=qs, k=K, exact=True, method="lower")
-    got, report = ss.run_passes(exact, x, mesh="data:2", **kw)
+    got, report = ss.run_with_report(exact, x, mesh="data:2", **kw)
     np.testing.assert_array_equal(got.quantiles, lower(x, qs))
     assert 2 <= got.passes <= 4 and got.rank_error == 0
     assert report.rows_this_run == got.passes * len(x)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     with pytest.raises(CrashError):  # killed in the second pass (12 steps a pass)
-        ss.run_passes(exact, x, mesh="data:2", checkpoint=options, progress=crash_at_call(17), **kw)
+        ss.run(exact, x, mesh="data:2", checkpoint=options, progress=crash_at_call(17), **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pass1", "pass2"]
-    again, report = ss.run_with_report(exact, x, mesh="data:2", checkpoint=options, **kw)  # the same via run
+    again, report = ss.run_with_report(exact, x, mesh="data:2", checkpoint=options, **kw)
     np.testing.assert_array_equal(again.quantiles, got.quantiles)
     assert again.passes == got.passes == report.passes and report.rows_this_run < got.passes * len(x)
     np.testing.assert_array_equal(ss.run(exact, x, mesh="data:2", **kw).quantiles, got.quantiles)
-    sketch, report = ss.run_passes(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
+    sketch, report = ss.run_with_report(dataclasses.replace(exact, exact=False), x, mesh="data:2", **kw)  # one pass
     assert sketch.passes == 1 and report.rows_this_run == len(x)
 
 

@@ -59,7 +59,7 @@ def scenario(moment: str, workdir: str) -> None:
     distributed.stop_on_sigterm()
     with exits():
         ss.run_in_workdir(combiner, data, workdir, microbatch=16, steps_per_call=2, progress=progress,
-                          checkpoint=moment != "off")
+                          checkpoint=None if moment == "off" else ss.CheckpointOptions())
     print("finished")
 
 

@@ -11,8 +11,6 @@ import tensorstore as ts
 
 import sharded_scan as ss
 from sharded_scan import dtypes, sources
-from sharded_scan.combiners import base as combiners_base
-from sharded_scan.combiners import keys, topk
 from sharded_scan.sources import (
     ArraySource,
     IteratorSource,
@@ -396,11 +394,7 @@ def test_sources_import_their_dtype_checks_from_below_never_from_combiners():
             else:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             assert not any(n.startswith("sharded_scan.combiners") for n in names), (path.name, names)
-    # the old homes still import them
-    assert combiners_base.check_numeric is dtypes.check_numeric
-    assert combiners_base.accumulator_dtype is dtypes.accumulator_dtype
-    assert keys.check_keyable is dtypes.check_keyable
-    assert topk.hash_strings is dtypes.hash_strings is ss.hash_strings
+    assert ss.hash_strings is ss.combiners.hash_strings is dtypes.hash_strings  # one home, exported
 
 
 def test_resumable_iterator_resumes_at_any_row():

@@ -50,7 +50,7 @@ def cold_and_warm(tmp_path_factory):
     level = log.level
     log.addHandler(lines), log.setLevel(logging.INFO)
     try:
-        run = dict(compilation_cache=str(cache), checkpoint=False, mesh="data:2", microbatch=16)
+        run = dict(compilation_cache=str(cache), checkpoint=None, mesh="data:2", microbatch=16)
         cold = ss.run_in_workdir(fresh_sum(), x, tmp_path / "a", **run)
         assert compile_cache.in_use() == str(cache) and os.listdir(cache)  # filled
         warm = ss.run_in_workdir(fresh_sum(), x, tmp_path / "b", **run)

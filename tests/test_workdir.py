@@ -28,7 +28,7 @@ def gram64():
 
 
 def test_a_job_writes_its_outputs_then_is_already_done(tmp_path):
-    result, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint={"every_steps": 2}, **KW)
+    result, summary = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint=ss.CheckpointOptions(every_steps=2), **KW)
     np.testing.assert_allclose(result, gram64(), rtol=1e-5, atol=1e-4)
     assert summary["rows"] == len(X) and summary["rows_this_run"] == len(X) and summary["checkpoints_written"] >= 2
     assert json.loads((tmp_path / workdir.SUMMARY).read_text()) == json.loads(json.dumps(summary))
@@ -37,12 +37,17 @@ def test_a_job_writes_its_outputs_then_is_already_done(tmp_path):
     assert summary["job"] == job_digest(program.fingerprint)  # the job's name, not the run's
     assert LEASE_FILE not in os.listdir(tmp_path)  # released
 
-    again, done = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint={"every_steps": 2}, **KW)
+    again, done = ss.run_in_workdir(ss.Gram(), X, tmp_path, checkpoint=ss.CheckpointOptions(every_steps=2), **KW)
     assert done["already_done"] and done["job"] == summary["job"] and done["rows_this_run"] == len(X)
     np.testing.assert_array_equal(again["result"], result)
     assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X[:400], tmp_path, **KW),  # another job's checkpoints
                        ["belongs to a different job", "data.num_rows is 500 there but 400 here"])
-    other, ran = ss.run_in_workdir(ss.Gram(), X[:400], tmp_path, checkpoint=False, **KW)  # run, not read back
+    # the workdir's checkpoints are run's too: the same options, named by their directory there
+    options = ss.CheckpointOptions(tmp_path / workdir.CHECKPOINTS, every_steps=2)
+    resumed, report = ss.run_with_report(ss.Gram(), X, checkpoint=options, **KW)
+    assert report.resumed_from_cursor == len(X) and report.steps == 0
+    np.testing.assert_array_equal(resumed, result)
+    other, ran = ss.run_in_workdir(ss.Gram(), X[:400], tmp_path, checkpoint=None, **KW)  # run, not read back
     assert "already_done" not in ran and ran["rows"] == 400
     np.testing.assert_allclose(other, X[:400].T.astype(np.float64) @ X[:400], rtol=1e-5, atol=1e-4)
 
@@ -53,7 +58,7 @@ def test_one_lease_on_the_workdir_covers_its_checkpoints(tmp_path):
     def look(p):
         seen.append(((tmp_path / LEASE_FILE).exists(), (tmp_path / workdir.CHECKPOINTS / LEASE_FILE).exists()))
 
-    ss.run_in_workdir(ss.Gram(), X, tmp_path, progress=look, checkpoint={"every_steps": 1}, **KW)
+    ss.run_in_workdir(ss.Gram(), X, tmp_path, progress=look, checkpoint=ss.CheckpointOptions(every_steps=1), **KW)
     assert seen and set(seen) == {(True, False)}  # the workdir's lease held; no second one on checkpoints/
 
 
@@ -70,7 +75,7 @@ def test_a_second_job_on_a_held_workdir_is_one_line_and_exit_2(tmp_path, capsys)
                      "force_unlock=True"):
             assert word in err[0], (word, err[0])
         assert os.listdir(tmp_path) == [LEASE_FILE]  # nothing computed or written
-        got, _ = ss.run_in_workdir(ss.Gram(), X, tmp_path, force_unlock=True, checkpoint=False, **KW)
+        got, _ = ss.run_in_workdir(ss.Gram(), X, tmp_path, force_unlock=True, checkpoint=None, **KW)
         np.testing.assert_allclose(got, gram64(), rtol=1e-5, atol=1e-4)
     finally:
         holder.release()
@@ -88,15 +93,24 @@ def test_a_finished_job_reads_back_from_a_read_only_workdir(tmp_path):
                            ["not a writable directory", "read-only file system"])
 
 
-def test_bad_workdir_arguments_are_one_line_before_any_write(tmp_path):
+def test_checkpoint_means_the_same_in_run_and_run_in_workdir_and_the_old_forms_are_one_line(tmp_path):
     w = tmp_path / "w"
-    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, checkpoint={"every_step": 2}),
-                       ["every_steps", "every_step"])
-    assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, checkpoint=str(tmp_path)),
-                       ["checkpoint must be True, False"])
+    for old, new in ((True, "write checkpoint=sharded_scan.CheckpointOptions()"), (False, "write checkpoint=None"),
+                     ({"every_steps": 2}, "write checkpoint=sharded_scan.CheckpointOptions(every_steps=2)")):
+        assert_usage_error(lambda old=old: ss.run_in_workdir(ss.Gram(), X, w, checkpoint=old),
+                           ["checkpoint must be None or sharded_scan.CheckpointOptions", "the same in run and", new])
+        assert_usage_error(lambda old=old: ss.run(ss.Gram(), X, checkpoint=old),
+                           ["must be None, a directory or sharded_scan.CheckpointOptions", "the same in run"])
+    assert_usage_error(lambda: ss.run(ss.Gram(), X, checkpoint={"every_steps": 2}),
+                       ["write checkpoint=sharded_scan.CheckpointOptions('DIR', every_steps=2)"])
+    assert_usage_error(lambda: ss.run(ss.Gram(), X, checkpoint=ss.CheckpointOptions(every_steps=2)),
+                       ["names no directory", "CheckpointOptions('DIR', ...)", "run_in_workdir"])
+    for elsewhere in (str(tmp_path), ss.CheckpointOptions(tmp_path / "c")):
+        assert_usage_error(lambda elsewhere=elsewhere: ss.run_in_workdir(ss.Gram(), X, w, checkpoint=elsewhere),
+                           ["a workdir keeps its checkpoints in", "naming no directory", str(tmp_path)])
     assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, w, options=ss.RunOptions(checkpoint=str(tmp_path))),
                        ["checkpoints/", "run_in_workdir(checkpoint="])
-    assert not w.exists()
+    assert os.listdir(tmp_path) == []  # nothing written
 
 
 def test_exit_statuses():

@@ -15,8 +15,9 @@ from sharded_scan.combiners.regression import LinearRegression, LinearRegression
 from sharded_scan.combiners.seeded import from_datasketches
 from sharded_scan.combiners.statistics import Covariance, CovarianceResult, Moments, MomentsResult
 from sharded_scan.combiners.sums import Gram, Sum, SumResult, WeightedSumResult
-from sharded_scan.combiners.topk import TopK, TopKResult, hash_strings
+from sharded_scan.combiners.topk import TopK, TopKResult
 from sharded_scan.combiners.weighted import Weighted
+from sharded_scan.dtypes import hash_strings
 
 __all__ = [
     "PCA",

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from sharded_scan.dtypes import accumulator_dtype, check_numeric  # noqa: F401 - accumulator_dtype: importable here still
+from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 
 PyTree = Any

@@ -12,14 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import (
-    AdditiveCombiner,
-    accumulator_dtype,
-    check_numeric,
-    first_line,
-    masked,
-    rows_spec,
-)
+from sharded_scan.combiners.base import AdditiveCombiner, first_line, masked, rows_spec
+from sharded_scan.dtypes import accumulator_dtype, check_numeric
 from sharded_scan.errors import UsageError
 
 PyTree = Any

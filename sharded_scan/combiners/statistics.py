@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
+from sharded_scan.combiners.base import Combiner, masked, row_count
 from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.results import frame, labels
 from sharded_scan.combiners.sums import (
@@ -40,6 +40,7 @@ from sharded_scan.combiners.sums import (
     round_up,
 )
 from sharded_scan.combiners.wrappers import kahan_add, kahan_total
+from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

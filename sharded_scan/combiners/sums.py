@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import AdditiveCombiner, Combiner, accumulator_dtype, masked
+from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
 from sharded_scan.combiners.results import frame
+from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

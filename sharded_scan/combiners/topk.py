@@ -60,7 +60,6 @@ from sharded_scan.combiners.keys import (
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
-from sharded_scan.dtypes import hash_strings  # noqa: F401 - importable here still
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 10

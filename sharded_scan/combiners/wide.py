@@ -9,6 +9,11 @@ signed and holds the rest, so one :class:`Wide` holds integers of up to 63 bits 
 Partials may be summed leafwise (``psum``, a plain ``+``) without normalising: the lower
 limbs of up to 2^15 normalised partials still fit in int32, and :func:`to_int` reads
 limbs of any size exactly on the host.
+
+Public as ``sharded_scan.counts``, for a user's own combiner: a row count that never wraps is
+``init``: ``counts.zeros()``, ``add``: ``counts.count_rows(acc, mask)``, ``finalize``:
+``counts.to_int(acc)`` (an :class:`~sharded_scan.AdditiveCombiner`'s ``+`` merges it); exact sums
+of integer columns are :func:`sum_rows`.
 """
 
 from __future__ import annotations
