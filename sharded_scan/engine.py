@@ -30,6 +30,7 @@ from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guar
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.group_keys import grouped_source
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program, to_host
@@ -112,7 +113,7 @@ def run_with_report(
     if reads_several_times(combiner):
         return run_passes(combiner, data, options)
     started = time.perf_counter()
-    source = as_source(data)
+    combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     return run_program(build_program(combiner, source, options), source, started)
 
 
