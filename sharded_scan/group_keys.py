@@ -45,6 +45,10 @@ def grouped_source(combiner: Any, data: Any) -> tuple[Any, Source]:
         return combiner, as_source(data)
     keys, rest = key_part(data)
     if isinstance(keys, Source):
+        if not keys.rereadable:
+            raise UsageError("GroupBy without num_keys reads the keys once before the run to find them, and this "
+                             "source can be read only once; pass num_keys=N with keys 0..N-1, or a source that reads "
+                             "again (an IteratorSource with get_state/set_state).")
         name = keys.column_names if isinstance(keys.column_names, str) else None
         values, found, slots = source_keys(keys, combiner.bound)
         keys = KeySlots(keys, found, slots, len(values))
@@ -91,7 +95,8 @@ def split_by(data: Any, by: str) -> tuple[Any, Any]:
             raise UsageError(f"GroupBy by={by!r} is not a column of the DataFrame (its columns: "
                              f"{', '.join(map(repr, names[:8]))}{', ...' if len(names) > 8 else ''}).")
         column = list(data.columns)[names.index(by)]
-        return data[column], data.drop(columns=[column])
+        rest = data.drop(columns=[column]) if hasattr(data, "iloc") else data.drop(column)  # pandas, polars
+        return data[column], rest
     if hasattr(data, "grouped_by"):
         return data.grouped_by(by).parts
     raise UsageError(f"GroupBy by={by!r} names a column of a pandas/polars DataFrame or a ParquetSource/CsvSource, "

@@ -282,8 +282,8 @@ def test_groupby_by_value_of_strings_categoricals_int64_and_uint64_ids_is_pandas
 
 @pytest.mark.filterwarnings("ignore:columns=None reads a, b")  # the sources' own, which see city as a column left out
 def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_exactly(tmp_path):
-    """by="city" of a DataFrame, a Parquet and a CSV source, and --config.data.key=city through the launcher
-    (no factorize, no num_keys), each pandas' groupby("city"); a run stopped after 2 steps resumes exactly."""
+    """by="city" of a pandas and a polars DataFrame, a Parquet and a CSV source, and --config.data.key=city through
+    the launcher (no factorize, no num_keys), each pandas' groupby("city"); a run stopped after 2 steps resumes."""
     pd = pytest.importorskip("pandas")
     pytest.importorskip("pyarrow")
     from launch.main import run_job
@@ -295,7 +295,8 @@ def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_
     frame.to_csv(tmp_path / "rows.csv", index=False)
     job = ss.GroupBy(ss.Moments(), by="city")
     files = ss.sources.ParquetSource(tmp_path / "rows.parquet"), ss.sources.CsvSource(tmp_path / "rows.csv")
-    for data in (frame, *files):
+    polars = [pytest.importorskip("polars").from_pandas(frame)] if importlib.util.find_spec("polars") else []
+    for data in (frame, *polars, *files):
         got = ss.run(job, data, **RUN)
         assert_pandas_groupby(got, city, x)
         assert got.by == "city" and got.columns.tolist() == ["a", "b"]

@@ -16,7 +16,7 @@ CONTRACT = [
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
     "WeightedSumResult": ("sum", "count", "weight", "columns"),
-    "GroupByResult": ("result", "rows", "keys"),
+    "GroupByResult": ("result", "rows", "keys", "by"),
     "CovarianceResult": ("count", "mean", "cov", "columns"),
     "CorrelationResult": ("count", "mean", "corr", "columns"),
     "MomentsResult": ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1",

@@ -209,17 +209,18 @@ class GroupBy(Wrapper):
         sorts them; a missing key (NaN, None) drops its row, as pandas' ``groupby(dropna=True)``.
       by: the name of the keys' column when the data is a DataFrame or a Parquet/CSV source: the rows are
         ``(that column, the other columns)``, as ``df.groupby(by)``.
-      key_values: set by the run (keys by value): the sorted distinct keys, slot ``i`` holding key
-        ``key_values[i]``; equality and hash ignore it (the programs do not read it), the fingerprint names it.
-      key_name: set by the run: the keys' column name, if any.
+      key_values: not an argument: set by the run (keys by value, :meth:`with_keys`): the sorted distinct keys,
+        slot ``i`` holding key ``key_values[i]``; equality and hash ignore it (the programs do not read it), the
+        fingerprint names it.
+      key_name: not an argument: set by the run: the keys' column name, if any.
     """
 
     num_keys: int | None = None
     out_of_range: str = "raise"
     max_keys: int | None = None
     by: str | None = None
-    key_values: Any = dataclasses.field(default=None, compare=False, repr=False)
-    key_name: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    key_values: Any = dataclasses.field(default=None, init=False, compare=False, repr=False)
+    key_name: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.inner, Combiner):
@@ -229,8 +230,6 @@ class GroupBy(Wrapper):
             raise UsageError(f"GroupBy out_of_range must be one of {OUT_OF_RANGE}, got {self.out_of_range!r}.")
         if self.by is not None and not isinstance(self.by, str):
             raise UsageError(f"GroupBy by= names one column (a str), got {self.by!r}.")
-        if self.key_values is not None:  # bound by the run to the keys it found
-            return
         if self.num_keys is None:
             check_num_keys(self.bound, "max_keys", "the most distinct keys the data may hold")
             if self.out_of_range != "raise":
@@ -255,8 +254,17 @@ class GroupBy(Wrapper):
     def with_keys(self, values: np.ndarray, name: str | None) -> GroupBy:
         """This GroupBy bound to the distinct keys ``values`` (sorted: slot ``i`` is ``values[i]``): equal to
         ``GroupBy(inner, len(values))``, whose compiled programs it shares (its fingerprint names the keys)."""
-        return dataclasses.replace(self, num_keys=len(values), max_keys=None, by=None, key_values=values,
-                                   key_name=name)
+        bound = dataclasses.replace(self, num_keys=len(values), max_keys=None, by=None)
+        object.__setattr__(bound, "key_values", values)  # not arguments: set by the run alone
+        object.__setattr__(bound, "key_name", name)
+        return bound
+
+    def rewrap(self, inner: Combiner) -> GroupBy:
+        """The same GroupBy (its keys found too) around ``inner``."""
+        new = dataclasses.replace(self, inner=inner)
+        if self.key_values is not None:
+            new = new.with_keys(self.key_values, self.key_name)
+        return new
 
     @property
     def slots(self) -> int:
