@@ -300,6 +300,8 @@ def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_
         got = ss.run(job, data, **RUN)
         assert_pandas_groupby(got, city, x)
         assert got.by == "city" and got.columns.tolist() == ["a", "b"]
+    pd.testing.assert_frame_equal(got.to_pandas()["mean"].unstack(), frame.groupby("city")[["a", "b"]].mean(),
+                                  check_names=False, rtol=1e-12)  # indexed by the cities, as pandas' own
 
     class StopError(Exception):
         pass

@@ -204,7 +204,7 @@ class GroupBy(Wrapper):
         one more row of the result, key ``-1``).
       max_keys: keys by value (``num_keys`` None): keys of any type (integers of any width, strings,
         bools, pandas categoricals; from files, string and integer columns), at most ``max_keys`` distinct ones
-        (default ``DEFAULT_MAX_KEYS``; more is one line before compute). The run reads the keys once
+        (default 100,000, ``DEFAULT_MAX_KEYS``; more is one line before compute). The run reads the keys once
         before compute and groups by their values; the result's ``keys`` are those values, sorted as pandas
         sorts them; a missing key (NaN, None) drops its row, as pandas' ``groupby(dropna=True)``.
       by: the name of the keys' column when the data is a DataFrame or a Parquet/CSV source: the rows are
