@@ -79,8 +79,9 @@ class GroupByResult(NamedTuple):
             raise AttributeError(name)
         return getattr(self.result, name)
 
-    def for_key(self, key: int) -> Any:
-        """The inner result of ``key`` alone (``-1``: the ``other`` row)."""
+    def for_key(self, key: Any) -> Any:
+        """The inner result of ``key`` alone (``-1``: the ``other`` row; keys by value: the key, e.g. ``"Oslo"``)."""
+        key = key.item() if isinstance(key, np.generic) else key  # np.str_("a") is "a", np.int64(3) is 3
         where = [i for i, k in enumerate(self.keys.tolist()) if type(k) is type(key) and k == key] or (
             np.flatnonzero(self.keys == key).tolist() if self.keys.dtype != object else [])
         if not where:
