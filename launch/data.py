@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,12 +88,22 @@ def _tabular(data: Any) -> sources.Source:
     def read(columns: Any, dtype: Any) -> sources.Source:
         return kind(_file(data), columns=columns, dtype=dtype, strings=data.strings or "hash")
 
-    whole = read(_columns(data), data.dtype or None)
     if not data.key:
-        return whole
-    # The keys in a source of their own, in their integer type (one source reads one dtype); the rest
-    # as ``whole`` resolved it (a None: every numeric column but the keys and weights).
-    return sources.TreeSource((read(data.key, None), read(whole.selected_columns[1], data.dtype or None)))
+        return read(_columns(data), data.dtype or None)
+    # The keys in a source of their own, in their own type (one source reads one dtype; a string column as
+    # ids, which GroupBy turns into its strings); the rest as a None resolves beside them (every numeric column
+    # but the keys and weights).
+    keys = read(data.key, None)
+    if not keys.string_columns:
+        return sources.TreeSource((keys, read(read(_columns(data), None).selected_columns[1], data.dtype or None)))
+    with warnings.catch_warnings(record=True) as seen:  # a string key: a None leaves it out, as it should
+        warnings.simplefilter("always")
+        rest = read(_columns(data)[1], data.dtype or None)
+    only_key = re.compile(rf"leaves out {re.escape(repr(data.key))} \([^)]*\); count")
+    for w in seen:
+        if not only_key.search(str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return sources.TreeSource((keys, rest))
 
 
 ZIPF_EXPONENT = 1.1  # synthetic keys: key k is drawn about (k + 1) ** -1.1 as often as key 0
@@ -103,6 +115,7 @@ class ZipfKeys(sources.Source):
 
     def __init__(self, num_rows: int, num_keys: int, seed: int = 0, chunk_rows: int = 4096):
         self._num_rows, self._num_keys, self._seed, self._chunk_rows = num_rows, num_keys, seed, chunk_rows
+        self.num_keys = num_keys
         weights = np.arange(1, num_keys + 1, dtype=np.float64) ** -ZIPF_EXPONENT
         self._cumulative = np.cumsum(weights / weights.sum())
 
@@ -240,8 +253,9 @@ DATA_FIELDS = {
     "target_path": "npy, npy_shards, zarr: y's file(s), read as (X, y) with X from path",
     "columns": "parquet, csv: X's columns, comma-separated; empty for every numeric one",
     "target": "parquet, csv: y's column: rows are (X, y)",
-    "key": "parquet, csv: the keys' column (integers 0..num_keys-1): rows are (keys, X), reduced per key by "
-            "combiner.name=GroupBy; synthetic: 'zipf:K' draws keys 0..K-1 with Zipf frequencies",
+    "key": "parquet, csv: the keys' column (strings, integers...; grouped by value, at most "
+            "combiner.kwargs.max_keys of them; integers 0..N-1 with combiner.kwargs.num_keys=N): rows are (keys, X), "
+            "reduced per key by combiner.name=GroupBy; synthetic: 'zipf:K' draws keys 0..K-1 with Zipf frequencies",
     "weight": "parquet, csv: the weights' column (>= 0; 0 omits a row): rows are (weights, X), reduced by "
                "Weighted(combiner), per key GroupBy(Weighted(combiner.inner))",
     "dtype": "synthetic: float32 when empty; parquet, csv: the columns' own type when empty (e.g. float32)",
@@ -325,8 +339,11 @@ def make_combiner(combiner: Any, data: Any = None) -> sharded_scan.Combiner:
     weighted = data is not None and bool(data.get("weight"))
     if combiner.get("inner") is not None:
         inner = make_combiner(combiner.inner)
-        return _built(combiner.name, {**dict(combiner.get("kwargs", {}) or {}),
-                                      "inner": sharded_scan.Weighted(inner) if weighted else inner})
+        kwargs = {name: value for name, value in dict(combiner.get("kwargs", {}) or {}).items() if value is not None}
+        dense = data is not None and data.kind == "synthetic" and data.get("key")
+        if dense and not {"num_keys", "max_keys"} & kwargs.keys():  # synthetic keys 0..K-1: num_keys K
+            kwargs["num_keys"] = synthetic_keys(data).num_keys
+        return _built(combiner.name, {**kwargs, "inner": sharded_scan.Weighted(inner) if weighted else inner})
     if data is not None and data.get("key"):
         raise UsageError(f"config.data.key={data.key!r} makes rows (keys, X), which config.combiner.name="
                          f"{combiner.name!r} does not read; pass --config.combiner.name=GroupBy with "

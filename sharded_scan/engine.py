@@ -37,6 +37,7 @@ from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guar
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.group_keys import grouped_source
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import Program, build_program, to_host
@@ -131,7 +132,7 @@ def run_with_report(
         return _run_passes(combiner, data, options)
     as_checkpointer(options.checkpoint)  # a bad checkpoint= is one line before anything is built
     started, compiled = time.perf_counter(), compile_cache.compile_seconds()
-    source = as_source(data)
+    combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     return run_program(build_program(combiner, source, options), source, started, compiled)
 
 

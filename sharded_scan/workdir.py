@@ -44,11 +44,12 @@ from sharded_scan.digest import stream_digest
 from sharded_scan.distributed import Preempted, Terminated, gather_json
 from sharded_scan.engine import RunReport, agree_on_job, run_program, run_with_report
 from sharded_scan.errors import StorageError, UsageError
+from sharded_scan.group_keys import grouped_source
 from sharded_scan.identity import files_difference, job_digest
 from sharded_scan.options import RunOptions
 from sharded_scan.paths import as_path, is_url, where
 from sharded_scan.program import build_program
-from sharded_scan.sources import Source, as_source
+from sharded_scan.sources import Source
 from sharded_scan.storage import check_writable, storage_error, storage_reason
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STORAGE, RESUME_HINT, abort, is_peer_lost
 
@@ -110,7 +111,7 @@ def run_in_workdir(
                          "RunOptions(checkpoint=...).")
     checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
     force_unlock = force_unlock or (checkpointer is not None and checkpointer.options.force_unlock)
-    source = as_source(data)
+    combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     if checkpointer is not None:  # verify_data="digest": the files' digests, read once for both uses
         program = dataclasses.replace(program, fingerprint=checkpointer.identity(program.fingerprint))
@@ -294,7 +295,7 @@ def nonfinite_words(count: int, nan_policy: str) -> str:
 
 def named_arrays(result: Any) -> dict[str, np.ndarray]:
     """The result's arrays by name: NamedTuple fields, dict keys, or ``result``."""
-    if isinstance(result, np.ndarray | np.generic):
+    if isinstance(result, np.ndarray | np.generic | str):  # a str: e.g. GroupByResult.by, the keys' column
         return {"result": np.asarray(result)}
     if hasattr(result, "_asdict"):
         items = result._asdict().items()

@@ -208,3 +208,141 @@ def test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas():
     r = ss.run(ss.Weighted(ss.Moments()), (w, x), nan_policy="omit", **RUN)
     np.testing.assert_array_equal(r.nan_count, np.isnan(x[w > 0]).sum(0))  # a zero weight omits its row
     np.testing.assert_allclose(r.mean, np.average(x[kept], axis=0, weights=w[kept]), rtol=1e-12)
+
+
+ROWS, KEYS = 2999, 40  # the shapes of test_groupby_moments_is_pandas_groupby_on_1_3_and_8_devices: its programs
+
+
+def key_codes(rows=ROWS, seed=5):
+    """Codes 0..39, the last only in the last 7 rows, and rows whose key is missing (none of those 7)."""
+    codes = np.random.default_rng(seed).integers(0, KEYS - 1, rows)
+    codes[-7:] = KEYS - 1
+    missing = np.zeros(rows, bool)
+    missing[:-7:97] = True
+    return codes, missing
+
+
+def keys_by_value(rows=ROWS, seed=5):
+    """Key codes 0..39 (key 39 only in the last 7 rows: at 8 devices the last device's alone) with missing keys,
+    and the same grouping written as strings, a categorical (an unobserved category too), nullable int64 ids and
+    uint64 ids, each list sorted as pandas sorts it, so that code c is its c-th key."""
+    pd = pytest.importorskip("pandas")
+    codes, missing = key_codes(rows, seed)
+    strings = np.array(["", *[f"k{i:02d}" for i in range(KEYS - 3)], "zz", "ü"], dtype=object)[codes]
+    strings[missing] = None
+    categories = [f"c{i:02d}" for i in range(KEYS + 1)][::-1]  # pandas' order: the categories', here not sorted
+    category = pd.Categorical.from_codes(np.where(missing, -1, codes + (codes >= 3)), categories)  # c37 unobserved
+    int64 = np.iinfo(np.int64)
+    ids = np.array([int64.min, *(np.arange(4 - KEYS, 0) * 10**12), 10**12, 10**12 + 1, int64.max])[codes]
+    nullable = pd.array(ids, dtype="Int64")
+    nullable[missing] = pd.NA
+    unsigned = np.array([*range(KEYS - 3), 2**63, 2**64 - 2, 2**64 - 1], dtype=np.uint64)[codes]
+    return {"strings": strings, "categorical": category, "int64": nullable, "uint64": unsigned}
+
+
+def assert_pandas_groupby(got, keys, x):
+    """``got`` (a GroupBy(Moments) result) is pandas' groupby of ``x`` by ``keys``: its keys, rows and moments."""
+    pd = pytest.importorskip("pandas")
+    groups = pd.DataFrame(x).groupby(pd.Series(keys))
+    assert got.keys.tolist() == groups.size().index.tolist()
+    assert got.to_pandas().index.get_level_values(0).unique().tolist() == got.keys.tolist()
+    np.testing.assert_array_equal(got.rows, groups.size())
+    np.testing.assert_allclose(got.mean, groups.mean(), rtol=1e-12)
+    np.testing.assert_allclose(got.var, groups.var(ddof=0), rtol=1e-9)
+    np.testing.assert_array_equal(got.min, groups.min())
+    np.testing.assert_array_equal(got.max, groups.max())
+
+
+def test_groupby_by_value_of_strings_categoricals_int64_and_uint64_ids_is_pandas_groupby_on_8_and_1_devices():
+    """Keys of any type, grouped as pandas groups them (sorted its way, missing keys dropped, unobserved
+    categories absent, a key met by one device only), with their values in the result; one compiled program."""
+    pd = pytest.importorskip("pandas")
+    x = np.random.default_rng(6).normal(3, 2, size=(ROWS, 2))
+    for kind, keys in keys_by_value().items():
+        got = ss.run(ss.GroupBy(ss.Moments(), max_keys=KEYS), (keys, x), **RUN)
+        assert_pandas_groupby(got, keys, x)
+        assert got.keys.dtype == {"strings": object, "categorical": object, "int64": np.int64,
+                                  "uint64": np.uint64}[kind], kind
+    assert got.keys[-1] == 2**64 - 1 and got.rows[-1] == 7 and np.all(got.for_key(2**63).count == got.rows[-3])
+    strings = keys_by_value()["strings"]
+    one = ss.run(ss.GroupBy(ss.Moments()), (pd.Series(strings, name="city"), x), mesh="data:1", **RUN)
+    assert_pandas_groupby(one, strings, x)
+    assert one.keys[[0, 1, -2, -1]].tolist() == ["", "k00", "zz", "ü"] and one.to_pandas().index.names == ["city", None]
+    assert np.all(one.for_key("ü").count == 7) and type(one.keys[1]) is str
+    # in memory: the keys pandas.factorize reads (bools, narrow ints, Arrow strings, lists), without a run
+    from sharded_scan.group_keys import memory_keys
+    pa = pytest.importorskip("pyarrow")
+    for keys, values in [(np.array([True, False, True]), [False, True]), (np.array([3, -128, 3], np.int8), [-128, 3]),
+                         (pa.array(["b", None, "a"]), ["a", "b"]), (["b", "a", "b"], ["a", "b"])]:
+        slots, found = memory_keys(keys, 10)
+        assert found.tolist() == values and slots.dtype == np.int32
+        assert [None if s < 0 else values[s] for s in slots] == [None if k is None else k for k in list(keys.tolist()
+                                                                  if hasattr(keys, "tolist") else keys)]
+
+
+@pytest.mark.filterwarnings("ignore:columns=None reads a, b")  # the sources' own, which see city as a column left out
+def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_exactly(tmp_path):
+    """by="city" of a pandas and a polars DataFrame, a Parquet and a CSV source, and --config.data.key=city through
+    the launcher (no factorize, no num_keys), each pandas' groupby("city"); a run stopped after 2 steps resumes."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    from launch.main import run_job
+
+    x = np.random.default_rng(7).normal(size=(ROWS, 2))
+    city = np.array([f"Zürich {i}" for i in range(KEYS)], dtype=object)[key_codes()[0]]
+    frame = pd.DataFrame({"a": x[:, 0], "city": city, "b": x[:, 1]})
+    frame.to_parquet(tmp_path / "rows.parquet")
+    frame.to_csv(tmp_path / "rows.csv", index=False)
+    job = ss.GroupBy(ss.Moments(), by="city")
+    files = ss.sources.ParquetSource(tmp_path / "rows.parquet"), ss.sources.CsvSource(tmp_path / "rows.csv")
+    polars = [pytest.importorskip("polars").from_pandas(frame)] if importlib.util.find_spec("polars") else []
+    for data in (frame, *polars, *files):
+        got = ss.run(job, data, **RUN)
+        assert_pandas_groupby(got, city, x)
+        assert got.by == "city" and got.columns.tolist() == ["a", "b"]
+    pd.testing.assert_frame_equal(got.to_pandas()["mean"].unstack(), frame.groupby("city")[["a", "b"]].mean(),
+                                  check_names=False, rtol=1e-12)  # indexed by the cities, as pandas' own
+
+    class StopError(Exception):
+        pass
+
+    def stop_at_2(progress):
+        if progress.step == 2:
+            raise StopError
+
+    options = ss.CheckpointOptions(str(tmp_path / "ckpt"), every_steps=1)
+    with pytest.raises(StopError):
+        ss.run(job, ss.sources.CsvSource(tmp_path / "rows.csv"), checkpoint=options, progress=stop_at_2, **RUN)
+    resumed, report = ss.run_with_report(job, ss.sources.CsvSource(tmp_path / "rows.csv"), checkpoint=options, **RUN)
+    assert report.resumed_from_step and report.rows_this_run < ROWS
+    assert_pandas_groupby(resumed, city, x)
+
+    config = importlib.import_module("configs.groupby").get_config("quick")
+    config.data.update(kind="parquet", path=str(tmp_path / "rows.parquet"), key="city")
+    config.microbatch = RUN["microbatch"]
+    got, _ = run_job(config, str(tmp_path / "cli"))
+    assert_pandas_groupby(got, city, x)
+    assert ss.workdir.load_result(str(tmp_path / "cli"))["keys"].tolist() == sorted(set(city))
+
+
+def test_more_keys_than_the_bound_and_bad_keys_are_one_line_before_compute(tmp_path, monkeypatch):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    keys = keys_by_value(rows=300)
+    x = np.ones((300, 1))
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), max_keys=4), (keys["strings"], x)),
+                       ["distinct values, more than max_keys=4", "max_keys=N"])
+    pd.DataFrame({"k": keys["uint64"], "x": x[:, 0]}).to_parquet(tmp_path / "k.parquet")
+    rows = ss.sources.ParquetSource(tmp_path / "k.parquet")
+    monkeypatch.setattr("sharded_scan.group_keys.CHUNK_ROWS", 100)  # a file's keys are read a chunk at a time
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), by="k", max_keys=3), rows),
+                       ["at least (by row 100 of 300) ", "distinct values, more than max_keys=3"])
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), by="nope"), rows), ["no column 'nope'", "k, x"])
+    frame = pd.DataFrame({"k": keys["strings"], "x": x[:, 0]})
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), by="nope"), frame), ["by='nope'", "'k', 'x'"])
+    assert_usage_error(lambda: ss.GroupBy(ss.Sum(), 3, max_keys=3), ["not both"])
+    assert_usage_error(lambda: ss.GroupBy(ss.Sum(), out_of_range="other"), ["dense keys"])
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum()), ([None, np.nan, None], np.ones((3, 1)))),
+                       ["every GroupBy key is missing", "dropna"])
+    assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), 3), (keys["strings"], x)),
+                       ["GroupBy(num_keys=3) keys must be integers 0..2", "leave num_keys out"])

@@ -30,7 +30,7 @@ NEWER_STDLIB = {"StrEnum": 11, "tomllib": 11, "Self": 11, "ExceptionGroup": 11, 
 RESULT_FIELDS = {
     "SumResult": ("sum", "count", "columns"),
     "WeightedSumResult": ("sum", "count", "weight", "columns"),
-    "GroupByResult": ("result", "rows", "keys"),
+    "GroupByResult": ("result", "rows", "keys", "by"),
     "CovarianceResult": ("count", "mean", "cov", "columns"),
     "CorrelationResult": ("count", "mean", "corr", "columns"),
     "MomentsResult": ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1",

@@ -1,4 +1,4 @@
-"""Per-key reductions: any combiner accumulated once per integer key (``GROUP BY``).
+"""Per-key reductions: any combiner accumulated once per key (``GROUP BY``).
 
 :class:`GroupBy` runs on rows ``(keys, data)``: row ``i`` of ``data`` folds into the
 accumulator of key ``keys[i]`` through the inner combiner's
@@ -6,11 +6,18 @@ accumulator of key ``keys[i]`` through the inner combiner's
 built-ins). The accumulator is the inner one with a leading axis of ``num_keys`` on every
 leaf (one more, the ``other`` row, with ``out_of_range="other"``) and an exact row count per
 key; it merges, checkpoints, resumes and splits over ``model`` as the inner one does.
+
+Keys by value (``num_keys`` not given: strings, integers of any width, bools, categoricals): the run
+finds the distinct keys before compute and reads each row's key as its rank among them, a dense slot
+(:mod:`sharded_scan.group_keys`); the combiner then holds the sorted key values (``key_values``), so the
+device programs are the dense ones of ``num_keys`` = the number of keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import warnings
 from typing import Any, NamedTuple
 
@@ -28,6 +35,9 @@ from sharded_scan.errors import UsageError
 
 OUT_OF_RANGE = ("raise", "other")
 OTHER_KEY = -1  # the key of the ``other`` row in a result
+DEFAULT_MAX_KEYS = 100_000  # keys by value: the distinct keys a run takes unless max_keys= says otherwise
+MISSING = -1  # keys by value: the slot of a missing key (NaN, None): the row is dropped, as pandas' dropna=True
+# (outside 0..num_keys-1: counted in the out-of-range count, folded nowhere; the device programs are the dense ones)
 
 
 class GroupedAcc(NamedTuple):
@@ -47,12 +57,16 @@ class GroupByResult(NamedTuple):
       rows: rows per key (int64), as read: rows of weight 0 too (a ``Weighted`` inner result's own
         ``count`` leaves them out). (``count`` before: it hid the inner result's ``count``.)
       keys: the key of each entry: ``0..num_keys-1``, then ``-1`` for the ``other`` row
-        (``out_of_range="other"``: rows whose key was outside ``[0, num_keys)``).
+        (``out_of_range="other"``: rows whose key was outside ``[0, num_keys)``); keys by value: the
+        distinct keys themselves, sorted as pandas sorts them (strings as an object array of ``str``,
+        integers in their own dtype, a categorical's in its categories' order).
+      by: the name of the keys' column where the data names it (``to_pandas()``'s index level), else None.
     """
 
     result: Any
     rows: np.ndarray
     keys: np.ndarray
+    by: str | None = None
 
     @property
     def count(self):
@@ -65,11 +79,14 @@ class GroupByResult(NamedTuple):
             raise AttributeError(name)
         return getattr(self.result, name)
 
-    def for_key(self, key: int) -> Any:
-        """The inner result of ``key`` alone (``-1``: the ``other`` row)."""
-        where = np.flatnonzero(self.keys == key)
-        if not where.size:
-            raise UsageError(f"no key {key!r} in this result; its keys are 0..{int(self.keys.max())}.")
+    def for_key(self, key: Any) -> Any:
+        """The inner result of ``key`` alone (``-1``: the ``other`` row; keys by value: the key, e.g. ``"Oslo"``)."""
+        key = key.item() if isinstance(key, np.generic) else key  # np.str_("a") is "a", np.int64(3) is 3
+        where = [i for i, k in enumerate(self.keys.tolist()) if type(k) is type(key) and k == key] or (
+            np.flatnonzero(self.keys == key).tolist() if self.keys.dtype != object else [])
+        if not where:
+            shown = ", ".join(map(repr, self.keys[:5].tolist())) + (", ..." if len(self.keys) > 5 else "")
+            raise UsageError(f"no key {key!r} in this result; its keys are {shown}.")
         return entry(self.result, int(where[0]))
 
     def per_key(self, fn) -> GroupByResult:
@@ -83,17 +100,18 @@ class GroupByResult(NamedTuple):
         return self._replace(result=stack([fn(entry(self.result, i)) for i in range(len(self.keys))]))
 
     def to_pandas(self):
-        """A DataFrame of every key's inner ``to_pandas()`` stacked, indexed by ``key`` first,
-        with the ``rows`` of each key first."""
+        """A DataFrame of every key's inner ``to_pandas()`` stacked, indexed by the key first (the level
+        named ``by``, else ``key``; the keys themselves, in order: ``df.groupby(by)``'s), with the ``rows`` of
+        each key first."""
         pd = pandas()
-        frames = {}
-        for i, key in enumerate(self.keys.tolist()):
+        frames = []
+        for i in range(len(self.keys)):
             one = entry(self.result, i)
             frame = one.to_pandas() if hasattr(one, "to_pandas") else pd.DataFrame(np.atleast_2d(np.asarray(one)))
             if "rows" not in frame.columns:
                 frame.insert(0, "rows", self.rows[i])
-            frames[key] = frame
-        return pd.concat(frames, names=["key", *frames[self.keys[0].item()].index.names])
+            frames.append(frame)
+        return pd.concat(frames, keys=pd.Index(self.keys), names=[self.by or "key", *frames[0].index.names])
 
 
 def entry(stacked: Any, i: int) -> Any:
@@ -151,33 +169,103 @@ def typed_like(blank: Any, template: Any) -> Any:
     return jax.tree.map(one, blank, template)
 
 
-def check_num_keys(num_keys: Any) -> None:
+def check_num_keys(num_keys: Any, name: str = "num_keys", means: str = "keys are 0..num_keys-1") -> None:
     if isinstance(num_keys, bool) or not isinstance(num_keys, (int, np.integer)) or num_keys <= 0:
-        raise UsageError(f"GroupBy num_keys must be a positive integer (keys are 0..num_keys-1), got {num_keys!r}.")
+        raise UsageError(f"GroupBy {name} must be a positive integer ({means}), got {num_keys!r}.")
+    if num_keys >= 2**31 - 1:
+        raise UsageError(f"GroupBy {name}={num_keys} is past the 2^31 - 2 keys a run holds; pass a smaller one.")
+
+
+def too_many_keys(found: int, max_keys: int, where: str = "") -> UsageError:
+    """The one line of a key set larger than ``max_keys`` (``found``: at least so many)."""
+    problem = f"the GroupBy keys hold {where}{found} distinct values, more than max_keys={max_keys}"
+    return UsageError(f"{problem}; pass GroupBy(..., max_keys=N) with N >= the number of distinct keys "
+                      "(each key holds the inner combiner's state on every device).",
+                      cli=f"{problem}; pass --config.combiner.kwargs.max_keys=N with N >= the number of distinct keys.")
+
+
+def keys_digest(values: np.ndarray) -> str:
+    """SHA-256 of the key values and their dtype (the fingerprint of a GroupBy of keys by value)."""
+    text = json.dumps([str(values.dtype), [v if isinstance(v, (str, int, bool)) else repr(v)
+                                           for v in values.tolist()]])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupBy(Wrapper):
-    """``inner`` per integer key, on rows ``(keys, data)`` (``keys``: ``(rows,)`` integers).
+    """``inner`` per key, on rows ``(keys, data)`` (``keys``: one key a row), or on a DataFrame or
+    tabular source grouped ``by`` one of its columns.
 
     Attributes:
       inner: the combiner run per key on ``data`` (any combiner; ``Weighted(...)`` too).
-      num_keys: keys run ``0..num_keys-1``.
-      out_of_range: ``"raise"`` (a key outside ``[0, num_keys)`` is one line: before compute
+      num_keys: dense integer keys ``0..num_keys-1`` (the fastest: no key is looked up); None (the default):
+        keys by value, below.
+      out_of_range: dense keys: ``"raise"`` (a key outside ``[0, num_keys)`` is one line: before compute
         when the data is in memory, else when the run ends) or ``"other"`` (such rows fold into
         one more row of the result, key ``-1``).
+      max_keys: keys by value (``num_keys`` None): keys of any type (integers of any width, strings,
+        bools, pandas categoricals; from files, string and integer columns), at most ``max_keys`` distinct ones
+        (default 100,000, ``DEFAULT_MAX_KEYS``; more is one line before compute). The run reads the keys once
+        before compute and groups by their values; the result's ``keys`` are those values, sorted as pandas
+        sorts them; a missing key (NaN, None) drops its row, as pandas' ``groupby(dropna=True)``.
+      by: the name of the keys' column when the data is a DataFrame or a Parquet/CSV source: the rows are
+        ``(that column, the other columns)``, as ``df.groupby(by)``.
+      key_values: not an argument: set by the run (keys by value, :meth:`with_keys`): the sorted distinct keys,
+        slot ``i`` holding key ``key_values[i]``; equality and hash ignore it (the programs do not read it), the
+        fingerprint names it.
+      key_name: not an argument: set by the run: the keys' column name, if any.
     """
 
-    num_keys: int = 0
+    num_keys: int | None = None
     out_of_range: str = "raise"
+    max_keys: int | None = None
+    by: str | None = None
+    key_values: Any = dataclasses.field(default=None, init=False, compare=False, repr=False)
+    key_name: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.inner, Combiner):
             raise UsageError(f"GroupBy needs a sharded_scan Combiner to run per key, got {type(self.inner).__name__}.")
         check_one_pass(self.inner, "GroupBy")
-        check_num_keys(self.num_keys)
         if self.out_of_range not in OUT_OF_RANGE:
             raise UsageError(f"GroupBy out_of_range must be one of {OUT_OF_RANGE}, got {self.out_of_range!r}.")
+        if self.by is not None and not isinstance(self.by, str):
+            raise UsageError(f"GroupBy by= names one column (a str), got {self.by!r}.")
+        if self.num_keys is None:
+            check_num_keys(self.bound, "max_keys", "the most distinct keys the data may hold")
+            if self.out_of_range != "raise":
+                raise UsageError("GroupBy out_of_range='other' is for dense keys (num_keys=N); keys by value "
+                                 "(max_keys) give every key its own row.")
+            return
+        check_num_keys(self.num_keys)
+        if self.max_keys is not None:
+            raise UsageError(f"GroupBy takes num_keys={self.num_keys} (dense integer keys 0..num_keys-1) or max_keys="
+                             f"{self.max_keys} (keys of any type, grouped by value), not both; drop one.")
+
+    @property
+    def by_value(self) -> bool:
+        """Whether keys are grouped by value (``num_keys`` not given), found by the run before compute."""
+        return self.num_keys is None or self.key_values is not None
+
+    @property
+    def bound(self) -> int:
+        """Keys by value: the most distinct keys the run takes."""
+        return DEFAULT_MAX_KEYS if self.max_keys is None else self.max_keys
+
+    def with_keys(self, values: np.ndarray, name: str | None) -> GroupBy:
+        """This GroupBy bound to the distinct keys ``values`` (sorted: slot ``i`` is ``values[i]``): equal to
+        ``GroupBy(inner, len(values))``, whose compiled programs it shares (its fingerprint names the keys)."""
+        bound = dataclasses.replace(self, num_keys=len(values), max_keys=None, by=None)
+        object.__setattr__(bound, "key_values", values)  # not arguments: set by the run alone
+        object.__setattr__(bound, "key_name", name)
+        return bound
+
+    def rewrap(self, inner: Combiner) -> GroupBy:
+        """The same GroupBy (its keys found too) around ``inner``."""
+        new = dataclasses.replace(self, inner=inner)
+        if self.key_values is not None:
+            new = new.with_keys(self.key_values, self.key_name)
+        return new
 
     @property
     def slots(self) -> int:
@@ -193,10 +281,15 @@ class GroupBy(Wrapper):
         return (1, *self.inner.data_part)
 
     def fingerprint(self):
+        found = {} if self.key_values is None else {"keys": keys_digest(self.key_values), "by": repr(self.key_name)}
         return {"combiner": "GroupBy", "num_keys": repr(self.num_keys), "out_of_range": repr(self.out_of_range),
-                "inner": self.inner.fingerprint()}
+                **found, "inner": self.inner.fingerprint()}
 
     def check_spec(self, spec):
+        if self.num_keys is None:
+            raise UsageError("GroupBy without num_keys groups by the keys' values, which sharded_scan.run (or "
+                             "run_in_workdir) finds before compute; run it through them, or pass num_keys=N for "
+                             "integer keys 0..N-1.")
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise UsageError("GroupBy runs on data (keys, data): a pair whose first item holds one integer key a row.")
         keys, data = spec
@@ -205,13 +298,13 @@ class GroupBy(Wrapper):
             raise UsageError(f"GroupBy keys must be one integer a row (shape (rows,)), got rows of {shape}; "
                              "pass a 1-D array of keys.")
         if not np.issubdtype(np.dtype(keys.dtype), np.integer):
-            raise UsageError(f"GroupBy keys must be integers, got {np.dtype(keys.dtype).name}; "
-                             "map each group to an integer 0..num_keys-1 (e.g. pandas.factorize).")
+            raise UsageError(f"GroupBy(num_keys=N) keys must be integers 0..N-1, got {np.dtype(keys.dtype).name}; "
+                             "leave num_keys out to group by the keys' values (any type; max_keys= bounds them).")
         self.inner.check_spec(data)
 
     def check_rows(self, rows):
         keys = np.asarray(rows[0])
-        if self.out_of_range == "raise" and keys.size:
+        if self.out_of_range == "raise" and keys.size and self.key_values is None:
             low, high = keys.min(), keys.max()
             if low < 0 or high >= self.num_keys:
                 bad = int(np.count_nonzero((keys < 0) | (keys >= self.num_keys)))
@@ -264,8 +357,8 @@ class GroupBy(Wrapper):
 
     def finalize(self, acc):
         count = np.asarray(wide.to_int(acc.count), np.int64)
-        outside = int(count[self.num_keys])
-        if self.out_of_range == "raise" and outside:
+        outside = int(count[self.num_keys])  # keys by value: the rows of a missing key (MISSING), dropped
+        if self.out_of_range == "raise" and outside and self.key_values is None:
             problem = f"{outside} rows have keys outside 0..{self.num_keys - 1}"
             raise UsageError(
                 f"{problem}; pass a larger num_keys, or out_of_range='other' to count them in an 'other' row.",
@@ -283,6 +376,8 @@ class GroupBy(Wrapper):
             blanks = [self._no_rows_result(acc.value, int(empty[i]), template) for i in first]
             for k, i in zip(empty, which, strict=True):
                 results[k] = blanks[i]
+        if self.key_values is not None:
+            return GroupByResult(stack(results), count, self.key_values, self.key_name)
         keys = np.arange(self.slots)
         if self.out_of_range == "other":
             keys[-1] = OTHER_KEY

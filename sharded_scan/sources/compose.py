@@ -24,6 +24,11 @@ class TreeSource(Source):
             raise UsageError(f"the sources have different row counts ({names}); every source needs the same rows.")
 
     @property
+    def parts(self) -> PyTree:
+        """The pytree of sources read together."""
+        return self._treedef.unflatten(self._sources)
+
+    @property
     def num_rows(self) -> int:
         return self._sources[0].num_rows
 

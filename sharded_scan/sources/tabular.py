@@ -419,6 +419,7 @@ class ParquetSource(Source):
                  format: str = "parquet", strings: str = "hash"):  # noqa: A002 - pyarrow's word
         pa = _pyarrow()
         self._where = str(path)
+        self._args = {"path": path, "dtype": dtype, "format": format, "strings": strings}  # for grouped_by
         try:
             self._dataset = pa.dataset.dataset(_paths(path), format=format)
             fragments = sorted(self._dataset.get_fragments(), key=lambda f: f.path)
@@ -469,6 +470,10 @@ class ParquetSource(Source):
     def selected_columns(self) -> Columns:
         """``columns=`` as resolved: a None replaced by the names it stands for."""
         return self._selection.columns
+
+    def grouped_by(self, by: str) -> Source:
+        """The rows ``(column by, the columns selected here but by)``: a ``GroupBy(by=...)``'s."""
+        return grouped_by(self, by)
 
     @property
     def string_columns(self) -> tuple[str, ...]:
@@ -651,6 +656,7 @@ class CsvSource(Source):
     def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
                  block_bytes: int = 1 << 20, strings: str = "hash"):
         pa = _pyarrow()
+        self._args = {"path": path, "dtype": dtype, "block_bytes": block_bytes, "strings": strings}  # for grouped_by
         self._path, self._block_bytes = os.fspath(path), int(block_bytes)
         if not os.path.isfile(self._path):
             raise UsageError(f"no such CSV file: {self._path!r}; check the path.")
@@ -703,6 +709,10 @@ class CsvSource(Source):
         """``columns=`` as resolved: a None replaced by the names it stands for."""
         return self._selection.columns
 
+    def grouped_by(self, by: str) -> Source:
+        """As :meth:`ParquetSource.grouped_by`."""
+        return grouped_by(self, by)
+
     @property
     def string_columns(self) -> tuple[str, ...]:
         return self._selection.strings
@@ -742,6 +752,25 @@ class CsvSource(Source):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._selection.columns)}
+
+
+def grouped_by(source: ParquetSource | CsvSource, by: str) -> Source:
+    """``source``'s file(s) as rows ``(column by, the columns source selects but by)``: the keys in a
+    source of their own, in their own type (strings as ids; one source reads one dtype)."""
+    from sharded_scan.sources.compose import TreeSource
+
+    def without(names: Any) -> Any:
+        if isinstance(names, str):
+            if names == by:
+                raise UsageError(f"GroupBy by={by!r} is also a column of the data's own (columns=...); name it "
+                                 "only as by.")
+            return names
+        return [n for n in names if n != by]
+
+    rest = jax.tree.map(without, source.selected_columns, is_leaf=_is_names)
+    args = source._args  # the same module's sources
+    return TreeSource((type(source)(**{**args, "dtype": None, "strings": "hash"}, columns=by),
+                       type(source)(**args, columns=rest)))
 
 
 class FrameSource(ArraySource):
