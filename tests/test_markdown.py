@@ -10,13 +10,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 120
-LEFT_OUT = {"shared", "node_modules", "build", "dist", "venv", "__pycache__"}  # not the project's own text
+LEFT_OUT = {"shared", "node_modules", "build", "dist", "site-packages", "__pycache__"}  # not the project's text
+
+
+def ours(top: str, name: str) -> bool:
+    """A folder of the project's own files: not hidden, not a build output, not a virtual environment."""
+    return (not name.startswith(".") and name not in LEFT_OUT and not name.endswith(".egg-info")
+            and not os.path.exists(os.path.join(top, name, "pyvenv.cfg")))
 
 
 def markdown_files() -> list[Path]:
     found = []
     for top, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in LEFT_OUT and not d.endswith(".egg-info")]
+        dirs[:] = [d for d in dirs if ours(top, d)]
         found += [Path(top, f).relative_to(ROOT) for f in files if f.endswith(".md")]
     return sorted(found)
 
