@@ -12,7 +12,7 @@ population variance, min and max (pandas ``groupby().agg``, Polars ``group_by().
 turn, interleaved, best kept; compare ratios (the machine is shared).
 
 Both sharded_scan rows are segment reductions per micro-batch (``Sum.add_keyed``,
-``Moments.add_keyed``); README.md has the figures of the last run.
+``Moments.add_keyed``); bench/README.md has the figures of the last run.
 """
 
 from __future__ import annotations

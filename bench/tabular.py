@@ -58,7 +58,7 @@ combiner's ``add`` over the same rows on one device):
   column, 68%; the moves' windows, 12%, since a move sorts a window of ``k`` slots where its items
   fit: ``kll.window_sizes``, the add 6.3 -> 4.9 ms CPU). Both peers answer at 2.6x and 33-45x
   sharded_scan's rank error; at equal error (the KLL at k≈5800-7000) sharded_scan is 1.13-1.17x on
-  one device. README.md lists the levers tried (numpy's sort on the host through a callback: 5x
+  one device. DESIGN.md ("Decisions, measured") lists the levers tried (numpy's sort on the host through a callback: 5x
   faster steps, but it hung on 2 devices).
 - distinct counts against the approximate DuckDB and Polars counts: a run of 0.04-0.06 s is the
   read (0.022-0.03 s: pyarrow's decode of the two id columns alone 0.017 CPU-s, as much as Polars'

@@ -41,7 +41,7 @@ STEP_BYTES_PER_SHARD = 32 << 20
 # (a power of two: the step boundaries of the larger default steps stay step boundaries). Ramping the first
 # steps up instead would not help where reads are as slow as the compute (a run takes every read plus its
 # largest step's compute); the cost is XLA's per execution (on 8 simulated CPU devices over 2 cores about
-# 0.4 ms a step: Gram d=32 of 256 MiB at 0.84x its uncapped rate; README).
+# 0.4 ms a step: Gram d=32 of 256 MiB at 0.84x its uncapped rate; bench/README.md, DESIGN.md "Decisions, measured").
 MIN_JOB_STEPS = 16
 # With logical_shards fixed a shard folds micro-batches of at most this many rows (and
 # whitened.py merges in blocks of as many). The cap kept XLA:CPU's matmul library from
