@@ -36,9 +36,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.pca import PCA
-from sharded_scan.combiners.regression import LinearRegression
-from sharded_scan.combiners.wrappers import innermost
 from sharded_scan.compile_cache import cached
 from sharded_scan.fixed_order import fixed_order
 from sharded_scan.layout import Layout, data_sharding
@@ -68,11 +65,6 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) 
     )
 
 
-# Combiners whose add (a re-whitening fold) is slow to compile and cheap to mask: their steps
-# compile one scan, not a second, constant-mask copy for steps of real rows only.
-ONE_SCAN_PER_STEP = (LinearRegression, PCA)
-
-
 @cached
 def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
@@ -81,7 +73,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     first ``num_valid`` are real. Each logical shard folds its block of rows as
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
-    folds away (except for :data:`ONE_SCAN_PER_STEP`). ``fixed``: every float
+    folds away (except where ``combiner.one_scan_per_step``). ``fixed``: every float
     product of ``add`` sums in contraction order (:func:`~sharded_scan.fixed_order.fixed_order`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
@@ -100,7 +92,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
         def full(acc, item):
             return add(acc, item[1], jnp.ones((mb,), bool)), None
 
-        if isinstance(innermost(combiner), ONE_SCAN_PER_STEP):
+        if combiner.one_scan_per_step:
             return jax.lax.scan(ragged, acc, (offsets, micro))[0]
         return jax.lax.cond(
             valid == rows_per_shard,
