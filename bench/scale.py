@@ -60,9 +60,11 @@ import jax
 import numpy as np
 
 import sharded_scan as ss
+from sharded_scan import merging, sharding
 from sharded_scan import program as pg
 from sharded_scan.checkpoint import Checkpointer, CheckpointJob, CheckpointOptions, CheckpointSession
 from sharded_scan.combiners.sums import round_up
+from sharded_scan.layout import data_sharding
 from sharded_scan.paths import as_path
 from sharded_scan.relayout import (
     block_moves,
@@ -96,13 +98,13 @@ def before_merge(prog: pg.Program, partials):
     """Main's merge: a sum in one SPMD program (all-gather, then the fold); any other merge
     all-gathered, then folded by each process on one device (``tree_fold``'s tree)."""
     if prog.combiner.additive:
-        return pg.compile_merge(prog.combiner, prog.mesh, True, prog.options.precision, prog.fixed_products)(
+        return merging.compile_gather_merge(prog.combiner, prog.mesh, prog.options.precision, prog.fixed_products)(
             partials, prog.operands)
-    gathered = pg.compile_gather(prog.combiner, prog.mesh)(partials)
+    gathered = merging.compile_gather(prog.combiner, prog.mesh)(partials)
     local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
-    merge = pg.compile_pair_merge(prog.combiner, prog.options.precision, prog.fixed_products)
+    merge = merging.compile_pair_merge(prog.combiner, prog.options.precision, prog.fixed_products)
     operands = jax.device_put(prog.host_operands, jax.tree.leaves(local)[0].device)
-    return pg.tree_fold(lambda a, b: merge(a, b, operands), pg.shards_of(local))
+    return merging.tree_fold(lambda a, b: merge(a, b, operands), sharding.shards_of(local))
 
 
 def folded_partials(prog: pg.Program, seed: int = 0):
@@ -110,7 +112,7 @@ def folded_partials(prog: pg.Program, seed: int = 0):
     rng = np.random.default_rng(seed)
     rows = prog.layout.rows_per_step
     batch = jax.tree.map(lambda s: (3 + rng.normal(size=(rows, *s.shape))).astype(s.dtype), prog.spec)
-    batch = jax.device_put(batch, pg.data_sharding(prog.mesh))
+    batch = jax.device_put(batch, data_sharding(prog.mesh))
     return prog.step(prog.init(), batch, rows)
 
 
@@ -132,7 +134,7 @@ def point(name: str, shards: int, repeats: int) -> dict:
     state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
     partials = folded_partials(prog)
     per_device, rounds = shards // devices, (devices - 1).bit_length()
-    by_processes = prog.merge_route is pg.MergeRoute.PROCESS_TREE
+    by_processes = prog.merge_route is merging.MergeRoute.PROCESS_TREE
     out = {
         "job": name, "shards": shards, "devices": devices, "state_bytes": state,
         "route": str(prog.merge_route),
@@ -156,7 +158,7 @@ def point(name: str, shards: int, repeats: int) -> dict:
     }
     if shards * state * devices <= BEFORE_BUDGET:
         out["seconds_before"] = best_seconds(lambda: before_merge(prog, partials), repeats)
-        got, want = (jax.tree.leaves(pg.to_host(f())) for f in (lambda: prog.merge(partials),
+        got, want = (jax.tree.leaves(sharding.to_host(f())) for f in (lambda: prog.merge(partials),
                                                                  lambda: before_merge(prog, partials)))
         out["bitwise_as_before"] = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, want, strict=True))
     return out
@@ -244,7 +246,7 @@ def scatter_point(name: str, repeats: int, mesh: str = "data:8") -> dict:
     prog = pg.program_for_spec(combiner, spec, 16 * 32 * 8, options)
     n, partials = prog.mesh.size, folded_partials(prog)
     state = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
-    psum = pg.compile_merge(prog.combiner, prog.mesh, False, prog.options.precision).lower(prog.like, prog.operands)
+    psum = merging.compile_psum_merge(prog.combiner, prog.mesh).lower(prog.like, prog.operands)
     gathered = 0
     if prog.combiner.partition(prog.mesh) is not None:  # merged_and_split's _flat gathers a split leaf whole
         gathered = max(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(prog.like))
@@ -258,7 +260,7 @@ def scatter_point(name: str, repeats: int, mesh: str = "data:8") -> dict:
         out[f"seconds_{when}"] = best_seconds(lambda saves=saves: saves(prog, partials)[0], repeats)
         with tempfile.TemporaryDirectory() as directory:
             out[f"save_seconds_{when}"] = save_seconds(checkpointer(prog, directory, True, saves), partials, repeats)
-    got, want = (jax.tree.leaves(pg.to_host(f(prog, partials)[0])) for f in (compact, before))
+    got, want = (jax.tree.leaves(sharding.to_host(f(prog, partials)[0])) for f in (compact, before))
     out["bitwise_as_before"] = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     return out
 
@@ -340,7 +342,7 @@ SPLIT_JOBS = {"Quantiles": 64, "Covariance": 256}  # columns
 def split_point(name: str, shards: int, repeats: int) -> dict:
     """A state split over ``model`` (``data:4,model:2``, ``logical_shards=S``): main's merge (every
     shard's block all-gathered over ``data``, then folded in one program tracing S - 1 merges:
-    ``compile_merge``) beside the device tree (:meth:`Program.merge`: each device its own shards by
+    ``compile_gather_merge``) beside the device tree (:meth:`Program.merge`: each device its own shards by
     levels, then log2(4) rounds of ``ppermute``); the first call's seconds (its compile) and the best
     of ``repeats`` after it."""
     combiner = {"Quantiles": ss.Quantiles(num_buckets=10, k=1024), "Covariance": ss.Covariance()}[name]
@@ -348,7 +350,7 @@ def split_point(name: str, shards: int, repeats: int) -> dict:
     options = ss.RunOptions(mesh="data:4,model:2", logical_shards=shards, microbatch=32, steps_per_call=1)
     prog = pg.program_for_spec(combiner, spec, shards * 32, options)
     partials = folded_partials(prog)
-    before = pg.compile_merge(prog.combiner, prog.mesh, True, prog.options.precision, prog.fixed_products)
+    before = merging.compile_gather_merge(prog.combiner, prog.mesh, prog.options.precision, prog.fixed_products)
     calls = {"before": lambda: before(partials, prog.operands), "after": lambda: prog.merge(partials)}
     out = {"job": name, "mesh": "data:4,model:2", "shards": shards, "route_after": str(prog.merge_route)}
     for key, call in calls.items():
@@ -356,7 +358,7 @@ def split_point(name: str, shards: int, repeats: int) -> dict:
         jax.block_until_ready(call())
         out[f"first_call_seconds_{key}"] = time.perf_counter() - start
         out[f"seconds_{key}"] = best_seconds(call, repeats)
-    got, want = (jax.tree.leaves(pg.to_host(calls[k]())) for k in ("after", "before"))
+    got, want = (jax.tree.leaves(sharding.to_host(calls[k]())) for k in ("after", "before"))
     out["bitwise_as_before"] = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, want, strict=True))
     return out
 

@@ -95,7 +95,8 @@ import sharded_scan as ss
 from bench.tuning import interleaved_best
 from sharded_scan.engine import run_program
 from sharded_scan.prefetch import place, read_local
-from sharded_scan.program import build_program, to_host
+from sharded_scan.program import build_program
+from sharded_scan.sharding import to_host
 from sharded_scan.sources import ParquetSource
 
 FLOATS = [f"f{i}" for i in range(8)]

@@ -1,7 +1,7 @@
 """Memory admission: a job that cannot fit is refused in one line before anything compiles.
 
 :func:`memory_estimate` works out, from shapes alone, what one device of a built
-:class:`~sharded_scan.program.Program` holds at its peak; :func:`memory_need` adds what the
+:class:`~sharded_scan.compiled.Program` holds at its peak; :func:`memory_need` adds what the
 host holds beside it where the devices are the host's (CPU); :func:`check_fits` compares
 that with the memory there is and raises a :class:`~sharded_scan.errors.UsageError` naming
 the parts and what to shrink. The memory there is: an accelerator's free memory
@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
 
-if TYPE_CHECKING:  # program.py calls check_fits as it builds a Program
-    from sharded_scan.program import Program
+if TYPE_CHECKING:  # the Program admitted; program.py calls check_fits as it builds one
+    from sharded_scan.compiled import Program
 
 
 GIB = 1 << 30
@@ -144,12 +144,13 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     ``accumulator``: its shards' partials (as laid out: split over ``model``-like axes);
     ``rows``: the steps' rows in flight (``prefetch`` steps ahead, one folding, one placed; no
     more steps than the data has);
-    ``merge``: the states the merge holds (by ``Program.merge_route``), and what merging two of
-    them makes: one, when a ``psum`` sums them in place, or one collective a leaf merges them;
-    a device's own shards and two more by the device tree (its first level merges half of a
-    device's shards at once); on a process's first device, by the process tree, its own shards,
-    the log2 of its process's shards that ``tree_fold`` holds, one brought in and a partner's;
-    every shard's partial where they are gathered; ``temporary`` (with ``temporaries``; it needs
+    ``merge``: the states the merge holds, and what merging two of them makes, as the program's
+    merge route states them (``Program.merger``, :meth:`~sharded_scan.merging.Merge.peak_bytes`):
+    one, when a ``psum`` sums them in place, or one collective a leaf merges them; a device's own
+    shards and two more by the device tree (its first level merges half of a device's shards at
+    once); on a process's first device, by the process tree, its own shards, the log2 of its
+    process's shards that ``tree_fold`` holds, one brought in and a partner's; every shard's
+    partial where they are gathered; ``temporary`` (with ``temporaries``; it needs
     the combiner's operands): what one micro-batch's ``add`` makes, its values alive at once;
     ``operands`` (with ``temporaries``: it makes them): the combiner's runtime operands
     (:func:`operand_bytes`: histogram edges, quantile boundaries, a gradient's parameters), whole
@@ -162,23 +163,11 @@ def memory_estimate(program: Program, temporaries: bool = True) -> dict[str, int
     accumulator = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in leaves)
     per_shard = accumulator // max(layout.shards_per_device, 1)
     add, merge = _temporaries(program) if temporaries else (0, 0)
-    from sharded_scan.program import MergeRoute  # program.py imports this module
-
-    route = program.merge_route
-    if route in (MergeRoute.PSUM, MergeRoute.COLLECTIVE):
-        merging = per_shard  # a psum, pmin, pmax: in place
-    elif route is MergeRoute.DEVICE_TREE:  # a device's own shards by levels (halves at once), then a partner's a round
-        merging = per_shard * (layout.shards_per_device + 2) + merge * (layout.shards_per_device // 2 or 1)
-    elif route is MergeRoute.PROCESS_TREE:  # tree_fold's stack on the first device, one taken in, a partner's
-        own = (layout.local_blocks[1] - layout.local_blocks[0]) * layout.shards_per_device
-        merging = per_shard * (own.bit_length() + 2) + merge
-    else:  # every shard's partial gathered, merged two at a time
-        merging = per_shard * layout.num_shards + merge
     rows = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(program.spec))
     return {
         "accumulator": accumulator,
         "rows": layout.rows_per_device * rows * min(program.options.prefetch + 2, layout.num_steps()),
-        "merge": merging,
+        "merge": program.merger.peak_bytes(per_shard, merge),
         "temporary": add,
         "operands": operand_bytes(program) if temporaries else 0,
     }

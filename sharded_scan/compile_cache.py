@@ -21,13 +21,18 @@ under a second (``jax_persistent_cache_min_compile_time_secs=0``, unless the env
 looked up in the cache and how many came from it, :func:`compile_seconds` how long compiling took
 (JAX's ``jax.monitoring`` events). Like JAX's
 own, the cache is trusted: anyone who can write the directory can run code in your jobs.
+
+Within a process :func:`cached` memoizes the builders of the programs (init, step, merges): a
+rerun of the same job traces and compiles nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -160,3 +165,21 @@ def use(setting: str | None) -> str | None:
             config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         _turned_off = setting is None
     return in_use()
+
+
+def cached(build: Callable) -> Callable:
+    """Memoizes a program builder on its (hashable) arguments and whether 64-bit values are
+    on (:func:`~sharded_scan.dtypes.x64_scope`), so repeated runs of the same job reuse the
+    compiled program instead of tracing and compiling it again."""
+    memo = functools.lru_cache(maxsize=32)(lambda x64, *args, **kwargs: build(*args, **kwargs))
+
+    @functools.wraps(build)
+    def lookup(*args, **kwargs):
+        try:
+            hash((args, tuple(kwargs.items())))
+        except TypeError:  # an unhashable user combiner: build afresh
+            return build(*args, **kwargs)
+        return memo(bool(jax.config.jax_enable_x64), *args, **kwargs)
+
+    lookup.cache_clear, lookup.cache_info = memo.cache_clear, memo.cache_info
+    return lookup

@@ -34,15 +34,17 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.topk_strings import read_once, with_strings
 from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
+from sharded_scan.compiled import Program
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.group_keys import grouped_source
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
-from sharded_scan.program import Program, build_program, to_host
+from sharded_scan.program import build_program
 from sharded_scan.progress import reporter
 from sharded_scan.relayout import compact, relayout
+from sharded_scan.sharding import to_host
 from sharded_scan.sources import Source, as_source
 from sharded_scan.sources.compose import part_of
 from sharded_scan.watchdog import Watchdog, is_peer_lost

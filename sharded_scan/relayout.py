@@ -9,8 +9,8 @@ one merged state, each leaf flat and split over the devices that wrote it.
 shape in place and hands any other here, unread
 (:class:`~sharded_scan.checkpoint.SavedPartials`): the saved shards are read sharded over this
 run's ``data`` axis (each process reads only its devices' share) and folded on each process's
-leader device by the run's own process tree (:func:`~sharded_scan.program.process_tree_fold`), or, where that
-tree is not :func:`~sharded_scan.program.tree_fold`'s over the saved shards, read whole and
+leader device by the run's own process tree (:func:`~sharded_scan.merging.process_tree_fold`), or, where that
+tree is not :func:`~sharded_scan.merging.tree_fold`'s over the saved shards, read whole and
 folded on one device.
 """
 
@@ -30,22 +30,19 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.checkpoint import SavedPartials
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.sums import round_up
+from sharded_scan.compile_cache import cached
+from sharded_scan.compiled import Program
 from sharded_scan.errors import UsageError
-from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
-from sharded_scan.program import (
-    Program,
-    accumulator_specs,
-    cached,
+from sharded_scan.merging import (
+    MergeRoute,
     compile_pair_merge,
-    leaf_shardings,
-    mesh_axes,
     power_of_two_or_alone,
     process_leaders,
     process_tree_fold,
-    shards_of,
-    stacked,
     tree_fold,
 )
+from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
+from sharded_scan.sharding import accumulator_specs, leaf_shardings, mesh_axes, shards_of, stacked
 
 PyTree = Any
 
@@ -87,7 +84,7 @@ def scatters(program: Program) -> bool:
     leaf is whole on a device or split along one axis over ``model`` only (:func:`split_axis`; a
     block's flat pieces are then moved to the devices whose pieces they are)."""
     combiner, mesh = program.combiner, program.mesh
-    if not combiner.additive or program.options.logical_shards is not None:
+    if program.merge_route is not MergeRoute.PSUM:
         return False
     if combiner.partition(mesh) is None:
         return True

@@ -1,6 +1,8 @@
 """Memory admission that knows its container: cgroup v1/v2 limits read from fake /proc and
 /sys trees, an accelerator's free memory, and a job over the limit refused in one line."""
 
+import ast
+import importlib
 import pathlib
 
 import jax
@@ -170,3 +172,26 @@ def test_operands_split_over_model_with_the_counts_and_whole_ones_alone_are_name
     assert advice.startswith("the combiner's operands alone (8.00 GiB, whole") and "'model'" not in advice
     advice = admission.axis_to_grow(gradient, {**whole, "operands": 8 * GIB})  # the most of the peak
     assert advice.startswith("the combiner's operands are the most of it and whole") and "'model'" not in advice
+
+
+# The build (program.py) calls admission on the Program it makes; admission reads that Program, the
+# merge's route states the merge's bytes. Each module of the chain imports only those before it.
+ONE_WAY = ("sharding", "merging", "compiled", "admission", "program")
+
+
+def imported_modules(module: str) -> set[str]:
+    """Every module ``sharded_scan.<module>`` imports anywhere: at its top, in a function, for type checking."""
+    tree = ast.parse(pathlib.Path(importlib.import_module(f"sharded_scan.{module}").__file__).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_admission_and_the_build_import_one_way():
+    for i, module in enumerate(ONE_WAY):
+        above = {f"sharded_scan.{name}" for name in ONE_WAY[i + 1:]}
+        assert not imported_modules(module) & above, module

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import program
+from sharded_scan import merging, program
 from tests.helpers import collectives, f64, rel_err
 
 MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
@@ -116,13 +116,13 @@ def test_step_has_no_collective_and_merge_is_one(combiner):
 
 def test_run_merges_exactly_once(monkeypatch):
     calls = []
-    real = program.compile_merge
+    real = merging.compile_psum_merge
 
     def counting(*args, **kwargs):
         merge = real(*args, **kwargs)
         return lambda *operands: calls.append(1) or merge(*operands)
 
-    monkeypatch.setattr(program, "compile_merge", counting)
+    monkeypatch.setattr(merging, "compile_psum_merge", counting)
     ss.run(ss.Gram(), rows(5000), microbatch=8, steps_per_call=2)
     assert len(calls) == 1
 

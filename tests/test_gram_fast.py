@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import layout, program
+from sharded_scan import compiled, layout
 from sharded_scan.combiners.sums import Triangle, default_block, triangle_full
 from sharded_scan.program import program_for_spec
 from tests.helpers import f64, rel_err
@@ -68,13 +68,13 @@ def test_default_steps_give_each_shard_a_byte_floor_per_step():
 
 def test_repeated_runs_reuse_the_compiled_step():
     x = rows(500, 12)
-    program.compile_step.cache_clear()
+    compiled.compile_step.cache_clear()
     for _ in range(3):
         ss.run(ss.Gram(), x, microbatch=8)
-    assert program.compile_step.cache_info().misses == 1
+    assert compiled.compile_step.cache_info().misses == 1
     for n in (470, 321):  # another row count, the same step shape
         ss.run(ss.Gram(), x[:n], microbatch=8, steps_per_call=2)
-    assert program.compile_step.cache_info().misses == 2
+    assert compiled.compile_step.cache_info().misses == 2
 
 
 def test_bad_block_is_one_clear_line():

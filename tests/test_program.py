@@ -213,3 +213,15 @@ def test_every_matmul_of_a_step_runs_at_the_run_precision(name, precision, expec
         dots = [line for line in text.splitlines() if "dot_general" in line]
         assert all(PRECISION.search(line).groups() == (expected, expected) for line in dots), dots
     assert any("dot_general" in line for line in prog.lower_step().as_text().splitlines())
+
+
+class OneScanSum(ss.Sum):
+    one_scan_per_step = True  # a user's combiner asks for it (Sum's add is cheap to compile: for the test)
+
+
+def test_a_combiner_that_asks_for_one_scan_a_step_gets_one():
+    # A step whose shard holds only real rows takes a copy of the scan with a constant mask, unless the
+    # combiner (here inside the Compensated wrapper, which forwards the attribute) says one_scan_per_step.
+    options = ss.RunOptions(mesh="data:1", microbatch=4, steps_per_call=2)
+    steps = [program_for_spec(c, row(2), 64, options).lower_step().as_text() for c in (ss.Sum(), OneScanSum())]
+    assert [text.count("stablehlo.while") for text in steps] == [2, 1]

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import admission, program
+from sharded_scan import admission, merging
 from sharded_scan.combiners.quantiles_exact import RefinePass
-from sharded_scan.program import program_for_spec, receives, tree_fold, tree_strides
+from sharded_scan.merging import receives, tree_fold, tree_strides
+from sharded_scan.program import program_for_spec
+from sharded_scan.sharding import to_host
 
 
 def device_of(state):
@@ -94,13 +96,13 @@ def test_a_process_folds_its_shards_on_its_first_device_by_one_compiled_merge(mo
     # A jitted merge compiles again for every device it runs on (seconds each for LinearRegression):
     # every pairwise merge of the process runs on one device, its states brought there one at a time.
     calls = []
-    real = program.compile_pair_merge
+    real = merging.compile_pair_merge
 
     def recording(*args):
         merge = real(*args)
         return lambda a, b, operands: calls.append((device_of(a), device_of(b))) or merge(a, b, operands)
 
-    monkeypatch.setattr(program, "compile_pair_merge", recording)
+    monkeypatch.setattr(merging, "compile_pair_merge", recording)
     x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2)
     options = ss.RunOptions(mesh="data:8", logical_shards=32, microbatch=16, steps_per_call=8)
     np.testing.assert_array_equal(ss.run(FirstAndLast(), x, options), x[[0, -1]])
@@ -111,7 +113,7 @@ def test_a_logical_shards_sum_merges_by_the_device_tree_and_never_gathers():
     x = np.arange(301 * 2, dtype=np.float32).reshape(301, 2) % 7  # sums exact in float32
     options = ss.RunOptions(mesh="data:3", logical_shards=6, microbatch=16, steps_per_call=2)
     prog = program_for_spec(ss.Sum(), jax.ShapeDtypeStruct((2,), np.float32), 301, options)
-    assert prog.merge_route == "device_tree" and program.tree_strides(3) == [1, 2]
+    assert prog.merge_route == "device_tree" and tree_strides(3) == [1, 2]
     merge = prog.lower_merge().compile().as_text()  # rounds: device 2 left out, then device 0 receiving it
     assert "collective-permute" in merge and "all-gather" not in merge
     np.testing.assert_array_equal(ss.run(ss.Sum(), x, options).sum, x.sum(0))
@@ -145,10 +147,10 @@ def test_an_order_free_merge_is_one_collective_a_leaf_bitwise_the_trees(combiner
         text = prog.lower_merge().as_text()
         assert "all_reduce" in text and "all_gather" not in text
         partials = random_partials(prog, rng)
-        got = program.to_host(prog.merge(partials))
+        got = to_host(prog.merge(partials))
         with monkeypatch.context() as patch:
             patch.setattr(type(combiner), "merge_collectives", lambda self: None)  # the tree, as before
-            want = program.to_host(prog.merge(partials))
+            want = to_host(prog.merge(partials))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
 

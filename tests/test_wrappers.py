@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan import program
 from sharded_scan.combiners import wrappers
 from sharded_scan.combiners.wrappers import Compensated, NonFinite, NonFiniteError, apply_policies
 from tests.helpers import f64, rel_err
@@ -97,7 +96,7 @@ def test_users_protocol_holds_no_engine_policy():
     assert members == {
         "init", "add", "merge", "finalize", "additive", "check_spec", "fingerprint", "for_mesh", "partition",
         "convert", "operands", "bind", "takes_string_ids", "check_rows", "add_keyed", "add_omitting", "weighted",
-        "data_part", "add_keyed_omitting", "merge_collectives", "operand_partition",
+        "data_part", "add_keyed_omitting", "merge_collectives", "operand_partition", "one_scan_per_step",
     }
     raising = apply_policies(ss.Sum(), nan_policy="raise")
     assert wrappers.innermost(raising) == ss.Sum() and wrappers.innermost(ss.Sum()) == ss.Sum()
@@ -107,7 +106,7 @@ def test_users_protocol_holds_no_engine_policy():
     assert wrappers.step_guard(raising) is raising and float(raising.health(raising.init(spec))) == 0.0
     with pytest.raises(NonFiniteError, match="rows 10..14"):
         raising.check_health(1.0, 10, 5)
-    one_scan = [isinstance(wrappers.innermost(c), program.ONE_SCAN_PER_STEP) for c in (
+    one_scan = [c.one_scan_per_step for c in (
         raising, apply_policies(ss.PCA(2), nan_policy="omit"), ss.LinearRegression())]
     assert one_scan == [False, True, True]
 

@@ -49,6 +49,9 @@ class Combiner(abc.ABC):
     #: Where in a row the data is that the result describes (indices into the row's pytree; its
     #: columns name the result's): ``()`` the whole row; ``(1,)`` for ``(keys, data)`` or ``(w, data)``.
     data_part: tuple[int, ...] = ()
+    #: True when ``add`` is slow to compile and cheap to mask (LinearRegression's and PCA's re-whitening
+    #: fold): each step compiles one scan, not a second, constant-mask copy for steps of real rows only.
+    one_scan_per_step: bool = False
 
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:

@@ -56,6 +56,7 @@ class PCA(SplitsCoMoments, Combiner):
         co-moments are split by columns over the mesh's ``model`` axis, as ``Covariance``'s.
     """
 
+    one_scan_per_step = True  # its add (by default a re-whitening fold) is slow to compile and cheap to mask
 
     k: int
     solver: str = DEFAULT_SOLVER

@@ -105,6 +105,7 @@ class LinearRegression(SplitsCoMoments, Combiner):
       model_shards: set by :meth:`for_mesh` for ``solver="comoments"`` only.
     """
 
+    one_scan_per_step = True  # its add (by default a re-whitening fold) is slow to compile and cheap to mask
 
     l2: float = 0.0
     fit_intercept: bool = True

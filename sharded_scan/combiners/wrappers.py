@@ -45,6 +45,10 @@ class Wrapper(Combiner):
     def data_part(self) -> tuple[int, ...]:
         return self.inner.data_part
 
+    @property
+    def one_scan_per_step(self) -> bool:
+        return self.inner.one_scan_per_step
+
     def rewrap(self, inner: Combiner) -> Wrapper:
         """The same wrapper around ``inner``."""
         return dataclasses.replace(self, inner=inner)

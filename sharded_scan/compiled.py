@@ -1,0 +1,243 @@
+"""A job resolved once: the combiner as every program runs it, its layout, fingerprint and programs.
+
+A :class:`Program` is what :func:`~sharded_scan.program.build_program` makes of a job, checked: the
+run's policies wrap the combiner, the mesh resolves it (:meth:`Combiner.for_mesh`), the layout cuts
+the rows into steps, the fingerprint names the job. Its programs are compiled on first use
+(memoized, :func:`~sharded_scan.compile_cache.cached`, so a rerun of the same job compiles nothing):
+
+- ``init() -> partials``: one identity accumulator per logical shard, with a leading
+  shard axis sharded over ``data`` (and over the axes ``combiner.partition`` names);
+- ``step(partials, batch, num_valid) -> partials``: each logical shard folds its block
+  of the step's rows as ``steps_per_call`` micro-batches with ``lax.scan``; no
+  collective; the partials are donated;
+- ``merge(partials) -> acc``: by the route :func:`~sharded_scan.merging.choose_merge` picks once
+  (:attr:`Program.merger`): a ``psum`` for additive combiners (without ``logical_shards``), one
+  collective a leaf for the order-free reductions a combiner names (:meth:`Combiner.merge_collectives`),
+  else a fixed tree (:func:`~sharded_scan.merging.tree_fold`'s): each device, or each process, folds
+  its own shards, then log2 rounds of ``ppermute`` and ``combiner.merge``.
+
+Every program traces under ``jax.default_matmul_precision(options.precision)`` and takes
+the combiner's operands (:meth:`Combiner.operands`) as an argument, so new parameter
+values reuse the compiled programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import threadpoolctl
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sharded_scan.combiners.base import Combiner
+from sharded_scan.compile_cache import cached
+from sharded_scan.fixed_order import fixed_order
+from sharded_scan.layout import Layout, data_sharding
+from sharded_scan.merging import Merge, MergeRoute, choose_merge, compile_gather
+from sharded_scan.mesh import DATA_AXIS
+from sharded_scan.options import RunOptions
+from sharded_scan.sharding import (
+    accumulator_specs,
+    leaf_shardings,
+    mesh_axes,
+    named,
+    operand_specs,
+    per_leaf,
+    place,
+    stacked,
+)
+
+PyTree = Any
+
+
+@cached
+def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) -> Callable:
+    """The jitted maker of ``num_shards`` identity accumulators, laid out on ``mesh``."""
+    return jax.jit(
+        lambda: stacked(combiner, spec, num_shards),
+        out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)),
+    )
+
+
+@cached
+def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
+    """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
+
+    ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
+    first ``num_valid`` are real. Each logical shard folds its block of rows as
+    ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
+    block is all real rows takes a branch with a constant all-True mask, which XLA
+    folds away (except where ``combiner.one_scan_per_step``). ``fixed``: every float
+    product of ``add`` sums in contraction order (:func:`~sharded_scan.fixed_order.fixed_order`).
+    """
+    mb, spc = layout.microbatch, layout.steps_per_call
+    per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
+
+    def fold_shard(bound, acc, rows, valid):
+        add = fixed_order(bound.add) if fixed else bound.add
+        micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
+        offsets = jnp.arange(spc, dtype=jnp.int32) * mb
+
+        def ragged(acc, item):
+            offset, batch = item
+            mask = offset + jnp.arange(mb, dtype=jnp.int32) < valid
+            return add(acc, batch, mask), None
+
+        def full(acc, item):
+            return add(acc, item[1], jnp.ones((mb,), bool)), None
+
+        if combiner.one_scan_per_step:
+            return jax.lax.scan(ragged, acc, (offsets, micro))[0]
+        return jax.lax.cond(
+            valid == rows_per_shard,
+            lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
+            lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
+            acc,
+        )
+
+    def local_step(partials, batch, num_valid, operands):
+        bound = combiner.bind(operands)
+        first_row = jax.lax.axis_index(DATA_AXIS) * layout.rows_per_device
+        valid = jnp.clip(num_valid - first_row - jnp.arange(per_device) * rows_per_shard, 0, rows_per_shard)
+        with jax.default_matmul_precision(precision):
+            if per_device == 1:
+                acc = fold_shard(bound, jax.tree.map(lambda x: x[0], partials), batch, valid[0])
+                return jax.tree.map(lambda x: x[None], acc)
+            shards = jax.tree.map(lambda x: x.reshape((per_device, rows_per_shard) + x.shape[1:]), batch)
+            # One shard after another, each with the same scan as a lone shard would run.
+            return jax.lax.map(lambda args: fold_shard(bound, *args), (partials, shards, valid))
+
+    partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    step = jax.shard_map(local_step, mesh=mesh, out_specs=partial_specs,
+                         in_specs=(partial_specs, P(DATA_AXIS), P(), operand_specs(combiner, mesh)))
+    return jax.jit(step, donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """Everything a run of one job on one mesh needs; see the module docstring.
+
+    Attributes:
+      combiner: the combiner with the run's policies, resolved for ``mesh``: what every
+        program runs and ``finalize`` finishes.
+      job: the same before the mesh resolved it: what the fingerprint names.
+      spec: one row of the data (pytree of ``jax.ShapeDtypeStruct``).
+      mesh: the devices.
+      layout: how rows map to steps, shards, devices and processes.
+      options: the run's options.
+      fingerprint: what names the job in a checkpoint.
+    """
+
+    combiner: Combiner
+    job: Combiner
+    spec: PyTree
+    mesh: Mesh
+    layout: Layout
+    options: RunOptions
+    fingerprint: dict[str, Any]
+
+    @functools.cached_property
+    def host_operands(self) -> PyTree:
+        return jax.tree.map(np.asarray, self.combiner.operands(self.spec))
+
+    @functools.cached_property
+    def operand_shardings(self) -> PyTree:
+        """One ``NamedSharding`` per leaf of the operands: replicated, or split as
+        ``combiner.operand_partition`` says (:func:`operand_specs`)."""
+        return per_leaf(self.mesh, operand_specs(self.combiner, self.mesh), self.host_operands)
+
+    @functools.cached_property
+    def operands(self) -> PyTree:
+        """The combiner's operands on the devices, as the step and merge programs take them (each
+        device its block where they split over ``model``); :attr:`host_operands` are the whole ones,
+        which the merges of two states on one device take."""
+        return place(self.host_operands, self.operand_shardings)
+
+    @functools.cached_property
+    def like(self) -> PyTree:
+        """The partials' shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
+        shapes = jax.eval_shape(lambda: stacked(self.combiner, self.spec, self.layout.num_shards))
+        shardings = leaf_shardings(self.combiner, self.mesh, shapes)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+    @property
+    def shape_meta(self) -> dict[str, Any]:
+        """How the partials are laid out, for a checkpoint: shard count and non-``data`` axes."""
+        return {"shards": self.layout.num_shards, "axes": mesh_axes(self.mesh)}
+
+    def init(self) -> PyTree:
+        """Identity partials, one accumulator per logical shard."""
+        return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards)()
+
+    def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
+        """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
+        compiled = compile_step(
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+        )
+        return compiled(partials, batch, np.int32(num_valid), self.operands)
+
+    def merge(self, partials: PyTree) -> PyTree:
+        """Every shard's partial merged into one accumulator, on every device (or split over
+        the axes ``combiner.partition`` names), by :attr:`merger`."""
+        return self.merger.run(partials, self.merge_operands)
+
+    @functools.cached_property
+    def merger(self) -> Merge:
+        """How :meth:`merge` merges the shards' partials: the route's object, decided once
+        (:func:`~sharded_scan.merging.choose_merge` says which route when)."""
+        return choose_merge(self.combiner, self.mesh, self.layout, self.like, self.options.logical_shards is not None,
+                            self.options.precision, self.fixed_products)
+
+    @property
+    def merge_route(self) -> MergeRoute:
+        """The route :attr:`merger` takes (:class:`~sharded_scan.merging.MergeRoute`)."""
+        return self.merger.route
+
+    @property
+    def merge_operands(self) -> PyTree:
+        """The operands as :attr:`merger` takes them: whole (:attr:`host_operands`) where it merges pairs
+        on one device, else placed as the step takes them (:attr:`operands`)."""
+        return self.host_operands if self.merger.whole_operands else self.operands
+
+    @property
+    def fixed_products(self) -> bool:
+        """Whether float products sum in contraction order (:mod:`sharded_scan.fixed_order`).
+
+        Where ``logical_shards`` promises bitwise results on CPU: XLA:CPU's matmul library
+        picks its summation order by the process's thread pool, the CPU's caches and the
+        output's width. TPUs and GPUs (deterministic mode) run one order per program.
+        """
+        return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
+
+    def lower_step(self) -> jax.stages.Lowered:
+        """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
+        rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
+        compiled = compile_step(
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+        )
+        return compiled.lower(self.like, batch, np.int32(0), self.operands)
+
+    def lower_merge(self) -> jax.stages.Lowered:
+        """The merge lowered for this program's partials (by :attr:`merger`: the pairwise merge of
+        the process tree or a local fold, whose all-gather is :meth:`lower_gather`; else the one program)."""
+        return self.merger.lower(self.like, self.merge_operands)
+
+    def lower_gather(self) -> jax.stages.Lowered:
+        """The all-gather of the partials that a merge by :class:`~sharded_scan.merging.LocalFold` starts with."""
+        return compile_gather(self.combiner, self.mesh).lower(self.like)
+
+    def finalize(self, merged: PyTree) -> Any:
+        """The result from the merged accumulator (host numpy).
+
+        Host BLAS/LAPACK runs on one thread here: the matrices are small, and OpenBLAS's
+        threads next to XLA's idle CPU clients made a 258 x 258 SVD take 0.8 s instead of 0.01 s.
+        """
+        with threadpoolctl.threadpool_limits(1, user_api="blas"):
+            return self.combiner.finalize(merged)
