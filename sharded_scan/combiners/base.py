@@ -211,6 +211,31 @@ class Combiner(abc.ABC):
         del mask
         return self.add_keyed(acc, batch, keep, keys, num_keys)
 
+    def omitting_values(self) -> Combiner:
+        """The combiner ``nan_policy="omit"`` runs: one that skips each NaN or inf where it stands
+        (:meth:`add_finite`). The default is ``self``, whose :meth:`add_finite` skips whole rows: right for
+        the statistics of whole rows (``LinearRegression``, ``PCA``, ``Gram``), as statsmodels'
+        ``missing="drop"``. ``Moments`` returns its per-column form, ``Covariance`` its pairwise one."""
+        return self
+
+    def add_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array) -> PyTree:
+        """Folds the rows ``keep`` (of the real rows ``mask``) less their NaN and inf values (``nan_policy="omit"``).
+
+        The default skips every row holding one (:meth:`add_omitting` of the finite rows); a combiner of
+        per-column statistics skips the value alone (its column's count is its own non-NaN count).
+        """
+        return self.add_omitting(acc, batch, mask, keep & finite_rows(batch))
+
+    def add_keyed_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array, keys: jax.Array,
+                         num_keys: int) -> PyTree:
+        """:meth:`add_finite` per key (for ``GroupBy``)."""
+        return self.add_keyed_omitting(acc, batch, mask, keep & finite_rows(batch), keys, num_keys)
+
+    def finite_keep(self, batch: PyTree, keep: jax.Array) -> jax.Array:
+        """The rows of ``keep`` that :meth:`add_finite` folds at all (``GroupBy`` counts them per key): by
+        default those whose every value is finite; a combiner that skips values where they stand keeps them all."""
+        return keep & finite_rows(batch)
+
 
 class AdditiveCombiner(Combiner):
     """A combiner whose merge is leafwise addition: partials are combined by ``psum``."""
@@ -219,6 +244,16 @@ class AdditiveCombiner(Combiner):
 
     def merge(self, a: PyTree, b: PyTree) -> PyTree:
         return jax.tree.map(jnp.add, a, b)
+
+
+def finite_rows(batch: PyTree) -> jax.Array:
+    """Per row of ``batch`` (a pytree of ``(rows, ...)`` arrays): whether its every float value is finite."""
+    leaves = jax.tree.leaves(batch)
+    finite = jnp.ones((leaves[0].shape[0],), bool)
+    for leaf in leaves:
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
+    return finite
 
 
 def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, accumulator_dtype, masked, row_count
 from sharded_scan.combiners.column_split import SplitsEachColumn
+from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.results import frame, labels
 from sharded_scan.combiners.sums import (
     OUTER_PRODUCTS_AT_ONCE,
@@ -473,6 +474,7 @@ class WeightSums(Combiner):
     accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
 
     unweighted: Combiner
+    data_part = (1,)  # rows (w, X)
 
     def fingerprint(self):
         return {**self.unweighted.fingerprint(), "weighted": "True"}
@@ -881,6 +883,11 @@ class Moments(SplitsEachColumn, Combiner):
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self.fold(acc, batch, mask, keyed=(keys, num_keys))
+
+    def omitting_values(self):
+        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        ``nan_policy="omit"`` a column's count is its own count of finite values."""
+        return EachColumn(self)
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         return self.fold(acc, batch, keep, mask, keyed=(keys, num_keys))
