@@ -351,12 +351,18 @@ def host_m2(acc: CenteredAcc) -> np.ndarray:
 
 
 class CovarianceResult(NamedTuple):
-    """Row count, column means and the (d, d) covariance, like ``np.cov(x, rowvar=False)``."""
+    """Row count, column means and the (d, d) covariance, like ``np.cov(x, rowvar=False)``.
+
+    Under ``nan_policy="omit"`` (pandas' ``df.cov()``, pairwise complete): ``count`` holds each column's
+    count of finite values, ``mean`` each column's mean of them, ``cov[i, j]`` is over the rows where
+    both columns are finite, ``pair_count[i, j]`` counts them (None under the other policies: every
+    entry is over ``count`` rows)."""
 
     count: np.ndarray
     mean: np.ndarray
     cov: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+    pair_count: np.ndarray | None = None  # (d, d) rows of each pair, under nan_policy="omit"
 
     def to_pandas(self):
         """The covariance matrix as a DataFrame named by the columns both ways, like ``df.cov()``."""
@@ -409,6 +415,14 @@ class CoMoments(SplitsByColumns, Combiner):
 
     def merge(self, a, b):
         return centered_merge(a, b, full=True, shards=self.model_shards)
+
+    def omitting_values(self):
+        """The pairwise-complete form (pandas' ``df.cov()``/``df.corr()``): each pair of columns over the
+        rows where both are finite (:mod:`~sharded_scan.combiners.pairwise`)."""
+        from sharded_scan.combiners import pairwise  # it builds on this module
+
+        return pairwise.PairwiseCovariance(ddof=self.ddof) if isinstance(self, Covariance) else (
+            pairwise.PairwiseCorrelation())
 
     def weighted(self):
         return WeightedCentred(self)
