@@ -218,23 +218,38 @@ class Combiner(abc.ABC):
         ``missing="drop"``. ``Moments`` returns its per-column form, ``Covariance`` its pairwise one."""
         return self
 
+    def finite_values(self, batch: PyTree) -> PyTree | None:
+        """The micro-batch this combiner folds under ``nan_policy="omit"`` so that each NaN or inf is skipped
+        where it stands, or None (the default: every row holding one is skipped). A combiner that already
+        leaves NaN out column by column returns ``batch`` with each inf made NaN (``Describe``, ``TopK``:
+        :func:`nonfinite_as_nan`), ``Sum`` with each made 0."""
+        del batch
+        return None
+
     def add_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array) -> PyTree:
         """Folds the rows ``keep`` (of the real rows ``mask``) less their NaN and inf values (``nan_policy="omit"``).
 
-        The default skips every row holding one (:meth:`add_omitting` of the finite rows); a combiner of
-        per-column statistics skips the value alone (its column's count is its own non-NaN count).
+        The default: :meth:`finite_values`' batch, else every row holding one skipped (:meth:`add_omitting`
+        of the finite rows, right for the statistics of whole rows). ``Moments`` (as
+        :class:`~sharded_scan.combiners.each_column.EachColumn`) and the pairwise ``Covariance`` override it.
         """
-        return self.add_omitting(acc, batch, mask, keep & finite_rows(batch))
+        values = self.finite_values(batch)
+        if values is None:
+            return self.add_omitting(acc, batch, mask, keep & finite_rows(batch))
+        return self.add_omitting(acc, values, mask, keep)
 
     def add_keyed_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array, keys: jax.Array,
                          num_keys: int) -> PyTree:
         """:meth:`add_finite` per key (for ``GroupBy``)."""
-        return self.add_keyed_omitting(acc, batch, mask, keep & finite_rows(batch), keys, num_keys)
+        values = self.finite_values(batch)
+        if values is None:
+            return self.add_keyed_omitting(acc, batch, mask, keep & finite_rows(batch), keys, num_keys)
+        return self.add_keyed_omitting(acc, values, mask, keep, keys, num_keys)
 
     def finite_keep(self, batch: PyTree, keep: jax.Array) -> jax.Array:
-        """The rows of ``keep`` that :meth:`add_finite` folds at all (``GroupBy`` counts them per key): by
-        default those whose every value is finite; a combiner that skips values where they stand keeps them all."""
-        return keep & finite_rows(batch)
+        """The rows of ``keep`` that :meth:`add_finite` folds at all (``GroupBy`` counts them per key): those
+        whose every value is finite, or all of them where the values are skipped where they stand."""
+        return keep & finite_rows(batch) if self.finite_values(batch) is None else keep
 
 
 class AdditiveCombiner(Combiner):
@@ -254,6 +269,15 @@ def finite_rows(batch: PyTree) -> jax.Array:
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
     return finite
+
+
+def nonfinite_as_nan(batch: PyTree) -> PyTree:
+    """``batch`` with each NaN or inf float value NaN: what a combiner that leaves NaN out column by column
+    (``Describe``, ``TopK``) folds under ``nan_policy="omit"``, so that it skips an inf where it stands too."""
+    def one(x):
+        return jnp.where(jnp.isfinite(x), x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(one, batch)
 
 
 def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:

@@ -225,6 +225,11 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     def add(self, acc, batch, mask):
         return self._counted(acc, self._binned(batch, mask, None, 1, jnp.int32))
 
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: NaN and inf lie outside every (finite) range, so each is skipped where it
+        stands as without a policy (the weighted form too; ``Weighted`` skips a row of NaN or inf weight)."""
+        return batch
+
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self._counted(acc, self._binned(batch, mask, keys, num_keys, jnp.int32))
 

@@ -488,7 +488,6 @@ class WeightSums(Combiner):
     accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
 
     unweighted: Combiner
-    data_part = (1,)  # rows (w, X)
 
     def fingerprint(self):
         return {**self.unweighted.fingerprint(), "weighted": "True"}

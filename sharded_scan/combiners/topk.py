@@ -43,6 +43,7 @@ from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.datasketches import frequent_items_sketches, frequent_state
+from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.keys import (
     check_column_spec,
     decode,
@@ -374,6 +375,11 @@ class TopK(SplitsEachColumn, Combiner):
             acc.bound, self.capacity, c, fast=mb >= SELECT_ROWS and weights is None,  # sums of weights: no guess
         )
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
+
+    def omitting_values(self):
+        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
+        return EachColumn(self)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its

@@ -164,7 +164,7 @@ class Weighted(Wrapper, MultiPass):
                            wide.add_int32(acc.bad_weights, counts))
 
     def finite_keep(self, batch, keep):
-        return self.form.finite_keep(batch, keep)
+        return self.form.finite_keep(batch, keep & _finite(batch[0]))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
