@@ -265,12 +265,17 @@ def test_moments_count_nans_and_zeros_per_column_also_where_omitted(policy):
     x[7, 3] = np.inf
     got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=8, steps_per_call=2, nan_policy=policy)
     np.testing.assert_array_equal(got.nan_count, [0, 0, 3, 0])  # the NaN rows, skipped or not
-    kept = x[np.isfinite(x).all(1)] if policy == "omit" else x
-    assert got.count == len(kept)
-    np.testing.assert_array_equal(got.zeros, (kept == 0).sum(0))
-    if policy == "omit":
-        check_moments(got._replace(nan_count=np.zeros(4, int)), kept, 0)
+    if policy == "omit":  # each NaN or inf skipped where it stands: a count a column
+        finite = np.isfinite(x)
+        np.testing.assert_array_equal(got.count, finite.sum(0))
+        np.testing.assert_array_equal(got.zeros, ((x == 0) & finite).sum(0))
+        for j in range(4):
+            column = got._replace(**{f: np.atleast_1d(v[j]) for f, v in got._asdict().items() if f != "columns"})
+            check_moments(column._replace(count=column.count[0], nan_count=np.zeros(1, int)), x[finite[:, j], j:j + 1],
+                          0)
     else:  # numpy's: NaN and inf reach their columns' moments
+        assert got.count == len(x)
+        np.testing.assert_array_equal(got.zeros, (x == 0).sum(0))
         assert np.isnan(got.skewness[2:]).all() and np.isnan(got.kurtosis[2:]).all()
     table = got.to_pandas()
     assert list(table.columns) == list(got._fields[:-1])
