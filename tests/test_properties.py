@@ -147,6 +147,8 @@ def test_sum_and_gram_match_exact_sums(x, policy):
                 continue
             want = np.sum(col) if not np.isfinite(col).all() else to_float(sum(map(Fraction,
                                                                                    col.tolist()), 0))
+            if s.sum[j] in (np.inf, -np.inf) and np.isfinite(col).all() and not np.isfinite(np.abs(col).sum()):
+                continue  # partial sums past the largest float overflow in some orders (as the Gram's below)
             assert_close(s.sum[j], want, mean_bound(col) * max(len(col), 1), f"sum {where} column {j} {col!r}")
         for a in range(D):
             for b in range(D):
@@ -361,7 +363,7 @@ def test_new_group_by_moments_keeps_nan_count_under_omit():
         np.testing.assert_array_equal(g.result.nan_count[:, 0], [0, 0, 1, 1])
         np.testing.assert_array_equal(g.result.nan_count[:, 1:], 0)
         np.testing.assert_array_equal(g.result.count, [[0] * D, [0] * D, [1] + [2] * (D - 1), [0] + [1] * (D - 1)])
-        assert np.isnan(g.result.mean[[0, 1]]).all() and g.result.mean[2].tolist() == [1.0, 4.0, 4.0]
+        assert np.isnan(g.result.mean[[0, 1]]).all() and g.result.mean[2].tolist() == [1.0, 3.0, 3.0]
         assert math.isnan(g.result.mean[3, 0]) and g.result.mean[3, 1:].tolist() == [1.0] * (D - 1)
 
 

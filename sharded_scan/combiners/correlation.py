@@ -39,7 +39,10 @@ class Correlation(CoMoments):
     clipped to ``[-1, 1]`` with an exact 1 on the diagonal, like ``np.corrcoef``. A constant
     column (zero variance) has NaN correlations, with one ``RuntimeWarning`` naming it (numpy
     warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
-    correlations (the divisor cancels).
+    correlations (the divisor cancels). Under ``nan_policy="omit"`` pairwise complete, as pandas'
+    ``df.corr()``: each entry over the rows where both columns are finite (``pair_count``), NaN where
+    fewer than 2 (:class:`~sharded_scan.combiners.pairwise.PairwiseCorrelation`); weighted, whole rows
+    are skipped.
 
     Attributes:
       model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by

@@ -188,8 +188,9 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
-    ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
-    skipped. float64 and int64 values are compared exactly, by 64-bit keys: no two
+    ``nunique(dropna=False)``); with ``nan_policy="omit"`` each NaN or Inf is skipped where it
+    stands, the column's other values counted (pandas' ``nunique()``); ``"omit_rows"`` skips every
+    row holding one. float64 and int64 values are compared exactly, by 64-bit keys: no two
     distinct values are counted as one.
 
     A string column is counted by its 64-bit :func:`~sharded_scan.hash_strings` ids: ``n`` distinct

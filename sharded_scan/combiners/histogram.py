@@ -125,7 +125,9 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
     ``np.linspace(lo, hi, bins + 1)`` in float64, each bin holds ``[edge_i, edge_i+1)``,
     the last also its right edge, and values outside ``[lo, hi]`` (and NaN) are not
-    counted. Values are compared in float32 against the float64 edges exactly (XLA on CPU and
+    counted (under ``nan_policy="omit"`` so each NaN or Inf is skipped where it stands, the row's other
+    values counted; ``"omit_rows"`` skips every row holding one). Values are compared in float32
+    against the float64 edges exactly (XLA on CPU and
     TPU flushes subnormal values, below about 1e-38 in magnitude, to zero first; a range with
     such edges is one line, :func:`check_normal_edges`).
 

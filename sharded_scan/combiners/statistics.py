@@ -444,6 +444,10 @@ class Covariance(CoMoments):
     aweights=w, ddof=ddof)``: the divisor is ``Σw - ddof Σw²/Σw`` (reliability weights; at
     ``ddof=0``, ``Σw``).
 
+    Under ``nan_policy="omit"`` pairwise complete, as pandas' ``df.cov()``: each entry over the rows
+    where both columns are finite (``pair_count``), NaN where a pair has ``ddof`` rows or fewer
+    (:class:`~sharded_scan.combiners.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
+
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
         ``np.cov`` and ``df.cov()``; each built-in takes the default of the function it
@@ -852,6 +856,10 @@ class Moments(SplitsEachColumn, Combiner):
     On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
     state is split by columns (``column_split``): each device folds and merges ``ceil(d / M)``
     columns, the row count whole on every device.
+
+    Under ``nan_policy="omit"`` each NaN or Inf is skipped where it stands, as pandas' ``skipna``:
+    every field is per column over its finite values, ``count`` too (``(d,)``; per key under
+    ``GroupBy``: ``df.groupby(keys).count()``); ``"omit_rows"`` skips every row holding one.
 
     Args:
       ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like

@@ -57,6 +57,8 @@ class Sum(AdditiveCombiner):
     Integer and bool leaves sum exactly (as :class:`~sharded_scan.combiners.wide.Wide`
     integers: int64 in the result, Python ints past 2^63); float leaves sum in their
     accumulator dtype (float32; float64 for float64 data, and under ``jax_enable_x64``).
+    Under ``nan_policy="omit"`` a NaN or Inf adds nothing to its column (pandas' ``sum()``), and
+    ``count`` counts every row; ``"omit_rows"`` skips every row holding one.
     """
 
     def init(self, spec):

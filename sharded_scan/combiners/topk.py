@@ -303,7 +303,8 @@ class TopK(SplitsEachColumn, Combiner):
         (``python bench/sketches.py``).
 
     Values are compared as ``np.unique`` does: ``-0.0`` is ``0.0`` and all NaNs are one
-    value (``nan_policy="propagate"``); ``"omit"`` skips rows holding NaN or Inf.
+    value (``nan_policy="propagate"``); ``"omit"`` skips each NaN or Inf where it stands (pandas'
+    ``value_counts()``), ``"omit_rows"`` every row holding one.
 
     On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
     summaries are split by columns: each device holds and counts ``ceil(d / M)`` of them (padded
