@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan.admission import memory_estimate
+from sharded_scan.program import build_program
+from sharded_scan.sources import as_source
 
 pd = pytest.importorskip("pandas")
 
@@ -84,6 +87,10 @@ def test_covariance_is_pairwise_complete_split_over_model_and_logical_shards():
     diagonal = np.abs(np.diagonal(want))
     assert_matrix(c.cov, want, np.sqrt(np.outer(diagonal, diagonal)))
     assert np.isnan(c.cov[4, 4]) and c.pair_count[4, 4] == 1 and c.cov[5, 5] == 0
+    d = 64  # the memory estimate counts the per-pair state: 5 float64 (d, d) matrices and exact counts (4 int32)
+    held = [memory_estimate(build_program(ss.Covariance(), as_source(np.zeros((16, d))), ss.RunOptions(
+        nan_policy=policy, mesh="data:8")), temporaries=False)["accumulator"] for policy in ("propagate", "omit")]
+    assert held[0] < 3 * d * d * 8 and held[1] >= d * d * (5 * 8 + 4 * 4), held
 
 
 def test_omit_rows_skips_every_row_holding_one_and_whole_row_statistics_skip_rows_under_omit():
