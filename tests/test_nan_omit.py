@@ -54,6 +54,13 @@ def assert_matrix(got, want, scale):
 def test_omit_skips_each_value_where_it_stands_like_pandas(mesh):
     x, keys, df = frame()
     finite = np.isfinite(x)
+    c = run(ss.Correlation(), x, mesh=mesh)
+    np.testing.assert_array_equal(c.pair_count, finite.T.astype(int) @ finite)
+    np.testing.assert_array_equal(c.count, df.count())
+    np.testing.assert_allclose(c.mean, df.mean(), rtol=1e-13)
+    assert_matrix(c.corr, df.corr().to_numpy(), np.ones((6, 6)))
+    if mesh == "data:1":  # one device: the pairwise fold alone, no merge of partials
+        return
     m = run(ss.Moments(ddof=1), x, mesh=mesh)
     np.testing.assert_array_equal(m.count, df.count())  # each column its own count
     np.testing.assert_array_equal(m.nan_count, np.isnan(x).sum(0))
@@ -62,13 +69,6 @@ def test_omit_skips_each_value_where_it_stands_like_pandas(mesh):
     np.testing.assert_array_equal(m.min, df.min())
     np.testing.assert_array_equal(m.max, df.max())
     assert m.var[5] == 0 and np.isnan(m.var[4])  # constant; one value (ddof=1)
-    c = run(ss.Correlation(), x, mesh=mesh)
-    np.testing.assert_array_equal(c.pair_count, finite.T.astype(int) @ finite)
-    np.testing.assert_array_equal(c.count, df.count())
-    np.testing.assert_allclose(c.mean, df.mean(), rtol=1e-13)
-    assert_matrix(c.corr, df.corr().to_numpy(), np.ones((6, 6)))
-    if mesh == "data:1":
-        return
     g = run(ss.GroupBy(ss.Moments(ddof=1), K), (keys, x), mesh=mesh).result
     grouped = df.groupby(keys)
     np.testing.assert_array_equal(g.count, grouped.count())
@@ -93,13 +93,11 @@ def test_covariance_is_pairwise_complete_split_over_model_and_logical_shards():
     assert held[0] < 3 * d * d * 8 and held[1] >= d * d * (5 * 8 + 4 * 4), held
 
 
-def test_omit_rows_skips_every_row_holding_one_and_whole_row_statistics_skip_rows_under_omit():
+def test_omit_rows_skips_every_row_holding_one():
+    # (LinearRegression, PCA and Gram skip whole rows under "omit" too: tests/test_no_silent_wrong.py, the properties)
     x, _, _ = frame()
     x = np.delete(x, [3, 4], axis=1)  # not every row skipped
     rows = np.isfinite(x).all(1)
     m = run(ss.Moments(), x, mesh="data:8", nan_policy="omit_rows")
     assert int(m.count) == rows.sum()
     np.testing.assert_allclose(m.mean, x[rows].mean(0), rtol=1e-13)
-    fit = run(ss.LinearRegression(), (x[:, 1:3], x[:, 0]), mesh="data:8")  # statsmodels' missing="drop"
-    want = np.linalg.lstsq(np.c_[np.ones(rows.sum()), x[rows, 1:3]], x[rows, 0], rcond=None)[0]
-    np.testing.assert_allclose(np.r_[fit.intercept, fit.coef], want, rtol=1e-9)
