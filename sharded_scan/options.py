@@ -52,8 +52,8 @@ class RunOptions:
         ``data`` axis size), folded and merged in a fixed order, so the result is
         bitwise identical on every device count dividing it. None: one per device,
         merged by ``psum`` when additive.
-      nan_policy: NaN and Inf values: ``"propagate"`` (numpy's behaviour), ``"omit"`` (each
-        skipped where it stands, as pandas' ``skipna``: per column for per-column statistics, per
+      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour), ``"omit"`` (each
+        such value skipped where it stands, as pandas' ``skipna``: per column for per-column statistics, per
         pair of columns for ``Covariance``/``Correlation``, the row for whole-row ones such as
         ``LinearRegression``), ``"omit_rows"`` (every row holding one skipped, in every statistic)
         or ``"raise"`` (stop at the first such step).
