@@ -209,14 +209,18 @@ class NonFinite(Wrapper):
         return NonFiniteAcc(self.inner.init(spec), wide.zeros())
 
     def check_rows(self, rows):
-        """The inner combiner's checks of the rows it will fold: under ``"omit"`` only the finite ones
-        (a NaN weight of ``Weighted`` is skipped in memory as from a file, not refused)."""
+        """The inner combiner's checks of the rows it will fold: under ``"omit_rows"`` only the finite ones,
+        under ``"omit"`` those it folds at all (:meth:`~Combiner.finite_keep`: a row holding NaN is checked
+        where its other values are folded); a NaN weight of ``Weighted`` is skipped in memory as from a file,
+        not refused."""
         if self.policy in OMITTING:
             leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
             keep = np.ones(leaves[0].shape[0], bool)
             for leaf in leaves:
                 if _is_float(leaf):  # as add's rows: every float value of the row finite
                     keep &= np.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+            if self.policy == "omit" and not keep.all():
+                keep = np.asarray(self.inner.finite_keep(rows, np.ones(keep.shape, bool)))
             rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)
         self.inner.check_rows(rows)
 
