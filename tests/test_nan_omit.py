@@ -87,6 +87,12 @@ def test_covariance_is_pairwise_complete_split_over_model_and_logical_shards():
     diagonal = np.abs(np.diagonal(want))
     assert_matrix(c.cov, want, np.sqrt(np.outer(diagonal, diagonal)))
     assert np.isnan(c.cov[4, 4]) and c.pair_count[4, 4] == 1 and c.cov[5, 5] == 0
+    keys = np.arange(N, dtype=np.int32) % 2
+    g = run(ss.GroupBy(ss.Covariance(), 2), (keys, x[:, :3]), mesh="data:8").result  # per key, pairwise too
+    want = df.iloc[:, :3].groupby(keys).cov().to_numpy().reshape(2, 3, 3)
+    assert_matrix(g.cov, want, np.sqrt(np.abs(np.einsum("kii,kjj->kij", want, want))))
+    finite = np.isfinite(x[:, :3]).astype(int)
+    np.testing.assert_array_equal(g.pair_count, [finite[keys == k].T @ finite[keys == k] for k in (0, 1)])
     d = 64  # the memory estimate counts the per-pair state: 5 float64 (d, d) matrices and exact counts (4 int32)
     held = [memory_estimate(build_program(ss.Covariance(), as_source(np.zeros((16, d))), ss.RunOptions(
         nan_policy=policy, mesh="data:8")), temporaries=False)["accumulator"] for policy in ("propagate", "omit")]

@@ -174,11 +174,8 @@ class PairwiseCoMoments(SplitsByColumns, Combiner):
         cells = mask[:, None] & (jnp.isfinite(batch) if jnp.issubdtype(batch.dtype, jnp.inexact) else True)
         return pair_fold(acc, batch, cells, self.model_shards)
 
-    def add_finite(self, acc, batch, mask, keep):
-        return self.add(acc, batch, keep)
-
-    def finite_keep(self, batch, keep):
-        return keep  # the values are skipped where they stand
+    def finite_values(self, batch):
+        return batch  # add skips each NaN or inf where it stands (per key too: GroupBy's add_keyed is add's)
 
     def omitting_values(self):
         return self
