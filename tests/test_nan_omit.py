@@ -107,3 +107,16 @@ def test_omit_rows_skips_every_row_holding_one():
     m = run(ss.Moments(), x, mesh="data:8", nan_policy="omit_rows")
     assert int(m.count) == rows.sum()
     np.testing.assert_allclose(m.mean, x[rows].mean(0), rtol=1e-13)
+
+
+def test_rows_checked_before_compute_are_those_omit_folds():
+    from sharded_scan.combiners.wrappers import apply_policies
+
+    x = np.ones((6, 2))
+    x[1, 0] = np.nan
+    w, keys = np.ones(6), np.zeros(6, np.int32)
+    w[2] = np.nan  # a NaN weight's row: skipped, not refused
+    apply_policies(ss.GroupBy(ss.Weighted(ss.Moments()), 2), nan_policy="omit").check_rows((keys, (w, x)))
+    keys[1] = 5  # a key out of range in a row holding NaN: its other value is folded, so it is one line
+    with pytest.raises(ss.UsageError, match="keys outside"):
+        apply_policies(ss.GroupBy(ss.Moments(), 2), nan_policy="omit").check_rows((keys, x))

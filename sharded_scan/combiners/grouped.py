@@ -255,6 +255,9 @@ class GroupBy(Wrapper):
         counts the rows it folds at all (a per-column statistic: every real row)."""
         return self._add(acc, batch, mask, self.inner.finite_keep(batch[1], keep), finite=True)
 
+    def finite_keep(self, batch, keep):
+        return self.inner.finite_keep(batch[1], keep)
+
     def _add(self, acc, batch, mask, keep, finite: bool):
         keys, data = batch
         inside = (keys >= 0) & (keys < self.num_keys)
