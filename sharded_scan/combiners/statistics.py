@@ -588,7 +588,8 @@ class MomentsResult(NamedTuple):
     """Per column: row count, mean, variance (``np.var`` with ``ddof``), min and max, skewness and
     excess kurtosis (``scipy.stats.skew``/``kurtosis`` with their defaults: biased, Fisher's),
     the real rows holding NaN (``nan_count``, also those ``nan_policy="omit"`` skipped) and 0
-    (``zeros``, of the rows counted), ``norm_l1`` (``Σ|x|``) and ``norm_l2`` (``√Σx²``)."""
+    (``zeros``, of the rows counted), ``norm_l1`` (``Σ|x|``) and ``norm_l2`` (``√Σx²``). Under
+    ``nan_policy="omit"`` every field is of each column's finite values, ``count`` too (``(d,)``)."""
 
     count: np.ndarray
     mean: np.ndarray
