@@ -24,7 +24,7 @@ from sharded_scan.errors import UsageError
 from sharded_scan.progress import check_progress
 from sharded_scan.watchdog import check_timeout
 
-NAN_POLICIES = ("propagate", "omit", "raise")
+NAN_POLICIES = ("propagate", "omit", "omit_rows", "raise")
 # What ``jax.default_matmul_precision`` takes: "highest" is true float32 (or float64)
 # products on every platform; the others allow bf16 passes (TPU) or TF32 (GPU).
 PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16")
@@ -52,8 +52,11 @@ class RunOptions:
         ``data`` axis size), folded and merged in a fixed order, so the result is
         bitwise identical on every device count dividing it. None: one per device,
         merged by ``psum`` when additive.
-      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour),
-        ``"omit"`` (skipped like padding) or ``"raise"`` (stop at the first such step).
+      nan_policy: rows holding NaN or Inf: ``"propagate"`` (numpy's behaviour), ``"omit"`` (each
+        such value skipped where it stands, as pandas' ``skipna``: per column for per-column statistics, per
+        pair of columns for ``Covariance``/``Correlation``, the row for whole-row ones such as
+        ``LinearRegression``), ``"omit_rows"`` (every row holding one skipped, in every statistic)
+        or ``"raise"`` (stop at the first such step).
       compensated: Kahan-compensated float accumulation for additive combiners.
       precision: the matmul precision of every step and merge
         (``jax.default_matmul_precision``): ``"highest"`` (true float32 products, the

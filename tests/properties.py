@@ -166,8 +166,15 @@ def known_mean_findings(col: np.ndarray) -> list[int]:
 
 
 def kept_rows(x: np.ndarray, policy: str) -> np.ndarray:
-    """The rows a policy folds: all of them, or (``"omit"``) those whose every value is finite."""
+    """The rows a policy folds whole: all of them, or (``"omit_rows"``, and ``"omit"`` for the statistics of
+    whole rows) those whose every value is finite."""
     return x if policy == "propagate" else x[np.isfinite(x).all(axis=1)]
+
+
+def kept_values(x: np.ndarray, j: int, policy: str) -> np.ndarray:
+    """Column ``j``'s values a per-column statistic folds: its finite ones under ``"omit"`` (each NaN or inf
+    skipped where it stands), else those of :func:`kept_rows`."""
+    return x[np.isfinite(x[:, j]), j] if policy == "omit" else kept_rows(x, policy)[:, j]
 
 
 # --- the written outputs, read back -------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_estimate_is_within_the_standard_error_on_ints_and_floats(distinct):
     assert np.all(np.abs(got.count - distinct) <= 2.5 * sigma * distinct + 1), got.count  # +1: a rare collision
 
 
-def test_nan_rows_are_dropped_with_omit_and_one_column_gives_scalars():
+def test_nan_values_are_skipped_with_omit_and_one_column_gives_scalars():
     x = columns(500)
     kept = ss.run(SMALL, x, nan_policy="omit", mesh="data:2", **KW)
     np.testing.assert_array_equal(kept.count[2], 3)

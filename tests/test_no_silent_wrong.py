@@ -91,12 +91,12 @@ def test_a_solve_on_finite_rows_that_overflowed_says_so():
 
 def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
     x = np.random.default_rng(0).normal(size=(300, 4)).astype(np.float32)  # test_statistics' omit programs
-    x[:, 1] = np.nan  # every row holds a NaN: nan_policy="omit" skips them all
+    x[:, 1] = np.nan  # every row holds a NaN: nan_policy="omit_rows" skips them all
     with pytest.warns(RuntimeWarning):
         empty_mean = np.mean(np.zeros((0, 4)), axis=0)
     for combiner in (ss.Moments(), ss.Covariance()):
         with pytest.warns(RuntimeWarning, match="no rows"):
-            got = ss.run(combiner, x, nan_policy="omit", mesh="data:2", microbatch=8, steps_per_call=2)
+            got = ss.run(combiner, x, nan_policy="omit_rows", mesh="data:2", microbatch=8, steps_per_call=2)
         assert int(got.count) == 0
         np.testing.assert_array_equal(got.mean, empty_mean)  # NaN, never 0
         for field in ("var", "min", "max", "cov"):

@@ -214,6 +214,46 @@ class Combiner(abc.ABC):
         del mask
         return self.add_keyed(acc, batch, keep, keys, num_keys)
 
+    def omitting_values(self) -> Combiner:
+        """The combiner ``nan_policy="omit"`` runs: one that skips each NaN or inf where it stands
+        (:meth:`add_finite`). The default is ``self``, whose :meth:`add_finite` skips whole rows: right for
+        the statistics of whole rows (``LinearRegression``, ``PCA``, ``Gram``), as statsmodels'
+        ``missing="drop"``. ``Moments`` returns its per-column form, ``Covariance`` its pairwise one."""
+        return self
+
+    def finite_values(self, batch: PyTree) -> PyTree | None:
+        """The micro-batch this combiner folds under ``nan_policy="omit"`` so that each NaN or inf is skipped
+        where it stands, or None (the default: every row holding one is skipped). A combiner that already
+        leaves NaN out column by column returns ``batch`` with each inf made NaN (``Describe``, ``TopK``:
+        :func:`nonfinite_as_nan`), ``Sum`` with each made 0."""
+        del batch
+        return None
+
+    def add_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array) -> PyTree:
+        """Folds the rows ``keep`` (of the real rows ``mask``) less their NaN and inf values (``nan_policy="omit"``).
+
+        The default: :meth:`finite_values`' batch, else every row holding one skipped (:meth:`add_omitting`
+        of the finite rows, right for the statistics of whole rows). ``Moments`` (as
+        :class:`~sharded_scan.combiners.each_column.EachColumn`) and the pairwise ``Covariance`` override it.
+        """
+        values = self.finite_values(batch)
+        if values is None:
+            return self.add_omitting(acc, batch, mask, keep & finite_rows(batch))
+        return self.add_omitting(acc, values, mask, keep)
+
+    def add_keyed_finite(self, acc: PyTree, batch: PyTree, mask: jax.Array, keep: jax.Array, keys: jax.Array,
+                         num_keys: int) -> PyTree:
+        """:meth:`add_finite` per key (for ``GroupBy``)."""
+        values = self.finite_values(batch)
+        if values is None:
+            return self.add_keyed_omitting(acc, batch, mask, keep & finite_rows(batch), keys, num_keys)
+        return self.add_keyed_omitting(acc, values, mask, keep, keys, num_keys)
+
+    def finite_keep(self, batch: PyTree, keep: jax.Array) -> jax.Array:
+        """The rows of ``keep`` that :meth:`add_finite` folds at all (``GroupBy`` counts them per key): those
+        whose every value is finite, or all of them where the values are skipped where they stand."""
+        return keep & finite_rows(batch) if self.finite_values(batch) is None else keep
+
 
 class AdditiveCombiner(Combiner):
     """A combiner whose merge is leafwise addition: partials are combined by ``psum``."""
@@ -222,6 +262,25 @@ class AdditiveCombiner(Combiner):
 
     def merge(self, a: PyTree, b: PyTree) -> PyTree:
         return jax.tree.map(jnp.add, a, b)
+
+
+def finite_rows(batch: PyTree) -> jax.Array:
+    """Per row of ``batch`` (a pytree of ``(rows, ...)`` arrays): whether its every float value is finite."""
+    leaves = jax.tree.leaves(batch)
+    finite = jnp.ones((leaves[0].shape[0],), bool)
+    for leaf in leaves:
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
+    return finite
+
+
+def nonfinite_as_nan(batch: PyTree) -> PyTree:
+    """``batch`` with each NaN or inf float value NaN: what a combiner that leaves NaN out column by column
+    (``Describe``, ``TopK``) folds under ``nan_policy="omit"``, so that it skips an inf where it stands too."""
+    def one(x):
+        return jnp.where(jnp.isfinite(x), x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(one, batch)
 
 
 def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:

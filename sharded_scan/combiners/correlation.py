@@ -14,12 +14,17 @@ from sharded_scan.combiners.statistics import CoMoments, host_m2, host_mean, no_
 
 
 class CorrelationResult(NamedTuple):
-    """Row count, column means and the (d, d) Pearson correlations, like ``np.corrcoef(x, rowvar=False)``."""
+    """Row count, column means and the (d, d) Pearson correlations, like ``np.corrcoef(x, rowvar=False)``.
+
+    Under ``nan_policy="omit"`` (pandas' ``df.corr()``, pairwise complete): ``count`` and ``mean`` per
+    column over its finite values, ``corr[i, j]`` over the rows where both columns are finite (NaN where
+    fewer than 2), ``pair_count[i, j]`` counts them (None under the other policies)."""
 
     count: np.ndarray
     mean: np.ndarray
     corr: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+    pair_count: np.ndarray | None = None  # (d, d) rows of each pair, under nan_policy="omit"
 
     def to_pandas(self):
         """The correlation matrix as a DataFrame named by the columns both ways, like ``df.corr()``."""
@@ -34,7 +39,10 @@ class Correlation(CoMoments):
     clipped to ``[-1, 1]`` with an exact 1 on the diagonal, like ``np.corrcoef``. A constant
     column (zero variance) has NaN correlations, with one ``RuntimeWarning`` naming it (numpy
     warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
-    correlations (the divisor cancels).
+    correlations (the divisor cancels). Under ``nan_policy="omit"`` pairwise complete, as pandas'
+    ``df.corr()``: each entry over the rows where both columns are finite (``pair_count``), NaN where
+    fewer than 2 (:class:`~sharded_scan.combiners.pairwise.PairwiseCorrelation`); weighted, whole rows
+    are skipped.
 
     Attributes:
       model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import kll, wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, nonfinite_as_nan
 from sharded_scan.combiners.keys import check_column_spec
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks, split, unsplit
@@ -191,7 +191,9 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
 
     NaN is skipped column by column, as pandas does; infinities count as values (in
     ``count``, ``min``, ``max`` and the percentiles; a column holding one has pandas' mean,
-    ``inf``, ``-inf`` or NaN when it holds both, and a NaN std, as ``Moments``).
+    ``inf``, ``-inf`` or NaN when it holds both, and a NaN std, as ``Moments``). Under
+    ``nan_policy="omit"`` an infinity is skipped where it stands as a NaN is (``count`` the
+    column's finite values, ``nan_count`` those skipped); ``"omit_rows"`` skips every row holding one.
 
     On a mesh with a ``model`` axis the one-pass state is split by columns (the module's docstring).
     """
@@ -246,6 +248,11 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
             return DescribeAcc(moments, self.sketch.add(a.sketch, x, mask))
 
         return self._leafwise(leaf, acc, batch)
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: an inf skipped where it stands, as a NaN (``count`` its column's finite
+        values, ``nan_count`` the values skipped)."""
+        return nonfinite_as_nan(batch)
 
     def merge(self, a, b):
         def leaf(x, y):
@@ -378,6 +385,11 @@ class Each(Combiner):
 
     def add(self, acc, batch, mask):
         return self._each(lambda p, a, x: p.add(a, x, mask), acc, batch)
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: the parts (``Describe``'s refining passes) leave NaN out column by
+        column, and an inf as a NaN (:meth:`Describe.finite_values`)."""
+        return nonfinite_as_nan(batch)
 
     def merge(self, a, b):
         return self._each(lambda p, x, y: p.merge(x, y), a, b)

@@ -38,6 +38,7 @@ from sharded_scan.combiners import murmur
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.datasketches import hll_sketches, hll_state
+from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.keys import (
     GOLDEN,
     KIND_DTYPES,
@@ -187,8 +188,9 @@ class DistinctCount(SplitsEachColumn, Combiner):
 
     Values are compared as numpy's ``np.unique`` does: ``-0.0`` and ``0.0`` are one
     value, and all NaNs are one value (``nan_policy="propagate"``, the default; pandas'
-    ``nunique(dropna=False)``); with ``nan_policy="omit"`` rows holding NaN or Inf are
-    skipped. float64 and int64 values are compared exactly, by 64-bit keys: no two
+    ``nunique(dropna=False)``); with ``nan_policy="omit"`` each NaN or Inf is skipped where it
+    stands, the column's other values counted (pandas' ``nunique()``); ``"omit_rows"`` skips every
+    row holding one. float64 and int64 values are compared exactly, by 64-bit keys: no two
     distinct values are counted as one.
 
     A string column is counted by its 64-bit :func:`~sharded_scan.hash_strings` ids: ``n`` distinct
@@ -273,6 +275,11 @@ class DistinctCount(SplitsEachColumn, Combiner):
         return jax.lax.cond(  # once every column has more values than it keeps, the registers alone
             jnp.all(acc.held > self.exact_up_to), lambda: acc._replace(registers=registers),
             lambda: self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held))
+
+    def omitting_values(self):
+        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
+        return EachColumn(self)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """Registers per key in one scatter-max; the kept values of each key present in the micro-batch

@@ -338,13 +338,27 @@ class GroupBy(Wrapper):
     def add_omitting(self, acc, batch, mask, keep):
         """Folds the rows ``keep`` per key (``count`` counts them); ``inner`` sees ``mask``, the
         real rows, too (``Moments`` counts NaNs in those a ``nan_policy`` skips)."""
+        return self._add(acc, batch, mask, keep, finite=False)
+
+    def omitting_values(self):
+        return self.rewrap(self.inner.omitting_values())
+
+    def add_finite(self, acc, batch, mask, keep):
+        """``nan_policy="omit"``: the inner combiner's :meth:`~Combiner.add_keyed_finite` per key; ``count``
+        counts the rows it folds at all (a per-column statistic: every real row)."""
+        return self._add(acc, batch, mask, self.inner.finite_keep(batch[1], keep), finite=True)
+
+    def finite_keep(self, batch, keep):
+        return self.inner.finite_keep(batch[1], keep)
+
+    def _add(self, acc, batch, mask, keep, finite: bool):
         keys, data = batch
         inside = (keys >= 0) & (keys < self.num_keys)
         slot = jnp.where(inside, keys, self.num_keys).astype(jnp.int32)
         counts = jax.ops.segment_sum(keep.astype(jnp.int32), slot, self.num_keys + 1)
         ours = inside | (self.out_of_range == "other")  # the rows folded into a slot
-        value = self.inner.add_keyed_omitting(acc.value, data, mask & ours, keep & ours,
-                                              jnp.minimum(slot, self.slots - 1), self.slots)
+        fold = self.inner.add_keyed_finite if finite else self.inner.add_keyed_omitting
+        value = fold(acc.value, data, mask & ours, keep & ours, jnp.minimum(slot, self.slots - 1), self.slots)
         return GroupedAcc(value, wide.add_int32(acc.count, counts))
 
     def merge(self, a, b):

@@ -125,7 +125,9 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
     Like ``np.histogram(x[:, j], bins, range)`` for every column ``j``: the edges are
     ``np.linspace(lo, hi, bins + 1)`` in float64, each bin holds ``[edge_i, edge_i+1)``,
     the last also its right edge, and values outside ``[lo, hi]`` (and NaN) are not
-    counted. Values are compared in float32 against the float64 edges exactly (XLA on CPU and
+    counted (under ``nan_policy="omit"`` so each NaN or Inf is skipped where it stands, the row's other
+    values counted; ``"omit_rows"`` skips every row holding one). Values are compared in float32
+    against the float64 edges exactly (XLA on CPU and
     TPU flushes subnormal values, below about 1e-38 in magnitude, to zero first; a range with
     such edges is one line, :func:`check_normal_edges`).
 
@@ -224,6 +226,11 @@ class Histogram(SplitsByColumns, AdditiveCombiner):
 
     def add(self, acc, batch, mask):
         return self._counted(acc, self._binned(batch, mask, None, 1, jnp.int32))
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: NaN and inf lie outside every (finite) range, so each is skipped where it
+        stands as without a policy (the weighted form too; ``Weighted`` skips a row of NaN or inf weight)."""
+        return batch
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self._counted(acc, self._binned(batch, mask, keys, num_keys, jnp.int32))

@@ -146,7 +146,8 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
 
     NaN and infinities: with ``nan_policy="propagate"`` a column holding NaN gives NaN
     (like ``np.quantile``) and infinities rank as the largest and smallest values; with
-    ``"omit"`` rows holding NaN or Inf are skipped. ``-0.0`` and ``0.0`` count as one value.
+    ``"omit"`` (as ``"omit_rows"``) rows holding NaN or Inf are skipped, whole (no per-column form
+    yet: ``Describe(percentiles=...)`` skips each NaN or Inf where it stands). ``-0.0`` and ``0.0`` count as one value.
     float64 and int64 values are ranked exactly, by 64-bit keys.
 
     On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the

@@ -91,6 +91,9 @@ class SketchPass(Combiner):
     def add(self, acc, batch, mask):
         return self.sketch.add(acc, batch, mask)
 
+    def finite_values(self, batch):
+        return self.sketch.finite_values(batch)
+
     def merge(self, a, b):
         return self.sketch.merge(a, b)
 

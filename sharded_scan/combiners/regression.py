@@ -40,7 +40,8 @@ class LinearRegressionResult(NamedTuple):
 
     Rows holding NaN or inf (which ``nan_policy="propagate"``, the default, lets in) make every
     field NaN and ``rank`` -1, as any statistic computed from a row holding NaN: never a lower
-    rank and finite coefficients; ``nan_policy="omit"`` fits the other rows.
+    rank and finite coefficients; ``nan_policy="omit"`` (as ``"omit_rows"``) fits the other rows, as
+    statsmodels' ``missing="drop"``: a fit needs whole rows.
 
     Weighted (``Weighted(LinearRegression())`` on ``(w, (X, y))``) the fit is scikit-learn's with
     ``sample_weight`` and the diagnostics statsmodels ``WLS(weights=)``'s on the rows of positive

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked, row_count
 from sharded_scan.combiners.column_split import SplitsEachColumn
+from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.results import frame, labels
 from sharded_scan.combiners.sums import (
     OUTER_PRODUCTS_AT_ONCE,
@@ -351,12 +352,18 @@ def host_m2(acc: CenteredAcc) -> np.ndarray:
 
 
 class CovarianceResult(NamedTuple):
-    """Row count, column means and the (d, d) covariance, like ``np.cov(x, rowvar=False)``."""
+    """Row count, column means and the (d, d) covariance, like ``np.cov(x, rowvar=False)``.
+
+    Under ``nan_policy="omit"`` (pandas' ``df.cov()``, pairwise complete): ``count`` holds each column's
+    count of finite values, ``mean`` each column's mean of them, ``cov[i, j]`` is over the rows where
+    both columns are finite, ``pair_count[i, j]`` counts them (None under the other policies: every
+    entry is over ``count`` rows)."""
 
     count: np.ndarray
     mean: np.ndarray
     cov: np.ndarray
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
+    pair_count: np.ndarray | None = None  # (d, d) rows of each pair, under nan_policy="omit"
 
     def to_pandas(self):
         """The covariance matrix as a DataFrame named by the columns both ways, like ``df.cov()``."""
@@ -410,6 +417,14 @@ class CoMoments(SplitsByColumns, Combiner):
     def merge(self, a, b):
         return centered_merge(a, b, full=True, shards=self.model_shards)
 
+    def omitting_values(self):
+        """The pairwise-complete form (pandas' ``df.cov()``/``df.corr()``): each pair of columns over the
+        rows where both are finite (:mod:`~sharded_scan.combiners.pairwise`)."""
+        from sharded_scan.combiners import pairwise  # it builds on this module
+
+        return pairwise.PairwiseCovariance(ddof=self.ddof) if isinstance(self, Covariance) else (
+            pairwise.PairwiseCorrelation())
+
     def weighted(self):
         return WeightedCentred(self)
 
@@ -429,6 +444,10 @@ class Covariance(CoMoments):
     Weighted (``Weighted(Covariance())`` on ``(w, X)``), like ``np.cov(X, rowvar=False,
     aweights=w, ddof=ddof)``: the divisor is ``Σw - ddof Σw²/Σw`` (reliability weights; at
     ``ddof=0``, ``Σw``).
+
+    Under ``nan_policy="omit"`` pairwise complete, as pandas' ``df.cov()``: each entry over the rows
+    where both columns are finite (``pair_count``), NaN where a pair has ``ddof`` rows or fewer
+    (:class:`~sharded_scan.combiners.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
 
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
@@ -570,7 +589,8 @@ class MomentsResult(NamedTuple):
     """Per column: row count, mean, variance (``np.var`` with ``ddof``), min and max, skewness and
     excess kurtosis (``scipy.stats.skew``/``kurtosis`` with their defaults: biased, Fisher's),
     the real rows holding NaN (``nan_count``, also those ``nan_policy="omit"`` skipped) and 0
-    (``zeros``, of the rows counted), ``norm_l1`` (``Σ|x|``) and ``norm_l2`` (``√Σx²``)."""
+    (``zeros``, of the rows counted), ``norm_l1`` (``Σ|x|``) and ``norm_l2`` (``√Σx²``). Under
+    ``nan_policy="omit"`` every field is of each column's finite values, ``count`` too (``(d,)``)."""
 
     count: np.ndarray
     mean: np.ndarray
@@ -839,6 +859,10 @@ class Moments(SplitsEachColumn, Combiner):
     state is split by columns (``column_split``): each device folds and merges ``ceil(d / M)``
     columns, the row count whole on every device.
 
+    Under ``nan_policy="omit"`` each NaN or Inf is skipped where it stands, as pandas' ``skipna``:
+    every field is per column over its finite values, ``count`` too (``(d,)``; per key under
+    ``GroupBy``: ``df.groupby(keys).count()``); ``"omit_rows"`` skips every row holding one.
+
     Args:
       ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like
         pandas' ``var()`` and ``Covariance``'s default).
@@ -882,6 +906,11 @@ class Moments(SplitsEachColumn, Combiner):
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self.fold(acc, batch, mask, keyed=(keys, num_keys))
+
+    def omitting_values(self):
+        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        ``nan_policy="omit"`` a column's count is its own count of finite values."""
+        return EachColumn(self)
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         return self.fold(acc, batch, keep, mask, keyed=(keys, num_keys))

@@ -58,6 +58,8 @@ class Sum(AdditiveCombiner):
     Integer and bool leaves sum exactly (as :class:`~sharded_scan.combiners.wide.Wide`
     integers: int64 in the result, Python ints past 2^63); float leaves sum in their
     accumulator dtype (float32; float64 for float64 data, and under ``jax_enable_x64``).
+    Under ``nan_policy="omit"`` a NaN or Inf adds nothing to its column (pandas' ``sum()``), and
+    ``count`` counts every row; ``"omit_rows"`` skips every row holding one.
     """
 
     def init(self, spec):
@@ -74,6 +76,11 @@ class Sum(AdditiveCombiner):
 
         sums = jax.tree.map(fold, acc.sum, batch, is_leaf=wide.is_wide)
         return SumResult(sums, wide.count_rows(acc.count, mask))
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: each NaN or inf adds nothing to its column (pandas' ``sum()``: 0 for a
+        column of none); ``count`` counts the rows."""
+        return _finite_or_zero(batch)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         def fold(a, x):
@@ -105,9 +112,21 @@ class WeightedSumResult(NamedTuple):
         return frame(self, ("sum", "count", "weight"))
 
 
+def _finite_or_zero(batch):
+    """``batch`` with each NaN or inf float value 0."""
+    def one(x):
+        return jnp.where(jnp.isfinite(x), x, 0) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(one, batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightedSum(AdditiveCombiner):
     """``Sum().weighted()``: on rows ``(w, data)``, ``Σ w x`` of every leaf (in float), the rows and ``Σ w``."""
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: each NaN or inf value adds nothing (``Weighted`` skips a row of NaN weight)."""
+        return batch[0], _finite_or_zero(batch[1])
 
     def init(self, spec):
         w, data = spec

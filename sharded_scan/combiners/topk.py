@@ -43,6 +43,7 @@ from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsEachColumn
 from sharded_scan.combiners.datasketches import frequent_items_sketches, frequent_state
+from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.keys import (
     check_column_spec,
     decode,
@@ -301,7 +302,8 @@ class TopK(SplitsEachColumn, Combiner):
         (``python bench/sketches.py``).
 
     Values are compared as ``np.unique`` does: ``-0.0`` is ``0.0`` and all NaNs are one
-    value (``nan_policy="propagate"``); ``"omit"`` skips rows holding NaN or Inf.
+    value (``nan_policy="propagate"``); ``"omit"`` skips each NaN or Inf where it stands (pandas'
+    ``value_counts()``), ``"omit_rows"`` every row holding one.
 
     On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
     summaries are split by columns: each device holds and counts ``ceil(d / M)`` of them (padded
@@ -373,6 +375,11 @@ class TopK(SplitsEachColumn, Combiner):
             acc.bound, self.capacity, c, fast=mb >= SELECT_ROWS and weights is None,  # sums of weights: no guess
         )
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
+
+    def omitting_values(self):
+        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
+        return EachColumn(self)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its

@@ -53,6 +53,10 @@ def usable(w: jax.Array) -> jax.Array:
     return (w >= 0) & jnp.isfinite(w) if jnp.issubdtype(w.dtype, jnp.inexact) else w >= 0
 
 
+def _finite(w: jax.Array) -> jax.Array:
+    return jnp.isfinite(w) if jnp.issubdtype(w.dtype, jnp.inexact) else jnp.ones(w.shape, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Weighted(Wrapper, MultiPass):
     """``inner`` weighted per row, on rows ``(weights, data)`` (``weights``: ``(rows,)``, >= 0).
@@ -138,6 +142,29 @@ class Weighted(Wrapper, MultiPass):
         batch, kept, seen, bad = self._split(batch, mask, keep)
         return WeightedAcc(self.form.add_omitting(acc.value, batch, seen, kept),
                            wide.count_rows(acc.bad_weights, bad))
+
+    def omitting_values(self):
+        """The weighted form of the inner combiner's :meth:`~Combiner.omitting_values` where it has one
+        (``Moments``' per column); else this one (its rows skipped whole)."""
+        inner = self.inner.omitting_values()
+        try:
+            return dataclasses.replace(self, inner=inner)
+        except UsageError:  # no weighted form of it (Covariance's pairwise one)
+            return self
+
+    def add_finite(self, acc, batch, mask, keep):
+        """``nan_policy="omit"``: a row of NaN or Inf weight skipped; the form skips the data's values."""
+        batch, kept, seen, bad = self._split(batch, mask, keep & _finite(batch[0]))
+        return WeightedAcc(self.form.add_finite(acc.value, batch, seen, kept), wide.count_rows(acc.bad_weights, bad))
+
+    def add_keyed_finite(self, acc, batch, mask, keep, keys, num_keys):
+        batch, kept, seen, bad = self._split(batch, mask, keep & _finite(batch[0]))
+        counts = jax.ops.segment_sum(bad.astype(jnp.int32), keys, num_keys)
+        return WeightedAcc(self.form.add_keyed_finite(acc.value, batch, seen, kept, keys, num_keys),
+                           wide.add_int32(acc.bad_weights, counts))
+
+    def finite_keep(self, batch, keep):
+        return self.form.finite_keep(batch, keep & _finite(batch[0]))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)

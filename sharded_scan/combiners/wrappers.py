@@ -2,9 +2,12 @@
 
 - :class:`Compensated` keeps a Kahan compensation term next to every float leaf of an
   additive combiner, so float32 partials do not drift over millions of micro-batches.
-- :class:`NonFinite` applies a ``nan_policy`` to rows holding NaN or Inf:
-  ``"propagate"`` (numpy's behaviour: they reach the result), ``"omit"`` (such rows are
-  masked like padding) or ``"raise"`` (the run stops, naming the first bad step).
+- :class:`NonFinite` applies a ``nan_policy`` to NaN and Inf values:
+  ``"propagate"`` (numpy's behaviour: they reach the result), ``"omit"`` (each such value is
+  skipped where it stands, as pandas' ``skipna``: per column, per pair of columns for ``Covariance``
+  and ``Correlation``, the whole row for the statistics of whole rows; :meth:`Combiner.add_finite`),
+  ``"omit_rows"`` (every row holding one is masked like padding, in every statistic) or ``"raise"``
+  (the run stops, naming the first bad step).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, finite_rows
 from sharded_scan.errors import UsageError
 
 
@@ -67,6 +70,9 @@ class Wrapper(Combiner):
 
     def bind(self, operands):
         return self.rewrap(self.inner.bind(operands))
+
+    def finite_keep(self, batch, keep):
+        return self.inner.finite_keep(batch, keep)
 
     def operand_partition(self, mesh):
         return self.inner.operand_partition(mesh)
@@ -137,7 +143,13 @@ class Compensated(Wrapper):
         return CompensatedAcc(value, jax.tree.map(jnp.zeros_like, value))
 
     def add(self, acc, batch, mask):
-        delta = self.inner.add(jax.tree.map(jnp.zeros_like, acc.value), batch, mask)
+        return self._added(acc, self.inner.add(jax.tree.map(jnp.zeros_like, acc.value), batch, mask))
+
+    def add_finite(self, acc, batch, mask, keep):
+        return self._added(acc, self.inner.add_finite(jax.tree.map(jnp.zeros_like, acc.value), batch, mask, keep))
+
+    def _added(self, acc, delta):
+        """``acc`` plus a micro-batch's contribution ``delta``, compensated."""
 
         def kahan(s, c, d):
             if isinstance(s, wide.Wide):  # exact; normalised so the limbs never grow
@@ -173,7 +185,11 @@ class NonFiniteAcc(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite(Wrapper):
-    """Applies ``policy`` (``"omit"`` or ``"raise"``) to rows with a NaN or Inf in any leaf.
+    """Applies ``policy`` (``"omit"``, ``"omit_rows"`` or ``"raise"``) to NaN and Inf values.
+
+    ``"omit"`` folds by the inner combiner's :meth:`~Combiner.add_finite` (each value skipped where it
+    stands; whole rows for the statistics of whole rows), ``"omit_rows"`` by its ``add_omitting`` of the
+    rows whose every value is finite.
 
     The count of such rows lives in the accumulator. With ``"raise"`` the engine reads
     it after every step (:meth:`health`, one step late so the devices never wait) and
@@ -197,24 +213,29 @@ class NonFinite(Wrapper):
         return NonFiniteAcc(self.inner.init(spec), wide.zeros())
 
     def check_rows(self, rows):
-        """The inner combiner's checks of the rows it will fold: under ``"omit"`` only the finite ones
-        (a NaN weight of ``Weighted`` is skipped in memory as from a file, not refused)."""
-        if self.policy == "omit":
+        """The inner combiner's checks of the rows it will fold: under ``"omit_rows"`` only the finite ones,
+        under ``"omit"`` those it folds at all (:meth:`~Combiner.finite_keep`: a row holding NaN is checked
+        where its other values are folded); a NaN weight of ``Weighted`` is skipped in memory as from a file,
+        not refused."""
+        if self.policy in OMITTING:
             leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
             keep = np.ones(leaves[0].shape[0], bool)
             for leaf in leaves:
                 if _is_float(leaf):  # as add's rows: every float value of the row finite
                     keep &= np.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+            if self.policy == "omit" and not keep.all():
+                keep = np.asarray(self.inner.finite_keep(rows, np.ones(keep.shape, bool)))
             rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)
         self.inner.check_rows(rows)
 
     def add(self, acc, batch, mask):
-        finite = jnp.ones_like(mask)
-        for leaf in jax.tree.leaves(batch):
-            if _is_float(leaf):
-                finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
-        value = self.inner.add_omitting(acc.value, batch, mask, mask & finite) if self.policy == "omit" else (
-            self.inner.add(acc.value, batch, mask))
+        finite = finite_rows(batch)
+        if self.policy == "omit":
+            value = self.inner.add_finite(acc.value, batch, mask, mask)
+        elif self.policy == "omit_rows":
+            value = self.inner.add_omitting(acc.value, batch, mask, mask & finite)
+        else:
+            value = self.inner.add(acc.value, batch, mask)
         return NonFiniteAcc(value, wide.count_rows(acc.bad_rows, mask & ~finite))
 
     def merge(self, a, b):
@@ -244,6 +265,9 @@ class NonFinite(Wrapper):
         return self.inner.finalize(acc.value)
 
 
+OMITTING = ("omit", "omit_rows")  # the policies that skip NaN and Inf
+
+
 class NonFiniteError(UsageError):
     """Rows with NaN or Inf met ``nan_policy="raise"``."""
 
@@ -255,7 +279,10 @@ def step_guard(combiner: Combiner) -> NonFinite | None:
 
 def apply_policies(combiner: Combiner, *, nan_policy: str = "propagate", compensated: bool = True) -> Combiner:
     """Wraps ``combiner`` for ``nan_policy`` and (if additive) compensated accumulation; the
-    options as :class:`~sharded_scan.options.RunOptions` checked them."""
+    options as :class:`~sharded_scan.options.RunOptions` checked them. Under ``"omit"`` the combiner is the
+    one that skips values where they stand (:meth:`~Combiner.omitting_values`)."""
+    if nan_policy == "omit":
+        combiner = combiner.omitting_values()
     if compensated and combiner.additive:
         combiner = Compensated(combiner)
     if nan_policy != "propagate":

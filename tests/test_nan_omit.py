@@ -1,0 +1,122 @@
+"""nan_policy="omit" skips a NaN or inf where it stands, as pandas' skipna (issue 43, item 1).
+
+Per column for per-column statistics, per pair of columns for Covariance and Correlation (pandas'
+pairwise-complete df.cov()/df.corr()), whole rows for the statistics of whole rows; "omit_rows" keeps
+the row-wise skip. One frame: NaNs in different rows of different columns, an inf, an all-NaN column,
+a column of one finite value, a constant one; 203 rows (ragged steps).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import sharded_scan as ss
+from sharded_scan.admission import memory_estimate
+from sharded_scan.program import build_program
+from sharded_scan.sources import as_source
+
+pd = pytest.importorskip("pandas")
+
+N, K = 203, 3
+KW = dict(microbatch=8, steps_per_call=2)
+
+
+def frame():
+    rng = np.random.default_rng(43)
+    x = rng.normal(size=(N, 6)) * [1, 10, 0.1, 1, 1, 1] + [5, -3, 1e3, 0, 0, 0]
+    x[:, 1] += 3 * x[:, 0]  # correlated
+    x[rng.random((N, 6)) < 0.1] = np.nan  # NaNs in different rows of different columns
+    x[7, 1], x[11, 0] = np.inf, -np.inf  # skipped where they stand, as pandas' cov/corr do
+    x[:, 3] = np.nan  # all NaN
+    x[:, 4] = np.nan
+    x[[5, 9], 4] = 2.0, np.inf  # one finite value: NaN where a pair needs 2
+    x[:, 5] = 2.5  # constant (and a NaN)
+    x[3, 5] = np.nan
+    keys = rng.integers(0, K, N).astype(np.int32)
+    return x, keys, pd.DataFrame(np.where(np.isfinite(x), x, np.nan))  # what pandas skips
+
+
+def run(combiner, data, **kw):
+    with warnings.catch_warnings():  # the all-NaN column's "no rows", the constant column's correlation
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return ss.run(combiner, data, nan_policy=kw.pop("nan_policy", "omit"), **KW, **kw)
+
+
+def assert_matrix(got, want, scale):
+    """``got`` equals pandas' ``want`` where it is a number (to 1e-12 of the entry's scale) and is NaN where it is."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    live = ~np.isnan(want)
+    np.testing.assert_array_less(np.abs(got - want)[live], (1e-12 * scale)[live] + 1e-300)
+
+
+@pytest.mark.parametrize("mesh", ["data:8", "data:1"])
+def test_omit_skips_each_value_where_it_stands_like_pandas(mesh):
+    x, keys, df = frame()
+    finite = np.isfinite(x)
+    c = run(ss.Correlation(), x, mesh=mesh)
+    np.testing.assert_array_equal(c.pair_count, finite.T.astype(int) @ finite)
+    np.testing.assert_array_equal(c.count, df.count())
+    np.testing.assert_allclose(c.mean, df.mean(), rtol=1e-13)
+    assert_matrix(c.corr, df.corr().to_numpy(), np.ones((6, 6)))
+    if mesh == "data:1":  # one device: the pairwise fold alone, no merge of partials
+        return
+    m = run(ss.Moments(ddof=1), x, mesh=mesh)
+    np.testing.assert_array_equal(m.count, df.count())  # each column its own count
+    np.testing.assert_array_equal(m.nan_count, np.isnan(x).sum(0))
+    np.testing.assert_allclose(m.mean, df.mean(), rtol=1e-13)
+    np.testing.assert_allclose(m.var, df.var(), rtol=1e-12)
+    np.testing.assert_array_equal(m.min, df.min())
+    np.testing.assert_array_equal(m.max, df.max())
+    assert m.var[5] == 0 and np.isnan(m.var[4])  # constant; one value (ddof=1)
+    g = run(ss.GroupBy(ss.Moments(ddof=1), K), (keys, x), mesh=mesh).result
+    grouped = df.groupby(keys)
+    np.testing.assert_array_equal(g.count, grouped.count())
+    np.testing.assert_allclose(g.mean, grouped.mean(), rtol=1e-12)
+    np.testing.assert_allclose(g.var, grouped.var(), rtol=1e-11)
+    d = run(ss.Describe(), x, mesh=mesh)
+    np.testing.assert_array_equal(d.count, df.count())
+    np.testing.assert_array_equal(d.nan_count, (~finite).sum(0))  # the values skipped
+    np.testing.assert_allclose(d.std, df.std(), rtol=1e-12)
+
+
+def test_covariance_is_pairwise_complete_split_over_model_and_logical_shards():
+    x, _, df = frame()
+    c = run(ss.Covariance(), x, mesh="data:2,model:4", logical_shards=8)
+    want = df.cov().to_numpy()  # ddof=1; NaN where a pair has fewer than 2 rows
+    diagonal = np.abs(np.diagonal(want))
+    assert_matrix(c.cov, want, np.sqrt(np.outer(diagonal, diagonal)))
+    assert np.isnan(c.cov[4, 4]) and c.pair_count[4, 4] == 1 and c.cov[5, 5] == 0
+    keys = np.arange(N, dtype=np.int32) % 2
+    g = run(ss.GroupBy(ss.Covariance(), 2), (keys, x[:, :3]), mesh="data:8").result  # per key, pairwise too
+    want = df.iloc[:, :3].groupby(keys).cov().to_numpy().reshape(2, 3, 3)
+    assert_matrix(g.cov, want, np.sqrt(np.abs(np.einsum("kii,kjj->kij", want, want))))
+    finite = np.isfinite(x[:, :3]).astype(int)
+    np.testing.assert_array_equal(g.pair_count, [finite[keys == k].T @ finite[keys == k] for k in (0, 1)])
+    d = 64  # the memory estimate counts the per-pair state: 5 float64 (d, d) matrices and exact counts (4 int32)
+    held = [memory_estimate(build_program(ss.Covariance(), as_source(np.zeros((16, d))), ss.RunOptions(
+        nan_policy=policy, mesh="data:8")), temporaries=False)["accumulator"] for policy in ("propagate", "omit")]
+    assert held[0] < 3 * d * d * 8 and held[1] >= d * d * (5 * 8 + 4 * 4), held
+
+
+def test_omit_rows_skips_every_row_holding_one():
+    # (LinearRegression, PCA and Gram skip whole rows under "omit" too: tests/test_no_silent_wrong.py, the properties)
+    x, _, _ = frame()
+    x = np.delete(x, [3, 4], axis=1)  # not every row skipped
+    rows = np.isfinite(x).all(1)
+    m = run(ss.Moments(), x, mesh="data:8", nan_policy="omit_rows")
+    assert int(m.count) == rows.sum()
+    np.testing.assert_allclose(m.mean, x[rows].mean(0), rtol=1e-13)
+
+
+def test_rows_checked_before_compute_are_those_omit_folds():
+    from sharded_scan.combiners.wrappers import apply_policies
+
+    x = np.ones((6, 2))
+    x[1, 0] = np.nan
+    w, keys = np.ones(6), np.zeros(6, np.int32)
+    w[2] = np.nan  # a NaN weight's row: skipped, not refused
+    apply_policies(ss.GroupBy(ss.Weighted(ss.Moments()), 2), nan_policy="omit").check_rows((keys, (w, x)))
+    keys[1] = 5  # a key out of range in a row holding NaN: its other value is folded, so it is one line
+    with pytest.raises(ss.UsageError, match="keys outside"):
+        apply_policies(ss.GroupBy(ss.Moments(), 2), nan_policy="omit").check_rows((keys, x))
