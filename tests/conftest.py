@@ -77,3 +77,26 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
+
+
+# SHARDED_SCAN_TEST_CPU=FILE appends each test's CPU seconds (this process and the processes it waited for)
+# and wall seconds to FILE: what a test costs, whatever else the machine is doing (bench/README.md, the suite).
+_CPU_LOG = os.environ.get("SHARDED_SCAN_TEST_CPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu():
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    cpu0, wall0 = cpu(), time.perf_counter()
+    yield
+    with open(_CPU_LOG, "a") as log:
+        log.write(f"{cpu() - cpu0:.2f}\t{time.perf_counter() - wall0:.2f}\t{item.nodeid}\n")
