@@ -25,15 +25,19 @@ themselves: the source finds the top ids' strings afterwards (:meth:`ParquetSour
 ``columns=None`` reads the numeric columns (a frame of strings only: its string columns) and
 warns naming every column it leaves out.
 
-pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``.
+pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``; Polars, where installed
+(``pip install sharded_scan[fast]``), decodes Parquet (``ParquetSource(decoder=...)``), to the same rows.
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -398,6 +402,55 @@ def _paths(path: str | os.PathLike | Sequence) -> list[str] | str:
     return path
 
 
+DECODERS = ("auto", "polars", "pyarrow")
+# Decoded row groups held ahead of the reads at most (with at least one row group ahead): a pool's worth of row
+# groups while they are small, fewer when they are large.
+AHEAD_BYTES = 512 << 20
+_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity), what the decoding pool is sized to."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def decode_pool(workers: int | None = None) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` (default: :func:`host_cores`) decoding threads, made once and shared by
+    every source: Parquet row groups decode on it ahead of the reads."""
+    workers = workers or host_cores()
+    with _pool_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="sharded_scan-decode")
+        return _pools[workers]
+
+
+def _polars() -> Any:
+    try:
+        import polars
+    except ImportError:
+        return None
+    return polars
+
+
+def _polars_reads(arrow_type: Any) -> bool:
+    """Whether Polars' Parquet reader gives a column of ``arrow_type`` back as the same Arrow type (strings as
+    ``large_string``, which is read the same): integers, float32/64, booleans and strings."""
+    pa = _pyarrow()
+    return (pa.types.is_integer(arrow_type) or pa.types.is_float32(arrow_type) or pa.types.is_float64(arrow_type)
+            or pa.types.is_boolean(arrow_type) or pa.types.is_string(arrow_type)
+            or pa.types.is_large_string(arrow_type))
+
+
+def _same_values(got: Any, want: Any) -> bool:
+    pa = _pyarrow()
+    text = (pa.types.is_string, pa.types.is_large_string)
+    return got == want or (any(t(got) for t in text) and any(t(want) for t in text))
+
+
 class ParquetSource(Source):
     """A Parquet (or Arrow IPC / Feather) dataset, read by row range through ``pyarrow.dataset``.
 
@@ -413,25 +466,37 @@ class ParquetSource(Source):
       format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
       strings: ``"hash"`` (default) reads selected string columns as stable int64 ids (see
         :func:`resolve_columns`); ``"refuse"`` refuses them in one line.
+      decoder: what decodes the row groups: ``"polars"`` (Polars' Parquet reader, 1.4-2x less CPU than
+        pyarrow's: ``bench/decode.py``), ``"pyarrow"``, or ``"auto"`` (default): Polars where it is
+        installed and reads the selection (local Parquet files of integer, float32/64, boolean and string
+        columns), else pyarrow. Either way the rows are the same values (``tests/test_decoders.py``). Polars'
+        row groups decode on a pool of :func:`host_cores` threads, ahead of the reads.
     """
 
     def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
-                 format: str = "parquet", strings: str = "hash"):  # noqa: A002 - pyarrow's word
+                 format: str = "parquet", strings: str = "hash",  # noqa: A002 - pyarrow's word
+                 decoder: str = "auto"):
         pa = _pyarrow()
         self._where = str(path)
+        if decoder not in DECODERS:
+            raise UsageError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}.")
         try:
             self._dataset = pa.dataset.dataset(_paths(path), format=format)
             fragments = sorted(self._dataset.get_fragments(), key=lambda f: f.path)
-            units = []
+            units, spans = [], []
             for fragment in fragments:
                 groups = getattr(fragment, "row_groups", None)
                 if groups:
                     units += [(fragment.subset(row_group_ids=[g.id]), g.num_rows) for g in groups]
+                    at = np.cumsum([0] + [g.num_rows for g in groups])
+                    spans += [(fragment.path, int(at[i]), g.num_rows) for i, g in enumerate(groups)]
                 else:
                     units.append((fragment, fragment.count_rows()))
+                    spans.append(None)
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
         self._units = [u for u, n in units if n]
+        self._spans = [s for s, (_, n) in zip(spans, units, strict=True) if n]  # (file, its first row, rows)
         self._selection = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings,
                                           lambda names: self._units[0].head(16, columns=names) if self._units else None)
         _check_fragments(fragments, self._dataset.schema, self._selection.names(), self._selection.dtype)
@@ -443,6 +508,34 @@ class ParquetSource(Source):
         filesystem = self._dataset.filesystem
         local = isinstance(filesystem, pa.fs.LocalFileSystem)
         self._watch = FileWatch(self._paths) if local else FileWatch(self._paths, _arrow_state(filesystem))
+        self._decoder = self._choose_decoder(decoder, local)
+        row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
+        largest = max((n for _, n in units), default=1) * row_bytes
+        self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest, 1)))
+
+    def _choose_decoder(self, decoder: str, local: bool) -> str:
+        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset; one line for
+        ``"polars"`` where Polars cannot read it."""
+        if decoder == "pyarrow":
+            return decoder
+        schema, names = self._dataset.schema, self._selection.names()
+        odd = [f"{n!r} ({schema.field(n).type})" for n in names if not _polars_reads(schema.field(n).type)]
+        why = ("Polars is not installed (pip install polars)" if _polars() is None
+               else f"Polars reads local Parquet files, not {self._format}" if self._format != "parquet"
+               else "Polars reads local files, and these are remote" if not local
+               else f"Polars leaves the types of {', '.join(odd)} to pyarrow" if odd
+               else None)
+        if why is None:
+            return "polars"
+        if decoder == "polars":
+            raise UsageError(f"decoder='polars' cannot read {self._where!r}: {why}; pass decoder='auto' (pyarrow "
+                             "where Polars cannot) or decoder='pyarrow'.")
+        return "pyarrow"
+
+    @property
+    def decoder(self) -> str:
+        """What decodes the row groups: ``"polars"`` or ``"pyarrow"`` (``decoder="auto"`` resolved)."""
+        return self._decoder
 
     @property
     def num_rows(self) -> int:
@@ -535,27 +628,88 @@ class ParquetSource(Source):
     def _scan(self, unit: int) -> Iterator[Any]:
         """The record batches of the selected columns from row group ``unit`` on, in order, never across row
         groups; decoding about one row group ahead measured faster on 2 cores than pyarrow's default
-        (4 fragments, 16 batches ahead), and holds less memory."""
+        (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` row groups
+        at a time on the :func:`decode_pool` (:class:`_Ahead`)."""
+        if self._decoder == "polars":
+            return _Ahead(self._decode, unit, len(self._units), self._ahead, self._starts)
         scan = _pyarrow().dataset.FileSystemDataset(self._units[unit:], self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
+
+    def _decode(self, unit: int) -> Any:
+        """Row group ``unit``'s selected columns as an Arrow table, decoded by Polars (its rows by their place in
+        the file): the same Arrow types pyarrow gives (strings as ``large_string``); a column Polars reads
+        otherwise goes to pyarrow for this row group."""
+        pl, names = _polars(), self._selection.names()
+        path, first, rows = self._spans[unit]
+        try:
+            frame = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names).slice(first, rows)
+            table = frame.collect().to_arrow(compat_level=pl.CompatLevel.oldest())
+        except Exception as e:  # a file cut short or rewritten mid-read: the read's FileWatch says which
+            raise OSError(f"Polars could not read rows of {path}: {str(e).splitlines()[0] if str(e) else e!r}") from e
+        except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise OSError(f"Polars failed reading rows of {path}: {str(e).splitlines()[0]}") from None
+        schema = self._dataset.schema
+        if table.num_rows != rows or any(not _same_values(table.schema.field(n).type, schema.field(n).type)
+                                         for n in names):
+            return self._units[unit].to_table(columns=names, use_threads=False)
+        return table
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._where, "columns": repr(self._selection.columns),
                 "format": self._format}
 
 
+class _Ahead:
+    """The record batches of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, each row group
+    decoded by ``decode`` on the :func:`decode_pool`, ``ahead`` of them submitted ahead of the one being read.
+    Those still waiting when it is dropped (a seek, a failed read) are cancelled."""
+
+    def __init__(self, decode: Callable[[int], Any], first: int, units: int, ahead: int, starts: np.ndarray):
+        self._decode, self._next, self._units, self._ahead, self._starts = decode, first, units, ahead, starts
+        self._pending: collections.deque = collections.deque()
+        self._batches: Iterator[Any] = iter(())
+
+    def horizon(self) -> int:
+        """The first row of the row groups not yet submitted: the rows before it are decoded or decoding."""
+        return int(self._starts[self._next])
+
+    def __iter__(self) -> _Ahead:
+        return self
+
+    def __next__(self) -> Any:
+        for batch in self._batches:
+            return batch
+        pool = decode_pool()
+        while self._next < self._units and len(self._pending) < self._ahead:
+            self._pending.append(pool.submit(self._decode, self._next))
+            self._next += 1
+        if not self._pending:
+            raise StopIteration
+        self._batches = iter(self._pending.popleft().result().to_batches())
+        return next(self)
+
+    def __del__(self) -> None:
+        for future in self._pending:
+            future.cancel()
+
+
 class _Stream:
     """Record batches of a scan, consumed by consecutive reads: the rows of one read that
-    continues where the last one ended (or skips rows of the row group it is in) come from the
-    batches pyarrow already decoded; any other read starts a new scan at its row group."""
+    continues where the last one ended (or skips rows of the row group it is in, or, read ahead
+    on a pool, of the row groups already submitted: the rows of the other processes' parts of a
+    step) come from the batches already decoded; any other read starts a new scan at its row group."""
 
     def __init__(self, batches: Iterator[Any], at: int):
         self._batches, self._batch, self._at = batches, None, at  # _batch: the batch at row _at, not yet passed
 
     def reaches(self, start: int, unit_start: int) -> bool:
         """Whether rows from ``start`` (in the row group starting at row ``unit_start``) are ahead in this scan,
-        in the row group it is at."""
+        in the row group it is at (or, read ahead on a pool, in one submitted)."""
+        if isinstance(self._batches, _Ahead) and self._at <= start < self._batches.horizon():
+            return True
         return unit_start <= self._at <= start
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[Any, int]]:
