@@ -1,6 +1,9 @@
 """Polars and pyarrow as ParquetSource's decoder: the same rows, value for value and bit for bit, whichever
 decodes (no JAX program: the reader is read directly)."""
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
@@ -81,3 +84,23 @@ def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_pat
             ParquetSource(path, columns=columns, decoder="polars")
     with pytest.raises(UsageError, match=r"decoder must be one of 'auto', 'polars', 'pyarrow', got 'duckdb'"):
         ParquetSource(path, columns="v", decoder="duckdb")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would_hang(tmp_path):
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    parents = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
+    parents.read(0, 300)  # Polars' threads ran, and a scan of it is left mid-file
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(30)  # a hung Polars query ends the child, which the parent sees
+        ok = False
+        try:
+            want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(300, 600)
+            fresh = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
+            ok = fresh.decoder == "pyarrow" and all(
+                got.tobytes() == want.tobytes() for got in (fresh.read(300, 600), parents.read(300, 600)))
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -408,6 +409,20 @@ DECODERS = ("auto", "polars", "pyarrow")
 AHEAD_BYTES = 512 << 20
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
+_polars_forked = False  # Polars was loaded before this process forked: its threads are gone and a query hangs
+
+
+def _after_fork() -> None:
+    """In a forked child, which has none of its parent's threads (nor the lock's holder): the pools are made
+    again, and a Polars loaded before the fork is left alone (its queries hang there: pyarrow decodes)."""
+    global _pool_lock, _polars_forked
+    _pool_lock = threading.Lock()
+    _pools.clear()
+    _polars_forked = _polars_forked or "polars" in sys.modules
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def host_cores() -> int:
@@ -521,6 +536,7 @@ class ParquetSource(Source):
         schema, names = self._dataset.schema, self._selection.names()
         odd = [f"{n!r} ({schema.field(n).type})" for n in names if not _polars_reads(schema.field(n).type)]
         why = ("Polars is not installed (pip install polars)" if _polars() is None
+               else "Polars was loaded before this process forked, and hangs in a forked child" if _polars_forked
                else f"Polars reads local Parquet files, not {self._format}" if self._format != "parquet"
                else "Polars reads local files, and these are remote" if not local
                else f"Polars leaves the types of {', '.join(odd)} to pyarrow" if odd
@@ -630,7 +646,7 @@ class ParquetSource(Source):
         groups; decoding about one row group ahead measured faster on 2 cores than pyarrow's default
         (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` row groups
         at a time on the :func:`decode_pool` (:class:`_Ahead`)."""
-        if self._decoder == "polars":
+        if self._decoder == "polars" and not _polars_forked:
             return _Ahead(self._decode, unit, len(self._units), self._ahead, self._starts)
         scan = _pyarrow().dataset.FileSystemDataset(self._units[unit:], self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
@@ -708,8 +724,8 @@ class _Stream:
     def reaches(self, start: int, unit_start: int) -> bool:
         """Whether rows from ``start`` (in the row group starting at row ``unit_start``) are ahead in this scan,
         in the row group it is at (or, read ahead on a pool, in one submitted)."""
-        if isinstance(self._batches, _Ahead) and self._at <= start < self._batches.horizon():
-            return True
+        if isinstance(self._batches, _Ahead) and (_polars_forked or self._at <= start < self._batches.horizon()):
+            return not _polars_forked  # a scan of the parent's, forked: its row groups never come
         return unit_start <= self._at <= start
 
     def rows(self, start: int, stop: int) -> Iterator[tuple[Any, int]]:
