@@ -611,7 +611,17 @@ class ParquetSource(Source):
         try:
             for batch, at in self._stream.rows(start, stop):
                 lo, hi = max(start, at), min(stop, at + batch.num_rows)
-                if (lo, hi) == (start, stop) and pad_to in (None, stop - start):  # the read inside one batch
+                inside = (lo, hi) == (start, stop) and pad_to in (None, stop - start)  # the read inside one batch
+                if isinstance(batch, _Rows):  # already in the rows' layout
+                    part = [leaf[lo - at : hi - at] for leaf in batch.leaves]
+                    if inside and all(leaf.ctypes.data % ALIGN == 0 for leaf in part):
+                        out = part  # the decoded rows themselves: placed on CPU devices without a copy
+                        continue
+                    out = out or self._selection.empty(pad_to or stop - start, stop - start)
+                    for leaf, rows in zip(out, part, strict=True):
+                        leaf[lo - start : hi - start] = rows
+                    continue
+                if inside:
                     out = self._row_major(batch.slice(lo - at, hi - lo))
                     if out is not None:
                         continue
@@ -652,10 +662,11 @@ class ParquetSource(Source):
                                                     self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
 
-    def _decode(self, unit: int) -> Any:
-        """Row group ``unit``'s selected columns as an Arrow table, decoded by Polars (its rows by their place in
-        the file): the same Arrow types pyarrow gives (strings as ``large_string``); a column Polars reads
-        otherwise goes to pyarrow for this row group."""
+    def _decode(self, unit: int) -> _Rows:
+        """Row group ``unit``'s rows in the layout a read returns (one aligned array a leaf), decoded by Polars
+        (its rows by their place in the file) into the Arrow types pyarrow gives (strings as ``large_string``)
+        and cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
+        for this row group."""
         pl, names = _polars(), self._selection.names()
         path, first, rows = self._spans[unit]
         try:
@@ -670,23 +681,34 @@ class ParquetSource(Source):
         schema = self._dataset.schema
         if table.num_rows != rows or any(not _same_values(table.schema.field(n).type, schema.field(n).type)
                                          for n in names):
-            return self._units[unit].to_table(columns=names, use_threads=False)
-        return table
+            table = self._units[unit].to_table(columns=names, use_threads=False)
+        out = self._selection.empty(rows)
+        _fill(table, self._selection, int(self._starts[unit]), path, out, 0)
+        return _Rows(out)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._where, "columns": repr(self._selection.columns),
                 "format": self._format}
 
 
+class _Rows(NamedTuple):
+    """A row group's rows as a read returns them (a list of arrays, one a leaf), decoded and cast on the pool."""
+
+    leaves: list[np.ndarray]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.leaves[0])
+
+
 class _Ahead:
-    """The record batches of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, each row group
-    decoded by ``decode`` on the :func:`decode_pool`, ``ahead`` of them submitted ahead of the one being read.
+    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, each row
+    group decoded by ``decode`` on the :func:`decode_pool`, ``ahead`` of them submitted ahead of the one read.
     Those still waiting when it is dropped (a seek, a failed read) are cancelled."""
 
     def __init__(self, decode: Callable[[int], Any], first: int, units: int, ahead: int, starts: np.ndarray):
         self._decode, self._next, self._units, self._ahead, self._starts = decode, first, units, ahead, starts
         self._pending: collections.deque = collections.deque()
-        self._batches: Iterator[Any] = iter(())
 
     def horizon(self) -> int:
         """The first row of the row groups not yet submitted: the rows before it are decoded or decoding."""
@@ -695,17 +717,14 @@ class _Ahead:
     def __iter__(self) -> _Ahead:
         return self
 
-    def __next__(self) -> Any:
-        for batch in self._batches:
-            return batch
+    def __next__(self) -> _Rows:
         pool = decode_pool()
         while self._next < self._units and len(self._pending) < self._ahead:
             self._pending.append(pool.submit(self._decode, self._next))
             self._next += 1
         if not self._pending:
             raise StopIteration
-        self._batches = iter(self._pending.popleft().result().to_batches())
-        return next(self)
+        return self._pending.popleft().result()
 
     def __del__(self) -> None:
         for future in self._pending:
