@@ -87,6 +87,7 @@ def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_pat
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+@pytest.mark.filterwarnings("ignore:os.fork")  # JAX's: the child runs no JAX
 def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would_hang(tmp_path):
     path = tmp_path / "edges.parquet"
     pq.write_table(edge_table(), path, row_group_size=128)
