@@ -74,6 +74,19 @@ def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, columns, dtype):
     assert polars._stream is scan
 
 
+def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
+    pl = pytest.importorskip("polars")
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(0, ROWS)
+
+    def fails(*args, **kwargs):
+        raise pl.exceptions.ComputeError("parquet: File out of specification")
+
+    monkeypatch.setattr(pl, "scan_parquet", fails)
+    same_rows(ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars").read(0, ROWS), want)
+
+
 def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path):
     path = tmp_path / "vec.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, 2.0]] * 4, pa.list_(pa.float64(), 2)), "h": pa.array(

@@ -481,11 +481,12 @@ class ParquetSource(Source):
       format: ``"parquet"``, ``"ipc"``/``"feather"`` (Arrow files).
       strings: ``"hash"`` (default) reads selected string columns as stable int64 ids (see
         :func:`resolve_columns`); ``"refuse"`` refuses them in one line.
-      decoder: what decodes the row groups: ``"polars"`` (Polars' Parquet reader, 1.4-2x less CPU than
-        pyarrow's: ``bench/decode.py``), ``"pyarrow"``, or ``"auto"`` (default): Polars where it is
-        installed and reads the selection (local Parquet files of integer, float32/64, boolean and string
-        columns), else pyarrow. Either way the rows are the same values (``tests/test_decoders.py``). Polars'
-        row groups decode on a pool of :func:`host_cores` threads, ahead of the reads.
+      decoder: what decodes the row groups: ``"polars"`` (Polars' Parquet reader: 1.2-1.4x less CPU a row
+        group than pyarrow's on 2 cores, ``bench/decode.py``), ``"pyarrow"``, or ``"auto"`` (default): Polars
+        where it is installed and reads the selection (local Parquet files of integer, float32/64, boolean and
+        string columns), else pyarrow. Either way the rows are the same values (``tests/test_decoders.py``).
+        Polars' row groups are decoded and cast into the rows' layout on a pool of :func:`host_cores` threads,
+        ahead of the reads (a row group Polars fails on is read by pyarrow).
     """
 
     def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
@@ -667,20 +668,17 @@ class ParquetSource(Source):
         (its rows by their place in the file) into the Arrow types pyarrow gives (strings as ``large_string``)
         and cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
         for this row group."""
-        pl, names = _polars(), self._selection.names()
+        pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
         path, first, rows = self._spans[unit]
         try:
             frame = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names).slice(first, rows)
             table = frame.collect().to_arrow(compat_level=pl.CompatLevel.oldest())
-        except Exception as e:  # a file cut short or rewritten mid-read: the read's FileWatch says which
-            raise OSError(f"Polars could not read rows of {path}: {str(e).splitlines()[0] if str(e) else e!r}") from e
         except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise OSError(f"Polars failed reading rows of {path}: {str(e).splitlines()[0]}") from None
-        schema = self._dataset.schema
-        if table.num_rows != rows or any(not _same_values(table.schema.field(n).type, schema.field(n).type)
-                                         for n in names):
+            table = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+        if table is None or table.num_rows != rows or any(
+                not _same_values(table.schema.field(n).type, schema.field(n).type) for n in names):
             table = self._units[unit].to_table(columns=names, use_threads=False)
         out = self._selection.empty(rows)
         _fill(table, self._selection, int(self._starts[unit]), path, out, 0)
