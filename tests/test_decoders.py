@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sharded_scan.errors import UsageError
-from sharded_scan.sources import ParquetSource
+from sharded_scan.sources import ParquetSource, tabular
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -55,13 +55,15 @@ def same_rows(a, b):
     ((["f64", "i64"], "f32"), "float64"),  # a pytree of selections
     ("text", None), (["text", "big_text"], None), ("big_text", "int32"),  # string ids
 ])
-def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, columns, dtype):
+def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns, dtype):
     path = tmp_path / "edges.parquet"
     pq.write_table(edge_table(), path, row_group_size=128)
     polars = ParquetSource(path, columns=columns, dtype=dtype, decoder="polars")
     arrow = ParquetSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
-    assert (polars.decoder, arrow.decoder, ParquetSource(path, columns=columns, dtype=dtype).decoder) == (
-        "polars", "pyarrow", "polars")
+    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # row groups of a few KB: pyarrow's
+    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)
+    assert (polars.decoder, arrow.decoder, auto, ParquetSource(path, columns=columns, dtype=dtype).decoder) == (
+        "polars", "pyarrow", "pyarrow", "polars")
     assert polars.spec == arrow.spec
     # consecutive reads across row groups, one inside a row group, the ragged last step padded, a jump back
     for start, stop, pad in [(0, 100, None), (100, 300, None), (300, 301, None), (301, 900, None),
@@ -87,7 +89,8 @@ def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
     same_rows(ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars").read(0, ROWS), want)
 
 
-def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path):
+def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path, monkeypatch):
+    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)  # auto would take Polars where it reads the columns
     path = tmp_path / "vec.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, 2.0]] * 4, pa.list_(pa.float64(), 2)), "h": pa.array(
         np.ones(4, np.float16))}), path)
@@ -104,7 +107,7 @@ def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_pat
 def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would_hang(tmp_path):
     path = tmp_path / "edges.parquet"
     pq.write_table(edge_table(), path, row_group_size=128)
-    parents = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
+    parents = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars")
     parents.read(0, 300)  # Polars' threads ran, and a scan of it is left mid-file
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -112,6 +115,7 @@ def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would
         ok = False
         try:
             want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(300, 600)
+            tabular.POLARS_MIN_GROUP_BYTES = 0  # auto would take Polars, but for the fork
             fresh = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
             ok = fresh.decoder == "pyarrow" and all(
                 got.tobytes() == want.tobytes() for got in (fresh.read(300, 600), parents.read(300, 600)))
