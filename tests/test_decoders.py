@@ -1,0 +1,124 @@
+"""Polars and pyarrow as ParquetSource's decoder: the same rows, value for value and bit for bit, whichever
+decodes (no JAX program: the reader is read directly)."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from sharded_scan.errors import UsageError
+from sharded_scan.sources import ParquetSource, tabular
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("polars")
+
+I64, U64 = np.iinfo(np.int64), np.iinfo(np.uint64)
+ROWS = 1000  # row groups of 128 rows: 7 full and a ragged last one of 104
+
+
+def edge_table():
+    rng = np.random.default_rng(3)
+    f64 = rng.normal(size=ROWS)
+    f64[[0, 5, 900]] = [np.nan, np.inf, -0.0]
+    f32 = rng.normal(size=ROWS).astype(np.float32)
+    f32[[1, 999]] = [-np.inf, np.float32(1e-45)]
+    ints = rng.integers(-5, 5, ROWS)
+    ints[[2, 3]] = [I64.min, I64.max]
+    big = rng.integers(0, 10, ROWS).astype(np.uint64)
+    big[4] = U64.max
+    nullable = rng.normal(size=ROWS)
+    mask = np.zeros(ROWS, bool)
+    mask[[7, 128, 129, 999]] = True  # nulls in several row groups, one in the ragged last
+    words = np.array(["", "a\x00b", "ünï", "日本語", "x" * 40, "🙂"], object)[rng.integers(0, 6, ROWS)]
+    return pa.table({
+        "f64": f64, "f32": f32, "i64": ints, "u64": big, "i8": rng.integers(-128, 127, ROWS).astype(np.int8),
+        "flag": rng.integers(0, 2, ROWS).astype(bool), "nan_or_null": pa.array(nullable, mask=mask),
+        "int_null": pa.array(ints, mask=mask), "text": pa.array(words, pa.string()),
+        "big_text": pa.array(words, pa.large_string()),
+    })
+
+
+def same_rows(a, b):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()  # bitwise: NaN payloads, -0.0, subnormals
+
+
+@pytest.mark.parametrize("columns, dtype", [
+    (["f64", "f32", "nan_or_null", "flag", "i8"], None),  # float64, nulls as NaN
+    (["f32", "i8", "flag"], "float32"),
+    (["i64", "i8"], None),  # int64 limits
+    ("u64", None),  # uint64's largest
+    (["f32", "nan_or_null", "int_null"], "float32"),  # integer nulls as NaN
+    ((["f64", "i64"], "f32"), "float64"),  # a pytree of selections
+    ("text", None), (["text", "big_text"], None), ("big_text", "int32"),  # string ids
+])
+def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns, dtype):
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    polars = ParquetSource(path, columns=columns, dtype=dtype, decoder="polars")
+    arrow = ParquetSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
+    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # row groups of a few KB: pyarrow's
+    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)
+    assert (polars.decoder, arrow.decoder, auto, ParquetSource(path, columns=columns, dtype=dtype).decoder) == (
+        "polars", "pyarrow", "pyarrow", "polars")
+    assert polars.spec == arrow.spec
+    # consecutive reads across row groups, one inside a row group, the ragged last step padded, a jump back
+    for start, stop, pad in [(0, 100, None), (100, 300, None), (300, 301, None), (301, 900, None),
+                             (900, 1000, 160), (10, 20, None), (640, 1000, None)]:
+        same_rows(polars.read(start, stop, pad), arrow.read(start, stop, pad))
+    polars.read(0, 10)
+    scan = polars._stream
+    for start in range(100, 1000, 100):  # one process's part of each step: the others' rows skipped, in one scan
+        same_rows(polars.read(start, start + 30, 40), arrow.read(start, start + 30, 40))
+    assert polars._stream is scan
+
+
+def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
+    pl = pytest.importorskip("polars")
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(0, ROWS)
+
+    def fails(*args, **kwargs):
+        raise pl.exceptions.ComputeError("parquet: File out of specification")
+
+    monkeypatch.setattr(pl, "scan_parquet", fails)
+    same_rows(ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars").read(0, ROWS), want)
+
+
+def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path, monkeypatch):
+    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)  # auto would take Polars where it reads the columns
+    path = tmp_path / "vec.parquet"
+    pq.write_table(pa.table({"v": pa.array([[1.0, 2.0]] * 4, pa.list_(pa.float64(), 2)), "h": pa.array(
+        np.ones(4, np.float16))}), path)
+    for columns in ("v", "h"):
+        assert ParquetSource(path, columns=columns).decoder == "pyarrow"
+        with pytest.raises(UsageError, match=r"decoder='polars' cannot .*Polars leaves the types of .* to pyarrow"):
+            ParquetSource(path, columns=columns, decoder="polars")
+    with pytest.raises(UsageError, match=r"decoder must be one of 'auto', 'polars', 'pyarrow', got 'duckdb'"):
+        ParquetSource(path, columns="v", decoder="duckdb")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+@pytest.mark.filterwarnings("ignore:os.fork")  # JAX's: the child runs no JAX
+def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would_hang(tmp_path):
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    parents = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars")
+    parents.read(0, 300)  # Polars' threads ran, and a scan of it is left mid-file
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(30)  # a hung Polars query ends the child, which the parent sees
+        ok = False
+        try:
+            want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(300, 600)
+            tabular.POLARS_MIN_GROUP_BYTES = 0  # auto would take Polars, but for the fork
+            fresh = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
+            ok = fresh.decoder == "pyarrow" and all(
+                got.tobytes() == want.tobytes() for got in (fresh.read(300, 600), parents.read(300, 600)))
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
