@@ -46,13 +46,13 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits, memory_estimate  # noqa: F401 - memory_estimate: its old home
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, rows_spec
 from sharded_scan.combiners.pca import PCA
 from sharded_scan.combiners.regression import LinearRegression
 from sharded_scan.combiners.wrappers import Wrapper, apply_policies, innermost
 from sharded_scan.dtypes import check_placeable, x64_scope
 from sharded_scan.errors import UsageError
-from sharded_scan.fixed_order import fixed_order
+from sharded_scan.fixed_order import fixed_order, refusal, unpinned
 from sharded_scan.identity import job_fingerprint
 from sharded_scan.layout import Layout, data_sharding, make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
@@ -150,6 +150,38 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) 
 ONE_SCAN_PER_STEP = (LinearRegression, PCA)
 
 
+def pinned(combiner: Combiner, fn: Callable) -> Callable:
+    """``fn`` (the combiner's ``add`` or ``merge``) under :func:`~sharded_scan.fixed_order.fixed_order`,
+    its refusal naming the user's combiner."""
+    return fixed_order(fn, who=type(innermost(combiner)).__name__)
+
+
+def check_pinned(program: Program) -> None:
+    """Where ``fixed_products``: one line before any compute when the job's ``add`` or ``merge`` holds a
+    float sum :mod:`~sharded_scan.fixed_order` cannot fix the order of (the programs would refuse it
+    only as they are traced, the merge's after the last step)."""
+    names = unpinned_parts(program.job, program.spec, program.layout.microbatch, program.options.precision)
+    if names:
+        raise UsageError(refusal(type(innermost(program.job)).__name__, list(names)))
+
+
+@cached
+def unpinned_parts(job: Combiner, spec: PyTree, rows: int, precision: str) -> tuple[str, ...]:
+    """:func:`~sharded_scan.fixed_order.unpinned` of ``job``'s ``add`` of ``rows`` rows and its ``merge``."""
+    try:  # the whole state (not the mesh's split of it, which traces only inside shard_map): the same primitives
+        bound = job.bind(jax.tree.map(np.asarray, job.operands(spec)))
+        acc = jax.eval_shape(lambda: job.init(spec))
+        mask = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+        with jax.default_matmul_precision(precision):
+            names = [*unpinned(jax.make_jaxpr(bound.add)(acc, rows_spec(spec, rows), mask)),
+                     *unpinned(jax.make_jaxpr(bound.merge)(acc, acc))]
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - a state that traces only in its programs: they refuse as they are traced
+        return ()
+    return tuple(dict.fromkeys(names))
+
+
 @cached
 def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
@@ -165,7 +197,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
 
     def fold_shard(bound, acc, rows, valid):
-        add = fixed_order(bound.add) if fixed else bound.add
+        add = pinned(combiner, bound.add) if fixed else bound.add
         micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 
@@ -217,7 +249,7 @@ def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
-            return (fixed_order(bound.merge) if fixed else bound.merge)(a, b)
+            return (pinned(combiner, bound.merge) if fixed else bound.merge)(a, b)
 
     return merge
 
@@ -332,7 +364,7 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
             everywhere = jax.lax.all_gather(partials, DATA_AXIS, tiled=True)
             with jax.default_matmul_precision(precision):
                 bound = combiner.bind(operands)
-                return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
+                return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
         return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
                                      out_specs=merged_specs, check_vma=False))
@@ -341,7 +373,7 @@ def compile_merge(combiner: Combiner, mesh: Mesh, ordered: bool, precision: str,
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
-            return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
+            return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 
@@ -768,6 +800,8 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
         options=options,
         fingerprint=job_fingerprint(job, source, layout.microbatch),  # the micro-batch the programs run
     )
+    if program.fixed_products:
+        check_pinned(program)
     check_fits(program)
     return program
 
