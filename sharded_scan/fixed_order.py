@@ -9,8 +9,10 @@ matrix). The same program then rounds differently on another split of a job or a
 machine. :func:`fixed_order` evaluates a function with every floating-point ``dot_general``
 replaced by elementwise products added one contraction index after another, in index
 order: each output element is ``((p_0 + p_1) + p_2) + ...`` whatever the shapes, threads
-or caches. It costs speed (no blocked kernel), so the engine uses it only where it
-promises bitwise results (``logical_shards`` on CPU).
+or caches (for float32, the products exact in float64 and summed there, rounded once:
+XLA fuses them into one loop over the output, and an FMA changes nothing). It costs speed
+(no blocked kernel), so the engine uses it only where it promises bitwise results
+(``logical_shards`` on CPU).
 
 It fails closed: every primitive of ``fn`` (inside loops, branches and calls) is one it
 rewrites in an order the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
@@ -33,13 +35,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from sharded_scan.errors import UsageError
 
 # Contraction indices a loop iteration adds (one pass over the output), and the most
-# product elements a chunk may hold.
-CHUNK, CHUNK_ELEMENTS = 2, 1 << 20
+# product elements a chunk may hold (float64 operands); float32's exact products: EXACT_CHUNK a pass.
+CHUNK, CHUNK_ELEMENTS, EXACT_CHUNK = 2, 1 << 20, 32
 
 
 def fixed_order(fn: Callable, who: str = "this function") -> Callable:
@@ -65,12 +68,17 @@ def fixed_order(fn: Callable, who: str = "this function") -> Callable:
 def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, **_) -> jax.Array:
     """``lax.dot_general`` with each output element summed in contraction-index order.
 
-    The operands are cast to the result dtype first (exact for the float widenings a
-    ``preferred_element_type`` asks for); ``precision`` does not apply: the products and
-    sums are in the result dtype.
+    A float32 (or narrower) result is the float64 sum ``((p_0 + p_1) + p_2) + ...`` of the
+    float64 products, each exact (24-bit significands multiply into 48 bits; no float32
+    product overflows or underflows in float64), rounded once to the result dtype: an FMA
+    gives exactly the same sum, so however XLA:CPU fuses the multiplies into the adds, and
+    whether the CPU has FMA or not, the result is the same. Any other float (float64) is
+    summed in its own dtype, its products reaching the adds through a loop's state (one
+    iteration later, so no add has a multiply in its expression for XLA:CPU to contract).
+    ``precision`` does not apply.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract and d not in lhs_batch]
     rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract and d not in rhs_batch]
     batch_shape = [lhs.shape[d] for d in lhs_batch]
@@ -80,18 +88,58 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     m, n = math.prod(lhs.shape[d] for d in lhs_free), math.prod(rhs.shape[d] for d in rhs_free)
     if k == 0:
         return jnp.zeros(out_shape, dtype)
+
+    def operand(x, contract, batch, free, shape, as_dtype):
+        return jnp.transpose(x, (*contract, *batch, *free)).reshape(k, *shape).astype(as_dtype)
+
+    if dtype in EXACT_IN_FLOAT64:
+        with jax.enable_x64(True):
+            left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
+            right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64)
+            return _exact_products_summed(left, right).astype(dtype).reshape(out_shape)
+    return _products_summed_a_loop_later(
+        operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), dtype),
+        operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), dtype), b * m * n,
+    ).reshape(out_shape)
+
+
+# Float dtypes whose products are exact in float64 (significands of at most 26 bits).
+EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloat16))
+
+
+def _exact_products_summed(left: jax.Array, right: jax.Array) -> jax.Array:
+    """``sum_k left[k] * right[k]`` in index order, ``EXACT_CHUNK`` indices a loop iteration: one
+    fused loop over the output (products and adds in registers), exact products so contraction is moot."""
+    k = left.shape[0]
+    acc = jnp.full(jnp.broadcast_shapes(left.shape[1:], right.shape[1:]), -0.0, left.dtype)  # -0.0 + p is p
+    acc = _varying_like(acc, left, right)  # inside shard_map: a scan's carry varies as its operands
+
+    def add_in_order(acc, pair):
+        for i in range(pair[0].shape[0]):
+            acc = acc + pair[0][i] * pair[1][i]
+        return acc, None
+
+    whole = k - k % EXACT_CHUNK
+    if whole:
+        chunks = [x[:whole].reshape(whole // EXACT_CHUNK, EXACT_CHUNK, *x.shape[1:]) for x in (left, right)]
+        acc = jax.lax.scan(add_in_order, acc, tuple(chunks))[0]
+    return add_in_order(acc, (left[whole:], right[whole:]))[0]
+
+
+def _products_summed_a_loop_later(left: jax.Array, right: jax.Array, outputs: int) -> jax.Array:
+    """``sum_k left[k] * right[k]`` in index order in their dtype, each chunk's products added in the
+    next loop iteration."""
+    k = left.shape[0]
     # Chunks of contraction indices; at least 3, so the loop below runs at least twice
     # (XLA inlines a loop of one iteration, and the products would meet the adds again).
-    chunk = max(1, min(CHUNK, -(-k // 3), CHUNK_ELEMENTS // max(b * m * n, 1)))
+    chunk = max(1, min(CHUNK, -(-k // 3), CHUNK_ELEMENTS // max(outputs, 1)))
     chunks = max(3, -(-k // chunk))
 
-    def operand(x, contract, batch, free, shape):
-        x = jnp.transpose(x, (*contract, *batch, *free)).reshape(k, *shape).astype(dtype)
-        x = jnp.pad(x, ((0, chunks * chunk - k),) + ((0, 0),) * len(shape))  # zero products add nothing
-        return x.reshape(chunks, chunk, *shape)
+    def split(x):
+        x = jnp.pad(x, ((0, chunks * chunk - k),) + ((0, 0),) * (x.ndim - 1))  # zero products add nothing
+        return x.reshape(chunks, chunk, *x.shape[1:])
 
-    left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1))
-    right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n))
+    left, right = split(left), split(right)
 
     def add_in_order(acc, products):
         for i in range(chunk):
@@ -99,16 +147,13 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
         return acc
 
     def fold(carry, pair):
-        # A chunk's products reach the adds through the loop's state, one iteration later, so
-        # no add has a multiply in its expression for XLA:CPU to fuse into a multiply-add
-        # (which it does for some shapes and not others).
         acc, products = carry
         return (add_in_order(acc, products), pair[0] * pair[1]), None
 
     first = left[0] * right[0]
     zero = jax.lax.full_like(first[0], -0.0)  # -0.0 + p is p, signed zeros too; varies as first does
     acc, products = jax.lax.scan(fold, (zero, first), (left[1:], right[1:]))[0]
-    return add_in_order(acc, products).reshape(out_shape)
+    return add_in_order(acc, products)
 
 
 # Primitives whose every output element is one fixed expression of its inputs, or exact in any

@@ -23,8 +23,17 @@ from sharded_scan.fixed_order import (
 
 
 def in_order(left, right):
-    """sum_k left[k] * right[k] in float32, one rounding for each product and each add."""
-    acc = np.float32(-0.0) + left[0] * right[0]
+    """sum_k left[k] * right[k] of float32 operands: float64 products (exact) added in index order in
+    float64, rounded once to float32."""
+    acc = np.float64(-0.0)
+    for a, b in zip(left.astype(np.float64), right.astype(np.float64), strict=True):
+        acc = acc + a * b
+    return np.asarray(acc).astype(np.float32)
+
+
+def in_order_float64(left, right):
+    """sum_k left[k] * right[k] in float64, one rounding for each product and each add."""
+    acc = np.float64(-0.0) + left[0] * right[0]
     for a, b in zip(left[1:], right[1:], strict=True):
         acc = acc + a * b
     return acc
@@ -62,20 +71,28 @@ def test_a_gram_block_is_its_products_added_in_row_order(k):
     whole = np.asarray(jax.jit(lambda x: ordered_dot_general(x, x, dims))(x))
     block = np.asarray(jax.jit(lambda x: ordered_dot_general(x, x[:, 8:16], dims))(x))
     want = in_order(x[:, :, None], x[:, None, :])
-    np.testing.assert_array_equal(whole, want)  # an FMA would differ (a plain chain of adds of products does)
+    np.testing.assert_array_equal(whole, want)
     np.testing.assert_array_equal(block, want[:, 8:16])
-    if k == 256:  # no product reaches an add in one computation, where XLA:CPU could contract them (an unroller)
+    if k == 256:
+        # float32: XLA:CPU fuses each product into its add (may contract them into an FMA), which changes
+        # nothing: a float64 product of float32s is exact
         compiled = jax.jit(lambda x: ordered_dot_general(x, x, dims)).lower(x).compile().as_text()
-        assert multiplies_into_adds(compiled) == []
+        assert multiplies_into_adds(compiled)
+        # float64: no product reaches an add in one computation, where XLA:CPU could contract them (as an
+        # unrolled loop would let it)
+        with jax.enable_x64(True):
+            wide = x.astype(np.float64)
+            program = jax.jit(lambda x: ordered_dot_general(x, x, dims))
+            assert multiplies_into_adds(program.lower(wide).compile().as_text()) == []
+            np.testing.assert_array_equal(program(wide), in_order_float64(wide[:, :, None], wide[:, None, :]))
 
-        def chain(x):
-            acc = -0.0
-            for row in x:
-                acc = acc + row[:, None] * row[None, :]
-            return acc
+            def chain(x):
+                acc = -0.0
+                for row in x:
+                    acc = acc + row[:, None] * row[None, :]
+                return acc
 
-        plain = jax.jit(chain).lower(x).compile().as_text()
-        assert multiplies_into_adds(plain)  # the check sees the contraction it guards against
+            assert multiplies_into_adds(jax.jit(chain).lower(wide).compile().as_text())  # the check sees them
 
 
 def test_batched_and_matrix_vector_products_keep_the_order():
