@@ -248,23 +248,15 @@ def builtins():
 
     d = 6
 
-    def loss(params, batch):
-        x, y = batch
-        return (x @ params - y) ** 2
-
     x, xy = jax.ShapeDtypeStruct((d,), jnp.float32), (jax.ShapeDtypeStruct((d,), jnp.float32),
                                                        jax.ShapeDtypeStruct((), jnp.float32))
+    # those that run under logical_shards nowhere else in the suite (test_reproducible runs Sum, Gram, Covariance,
+    # Moments, PCA, Histogram, Gradient, LinearRegression's whitened and tsqr solvers; test_describe, test_quantiles,
+    # test_topk and test_wide_model run Describe, Quantiles, TopK and Weighted Histogram): a refusal fails them there
     return {
-        "Sum": (ss.Sum(), x), "Gram": (ss.Gram(block=4), x), "Covariance": (ss.Covariance(), x),
-        "Correlation": (ss.Correlation(), x), "Moments": (ss.Moments(), x), "Describe": (ss.Describe(), x),
-        "PCA": (ss.PCA(2), x), "Histogram": (ss.Histogram(8, (-1.0, 7.0)), x),
-        "Quantiles": (ss.Quantiles(qs=[0.5]), x), "DistinctCount": (ss.DistinctCount(), x),
-        "TopK": (ss.TopK(3), jax.ShapeDtypeStruct((d,), jnp.int32)),
-        "Gradient": (ss.Gradient(loss, np.zeros(d, np.float32)), xy),
-        **{f"LinearRegression {solver}": (ss.LinearRegression(solver=solver), xy)
-           for solver in ("whitened", "tsqr", "comoments")},
-        # float scatter-adds of repeated indices (bins, keys) and a cumulative sum of weights
-        "Weighted Histogram": (ss.Weighted(ss.Histogram(8, (-1.0, 7.0))), (jax.ShapeDtypeStruct((), jnp.float32), x)),
+        "Correlation": (ss.Correlation(), x), "DistinctCount": (ss.DistinctCount(), x),
+        "LinearRegression comoments": (ss.LinearRegression(solver="comoments"), xy),
+        # float scatter-adds of repeated indices (keys) and a cumulative sum of weights
         "Weighted Quantiles": (ss.Weighted(ss.Quantiles(qs=[0.5], method="inverted_cdf")),
                                (jax.ShapeDtypeStruct((), jnp.float32), x)),
         "GroupBy Moments": (ss.GroupBy(ss.Moments(), num_keys=4), (jax.ShapeDtypeStruct((), jnp.int32), x)),
