@@ -37,9 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.compile_cache import cached
-from sharded_scan.fixed_order import fixed_order
 from sharded_scan.layout import Layout, data_sharding
-from sharded_scan.merging import Merge, MergeRoute, choose_merge, compile_gather
+from sharded_scan.merging import Merge, MergeRoute, choose_merge, compile_gather, pinned
 from sharded_scan.mesh import DATA_AXIS
 from sharded_scan.options import RunOptions
 from sharded_scan.sharding import (
@@ -80,7 +79,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
 
     def fold_shard(bound, acc, rows, valid):
-        add = fixed_order(bound.add) if fixed else bound.add
+        add = pinned(combiner, bound.add) if fixed else bound.add
         micro = jax.tree.map(lambda x: x.reshape((spc, mb) + x.shape[1:]), rows)
         offsets = jnp.arange(spc, dtype=jnp.int32) * mb
 

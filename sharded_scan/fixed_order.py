@@ -9,8 +9,22 @@ matrix). The same program then rounds differently on another split of a job or a
 machine. :func:`fixed_order` evaluates a function with every floating-point ``dot_general``
 replaced by elementwise products added one contraction index after another, in index
 order: each output element is ``((p_0 + p_1) + p_2) + ...`` whatever the shapes, threads
-or caches. It costs speed (no blocked kernel), so the engine uses it only where it
-promises bitwise results (``logical_shards`` on CPU).
+or caches (for float32, the products exact in float64 and summed there, rounded once:
+XLA fuses them into one loop over the output, and an FMA changes nothing). It costs speed
+(no blocked kernel), so the engine uses it only where it promises bitwise results
+(``logical_shards`` on CPU).
+
+It fails closed: every primitive of ``fn`` (inside loops, branches and calls) is one it
+rewrites in an order the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
+scatter-add of repeated indices, cumulative sums and products, and ``qr``'s R), one it follows
+(``jit``, ``scan``, ``while``, ``cond``, custom derivative rules, ``remat``), one whose every
+output element is the same whatever the order XLA computes it in (:data:`ORDER_FREE`:
+elementwise arithmetic, moves, comparisons, max/min, sorts; a scatter-add of unique indices),
+or one with integer operands only (exact in any order). Anything else (an LAPACK call other than
+QR's R, a convolution, an FFT, a custom call or callback, a nested jaxpr it does not follow) is
+refused with a :class:`~sharded_scan.errors.UsageError` when ``fn`` is traced; :func:`unpinned`
+names them beforehand (``program.check_pinned`` checks a job's ``add`` and ``merge`` with it
+before any compute).
 """
 
 from __future__ import annotations
@@ -21,23 +35,30 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
-from jax.extend.core import primitives as prims
+
+from sharded_scan.errors import UsageError
 
 # Contraction indices a loop iteration adds (one pass over the output), and the most
-# product elements a chunk may hold.
-CHUNK, CHUNK_ELEMENTS = 2, 1 << 20
+# product elements a chunk may hold (float64 operands); float32's exact products: EXACT_CHUNK a pass.
+CHUNK, CHUNK_ELEMENTS, EXACT_CHUNK = 2, 1 << 20, 32
 
 
-def fixed_order(fn: Callable) -> Callable:
-    """``fn`` with every floating-point matrix product summed in contraction-index order.
+def fixed_order(fn: Callable, who: str = "this function") -> Callable:
+    """``fn`` with every floating-point matrix product and sum in an order the code fixes.
 
     Control flow (``scan``, ``while_loop``, ``cond``/``switch``), ``jit`` and custom
-    derivative rules inside ``fn`` are followed; any other primitive runs as it is.
+    derivative rules inside ``fn`` are followed; an order-free primitive runs as it is; any
+    other one raises :class:`~sharded_scan.errors.UsageError` (:func:`refusal`, naming ``who``) as
+    ``fn`` is traced.
     """
 
     def wrapped(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        names = unpinned(closed)
+        if names:
+            raise UsageError(refusal(who, names))
         out = _evaluate(closed, jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
@@ -47,12 +68,17 @@ def fixed_order(fn: Callable) -> Callable:
 def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, **_) -> jax.Array:
     """``lax.dot_general`` with each output element summed in contraction-index order.
 
-    The operands are cast to the result dtype first (exact for the float widenings a
-    ``preferred_element_type`` asks for); ``precision`` does not apply: the products and
-    sums are in the result dtype.
+    A float32 (or narrower) result is the float64 sum ``((p_0 + p_1) + p_2) + ...`` of the
+    float64 products, each exact (24-bit significands multiply into 48 bits; no float32
+    product overflows or underflows in float64), rounded once to the result dtype: an FMA
+    gives exactly the same sum, so however XLA:CPU fuses the multiplies into the adds, and
+    whether the CPU has FMA or not, the result is the same. Any other float (float64) is
+    summed in its own dtype, its products reaching the adds through a loop's state (one
+    iteration later, so no add has a multiply in its expression for XLA:CPU to contract).
+    ``precision`` does not apply.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract and d not in lhs_batch]
     rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract and d not in rhs_batch]
     batch_shape = [lhs.shape[d] for d in lhs_batch]
@@ -62,18 +88,58 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     m, n = math.prod(lhs.shape[d] for d in lhs_free), math.prod(rhs.shape[d] for d in rhs_free)
     if k == 0:
         return jnp.zeros(out_shape, dtype)
+
+    def operand(x, contract, batch, free, shape, as_dtype):
+        return jnp.transpose(x, (*contract, *batch, *free)).reshape(k, *shape).astype(as_dtype)
+
+    if dtype in EXACT_IN_FLOAT64:
+        with jax.enable_x64(True):
+            left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
+            right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64)
+            return _exact_products_summed(left, right).astype(dtype).reshape(out_shape)
+    return _products_summed_a_loop_later(
+        operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), dtype),
+        operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), dtype), b * m * n,
+    ).reshape(out_shape)
+
+
+# Float dtypes whose products are exact in float64 (significands of at most 26 bits).
+EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloat16))
+
+
+def _exact_products_summed(left: jax.Array, right: jax.Array) -> jax.Array:
+    """``sum_k left[k] * right[k]`` in index order, ``EXACT_CHUNK`` indices a loop iteration: one
+    fused loop over the output (products and adds in registers), exact products so contraction is moot."""
+    k = left.shape[0]
+    acc = jnp.full(jnp.broadcast_shapes(left.shape[1:], right.shape[1:]), -0.0, left.dtype)  # -0.0 + p is p
+    acc = _varying_like(acc, left, right)  # inside shard_map: a scan's carry varies as its operands
+
+    def add_in_order(acc, pair):
+        for i in range(pair[0].shape[0]):
+            acc = acc + pair[0][i] * pair[1][i]
+        return acc, None
+
+    whole = k - k % EXACT_CHUNK
+    if whole:
+        chunks = [x[:whole].reshape(whole // EXACT_CHUNK, EXACT_CHUNK, *x.shape[1:]) for x in (left, right)]
+        acc = jax.lax.scan(add_in_order, acc, tuple(chunks))[0]
+    return add_in_order(acc, (left[whole:], right[whole:]))[0]
+
+
+def _products_summed_a_loop_later(left: jax.Array, right: jax.Array, outputs: int) -> jax.Array:
+    """``sum_k left[k] * right[k]`` in index order in their dtype, each chunk's products added in the
+    next loop iteration."""
+    k = left.shape[0]
     # Chunks of contraction indices; at least 3, so the loop below runs at least twice
     # (XLA inlines a loop of one iteration, and the products would meet the adds again).
-    chunk = max(1, min(CHUNK, -(-k // 3), CHUNK_ELEMENTS // max(b * m * n, 1)))
+    chunk = max(1, min(CHUNK, -(-k // 3), CHUNK_ELEMENTS // max(outputs, 1)))
     chunks = max(3, -(-k // chunk))
 
-    def operand(x, contract, batch, free, shape):
-        x = jnp.transpose(x, (*contract, *batch, *free)).reshape(k, *shape).astype(dtype)
-        x = jnp.pad(x, ((0, chunks * chunk - k),) + ((0, 0),) * len(shape))  # zero products add nothing
-        return x.reshape(chunks, chunk, *shape)
+    def split(x):
+        x = jnp.pad(x, ((0, chunks * chunk - k),) + ((0, 0),) * (x.ndim - 1))  # zero products add nothing
+        return x.reshape(chunks, chunk, *x.shape[1:])
 
-    left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1))
-    right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n))
+    left, right = split(left), split(right)
 
     def add_in_order(acc, products):
         for i in range(chunk):
@@ -81,24 +147,111 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
         return acc
 
     def fold(carry, pair):
-        # A chunk's products reach the adds through the loop's state, one iteration later, so
-        # no add has a multiply in its expression for XLA:CPU to fuse into a multiply-add
-        # (which it does for some shapes and not others).
         acc, products = carry
         return (add_in_order(acc, products), pair[0] * pair[1]), None
 
     first = left[0] * right[0]
     zero = jax.lax.full_like(first[0], -0.0)  # -0.0 + p is p, signed zeros too; varies as first does
     acc, products = jax.lax.scan(fold, (zero, first), (left[1:], right[1:]))[0]
-    return add_in_order(acc, products).reshape(out_shape)
+    return add_in_order(acc, products)
 
 
-def _is_float_dot(eqn) -> bool:
-    return eqn.primitive is prims.dot_general_p and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact)
+# Primitives whose every output element is one fixed expression of its inputs, or exact in any
+# order (max, min, selections, sorts, moves): XLA computes them alike on every split. Matched by
+# name (tests/test_fixed_order.py pins the names and params the rules below read).
+_ORDER_FREE_NAMES = """
+    abs acos acosh add add_any and argmax argmin asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim
+    cbrt ceil clamp clz complex concatenate conj convert_element_type copy cos cosh cummax cummin
+    digamma div dynamic_slice dynamic_update_slice eq eq_to erf erf_inv erfc exp exp2 expm1 floor gather ge gt
+    igamma igammac imag integer_pow iota is_finite le le_to lgamma log log1p logistic lt lt_to max min mul ne
+    neg nextafter not optimization_barrier or pad platform_index population_count pow pvary real reduce_and
+    reduce_max reduce_min reduce_or reduce_precision reduce_xor rem reshape rev round rsqrt scatter
+    scatter-max scatter-min select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh
+    slice sort split sqrt square squeeze stack stop_gradient sub tan tanh top_k transpose xor
+    axis_index bessel_i0e bessel_i1e broadcast_to device_put layout_constraint mulhi polygamma reshard
+    sharding_constraint tile unstack zeta zeros_like
+"""
+ORDER_FREE = frozenset(_ORDER_FREE_NAMES.split())
+# Scatters that combine duplicates by a float sum or product: order-free with unique indices; a float
+# scatter-add of others is rewritten (its updates added one after another, in their order).
+SCATTER_ARITHMETIC = ("scatter-add", "scatter-sub", "scatter-mul")
+# Cumulative float folds, rewritten as lax.associative_scan's fixed tree of the same operation.
+CUMULATIVE = {"cumsum": jax.lax.add, "cumprod": jax.lax.mul, "cumlogsumexp": jnp.logaddexp}
+# Calls and control flow whose bodies it evaluates in turn (the params that hold them: _bodies).
+FOLLOWED = ("jit", "closed_call", "remat2", "custom_jvp_call", "custom_vjp_call", "scan", "while", "cond")
+
+
+def _floats(eqn) -> bool:
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype")]
+    return any(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals)
+
+
+def _bodies(eqn) -> list[ClosedJaxpr]:
+    """The jaxprs an equation holds in its params (a closed one, or an open one closed over nothing)."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item)
+            elif hasattr(item, "eqns") and hasattr(item, "outvars"):
+                found.append(ClosedJaxpr(item, ()))
+    return found
+
+
+def _refusal(eqn) -> str | None:
+    """Why fixed_order cannot pin ``eqn``'s float sums (the primitive's name), or None if it can."""
+    name, params = eqn.primitive.name, eqn.params
+    if name in FOLLOWED or name in ("dot_general", "reduce_sum", "reduce") or name in ORDER_FREE:
+        return None
+    if name == "qr":
+        return "qr with pivoting" if params.get("pivoting") else None
+    if name in SCATTER_ARITHMETIC and (params.get("unique_indices") or not _floats(eqn)):
+        return None
+    if name == "scatter-add" and not params["dimension_numbers"].operand_batching_dims:
+        return None
+    if name in CUMULATIVE:
+        return None
+    if not _floats(eqn) and not _bodies(eqn):
+        return None  # integers only: exact in any order
+    return name
+
+
+def unpinned(closed: ClosedJaxpr) -> list[str]:
+    """The primitives of ``closed`` (inside its calls and control flow too) whose summation order
+    :func:`fixed_order` cannot pin, by name, each once: empty when ``fixed_order`` promises it all."""
+    found: dict[str, None] = {}
+    used = _used(closed.jaxpr)
+    for eqn in closed.jaxpr.eqns:
+        why = _refusal(eqn)
+        if eqn.primitive.name == "qr" and eqn.outvars[0] in used:
+            why = "qr's Q"  # it computes R alone
+        if why is not None:
+            found[why] = None
+        elif eqn.primitive.name not in ORDER_FREE:
+            for body in _bodies(eqn):
+                found.update(dict.fromkeys(unpinned(body)))
+    return list(found)
+
+
+def refusal(who: str, names: list[str]) -> str:
+    """The one line that says ``who`` cannot be bitwise under ``logical_shards`` (``names``: :func:`unpinned`'s)."""
+    return (f"{who} is not bitwise under logical_shards: it uses {', '.join(map(repr, names))}, whose float "
+            "summation order sharded_scan cannot fix on CPU; leave logical_shards out (results then agree to "
+            "rounding across splits), or compute it with matrix products, sums and elementwise operations.")
+
+
+def _used(jaxpr) -> set:
+    """The variables ``jaxpr``'s equations or outputs read."""
+    reads = [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]
+    return {v for v in reads if not isinstance(v, Literal)}
+
+
+def _is_float(eqn) -> bool:
+    return jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact)
 
 
 def _evaluate(closed: ClosedJaxpr, args: list) -> list:
-    """Evaluates ``closed`` on ``args`` (traced or concrete), float products in fixed order."""
+    """Evaluates ``closed`` on ``args`` (traced or concrete), float sums in fixed order."""
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = {}
 
@@ -118,24 +271,138 @@ def _as_fn(closed: ClosedJaxpr) -> Callable:
 
 
 def _apply(eqn, invals: list) -> list:
-    """One equation: a float product in fixed order; control flow and calls followed."""
+    """One equation (one :func:`unpinned` passes): float sums in fixed order; control flow and calls followed."""
     prim, params = eqn.primitive, eqn.params
-    if _is_float_dot(eqn):
+    name = prim.name
+    if name == "dot_general" and _is_float(eqn):
         return [ordered_dot_general(*invals, **params)]
-    if prim in (prims.jit_p, prims.custom_jvp_call_p, prims.custom_vjp_call_p):
+    if name == "reduce_sum" and _is_float(eqn):
+        return [ordered_sum(invals[0], params["axes"])]
+    if name == "reduce" and (_floats(eqn) or any(map(_floats, params["jaxpr"].jaxpr.eqns))):
+        return _reduce(params, invals)
+    if name == "qr":
+        return [None, ordered_qr_r(invals[0], params["full_matrices"])]
+    if name == "scatter-add" and _floats(eqn) and not params["unique_indices"]:
+        return [_scatter_add_in_order(params, *invals)]
+    if name in CUMULATIVE and _floats(eqn):
+        return [jax.lax.associative_scan(CUMULATIVE[name], invals[0], params["reverse"], params["axis"])]
+    if name in ("jit", "closed_call", "remat2", "custom_jvp_call", "custom_vjp_call"):
         # Evaluated for their value: the derivative rules were applied when ``fn`` was traced.
-        body = params["jaxpr"] if prim is prims.jit_p else params["call_jaxpr"]
-        return _evaluate(body, invals)
-    if prim is prims.scan_p:
+        return _evaluate(_bodies(eqn)[0], invals)
+    if name == "scan":
         return _scan(params, invals)
-    if prim is prims.while_p:
+    if name == "while":
         return _while(params, invals)
-    if prim is prims.cond_p:
+    if name == "cond":
         index, *operands = invals
         return list(jax.lax.switch(index, [_as_fn(b) for b in params["branches"]], *operands))
+    if name != "pvary":  # inside shard_map, operands vary alike (a jaxpr traced outside it, a reducer's, mixes them)
+        invals = [_varying_like(x, *invals) for x in invals]
     with eqn.ctx.manager:
         out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
+
+
+def ordered_sum(x: jax.Array, axes) -> jax.Array:
+    """``x`` summed over ``axes`` in index order (row-major over the axes): a product with ones."""
+    axes = tuple(axes)
+    ones = jnp.ones([x.shape[a] for a in axes], x.dtype)
+    return ordered_dot_general(x, ones, ((axes, tuple(range(len(axes)))), ((), ())))
+
+
+def _reduce(params: dict, invals: list) -> list:
+    """A ``lax.reduce`` with a float reducer: its operands folded one reduced index after another,
+    in index order, from the initial values (each output element its own fold)."""
+    n = len(invals) // 2
+    operands, inits = invals[:n], invals[n:]
+    dims = tuple(params["dimensions"])
+    keep = [d for d in range(operands[0].ndim) if d not in dims]
+    k = math.prod(operands[0].shape[d] for d in dims)
+    rest = [operands[0].shape[d] for d in keep]
+    size = math.prod(rest)
+    # all varying alike (a scan's carry keeps its type)
+    rows = [_varying_like(jnp.transpose(x, (*dims, *keep)).reshape(k, size), *invals) for x in operands]
+    init = tuple(_varying_like(jnp.broadcast_to(i, (size,)), *invals) for i in inits)
+    reducer = jax.vmap(lambda *a: tuple(_evaluate(params["jaxpr"], list(a))))
+    out = jax.lax.scan(lambda acc, row: (reducer(*acc, *row), None), init, tuple(rows))[0]
+    return [o.reshape(rest) for o in out]
+
+
+def _varying_like(x: jax.Array, *others: jax.Array) -> jax.Array:
+    """``x``, inside ``shard_map``, varying over every manual axis any of ``others`` varies over (as the
+    original equation's operands were where it mixed them; a primitive bound directly does not cast)."""
+    axes = set().union(*map(varying_axes, others)) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def varying_axes(x) -> frozenset:
+    """The manual axes ``x`` varies over inside ``shard_map`` (its aval's ``manual_axis_type``, ``vma`` before
+    JAX 0.10; tests/test_fixed_order.py pins it)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _scatter_add_in_order(params: dict, operand: jax.Array, indices: jax.Array, updates: jax.Array) -> jax.Array:
+    """A float ``scatter-add``: its updates added one after another in their (row-major) order, each a
+    scatter of one index (unique), so duplicates sum in that order whatever XLA's scatter does."""
+    dims = params["dimension_numbers"]
+    window = list(dims.update_window_dims)
+    scattered = [d for d in range(updates.ndim) if d not in window]
+    count = math.prod(updates.shape[d] for d in scattered)
+    one = dims._replace(update_window_dims=tuple(range(1, len(window) + 1)))
+    indices = indices.reshape(count, 1, indices.shape[-1])
+    updates = jnp.transpose(updates, (*scattered, *window)).reshape(count, 1, *(updates.shape[d] for d in window))
+
+    def add_one(acc, update):
+        index, value = update
+        return jax.lax.scatter_add(acc, index, value, one, indices_are_sorted=True, unique_indices=True,
+                                   mode=params["mode"]), None
+
+    return jax.lax.scan(add_one, _varying_like(operand, indices, updates), (indices, updates), unroll=8)[0]
+
+
+def _tree_sum(terms: jax.Array) -> jax.Array:
+    """``terms`` summed over their leading axis in a fixed pairwise tree (halves added, an odd one
+    carried): the adds are the program's own, whose order XLA keeps."""
+    if terms.shape[0] == 0:
+        return jnp.zeros(terms.shape[1:], terms.dtype)
+    while (count := terms.shape[0]) > 1:
+        half = count // 2
+        pairs = terms[:half] + terms[half : 2 * half]
+        terms = jnp.concatenate([pairs, terms[2 * half :]]) if count % 2 else pairs
+    return terms[0]
+
+
+def ordered_qr_r(a: jax.Array, full_matrices: bool = False) -> jax.Array:
+    """The R of ``a``'s QR decomposition by Householder reflections (LAPACK's ``geqr2`` and its signs:
+    ``R[j, j] = -sign(alpha) ‖x‖``), every sum in :func:`_tree_sum`'s fixed order: the R XLA:CPU's
+    LAPACK call computes to rounding, the same on every split and machine. Batched over leading axes."""
+    if a.ndim > 2:
+        return jax.vmap(lambda x: ordered_qr_r(x, full_matrices))(a)
+    m, n = a.shape
+    rows, cols = jnp.arange(m)[:, None], jnp.arange(n)[None, :]
+
+    def reflect(j, a):
+        column = jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False)
+        alpha = jax.lax.dynamic_index_in_dim(column, j, keepdims=False)
+        x = jnp.where(rows[:, 0] > j, column, 0)
+        scale = jnp.max(jnp.abs(x))
+        scaled = x / jnp.where(scale > 0, scale, 1)
+        norm = scale * jnp.sqrt(_tree_sum(scaled * scaled))  # no overflow for large entries, as LAPACK's snrm2
+        acts = norm != 0  # NaN too: it propagates as LAPACK's does
+        beta = jnp.where(acts, -jnp.copysign(jnp.hypot(alpha, norm), alpha), alpha)
+        tau = (beta - alpha) / jnp.where(acts, beta, 1)
+        v = jnp.where(rows[:, 0] == j, 1, jnp.where(acts & (rows[:, 0] > j), x / jnp.where(acts, alpha - beta, 1), 0))
+        below = jnp.where(rows >= j, a, 0)
+        w = _tree_sum(v[:, None] * below)
+        updated = a - tau * (v[:, None] * w[None, :])
+        a = jnp.where(acts & (rows >= j) & (cols > j), updated, a)
+        new_column = jnp.where(rows[:, 0] == j, beta, jnp.where(rows[:, 0] > j, 0, column))
+        return jax.lax.dynamic_update_index_in_dim(a, new_column[:, None], j, axis=1)
+
+    r = jnp.triu(jax.lax.fori_loop(0, min(m, n), reflect, a))
+    return r if full_matrices else r[: min(m, n)]
 
 
 def _scan(params: dict, invals: list) -> list:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.wrappers import innermost
 from sharded_scan.compile_cache import cached
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order
@@ -35,6 +36,12 @@ from sharded_scan.mesh import DATA_AXIS
 from sharded_scan.sharding import accumulator_specs, named, operand_specs, shards_of
 
 PyTree = Any
+
+
+def pinned(combiner: Combiner, fn: Callable) -> Callable:
+    """``fn`` (the combiner's ``add`` or ``merge``) under :func:`~sharded_scan.fixed_order.fixed_order`,
+    its refusal naming the user's combiner."""
+    return fixed_order(fn, who=type(innermost(combiner)).__name__)
 
 
 def tree_fold(merge: Callable, items: Iterable) -> Any:
@@ -70,7 +77,7 @@ def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
-            return (fixed_order(bound.merge) if fixed else bound.merge)(a, b)
+            return (pinned(combiner, bound.merge) if fixed else bound.merge)(a, b)
 
     return merge
 
@@ -193,7 +200,7 @@ def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: 
             everywhere = jax.lax.all_gather(partials, DATA_AXIS, tiled=True)
             with jax.default_matmul_precision(precision):
                 bound = combiner.bind(operands)
-                return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
+                return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
         return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
                                      out_specs=merged_specs, check_vma=False))
@@ -202,7 +209,7 @@ def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: 
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
         with jax.default_matmul_precision(precision):
             bound = combiner.bind(operands)
-            return tree_fold(fixed_order(bound.merge) if fixed else bound.merge, shards_of(everywhere))
+            return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
     return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
 

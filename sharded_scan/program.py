@@ -20,15 +20,17 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, rows_spec
 from sharded_scan.combiners.wrappers import Wrapper, apply_policies, innermost
 from sharded_scan.compiled import Program
 from sharded_scan.dtypes import check_placeable, x64_scope
 from sharded_scan.errors import UsageError
+from sharded_scan.fixed_order import refusal, unpinned
 from sharded_scan.identity import job_fingerprint
 from sharded_scan.layout import make_layout, resolve_chunking
 from sharded_scan.mesh import DATA_AXIS, make_mesh
@@ -102,6 +104,8 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
         options=options,
         fingerprint=job_fingerprint(job, source, layout.microbatch),  # the micro-batch the programs run
     )
+    if program.fixed_products:
+        check_pinned(program)
     check_fits(program)
     return program
 
@@ -131,3 +135,29 @@ def program_for_spec(combiner: Combiner, spec: PyTree, num_rows: int, options: R
     """The program for ``num_rows`` rows of ``spec``, without data (for benchmarks and HLO checks)."""
     zeros = jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), (num_rows, *s.shape)), spec)
     return build_program(combiner, ArraySource(zeros), options or RunOptions())
+
+
+def check_pinned(program: Program) -> None:
+    """Where ``fixed_products``: one line before any compute when the job's ``add`` or ``merge`` holds a
+    float sum :mod:`~sharded_scan.fixed_order` cannot fix the order of (the programs would refuse it
+    only as they are traced, the merge's after the last step)."""
+    names = unpinned_parts(program.job, program.spec, program.layout.microbatch, program.options.precision)
+    if names:
+        raise UsageError(refusal(type(innermost(program.job)).__name__, list(names)))
+
+
+@compile_cache.cached
+def unpinned_parts(job: Combiner, spec: Any, rows: int, precision: str) -> tuple[str, ...]:
+    """:func:`~sharded_scan.fixed_order.unpinned` of ``job``'s ``add`` of ``rows`` rows and its ``merge``."""
+    try:  # the whole state (not the mesh's split of it, which traces only inside shard_map): the same primitives
+        bound = job.bind(jax.tree.map(np.asarray, job.operands(spec)))
+        acc = jax.eval_shape(lambda: job.init(spec))
+        mask = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+        with jax.default_matmul_precision(precision):
+            names = [*unpinned(jax.make_jaxpr(bound.add)(acc, rows_spec(spec, rows), mask)),
+                     *unpinned(jax.make_jaxpr(bound.merge)(acc, acc))]
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - a state that traces only in its programs: they refuse as they are traced
+        return ()
+    return tuple(dict.fromkeys(names))

@@ -2,17 +2,38 @@
 its products in contraction order, whatever the shapes (a column block of a ``model`` axis, a
 matrix-vector product, batch dimensions), so no library kernel or fusion choice can change it."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from sharded_scan.fixed_order import fixed_order, ordered_dot_general
+from sharded_scan.errors import UsageError
+from sharded_scan.fixed_order import (
+    FOLLOWED,
+    ORDER_FREE,
+    fixed_order,
+    ordered_dot_general,
+    ordered_qr_r,
+    unpinned,
+    varying_axes,
+)
 
 
 def in_order(left, right):
-    """sum_k left[k] * right[k] in float32, one rounding for each product and each add."""
-    acc = np.float32(-0.0) + left[0] * right[0]
+    """sum_k left[k] * right[k] of float32 operands: float64 products (exact) added in index order in
+    float64, rounded once to float32."""
+    acc = np.float64(-0.0)
+    for a, b in zip(left.astype(np.float64), right.astype(np.float64), strict=True):
+        acc = acc + a * b
+    return np.asarray(acc).astype(np.float32)
+
+
+def in_order_float64(left, right):
+    """sum_k left[k] * right[k] in float64, one rounding for each product and each add."""
+    acc = np.float64(-0.0) + left[0] * right[0]
     for a, b in zip(left[1:], right[1:], strict=True):
         acc = acc + a * b
     return acc
@@ -20,6 +41,27 @@ def in_order(left, right):
 
 def rows(n, d, seed=0):
     return (3 + np.random.default_rng(seed).normal(size=(n, d))).astype(np.float32)
+
+
+def multiplies_into_adds(hlo: str) -> list[str]:
+    """The adds of an optimized HLO module that take a multiply's result inside one computation
+    (through moves only): where XLA:CPU's code generator may contract them into one FMA."""
+    moves = ("bitcast", "slice", "reshape", "broadcast", "copy", "dynamic-slice", "transpose")
+    found = []
+    for body in hlo.split("\n}\n"):
+        ops = {}
+        for line in body.splitlines():
+            name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+            head, _, args = rest.partition("(")
+            if args and head.split():
+                ops[name] = (head.split()[-1], re.findall(r"%[\w.-]+", args))
+
+        def reaches_multiply(name, ops=ops):
+            opcode, args = ops.get(name, ("parameter", []))
+            return opcode == "multiply" or (opcode in moves and any(reaches_multiply(a) for a in args))
+
+        found += [n for n, (op, args) in ops.items() if op == "add" and any(map(reaches_multiply, args))]
+    return found
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 37, 256])
@@ -31,6 +73,26 @@ def test_a_gram_block_is_its_products_added_in_row_order(k):
     want = in_order(x[:, :, None], x[:, None, :])
     np.testing.assert_array_equal(whole, want)
     np.testing.assert_array_equal(block, want[:, 8:16])
+    if k == 256:
+        # float32: XLA:CPU fuses each product into its add (may contract them into an FMA), which changes
+        # nothing: a float64 product of float32s is exact
+        compiled = jax.jit(lambda x: ordered_dot_general(x, x, dims)).lower(x).compile().as_text()
+        assert multiplies_into_adds(compiled)
+        # float64: no product reaches an add in one computation, where XLA:CPU could contract them (as an
+        # unrolled loop would let it)
+        with jax.enable_x64(True):
+            wide = x.astype(np.float64)
+            program = jax.jit(lambda x: ordered_dot_general(x, x, dims))
+            assert multiplies_into_adds(program.lower(wide).compile().as_text()) == []
+            np.testing.assert_array_equal(program(wide), in_order_float64(wide[:, :, None], wide[:, None, :]))
+
+            def chain(x):
+                acc = -0.0
+                for row in x:
+                    acc = acc + row[:, None] * row[None, :]
+                return acc
+
+            assert multiplies_into_adds(jax.jit(chain).lower(wide).compile().as_text())  # the check sees them
 
 
 def test_batched_and_matrix_vector_products_keep_the_order():
@@ -90,3 +152,178 @@ def test_non_finite_products_are_ieee():
         with np.errstate(invalid="ignore"):
             want = rows_.T @ rows_
         np.testing.assert_array_equal(jax.jit(lambda x: ordered_dot_general(x, x, dims))(rows_), want)
+
+
+def eqns(fn, *args):
+    """Every equation of ``fn``'s jaxpr, those inside its calls and control flow too."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            found.append(eqn)
+            for value in eqn.params.values():
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(item, "jaxpr") and hasattr(item, "consts"):
+                        walk(item.jaxpr)
+                    elif hasattr(item, "eqns"):
+                        walk(item)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_the_jaxpr_facts_fixed_order_matches_are_this_jaxs():
+    # fixed_order reads jaxprs by primitive name and params: a JAX that renames them fails here (and a
+    # primitive it does not know is refused, never run unpinned: the built-ins' test below)
+    from jax.extend.core import ClosedJaxpr
+
+    x = rows(6, 4)
+
+    @jax.custom_jvp
+    def jvp(x):
+        return x * 2
+
+    jvp.defjvp(lambda p, t: (jvp(*p), t[0] * 2))
+
+    @jax.custom_vjp
+    def vjp(x):
+        return x * 3
+
+    vjp.defvjp(lambda x: (vjp(x), None), lambda _, g: (g * 3,))
+
+    def fn(x):
+        q_unused_r = jnp.linalg.qr(x, mode="r")
+        folded = jax.lax.reduce((x, x), (0.0, 1.0), lambda a, b: (a[0] + b[0], a[1] * b[1]), (0,))
+        scanned = jax.lax.scan(lambda c, r: (c + r, r), jnp.zeros(4), x)
+        looped = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: c + 1, x[0])
+        branched = jax.lax.cond(x[0, 0] > 0, lambda x: x.T @ x, lambda x: x.T @ x, x)
+        return (q_unused_r, folded, scanned, looped, branched, x.sum(0), jvp(x), vjp(x),
+                x.at[jnp.arange(2)].add(1.0, unique_indices=True))
+
+    by_name = {}
+    for eqn in eqns(fn, x):
+        by_name.setdefault(eqn.primitive.name, eqn)
+    assert {"qr", "reduce", "scan", "while", "cond", "dot_general", "reduce_sum", "jit", "custom_jvp_call",
+            "custom_vjp_call", "scatter-add"} <= set(by_name)
+    qr = by_name["qr"].params
+    assert (qr["pivoting"], qr["full_matrices"], len(by_name["qr"].outvars)) == (False, False, 2)  # (q, r)
+    assert by_name["dot_general"].params["dimension_numbers"] == (((1,), (0,)), ((), ()))  # x.T @ x
+    assert "preferred_element_type" in by_name["dot_general"].params and by_name["reduce_sum"].params["axes"] == (0,)
+    assert by_name["reduce"].params["dimensions"] == (0,) and isinstance(by_name["reduce"].params["jaxpr"], ClosedJaxpr)
+    assert {"num_consts", "num_carry", "jaxpr", "length", "reverse", "unroll"} <= set(by_name["scan"].params)
+    assert {"cond_nconsts", "body_nconsts", "cond_jaxpr", "body_jaxpr"} <= set(by_name["while"].params)
+    assert by_name["cond"].params["branches"] and by_name["cond"].invars[0].aval.dtype == jnp.int32  # index first
+    assert isinstance(by_name["jit"].params["jaxpr"], ClosedJaxpr)
+    for name in ("custom_jvp_call", "custom_vjp_call"):  # the first jaxpr of their params is the function's
+        first = next(v for v in by_name[name].params.values() if isinstance(v, ClosedJaxpr))
+        assert first is by_name[name].params["call_jaxpr"], name
+    assert by_name["scatter-add"].params["unique_indices"] is True
+    assert set(FOLLOWED) >= {"jit", "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call"}
+    import gc
+
+    from jax.extend.core import Primitive
+
+    known = {o.name for o in gc.get_objects() if isinstance(o, Primitive)}
+    assert ORDER_FREE | set(FOLLOWED) <= known, sorted(ORDER_FREE | set(FOLLOWED) - known)  # no name matches nothing
+    assert unpinned(jax.make_jaxpr(fn)(x)) == []
+    seen = []  # inside shard_map: where a value varies, read from its aval (fixed_order casts mixed operands)
+
+    def local(x):
+        seen.extend([varying_axes(x), varying_axes(jnp.float32(1))])
+        return x
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    split = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, P("data")))
+    jax.make_jaxpr(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(split)
+    assert seen == [frozenset({"data"}), frozenset()]
+    folds = lambda x: (fn(x)[1], x.sum(0))  # noqa: E731 - the rewritten reductions, each in index order
+    got = jax.jit(fixed_order(folds))(x)
+    np.testing.assert_array_equal(got[0][0], in_order(x, np.ones_like(x)))
+    np.testing.assert_array_equal(got[1], in_order(x, np.ones_like(x)))
+    np.testing.assert_allclose(got[0][1], np.prod(x, axis=0), rtol=1e-6)
+
+
+def builtins():
+    import sharded_scan as ss
+
+    d = 6
+
+    x, xy = jax.ShapeDtypeStruct((d,), jnp.float32), (jax.ShapeDtypeStruct((d,), jnp.float32),
+                                                       jax.ShapeDtypeStruct((), jnp.float32))
+    # those that run under logical_shards nowhere else in the suite (test_reproducible runs Sum, Gram, Covariance,
+    # Moments, PCA, Histogram, Gradient, LinearRegression's whitened and tsqr solvers; test_describe, test_quantiles,
+    # test_topk and test_wide_model run Describe, Quantiles, TopK and Weighted Histogram): a refusal fails them there
+    return {
+        "Correlation": (ss.Correlation(), x), "DistinctCount": (ss.DistinctCount(), x),
+        "LinearRegression comoments": (ss.LinearRegression(solver="comoments"), xy),
+        # float scatter-adds of repeated indices (keys) and a cumulative sum of weights
+        "Weighted Quantiles": (ss.Weighted(ss.Quantiles(qs=[0.5], method="inverted_cdf")),
+                               (jax.ShapeDtypeStruct((), jnp.float32), x)),
+        "GroupBy Moments": (ss.GroupBy(ss.Moments(), num_keys=4), (jax.ShapeDtypeStruct((), jnp.int32), x)),
+    }
+
+
+def test_every_builtins_add_and_merge_is_pinned_and_an_unpinnable_sum_is_one_line_before_compute():
+    from sharded_scan.combiners.base import rows_spec
+
+    for name, (combiner, spec) in builtins().items():
+        bound = combiner.bind(jax.tree.map(np.asarray, combiner.operands(spec)))
+        acc = jax.eval_shape(lambda c=combiner, s=spec: c.init(s))
+        add = jax.make_jaxpr(bound.add)(acc, rows_spec(spec, 16), jax.ShapeDtypeStruct((16,), bool))
+        assert unpinned(add) == [] and unpinned(jax.make_jaxpr(bound.merge)(acc, acc)) == [], name
+
+    # what it cannot pin, wherever it hides (a branch inside a loop), is named, each once
+    def hidden(x):
+        def body(c, row):
+            conv = lambda r: c + jnp.convolve(r, r, "same")  # noqa: E731
+            return jax.lax.cond(row[0] > 0, conv, lambda r: c + jnp.fft.fft(r).real, row), None
+
+        return jax.lax.scan(body, jnp.zeros(x.shape[1]), x)[0] + jnp.linalg.eigh(x.T @ x)[0]
+
+    x = rows(5, 3)
+    assert unpinned(jax.make_jaxpr(hidden)(x)) == ["fft", "conv_general_dilated", "eigh"]  # cond: false first
+    with pytest.raises(UsageError, match="^this function is not bitwise under logical_shards: it uses 'fft', "
+                                         "'conv_general_dilated', 'eigh', whose float summation order"):
+        jax.jit(fixed_order(hidden))(x)
+    assert unpinned(jax.make_jaxpr(lambda x: jnp.linalg.qr(x)[0])(x)) == ["qr's Q"]  # it computes R alone
+    assert unpinned(jax.make_jaxpr(lambda x: x.at[jnp.array([0, 0])].multiply(2.0))(x)) == ["scatter-mul"]
+    assert unpinned(jax.make_jaxpr(lambda x: jnp.cumsum(x.astype(jnp.int32)))(x)) == []  # integers: exact
+    # a float scatter-add of repeated indices: its updates added in their order; a cumulative sum: a fixed tree
+    updates, at = rows(40, 3, seed=5), np.random.default_rng(5).integers(0, 4, 40)
+    added, summed = jax.jit(fixed_order(lambda u: (jnp.zeros((4, 3)).at[at].add(u), jnp.cumsum(u, axis=0))))(updates)
+    want = np.zeros((4, 3), np.float32)
+    np.add.at(want, at, updates)  # one row after another, each add rounded to float32
+    np.testing.assert_array_equal(added, want)
+    np.testing.assert_array_equal(summed, jax.lax.associative_scan(jnp.add, updates))
+
+    import sharded_scan as ss
+    from sharded_scan.program import build_program
+    from sharded_scan.sources import ArraySource
+
+    user = ss.from_fn(lambda c, b: c + jnp.fft.fft(b, axis=1).real.sum(0), jnp.zeros(3, jnp.float32))  # per row
+    options = ss.RunOptions(logical_shards=8, microbatch=16)
+    with pytest.raises(UsageError) as refused:
+        build_program(user, ArraySource(rows(64, 3)), options)  # resolves the job, computes nothing
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("FnCombiner is not bitwise under logical_shards: it uses "
+                                                       "'fft'") and "leave logical_shards out" in message
+    assert np.isfinite(ss.run(user, rows(64, 3), microbatch=16)).all()  # without logical_shards it runs
+
+
+def test_the_r_of_a_qr_is_lapacks_to_rounding_and_the_same_in_any_batch():
+    rng = np.random.default_rng(4)
+    tall = rng.normal(size=(40, 7)).astype(np.float32)
+    tall[5:9] = 0  # masked rows (zero rows change no R)
+    tall[:, 3] = 0  # a zero column: its reflection is the identity
+    for a in (tall, tall[:5], rng.normal(size=(1, 4)).astype(np.float32), tall[:, :1]):
+        want = np.linalg.qr(a.astype(np.float64), mode="r")  # LAPACK's signs: R[j, j] = -sign(alpha) |x|
+        got = np.asarray(jax.jit(fixed_order(lambda a: jnp.linalg.qr(a, mode="r")))(a))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=5e-6 * np.abs(want).max())
+    batched = np.stack([tall, tall[::-1], 2 * tall])
+    one = np.asarray(jax.jit(ordered_qr_r)(tall))
+    np.testing.assert_array_equal(np.asarray(jax.jit(ordered_qr_r)(batched))[0], one)  # no kernel picks the order
+    poisoned = tall.copy()
+    poisoned[20, 2] = np.nan
+    r = np.asarray(jax.jit(ordered_qr_r)(poisoned))  # the NaN reaches its column's reflection and all after it
+    assert np.isnan(r.diagonal()[2:]).all() and np.isfinite(r[:2, :2]).all()

@@ -28,9 +28,11 @@ OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1
 # are the costliest to compile (~9 s of CPU a process each), so PCA runs in one process (1x1), not
 # two. A built-in compiles in each process of each split it runs on: on 2x1 rather than on both 1x1
 # and 2x4, 2 processes compile it, not 3.
+# "LinearRegression tsqr": Householder QR (jnp.linalg.qr, LAPACK's on CPU) in every add and merge, which
+# fixed_order computes itself in a fixed order; of 32 columns (its QR's order is the code's at any width).
 EVERY = ("Sum", "Gram", "Gram blocked", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram",
-         "Gradient", "from_fn")
-ON_2X1 = ("LinearRegression", "Gram blocked", "Moments", "Gradient", "from_fn")
+         "Gradient", "from_fn", "LinearRegression tsqr")
+ON_2X1 = ("LinearRegression", "Gram blocked", "Moments", "Gradient", "from_fn", "LinearRegression tsqr")
 ON_1X1 = tuple(name for name in EVERY if name not in ON_2X1)
 SAME_ACCUMULATOR = {"PCA": "LinearRegression"}  # PCA's split of several processes: LinearRegression's
 SOME = {
@@ -73,6 +75,7 @@ def combiners():
         "Histogram": (ss.Histogram(16, (-1.0, 7.0)), "x"),
         "Gradient": (ss.Gradient(squared_error, np.linspace(0, 1, D).astype(np.float32)), "xy"),
         "from_fn": (ss.from_fn(gram_body, jnp.zeros((D, D))), "x"),
+        "LinearRegression tsqr": (ss.LinearRegression(solver="tsqr"), "xy32"),
     }
 
 
@@ -105,7 +108,7 @@ def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str
     out = {}
     for name in names:
         combiner, kind = every[name]
-        rows = x if kind == "x" else (x, y)
+        rows = {"x": x, "xy": (x, y), "xy32": (x[:, :32], y)}[kind]
         out[name] = [np.asarray(leaf) for leaf in jax.tree.leaves(ss.run(combiner, rows, **OPTIONS))]
         if checkpointed is not None and name not in checkpointed:
             continue
