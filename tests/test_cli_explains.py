@@ -16,9 +16,10 @@ from launch.help import argument_docs
 from launch.main import run_job
 from launch.outputs import result_json, result_table
 from launch.processes import check_main_args
+from sharded_scan.combiners.pca import PCAResult
 from sharded_scan.workdir import named_arrays
 from tests import cli
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, f64
 
 pytest.importorskip("pyarrow")
 
@@ -147,8 +148,11 @@ def test_result_table_is_one_row_per_column_and_json_has_no_nan():
     np.testing.assert_allclose(table["mean"], [3.0, np.nan]), np.testing.assert_allclose(table["max"], [5.0, np.nan])
     got = json.loads(result_json(arrays))
     assert got["columns"] == ["a", "b"] and got["mean"] == [3.0, None] and got["count"] == 3
-    # k == d; the layout and 3 float32 columns of test_results' PCA(2) (k is finalize's only): its compiled programs
-    pca = named_arrays(ss.run(ss.PCA(3), np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32),
-                              mesh="data:2", microbatch=16, steps_per_call=2))
+    # k == d: a PCAResult as PCA(3) returns it, of numpy's SVD (result_table reads the fields, not how they were
+    # computed: no program to compile for it), and a Gram's result, its one (d, d) array.
+    z = np.random.default_rng(0).normal(size=(64, 3))
+    _, singular, axes = np.linalg.svd(z - z.mean(0), full_matrices=False)
+    variance = singular**2 / (len(z) - 1)
+    pca = named_arrays(PCAResult(axes, variance, variance / variance.sum(), z.mean(0), singular, np.arange(3)))
     assert result_table(pca).splitlines()[0] == '"column","mean"'  # components are not per column, even at k == d
-    assert result_table(named_arrays(ss.run(ss.Gram(), x[:, :1]))) is None
+    assert result_table(named_arrays(f64(x[:, :1]).T @ f64(x[:, :1]))) is None

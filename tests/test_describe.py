@@ -38,11 +38,19 @@ def check_like_pandas(got, frame, percentiles=None, rtol=1e-5):
     pd.testing.assert_frame_equal(table, want, rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("mesh, n", [("data:2", 1), ("data:3", 101), ("data:8", 997)])
-def test_one_pass_is_pandas_describe_with_nans_on_any_device_count(mesh, n):
+# Programs are compiled per layout (a job of fewer rows than a step's cuts a smaller one): one row on 2 devices is
+# its own; 101 rows on 2 devices is test_integer_columns_and_infinities' program, 997 rows on 8 devices with the
+# describe config's percentiles that of the config tests and test_to_json.
+PERCENTILES = importlib.import_module("configs.describe").PERCENTILES
+
+
+@pytest.mark.parametrize("mesh, n, percentiles", [("data:2", 1, None), ("data:2", 101, None),
+                                                  ("data:8", 997, PERCENTILES)])
+def test_one_pass_is_pandas_describe_with_nans_on_any_device_count(mesh, n, percentiles):
     frame = data(n)
-    got = ss.run(ss.Describe(), frame, mesh=mesh, **KW)  # nothing compacted: the percentiles exactly
-    check_like_pandas(got, frame)
+    describe = ss.Describe() if percentiles is None else ss.Describe(percentiles=percentiles)
+    got = ss.run(describe, frame, mesh=mesh, **KW)  # nothing compacted: the percentiles exactly
+    check_like_pandas(got, frame, percentiles=percentiles)
     np.testing.assert_array_equal(got.nan_count, frame.isna().sum().to_numpy())
     np.testing.assert_array_equal(got.rank_error, 0)
     assert got.count.dtype == np.int64 and got.passes == 1
@@ -86,7 +94,8 @@ def test_a_pytree_of_columns_gives_a_pytree_of_results_with_their_names():
 def test_to_json_writes_the_features_a_pipeline_normalizes_with(tmp_path):
     frame = data(500).rename(columns={"constant": "empty"})  # five columns: the others' compiled programs
     frame["empty"] = np.float32(np.nan)
-    got = ss.run(ss.Describe(percentiles=(0.99, 0.01)), frame, mesh="data:2", **KW)
+    # The describe config's percentiles, given out of order (sorted, that combiner): its compiled programs.
+    got = ss.run(ss.Describe(percentiles=sorted(PERCENTILES, reverse=True)), frame, mesh="data:8", **KW)
     path = tmp_path / "stats.json"
     written = got.to_json(path)
     back = json.loads(path.read_text())
@@ -94,14 +103,14 @@ def test_to_json_writes_the_features_a_pipeline_normalizes_with(tmp_path):
     assert list(back["features"]) == frame.columns.tolist()
     want = frame.astype(np.float64)
     for name, row in back["features"].items():
-        assert set(row) == {"count", "nan_count", "mean", "std", "min", "max", "q01", "q99"}
+        assert set(row) == {"count", "nan_count", "mean", "std", "min", "max", "q01", "q25", "q50", "q75", "q99"}
         if name == "empty":
             assert row["count"] == 0 and row["nan_count"] == 500 and row["mean"] is None and row["q99"] is None
             continue
         column = want[name].dropna()
         assert row["count"] == len(column) and row["min"] == column.min() and row["max"] == column.max()
-        np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q99"]],
-                                   [column.mean(), column.std(), column.quantile(0.01), column.quantile(0.99)],
+        np.testing.assert_allclose([row["mean"], row["std"], row["q01"], row["q25"], row["q50"], row["q99"]],
+                                   [column.mean(), column.std(), *column.quantile([0.01, 0.25, 0.5, 0.99])],
                                    rtol=1e-5)
 
 

@@ -26,10 +26,19 @@ def nunique(x):
     return np.array([pd.Series(x[:, j]).nunique(dropna=False) for j in range(x.shape[1])])
 
 
+MESHES = ("data:1", "data:2", "data:8")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``columns()`` counted on 1, 2 and 8 devices, once for the module's tests."""
+    return {mesh: ss.run(SMALL, columns(), mesh=mesh, **KW) for mesh in MESHES}
+
+
 @pytest.mark.parametrize("mesh", ["data:1", "data:8"])
-def test_exact_below_the_set_size_estimate_above(mesh):
+def test_exact_below_the_set_size_estimate_above(runs, mesh):
     x = columns()
-    got = ss.run(SMALL, x, mesh=mesh, **KW)
+    got = runs[mesh]
     want = nunique(x)
     np.testing.assert_array_equal(got.exact, want <= 300)
     assert got.count[2] == want[2] == 4  # NaN is one value, and -0.0 is 0.0 (np.unique's view)
@@ -39,9 +48,9 @@ def test_exact_below_the_set_size_estimate_above(mesh):
     assert np.all(np.abs(got.count - want) <= 3 * sigma * want), (got.count, want)
 
 
-def test_every_device_count_gives_the_same_registers_and_resume_is_bitwise(tmp_path):
+def test_every_device_count_gives_the_same_registers_and_resume_is_bitwise(runs, tmp_path):
     x = columns()
-    runs = [ss.run(SMALL, x, mesh=mesh, **KW) for mesh in ("data:1", "data:2", "data:8")]
+    runs = [runs[mesh] for mesh in MESHES]
     for got in runs[1:]:
         for a, b in zip(got, runs[0], strict=True):
             np.testing.assert_array_equal(a, b)

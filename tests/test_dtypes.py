@@ -99,10 +99,13 @@ def test_compiled_programs_are_not_shared_between_32_and_64_bit_runs():
 
 
 def test_narrower_dtypes_are_placed_as_they_are():
-    for dtype in (np.int8, np.uint8, np.int16, np.uint32, np.float16, np.float32, np.bool_):
-        x = (np.arange(60) % 7).astype(dtype).reshape(30, 2)
-        got = ss.run(ss.Sum(), x, microbatch=4)
-        np.testing.assert_array_equal(got.sum, x.astype(np.float64).sum(0))
+    # One run of a tuple of the seven (each leaf placed in its own dtype): one compiled program, not seven.
+    dtypes = (np.int8, np.uint8, np.int16, np.uint32, np.float16, np.float32, np.bool_)
+    xs = tuple((np.arange(60) % 7).astype(dtype).reshape(30, 2) for dtype in dtypes)
+    got = ss.run(ss.Sum(), xs, microbatch=4)
+    assert len(got.sum) == len(dtypes) and int(got.count) == 30
+    for dtype, x, total in zip(dtypes, xs, got.sum, strict=True):
+        np.testing.assert_array_equal(total, x.astype(np.float64).sum(0), err_msg=str(dtype))
 
 
 def test_the_cli_runs_float64_data_in_float64_under_config_x64(tmp_path):
