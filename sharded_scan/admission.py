@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.compiled import MICROBATCH_SCAN
 from sharded_scan.errors import UsageError
+from sharded_scan.merging import InPlace
 from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
 
 if TYPE_CHECKING:  # the Program admitted; program.py calls check_fits as it builds one
@@ -86,13 +87,13 @@ _TEMPORARIES: dict[Any, tuple[int, int]] = {}
 
 def _temporaries(program: Program) -> tuple[int, int]:
     """Bytes one micro-batch's ``add``, and one ``merge`` of two accumulators, make beside
-    their inputs (0, 0 when they cannot be traced alone); traced once per combiner, row spec,
-    micro-batch, operand shapes and x64 setting."""
+    their inputs (0, 0 when they cannot be traced alone; the merge's 0 where no two states are merged by it:
+    :func:`_merges_pairs`); traced once per combiner, row spec, micro-batch, operand shapes and x64 setting."""
     mb = program.layout.microbatch
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
-        key = (program.combiner, mb, jax.config.jax_enable_x64,
+        key = (program.combiner, mb, jax.config.jax_enable_x64, _merges_pairs(program),
                *[(jax.tree.structure(t), tuple(jax.tree.leaves(t))) for t in (program.spec, operands)])
         hash(key)
     except TypeError:  # something unhashable in the combiner: traced every time
@@ -115,11 +116,19 @@ def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
         # One micro-batch's mask and add as the step runs them, read from the step's own trace (which
         # the run's first step reuses instead of tracing the add again).
         add = max((live_peak(body) for body in _scan_bodies(program.trace_step().jaxpr.jaxpr)), default=0)
+        if not _merges_pairs(program):
+            return add, 0
         merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2, split)(
             operands, acc, acc)
     except Exception:  # noqa: BLE001 - e.g. an add that needs other axes than the mesh has: no estimate
         return 0, 0
     return add, live_peak(merge)
+
+
+def _merges_pairs(program: Program) -> bool:
+    """Whether the merge ever merges two states with ``combiner.merge``: not for one shard, nor where
+    collectives merge the states in place (whose bytes do not count a merge's temporaries)."""
+    return program.layout.num_shards > 1 and not isinstance(program.merger, InPlace)
 
 
 def _scan_bodies(jaxpr: Any, inside: bool = False) -> Iterator[Any]:
