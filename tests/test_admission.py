@@ -205,8 +205,11 @@ def test_the_estimate_reads_the_add_from_the_steps_trace_which_the_run_reuses(mo
     monkeypatch.setattr(ss.Moments, "add", lambda self, *args: calls.append(1) or add(self, *args))
     x = np.random.default_rng(1).random((300, 3), dtype=np.float32)  # 2 steps of 256 rows: the last ragged
     options = RunOptions(mesh="data:2", microbatch=64, steps_per_call=2)
-    temporary = admission.memory_estimate(build_program(ss.Moments(), as_source(x), options))["temporary"]
-    assert temporary >= 64 * 3 * 4  # at least one micro-batch's centered values
+    program = build_program(ss.Moments(), as_source(x), options)
+    assert admission.memory_estimate(program)["temporary"] >= 64 * 3 * 4  # one micro-batch's centered values
+    assert admission._temporaries(program)[1] > 0  # two shards: a merge of two states traced
     got = ss.run(ss.Moments(), x, options)
     assert len(calls) == 2  # on main 3: the estimate traced the add on its own
     np.testing.assert_allclose(got.mean, x.mean(0), rtol=1e-5)
+    alone = build_program(ss.Moments(), as_source(x), RunOptions(mesh="data:1", microbatch=64, steps_per_call=2))
+    assert admission._temporaries(alone)[1] == 0  # one shard: no two states merged, no merge traced
