@@ -23,7 +23,9 @@ from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.compiled import MICROBATCH_SCAN
 from sharded_scan.errors import UsageError
+from sharded_scan.merging import InPlace
 from sharded_scan.mesh import DATA_AXIS, MODEL_AXIS
 
 if TYPE_CHECKING:  # the Program admitted; program.py calls check_fits as it builds one
@@ -85,13 +87,13 @@ _TEMPORARIES: dict[Any, tuple[int, int]] = {}
 
 def _temporaries(program: Program) -> tuple[int, int]:
     """Bytes one micro-batch's ``add``, and one ``merge`` of two accumulators, make beside
-    their inputs (0, 0 when they cannot be traced alone); traced once per combiner, row spec,
-    micro-batch, operand shapes and x64 setting."""
+    their inputs (0, 0 when they cannot be traced alone; the merge's 0 where no two states are merged by it:
+    :func:`_merges_pairs`); traced once per combiner, row spec, micro-batch, operand shapes and x64 setting."""
     mb = program.layout.microbatch
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
-        key = (program.combiner, mb, jax.config.jax_enable_x64,
+        key = (program.combiner, mb, jax.config.jax_enable_x64, _merges_pairs(program),
                *[(jax.tree.structure(t), tuple(jax.tree.leaves(t))) for t in (program.spec, operands)])
         hash(key)
     except TypeError:  # something unhashable in the combiner: traced every time
@@ -105,20 +107,40 @@ def _temporaries(program: Program) -> tuple[int, int]:
 
 
 def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
-    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((mb, *s.shape), s.dtype), program.spec)
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
         acc = jax.eval_shape(program.combiner.init, program.spec)
         parts = program.combiner.partition(program.mesh)
         split = program.combiner.operand_partition(program.mesh)
-        add = per_device(lambda ops, a, b, m: program.combiner.bind(ops).add(a, b, m), program.mesh, parts, 1, split)(
-            operands, acc, batch, jax.ShapeDtypeStruct((mb,), np.bool_))
+        # One micro-batch's mask and add as the step runs them, read from the step's own trace (which
+        # the run's first step reuses instead of tracing the add again).
+        add = max((live_peak(body) for body in _scan_bodies(program.trace_step().jaxpr.jaxpr)), default=0)
+        if not _merges_pairs(program):
+            return add, 0
         merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2, split)(
             operands, acc, acc)
     except Exception:  # noqa: BLE001 - e.g. an add that needs other axes than the mesh has: no estimate
         return 0, 0
-    return live_peak(add), live_peak(merge)
+    return add, live_peak(merge)
+
+
+def _merges_pairs(program: Program) -> bool:
+    """Whether the merge ever merges two states with ``combiner.merge``: not for one shard, nor where
+    collectives merge the states in place (whose bytes do not count a merge's temporaries)."""
+    return program.layout.num_shards > 1 and not isinstance(program.merger, InPlace)
+
+
+def _scan_bodies(jaxpr: Any, inside: bool = False) -> Iterator[Any]:
+    """The bodies of the step's scans over micro-batches in ``jaxpr``: the outermost scans in the scope
+    :data:`MICROBATCH_SCAN` (an inner jaxpr's names start afresh, so what is inside an eqn in it is too)."""
+    for eqn in jaxpr.eqns:
+        scoped = inside or MICROBATCH_SCAN in str(eqn.source_info.name_stack)
+        if scoped and eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr
+        else:
+            for inner in _inner_jaxprs(eqn):
+                yield from _scan_bodies(inner, scoped)
 
 
 def per_device(fn: Any, mesh: Any, parts: Any, accumulators: int, operand_parts: Any = None) -> Any:

@@ -15,12 +15,11 @@ import os
 import time
 
 import jax
-import orbax.checkpoint as ocp
 from etils import epath
 
 from sharded_scan import fs
 from sharded_scan.checkpoint_digests import meta_problem
-from sharded_scan.checkpoint_store import COMMIT_MARKER, META, PARTIALS, step_names
+from sharded_scan.checkpoint_store import COMMIT_MARKER, META, PARTIALS, ocp, step_names
 from sharded_scan.distributed import gather_json
 from sharded_scan.paths import as_path, is_url
 from sharded_scan.storage import storage_error, storage_reason

@@ -13,12 +13,12 @@ directory is a local path or a URL: every look at it goes through :mod:`etils.ep
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from sharded_scan.checkpoint_digests import leaf_problem
@@ -27,11 +27,21 @@ from sharded_scan.paths import as_path, file_size
 
 PyTree = Any
 
+
+class _Orbax:
+    """``orbax.checkpoint``, imported at its first use: a job without checkpoints never pays for it
+    (about 0.3 s of a process's start)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module("orbax.checkpoint"), name)
+
+
+ocp = _Orbax()
 PARTIALS, META, SOURCE = "partials", "meta", "source"
 # The file orbax writes into every step directory last, on any file system. orbax's own
 # `is_checkpoint_finalized` checks it on an object store only (a local step counts once renamed),
 # so a local step that lost it (a copy or a remote move cut short) would pass: we check it ourselves.
-COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE
+COMMIT_MARKER = "commit_success.txt"  # ocp.path.atomicity.COMMIT_SUCCESS_FILE (a test checks they agree)
 METADATA_BYTES = 128 << 10  # room a save needs besides its arrays (orbax's metadata, our JSON)
 
 

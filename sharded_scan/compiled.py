@@ -53,6 +53,9 @@ from sharded_scan.sharding import (
 )
 
 PyTree = Any
+# The scope of the step's scans over micro-batches: the memory estimate finds their bodies (one
+# micro-batch's mask and add) in the step's trace by it.
+MICROBATCH_SCAN = "sharded_scan_microbatches"
 
 
 @cached
@@ -91,14 +94,15 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
         def full(acc, item):
             return add(acc, item[1], jnp.ones((mb,), bool)), None
 
-        if combiner.one_scan_per_step:
-            return jax.lax.scan(ragged, acc, (offsets, micro))[0]
-        return jax.lax.cond(
-            valid == rows_per_shard,
-            lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
-            lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
-            acc,
-        )
+        with jax.named_scope(MICROBATCH_SCAN):  # what the memory estimate finds in the step's trace
+            if combiner.one_scan_per_step:
+                return jax.lax.scan(ragged, acc, (offsets, micro))[0]
+            return jax.lax.cond(
+                valid == rows_per_shard,
+                lambda acc: jax.lax.scan(full, acc, (offsets, micro))[0],
+                lambda acc: jax.lax.scan(ragged, acc, (offsets, micro))[0],
+                acc,
+            )
 
     def local_step(partials, batch, num_valid, operands):
         bound = combiner.bind(operands)
@@ -214,14 +218,23 @@ class Program:
         """
         return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
 
-    def lower_step(self) -> jax.stages.Lowered:
-        """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
+    def trace_step(self) -> jax.stages.Traced:
+        """The step traced for this program's shapes; JAX keeps the trace, so the run's first step does
+        not trace it again (the memory estimate reads one micro-batch's ``add`` in it: :data:`MICROBATCH_SCAN`)."""
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
         compiled = compile_step(
             self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
         )
-        return compiled.lower(self.like, batch, np.int32(0), self.operands)
+        # The operands' shapes only: the memory estimate traces this before they are placed.
+        operands = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+            np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype), sharding=s),
+            self.host_operands, self.operand_shardings)
+        return compiled.trace(self.like, batch, np.int32(0), operands)
+
+    def lower_step(self) -> jax.stages.Lowered:
+        """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""
+        return self.trace_step().lower()
 
     def lower_merge(self) -> jax.stages.Lowered:
         """The merge lowered for this program's partials (by :attr:`merger`: the pairwise merge of

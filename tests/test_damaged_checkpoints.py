@@ -294,3 +294,16 @@ def test_processes_holding_different_keys_stop_in_one_line(tmp_path, monkeypatch
     assert_usage_error(lambda: ss.run(ss.Gram(), X, checkpoint=options, **KW),
                        ["processes of this job hold different checkpoint keys", KEY_ENV, "the same one"])
     assert not (tmp_path / "ck").exists()  # refused before anything was written
+
+
+def test_orbax_is_imported_at_the_first_checkpoint_and_its_commit_marker_is_ours():
+    """A job without checkpoints never imports orbax (a third of a second of every process's start); the
+    marker a step directory is checked for is orbax's own."""
+    code = "import sys, sharded_scan; print(sorted(m for m in ('orbax', 'orbax.checkpoint') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.stdout.strip() == "[]", done.stdout
+    import orbax.checkpoint as ocp
+
+    from sharded_scan import checkpoint_store
+    assert checkpoint_store.COMMIT_MARKER == ocp.path.atomicity.COMMIT_SUCCESS_FILE

@@ -194,3 +194,14 @@ def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
     assert report.resumed_from_step == 4
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_traces_its_add_once(monkeypatch):
+    """One scan a step (the add masks NaNs anyway), traced once: by the memory estimate, whose trace the
+    first step reuses (on main 3 times: the estimate's own, then a scan for full steps and one for the ragged)."""
+    calls = []
+    add = ss.Describe.add
+    monkeypatch.setattr(ss.Describe, "add", lambda self, *args: calls.append(1) or add(self, *args))
+    frame = data(40)  # 3 steps of 16 rows on one device, the last ragged
+    check_like_pandas(ss.run(ss.Describe(), frame, mesh="data:1", microbatch=16), frame)
+    assert len(calls) == 1

@@ -200,6 +200,9 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
 
     percentiles: Any = (0.25, 0.5, 0.75)
     exact: bool = False
+    # Its add masks every column's NaNs anyway: a mask-free scan saves little per step, and a second
+    # scan doubles the step's tracing and compiling (most of a small job's time).
+    one_scan_per_step = True
     k: int = DEFAULT_K
     bits: int = 10
     model_shards: int = 1  # set by for_mesh: above 1 each model device holds its block of the columns

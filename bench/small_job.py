@@ -1,0 +1,115 @@
+"""A small job in a fresh process: sharded_scan's Describe beside pandas' ``df.describe()``, import included.
+
+    python -m bench.small_job                      # 200,000 rows x 8 float64 columns, best of 3
+    python -m bench.small_job --against /work/main # also another checkout's sharded_scan, in the same run
+    python -m bench.small_job --rows 20000 --repeats 1
+
+Every measurement is one fresh Python process, timed inside it from its first line to the answer:
+``import numpy``, the rows loaded from a ``.npy`` file, ``import pandas`` and the frame built (the
+same in every process), then either ``df.describe()`` or ``import sharded_scan`` and
+``ss.run(ss.Describe(), df)`` with the default options. ``cold``: the compilation cache is an empty
+directory (``XDG_CACHE_HOME`` points to a fresh one, so the default ``compilation_cache="auto"``
+picks it); ``warm``: a second process on the same directory. Best of ``--repeats`` each (a fresh
+directory per repeat); the ratios are over pandas' best of the same run. The target (issue 45,
+item 5): at most 3x pandas warm and 5x cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROLOGUE = """\
+import time
+t0 = time.perf_counter()
+import numpy as np
+x = np.load({path!r})
+import pandas as pd
+df = pd.DataFrame(x, columns=[f"c{{i}}" for i in range(x.shape[1])])
+"""
+
+_PANDAS = _PROLOGUE + """\
+out = df.describe()
+seconds = time.perf_counter() - t0
+import json
+print("RESULT", json.dumps({{"seconds": seconds}}))
+"""
+
+_SHARDED = _PROLOGUE + """\
+t1 = time.perf_counter()
+import sharded_scan as ss
+t2 = time.perf_counter()
+from sharded_scan import compile_cache
+out = ss.run(ss.Describe(), df)
+seconds = time.perf_counter() - t0
+looked_up, from_cache = compile_cache.counts()
+import json
+print("RESULT", json.dumps({{"seconds": seconds, "import": t2 - t1, "run": seconds - (t2 - t0),
+                            "compiles": looked_up, "from_cache": from_cache}}))
+"""
+
+
+def _child(code: str, pythonpath: str | None, cache_home: str) -> dict:
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
+                          cwd=cache_home)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"the child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--cols", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against", action="append", default=[],
+                        help="another checkout's root: its sharded_scan measured in the same run (repeatable)")
+    args = parser.parse_args()
+    import numpy as np
+
+    checkouts = [("this", ROOT)] + [(os.path.basename(os.path.abspath(p)) or p, os.path.abspath(p))
+                                    for p in args.against]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.npy")
+        rng = np.random.default_rng(0)
+        np.save(path, rng.standard_normal((args.rows, args.cols)) * 10 + 3)
+        pandas_code, sharded_code = _PANDAS.format(path=path), _SHARDED.format(path=path)
+        best: dict[str, dict] = {}
+        for repeat in range(args.repeats):  # interleaved, so load drifts hit every row alike
+            home = os.path.join(tmp, f"pandas{repeat}")
+            os.makedirs(home)
+            got = _child(pandas_code, None, home)
+            if got["seconds"] < best.get("pandas", {"seconds": float("inf")})["seconds"]:
+                best["pandas"] = got
+            for name, root in checkouts:
+                home = os.path.join(tmp, f"{name}{repeat}")
+                os.makedirs(home)
+                for temperature in ("cold", "warm"):
+                    got = _child(sharded_code, root, home)
+                    key = f"{name} {temperature}"
+                    if got["seconds"] < best.get(key, {"seconds": float("inf")})["seconds"]:
+                        best[key] = got
+    base = best["pandas"]["seconds"]
+    print(f"{args.rows:,} rows x {args.cols} float64 columns, a fresh process each, best of {args.repeats}")
+    print(f"{'':<24}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'run':>8}{'programs':>10}{'cached':>8}")
+    print(f"{'pandas describe()':<24}{base:>9.2f}{1.0:>10.2f}")
+    for key, got in best.items():
+        if key != "pandas":
+            print(f"{'sharded_scan ' + key:<24}{got['seconds']:>9.2f}{got['seconds'] / base:>10.2f}"
+                  f"{got['import']:>11.2f}{got['run']:>8.2f}{got['compiles']:>10}{got['from_cache']:>8}")
+    print("target: warm <= 3x pandas, cold <= 5x pandas")
+
+
+if __name__ == "__main__":
+    main()
