@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner, accumulator_dtype
+from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.correlation import CorrelationResult
 from sharded_scan.combiners.statistics import (
     HEAD_ROWS,
@@ -36,6 +36,7 @@ from sharded_scan.combiners.statistics import (
     own_columns,
 )
 from sharded_scan.combiners.sums import SplitsByColumns, check_matrix_spec, padded_columns, round_up
+from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.mesh import MODEL_AXIS
 
 PAIR_FIELDS = ("pairs", "row_mean", "col_mean", "co", "row_m2", "col_m2")
