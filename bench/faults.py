@@ -91,7 +91,7 @@ def child(workdir: str, rows: int) -> None:
     x = np.random.default_rng(0).normal(1.0, 2.0, size=(rows, FEATURES)).astype(np.float32)
     options = ss.CheckpointOptions(os.path.join(workdir, "ck"), every_steps=EVERY_STEPS, keep=KEEP)
     result, report = ss.run_with_report(ss.Covariance(), x, checkpoint=options, **JOB)
-    np.savez(os.path.join(workdir, "result.tmp.npz"), **result._asdict())
+    np.savez(os.path.join(workdir, "result.tmp.npz"), **{k: v for k, v in result._asdict().items() if v is not None})
     os.replace(os.path.join(workdir, "result.tmp.npz"), os.path.join(workdir, "result.npz"))
     with open(os.path.join(workdir, "report.json"), "w") as f:
         json.dump(report._asdict(), f)
