@@ -54,17 +54,26 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The slow tier: modules of many processes, launcher runs or generated cases. `pytest -m "not slow"` leaves them
-# out for the edit-test loop; README's test command and CI run every tier.
+# The slow tier: modules of many processes, launcher runs or generated cases, and those whose compiled programs
+# cost more than about 20 s of CPU (SHARDED_SCAN_TEST_CPU, below, measures them). `pytest -m "not slow"` leaves
+# them out for the edit-test loop (the engine's and the build's modules stay in it); README's test command and CI
+# run every tier.
 SLOW = (
     "tests/test_reproducible.py", "tests/test_docs.py", "tests/test_exact_counts.py", "tests/test_certified.py",
     "tests/test_faults.py", "tests/test_dead_peer.py", "tests/test_multihost.py", "tests/test_local.py",
     "tests/test_sigterm.py", "tests/test_properties.py", "tests/test_properties_sketches.py",
+    "tests/test_float_extremes.py", "tests/test_statistics.py", "tests/test_quantiles.py", "tests/test_describe.py",
+    "tests/test_regression.py", "tests/test_wide_model.py", "tests/test_columns.py", "tests/test_launch.py",
+    "tests/test_keys64.py", "tests/test_compact_checkpoint.py", "tests/test_sketches_keyed_weighted.py",
+    "tests/test_grouped.py", "tests/test_cli_explains.py", "tests/test_cli_config.py", "tests/test_topk.py",
+    "tests/test_no_silent_wrong.py", "tests/test_dtypes.py", "tests/test_nan_omit.py",
+    "tests/test_correlation_and_forms.py", "tests/test_results.py", "tests/test_resume.py", "tests/test_histogram.py",
+    "tests/test_launch_recipes.py", "tests/test_tabular.py", "tests/test_datasketches.py",
 )
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a module of many processes, launcher runs or generated cases")
+    config.addinivalue_line("markers", "slow: a module of many processes, launcher runs, generated cases or programs")
 
 
 def pytest_collection_modifyitems(items):
