@@ -132,7 +132,8 @@ def run_with_report(
     options = RunOptions.make(options, **overrides)
     if reads_several_times(combiner):
         return _run_passes(combiner, data, options)
-    as_checkpointer(options.checkpoint)  # a bad checkpoint= is one line before anything is built
+    # a bad checkpoint= is one line before anything is built; the checked one is what the run then uses
+    options = dataclasses.replace(options, checkpoint=as_checkpointer(options.checkpoint))
     started, compiled = time.perf_counter(), compile_cache.compile_seconds()
     combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     return run_program(build_program(combiner, source, options), source, started, compiled)

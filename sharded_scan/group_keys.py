@@ -182,7 +182,7 @@ class KeySlots(Source):
     def read(self, start: int, stop: int, pad_to: int | None = None) -> np.ndarray:
         raw = np.asarray(self._keys.read(start, stop, pad_to=pad_to))
         at = np.minimum(np.searchsorted(self._found, raw), len(self._found) - 1)
-        return np.where(self._found[at] == raw, self._slots[at], MISSING).astype(np.int32)
+        return np.where(self._found[at] == raw, self._slots[at], MISSING).astype(np.int32, copy=False)
 
     @property
     def resumable(self) -> bool:

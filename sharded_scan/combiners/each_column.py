@@ -85,9 +85,6 @@ class EachColumn(Wrapper):
     def for_mesh(self, mesh):
         return self  # one-column states, whole on every device
 
-    def omitting_values(self):
-        return self
-
     def weighted(self):
         return EachColumn(self.inner.weighted(), (1, *self.path))
 

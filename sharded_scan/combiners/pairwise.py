@@ -178,9 +178,6 @@ class PairwiseCoMoments(SplitsByColumns, Combiner):
     def finite_values(self, batch):
         return batch  # add skips each NaN or inf where it stands (per key too: GroupBy's add_keyed is add's)
 
-    def omitting_values(self):
-        return self
-
     def merge(self, a, b):
         return pair_merge(a, b, self.model_shards)
 
