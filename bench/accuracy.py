@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 import sharded_scan as ss  # noqa: E402
 from bench import certified  # noqa: E402
 from bench.tuning import interleaved_best  # noqa: E402
-from sharded_scan.combiners.solvers import SOLVERS  # noqa: E402
-from sharded_scan.combiners.wrappers import Compensated  # noqa: E402
+from sharded_scan.combiners.linalg.solvers import SOLVERS  # noqa: E402
+from sharded_scan.combiners.wrappers.policies import Compensated  # noqa: E402
 from sharded_scan.prefetch import device_batches  # noqa: E402
 from sharded_scan.program import build_program  # noqa: E402
 from sharded_scan.sources import ArraySource  # noqa: E402

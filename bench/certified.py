@@ -74,7 +74,7 @@ def sharded_scan_scores(dtype, meshes=("data:1", "data:3", "data:8"), microbatch
     float64 data runs in 64 bits with or without ``jax_enable_x64`` (a run scopes it).
     """
     import sharded_scan as ss
-    from sharded_scan.combiners.solvers import SOLVERS
+    from sharded_scan.combiners.linalg.solvers import SOLVERS
 
     out: dict = {"regression": {}, "moments": {}}
     for solver in solvers or SOLVERS:

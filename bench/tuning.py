@@ -18,7 +18,7 @@ import numpy as np
 
 import sharded_scan as ss
 from bench.workloads import aligned_rows, rows_for
-from sharded_scan.combiners.sums import default_block
+from sharded_scan.combiners.statistics.sums import default_block
 from sharded_scan.layout import resolve_chunking
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import build_program, program_for_spec

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sharded_scan.combiners.describe import DESCRIBE_JSON, Describe, DescribeResult, describe_json
 from sharded_scan.combiners.results import json_text, json_value
+from sharded_scan.combiners.statistics.describe import DESCRIBE_JSON, Describe, DescribeResult, describe_json
 from sharded_scan.workdir import named_arrays
 
 JSON, CSV = "result.json", "result.csv"

@@ -34,7 +34,7 @@ from sharded_scan.combiners import (
     hash_strings,
 )
 from sharded_scan.combiners import wide as counts
-from sharded_scan.combiners.wrappers import NonFiniteError
+from sharded_scan.combiners.wrappers.policies import NonFiniteError
 from sharded_scan.distributed import Preempted, Terminated
 from sharded_scan.engine import Progress, RunReport, run, run_with_report
 from sharded_scan.errors import StorageError, UsageError

@@ -132,7 +132,7 @@ def check_placeable(spec: Any) -> None:
 
 
 SEED = 9001  # Apache DataSketches' hash seed (its ``DEFAULT_UPDATE_SEED``)
-MURMUR_C1, MURMUR_C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F  # MurmurHash3_x64_128's (combiners.murmur's too)
+MURMUR_C1, MURMUR_C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F  # MurmurHash3_x64_128's (combiners.sketches.murmur's too)
 MURMUR_F1, MURMUR_F2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53  # its fmix64's
 _C1, _C2, _F1, _F2 = (np.uint64(c) for c in (MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2))
 ID_LOW_BITS = 26  # a string id's low bits: h1's (DataSketches' HLL slot); the rest: h2's top bits

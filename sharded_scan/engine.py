@@ -32,8 +32,8 @@ from sharded_scan.checkpoint import (
 )
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
-from sharded_scan.combiners.topk_strings import read_once, with_strings
-from sharded_scan.combiners.wrappers import NonFiniteError, innermost, step_guard
+from sharded_scan.combiners.sketches.topk_strings import read_once, with_strings
+from sharded_scan.combiners.wrappers.policies import NonFiniteError, innermost, step_guard
 from sharded_scan.compiled import Program
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.grouped import MISSING, GroupBy, too_many_keys
 from sharded_scan.combiners.results import pandas
+from sharded_scan.combiners.wrappers.grouped import MISSING, GroupBy, too_many_keys
 from sharded_scan.errors import UsageError
 from sharded_scan.sources import Source, as_source
 from sharded_scan.sources.compose import TreeSource

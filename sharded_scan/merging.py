@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.wrappers import innermost
+from sharded_scan.combiners.wrappers.policies import innermost
 from sharded_scan.compile_cache import cached
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import fixed_order

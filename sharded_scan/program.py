@@ -26,7 +26,7 @@ import numpy as np
 from sharded_scan import compile_cache
 from sharded_scan.admission import check_fits
 from sharded_scan.combiners.base import Combiner, rows_spec
-from sharded_scan.combiners.wrappers import Wrapper, apply_policies, innermost
+from sharded_scan.combiners.wrappers.policies import Wrapper, apply_policies, innermost
 from sharded_scan.compiled import Program
 from sharded_scan.dtypes import check_placeable, x64_scope
 from sharded_scan.errors import UsageError

@@ -16,7 +16,7 @@ from launch.help import argument_docs
 from launch.main import run_job
 from launch.outputs import result_json, result_table
 from launch.processes import check_main_args
-from sharded_scan.combiners.pca import PCAResult
+from sharded_scan.combiners.linalg.pca import PCAResult
 from sharded_scan.workdir import named_arrays
 from tests import cli
 from tests.helpers import assert_usage_error, f64

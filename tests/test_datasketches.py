@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners import datasketches as formats
-from sharded_scan.combiners import keys, murmur
+from sharded_scan.combiners.sketches import datasketches as formats
+from sharded_scan.combiners.sketches import keys, murmur
 
 ds = pytest.importorskip("datasketches")
 
@@ -347,8 +347,8 @@ def test_finding13_malformed_sketch_bytes_are_one_line_each(ints):
 def test_exported_64_bit_values_are_exact_or_one_line():
     """A kll_doubles_sketch holds doubles, DataSketches' longs are signed: an int64 past 2^53 and a uint64 past
     2^63 - 1 went out as other values (the uint64 as its bits, a negative long); now one line each."""
-    from sharded_scan.combiners import seeded
-    from sharded_scan.combiners.topk import TopKResult
+    from sharded_scan.combiners.sketches import seeded
+    from sharded_scan.combiners.sketches.topk import TopKResult
 
     def kll_state(values, dtype):
         code = keys.KIND_DTYPES.index(np.dtype(dtype))

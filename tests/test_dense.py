@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from sharded_scan.combiners import dense
+from sharded_scan.combiners.linalg import dense
 
 
 @pytest.mark.parametrize("n", [1, 7, 32, 33, 70])

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.distinct import estimate
+from sharded_scan.combiners.sketches.distinct import estimate
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at
 

@@ -56,7 +56,7 @@ def test_compensated_psum_and_ordered_merges_keep_the_count_exact():
 
 
 def test_compensated_add_keeps_limbs_normalised():
-    from sharded_scan.combiners.wrappers import Compensated
+    from sharded_scan.combiners.wrappers.policies import Compensated
 
     comb = Compensated(RowCount())
     spec = jax.ShapeDtypeStruct((2,), jnp.float32)
@@ -77,7 +77,7 @@ def _count(n):
 
 
 def test_sum_counts_near_two_to_the_31_merge_exactly():
-    from sharded_scan.combiners.wrappers import Compensated
+    from sharded_scan.combiners.wrappers.policies import Compensated
 
     spec = jax.ShapeDtypeStruct((2,), jnp.float32)
     for combiner in (ss.Sum(), Compensated(ss.Sum())):
@@ -163,7 +163,7 @@ def test_int64_sums_and_float64_statistics_under_x64():
 
 
 def test_regression_and_pca_factors_merge_counts_near_two_to_the_31():
-    from sharded_scan.combiners.solvers import SOLVERS
+    from sharded_scan.combiners.linalg.solvers import SOLVERS
 
     z = np.random.default_rng(2).normal(size=(16, 3)).astype(np.float32)
     mask = np.ones(16, bool)

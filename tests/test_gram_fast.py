@@ -6,7 +6,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import compiled, layout
-from sharded_scan.combiners.sums import Triangle, default_block, triangle_full
+from sharded_scan.combiners.statistics.sums import Triangle, default_block, triangle_full
 from sharded_scan.program import program_for_spec
 from tests.helpers import f64, rel_err
 

@@ -10,7 +10,8 @@ import pytest
 import sharded_scan as ss
 from launch import data as launch_data
 from launch.data import make_combiner, make_source
-from sharded_scan.combiners import sums, wide
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.statistics import sums
 from tests.helpers import assert_usage_error
 
 K = 7

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sharded_scan as ss
-from sharded_scan.combiners import histogram
+from sharded_scan.combiners.statistics import histogram
 from tests.helpers import assert_usage_error
 
 

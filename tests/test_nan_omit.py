@@ -110,7 +110,7 @@ def test_omit_rows_skips_every_row_holding_one():
 
 
 def test_rows_checked_before_compute_are_those_omit_folds():
-    from sharded_scan.combiners.wrappers import apply_policies
+    from sharded_scan.combiners.wrappers.policies import apply_policies
 
     x = np.ones((6, 2))
     x[1, 0] = np.nan

@@ -17,11 +17,11 @@ from launch import main as launch_main
 from launch.outputs import CSV, result_files, result_table
 from launch.show import main as show_main
 from launch.show import show_text
-from sharded_scan.combiners.correlation import CorrelationResult
-from sharded_scan.combiners.describe import DescribeResult
-from sharded_scan.combiners.quantiles_result import QuantilesResult
-from sharded_scan.combiners.regression import LinearRegressionResult
-from sharded_scan.combiners.statistics import CovarianceResult
+from sharded_scan.combiners.linalg.regression import LinearRegressionResult
+from sharded_scan.combiners.sketches.quantiles_result import QuantilesResult
+from sharded_scan.combiners.statistics.correlation import CorrelationResult
+from sharded_scan.combiners.statistics.describe import DescribeResult
+from sharded_scan.combiners.statistics.moments import CovarianceResult
 from sharded_scan.errors import UsageError
 from sharded_scan.workdir import SUMMARY, named_arrays, write_outputs
 from tests.helpers import assert_usage_error

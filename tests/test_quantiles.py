@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners import kll
+from sharded_scan.combiners.sketches import kll
 from tests import test_program
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at

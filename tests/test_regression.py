@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.solvers import SOLVERS
+from sharded_scan.combiners.linalg.solvers import SOLVERS
 from tests.helpers import assert_usage_error, f64, rel_err
 
 

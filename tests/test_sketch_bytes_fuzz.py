@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sharded_scan as ss
-from sharded_scan.combiners import datasketches as formats
+from sharded_scan.combiners.sketches import datasketches as formats
 
 ds = pytest.importorskip("datasketches")
 

@@ -286,7 +286,7 @@ def test_moments_count_nans_and_zeros_per_column_also_where_omitted(policy):
 
 @pytest.mark.parametrize("n, d", [(16384, 8), (301, 3), (96, 7), (0, 4), (10, 300)])
 def test_column_sum_adds_every_row_of_every_column(n, d):
-    from sharded_scan.combiners.statistics import column_sum
+    from sharded_scan.combiners.statistics.moments import column_sum
 
     x = rows(n, d, offset=3.0)
     got = np.asarray(column_sum(jax.numpy.asarray(x)))

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners import topk_strings
-from sharded_scan.combiners.datasketches import read_hll
-from sharded_scan.combiners.distinct import DistinctCountResult
+from sharded_scan.combiners.sketches import topk_strings
+from sharded_scan.combiners.sketches.datasketches import read_hll
+from sharded_scan.combiners.sketches.distinct import DistinctCountResult
 from sharded_scan.sources import tabular
 from sharded_scan.workdir import run_in_workdir
 from tests.helpers import assert_usage_error

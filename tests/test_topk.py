@@ -99,7 +99,7 @@ def test_the_summary_keeps_lax_top_k_s_choice_found_by_its_guesses_or_bit_by_bit
     import jax
     import jax.numpy as jnp
 
-    from sharded_scan.combiners.topk import _select
+    from sharded_scan.combiners.sketches.topk import _select
 
     r, c, n = np.random.default_rng(5), 64, 320
     second = r.choice([5.0, 6.0, 8.0], (3, n), p=[0.6, 0.35, 0.05])  # the new part's next score: 6

@@ -10,7 +10,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan import admission, merging
-from sharded_scan.combiners.quantiles_exact import RefinePass
+from sharded_scan.combiners.sketches.quantiles_exact import RefinePass
 from sharded_scan.merging import receives, tree_fold, tree_strides
 from sharded_scan.program import program_for_spec
 from sharded_scan.sharding import to_host

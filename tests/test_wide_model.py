@@ -17,8 +17,8 @@ import scipy.stats
 
 import sharded_scan as ss
 from sharded_scan import admission
-from sharded_scan.combiners.describe import Each
-from sharded_scan.combiners.quantiles_exact import RefinePass
+from sharded_scan.combiners.sketches.quantiles_exact import RefinePass
+from sharded_scan.combiners.statistics.describe import Each
 from sharded_scan.options import RunOptions
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source

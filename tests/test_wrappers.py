@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners import wrappers
-from sharded_scan.combiners.wrappers import Compensated, NonFinite, NonFiniteError, apply_policies
+from sharded_scan.combiners.wrappers import policies as wrappers
+from sharded_scan.combiners.wrappers.policies import Compensated, NonFinite, NonFiniteError, apply_policies
 from tests.helpers import f64, rel_err
 
 

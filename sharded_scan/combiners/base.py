@@ -182,7 +182,7 @@ class Combiner(abc.ABC):
     def weighted(self) -> Combiner:
         """The combiner of rows ``(w, data)``: ``data`` weighted by float ``w`` (``(rows,)``).
 
-        :class:`~sharded_scan.combiners.weighted.Weighted` runs it and hands it rows with
+        :class:`~sharded_scan.combiners.wrappers.weighted.Weighted` runs it and hands it rows with
         ``mask`` True only where ``w`` is finite and above 0 (a zero weight is an omitted row).
         """
         raise UsageError(f"{type(self).__name__} takes no weights; drop Weighted(...), or use a combiner that does.")
@@ -234,7 +234,7 @@ class Combiner(abc.ABC):
 
         The default: :meth:`finite_values`' batch, else every row holding one skipped (:meth:`add_omitting`
         of the finite rows, right for the statistics of whole rows). ``Moments`` (as
-        :class:`~sharded_scan.combiners.each_column.EachColumn`) and the pairwise ``Covariance`` override it.
+        :class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`) and the pairwise ``Covariance`` override it.
         """
         values = self.finite_values(batch)
         if values is None:

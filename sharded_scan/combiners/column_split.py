@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.mesh import MODEL_AXIS
 
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import masked, row_count
-from sharded_scan.combiners.lstsq import Factor
-from sharded_scan.combiners.statistics import reference_point
+from sharded_scan.combiners.linalg.lstsq import Factor
+from sharded_scan.combiners.statistics.moments import reference_point
 
 
 class TSQRAcc(NamedTuple):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharded_scan.combiners.base import finite_rows
-from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.combiners.wrappers.policies import Wrapper
 
 
 def part(tree: Any, path: tuple[int, ...]) -> Any:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import MultiPass, reads_several_times
-from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.combiners.wrappers.policies import Wrapper
 from sharded_scan.dtypes import accumulator_dtype, check_numeric
 from sharded_scan.errors import UsageError
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.statistics import CoMoments, host_m2, host_mean, no_rows, real_columns
+from sharded_scan.combiners.statistics.moments import CoMoments, host_m2, host_mean, no_rows, real_columns
 
 
 class CorrelationResult(NamedTuple):
@@ -41,7 +41,7 @@ class Correlation(CoMoments):
     warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
     correlations (the divisor cancels). Under ``nan_policy="omit"`` pairwise complete, as pandas'
     ``df.corr()``: each entry over the rows where both columns are finite (``pair_count``), NaN where
-    fewer than 2 (:class:`~sharded_scan.combiners.pairwise.PairwiseCorrelation`); weighted, whole rows
+    fewer than 2 (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCorrelation`); weighted, whole rows
     are skipped.
 
     Attributes:

@@ -5,7 +5,7 @@ float64 bytes (``-0.0`` as ``0.0``, every NaN as ``0x7ff8000000000000``), and ke
 ``h1 mod 2^p`` the maximum of ``min(clz64(h2), 62) + 1``. Registers computed so merge with its
 own. The 64-bit arithmetic runs on pairs of ``uint32`` words ``(hi, lo)``, so it needs no
 64-bit types (JAX without x64, TPUs); a value's 64 bits come from its order-preserving key
-(:mod:`~sharded_scan.combiners.keys`) and its key kind, known when the step is traced.
+(:mod:`~sharded_scan.combiners.sketches.keys`) and its key kind, known when the step is traced.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sharded_scan.combiners.keys import KIND_DTYPES
+from sharded_scan.combiners.sketches.keys import KIND_DTYPES
 from sharded_scan.dtypes import ID_LOW_BITS, MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2, SEED, STRING_RANK_BITS
 
 C1, C2, F1, F2 = MURMUR_C1, MURMUR_C2, MURMUR_F1, MURMUR_F2

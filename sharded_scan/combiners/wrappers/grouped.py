@@ -30,7 +30,7 @@ from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import check_one_pass
 from sharded_scan.combiners.results import pandas
-from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.combiners.wrappers.policies import Wrapper
 from sharded_scan.errors import UsageError
 
 OUT_OF_RANGE = ("raise", "other")

@@ -6,7 +6,7 @@ sketches given, one per column: KLL bytes into a :class:`~sharded_scan.Quantiles
 Frequent Items bytes into a :class:`~sharded_scan.TopK` summary, HLL bytes (any mode and
 type, ``lg_k`` at least ``precision``: folded down) into a :class:`~sharded_scan.DistinctCount`'s
 registers by maximum, its columns then estimates (formats:
-:mod:`~sharded_scan.combiners.datasketches`). So a sketch Spark or Druid built over other
+:mod:`~sharded_scan.combiners.sketches.datasketches`). So a sketch Spark or Druid built over other
 rows is merged in once, whatever the device count; the seeds' digests name the job.
 
 A KLL sketch's levels go into ours as runs of at most our capacities (its level ``h`` weighs
@@ -35,8 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
-from sharded_scan.combiners.datasketches import (
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.sketches import kll
+from sharded_scan.combiners.sketches.datasketches import (
     FREQUENT_ITEMS,
     KLL_ITEMS,
     fold_registers,
@@ -45,12 +46,12 @@ from sharded_scan.combiners.datasketches import (
     read_hll,
     read_kll,
 )
-from sharded_scan.combiners.distinct import DistinctCount
-from sharded_scan.combiners.keys import GOLDEN, KIND_DTYPES, bits, fill, keyed_as, np_float_keys
-from sharded_scan.combiners.quantiles import CONFIDENCE, Quantiles
-from sharded_scan.combiners.quantiles_result import QuantilesAcc
-from sharded_scan.combiners.topk import LIMBS, TopK, TopKAcc
-from sharded_scan.combiners.wrappers import Wrapper
+from sharded_scan.combiners.sketches.distinct import DistinctCount
+from sharded_scan.combiners.sketches.keys import GOLDEN, KIND_DTYPES, bits, fill, keyed_as, np_float_keys
+from sharded_scan.combiners.sketches.quantiles import CONFIDENCE, Quantiles
+from sharded_scan.combiners.sketches.quantiles_result import QuantilesAcc
+from sharded_scan.combiners.sketches.topk import LIMBS, TopK, TopKAcc
+from sharded_scan.combiners.wrappers.policies import Wrapper
 from sharded_scan.errors import UsageError
 
 COUNT_MAX = 1 << 62  # a seed's rows: the counts (63-bit Wide) keep them exactly with any run's rows

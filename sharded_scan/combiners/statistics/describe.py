@@ -17,7 +17,7 @@ one-pass state is split by columns: each device holds the stacked moments and th
 split state is one :class:`DescribeAcc` whose leaves are trees shaped like the data (the per-leaf
 accumulators transposed), so that its ``partition`` is a prefix of it whatever the data's tree.
 ``exact=True``'s passes split the same way: the sketch pass as this state, each refining pass's
-bin counts by columns (:class:`~sharded_scan.combiners.quantiles_exact.RefinePass`, one per leaf in
+bin counts by columns (:class:`~sharded_scan.combiners.sketches.quantiles_exact.RefinePass`, one per leaf in
 an :class:`Each`).
 """
 
@@ -34,16 +34,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners import kll, wide
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, nonfinite_as_nan
-from sharded_scan.combiners.keys import check_column_spec
 from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.quantiles import CONFIDENCE, DEFAULT_K, Quantiles, check_qs, sketch_picks, split, unsplit
-from sharded_scan.combiners.quantiles_exact import Brackets, RefinePass, SketchPass
-from sharded_scan.combiners.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
 from sharded_scan.combiners.results import frame, json_text, json_value
-from sharded_scan.combiners.statistics import Moments, MomentsAcc
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, round_up
+from sharded_scan.combiners.sketches import kll
+from sharded_scan.combiners.sketches.keys import check_column_spec
+from sharded_scan.combiners.sketches.quantiles import (
+    CONFIDENCE,
+    DEFAULT_K,
+    Quantiles,
+    check_qs,
+    sketch_picks,
+    split,
+    unsplit,
+)
+from sharded_scan.combiners.sketches.quantiles_exact import Brackets, RefinePass, SketchPass
+from sharded_scan.combiners.sketches.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
+from sharded_scan.combiners.statistics.moments import Moments, MomentsAcc
+from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

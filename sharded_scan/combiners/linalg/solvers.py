@@ -4,7 +4,7 @@
   basis (:mod:`.whitened`): TSQR's accuracy, at the cost of one or two matmuls.
 - ``"tsqr"``: Householder TSQR (:mod:`.tsqr`), the R of ``[1 | z - shift]``.
 - ``"comoments"``: the centred co-moments ``Σ (z - mean)(z - mean)ᵀ`` of
-  :class:`~sharded_scan.combiners.statistics.Covariance` (Chan's merge). Its factor is
+  :class:`~sharded_scan.combiners.statistics.moments.Covariance` (Chan's merge). Its factor is
   a square root of the co-moments, so it carries their rounding: errors grow with the
   square of the condition number instead of with it. The only solver whose state splits over a
   mesh's ``model`` axis (:class:`SplitsCoMoments`): the co-moments by columns, as Covariance's.
@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners import statistics, tsqr, whitened, wide
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked
-from sharded_scan.combiners.lstsq import Factor, nan_factor
-from sharded_scan.combiners.sums import SplitsByColumns
+from sharded_scan.combiners.linalg import tsqr, whitened
+from sharded_scan.combiners.linalg.lstsq import Factor, nan_factor
+from sharded_scan.combiners.statistics import moments as statistics
+from sharded_scan.combiners.statistics.sums import SplitsByColumns
 from sharded_scan.errors import UsageError
 
 

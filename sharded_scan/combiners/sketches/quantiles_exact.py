@@ -38,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners import kll, kll_weighted, wide
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.keys import (
+from sharded_scan.combiners.sketches import kll, kll_weighted
+from sharded_scan.combiners.sketches.keys import (
     KIND_DTYPES,
     check_column_spec,
     fill,
@@ -52,8 +53,8 @@ from sharded_scan.combiners.keys import (
     nan_key,
     np_float_keys,
 )
-from sharded_scan.combiners.quantiles_result import method_ranks, result_from_keys
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, padded_columns, round_up
+from sharded_scan.combiners.sketches.quantiles_result import method_ranks, result_from_keys
+from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.mesh import MODEL_AXIS
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9

@@ -8,11 +8,17 @@ from typing import NamedTuple
 import numpy as np
 
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.lstsq import check_has_rows, principal_axes
+from sharded_scan.combiners.linalg.lstsq import check_has_rows, principal_axes
+from sharded_scan.combiners.linalg.solvers import (
+    DEFAULT_SOLVER,
+    Solver,
+    SplitsCoMoments,
+    WeightedFactored,
+    check_solver,
+)
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, Solver, SplitsCoMoments, WeightedFactored, check_solver
-from sharded_scan.combiners.statistics import divisor
-from sharded_scan.combiners.sums import check_matrix_spec
+from sharded_scan.combiners.statistics.moments import divisor
+from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
 

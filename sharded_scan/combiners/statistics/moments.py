@@ -30,9 +30,8 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked, row_count
 from sharded_scan.combiners.column_split import SplitsEachColumn
-from sharded_scan.combiners.each_column import EachColumn
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.sums import (
+from sharded_scan.combiners.statistics.sums import (
     OUTER_PRODUCTS_AT_ONCE,
     SplitsByColumns,
     check_matrix_spec,
@@ -40,7 +39,8 @@ from sharded_scan.combiners.sums import (
     padded_columns,
     round_up,
 )
-from sharded_scan.combiners.wrappers import kahan_add, kahan_total
+from sharded_scan.combiners.wrappers.each_column import EachColumn
+from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
@@ -419,8 +419,8 @@ class CoMoments(SplitsByColumns, Combiner):
 
     def omitting_values(self):
         """The pairwise-complete form (pandas' ``df.cov()``/``df.corr()``): each pair of columns over the
-        rows where both are finite (:mod:`~sharded_scan.combiners.pairwise`)."""
-        from sharded_scan.combiners import pairwise  # it builds on this module
+        rows where both are finite (:mod:`~sharded_scan.combiners.statistics.pairwise`)."""
+        from sharded_scan.combiners.statistics import pairwise  # it builds on this module
 
         return pairwise.PairwiseCovariance(ddof=self.ddof) if isinstance(self, Covariance) else (
             pairwise.PairwiseCorrelation())
@@ -447,7 +447,7 @@ class Covariance(CoMoments):
 
     Under ``nan_policy="omit"`` pairwise complete, as pandas' ``df.cov()``: each entry over the rows
     where both columns are finite (``pair_count``), NaN where a pair has ``ddof`` rows or fewer
-    (:class:`~sharded_scan.combiners.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
+    (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
 
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
@@ -908,7 +908,7 @@ class Moments(SplitsEachColumn, Combiner):
         return self.fold(acc, batch, mask, keyed=(keys, num_keys))
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
         ``nan_policy="omit"`` a column's count is its own count of finite values."""
         return EachColumn(self)
 

@@ -20,9 +20,9 @@ by bit where they miss, and the chosen are ranked into the slots by one running 
 The top ``k`` are the monitored values with the largest ``count``; ``certain`` says the
 ``k``-th count is at least every other value's upper bound, so that they are a true top
 ``k``. Keys are the values' 32-bit keys, 64-bit ones for 64-bit values
-(:mod:`~sharded_scan.combiners.keys`: exact, so int64 ids are never merged); strings
+(:mod:`~sharded_scan.combiners.sketches.keys`: exact, so int64 ids are never merged); strings
 can be counted by their :func:`hash_strings` ids: a tabular source's string column is read so,
-and the result then lists the strings (:mod:`~sharded_scan.combiners.topk_strings`; ties in id order).
+and the result then lists the strings (:mod:`~sharded_scan.combiners.sketches.topk_strings`; ties in id order).
 
 ``Weighted(TopK(...))`` counts sums of weights, in floats, by the same summary (:class:`WeightedTopK`);
 ``GroupBy(TopK(...), K)`` keeps a summary per key (:meth:`TopK.add_keyed`). Each column's summary
@@ -42,9 +42,9 @@ import numpy as np
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsEachColumn
-from sharded_scan.combiners.datasketches import frequent_items_sketches, frequent_state
-from sharded_scan.combiners.each_column import EachColumn
-from sharded_scan.combiners.keys import (
+from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.sketches.datasketches import frequent_items_sketches, frequent_state
+from sharded_scan.combiners.sketches.keys import (
     check_column_spec,
     decode,
     fill,
@@ -58,9 +58,9 @@ from sharded_scan.combiners.keys import (
     sort_by_key,
     to_keys,
 )
-from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
+from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 10
@@ -377,7 +377,7 @@ class TopK(SplitsEachColumn, Combiner):
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
         ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
         return EachColumn(self)
 

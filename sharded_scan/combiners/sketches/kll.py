@@ -10,7 +10,7 @@ whatever the row count, and its rank error is about ``1/k`` (measured in
 ``bench/sketches.py``).
 
 Static shapes: every column's items live in one flat ``(d, S)`` array of keys (``uint32``,
-``uint64`` for 64-bit values: :mod:`sharded_scan.combiners.keys`), the levels contiguous
+``uint64`` for 64-bit values: :mod:`sharded_scan.combiners.sketches.keys`), the levels contiguous
 from level 0 up, each sorted, unused slots the filler (the largest key). Every column
 sees the same rows, so how many items each level holds (``sizes``) is one vector shared
 by all columns, and so is every decision of *which* level to compact; only which item
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.keys import GOLDEN, empty_slot, fill, fold32, mix32
+from sharded_scan.combiners.sketches.keys import GOLDEN, empty_slot, fill, fold32, mix32
 
 LEVELS = 48          # level h weighs 2^h: room for far more than 2^60 rows
 SHRINK = 2.0 / 3.0   # KLL's capacity ratio c between a level and the one above it

@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners import dense, wide
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import row_count
-from sharded_scan.combiners.lstsq import Factor
-from sharded_scan.combiners.statistics import reference_point
-from sharded_scan.combiners.tsqr import augmented, moved, scaled
+from sharded_scan.combiners.linalg import dense
+from sharded_scan.combiners.linalg.lstsq import Factor
+from sharded_scan.combiners.linalg.tsqr import augmented, moved, scaled
+from sharded_scan.combiners.statistics.moments import reference_point
 from sharded_scan.layout import REPRODUCIBLE_MICROBATCH
 
 GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor

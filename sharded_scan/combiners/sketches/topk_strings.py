@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from sharded_scan.combiners.distinct import DistinctCountResult
-from sharded_scan.combiners.topk import TopKResult
+from sharded_scan.combiners.sketches.distinct import DistinctCountResult
+from sharded_scan.combiners.sketches.topk import TopKResult
 from sharded_scan.dtypes import STRING_ID_BITS
 from sharded_scan.errors import UsageError
 

@@ -45,8 +45,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sharded_scan.combiners import kll, wide
-from sharded_scan.combiners.keys import KIND_DTYPES, decode, is_float, nan_key
+from sharded_scan.combiners import wide
+from sharded_scan.combiners.sketches import kll
+from sharded_scan.combiners.sketches.keys import KIND_DTYPES, decode, is_float, nan_key
 from sharded_scan.errors import UsageError
 
 KLL_FAMILY, KLL_M, KLL_MAX_K = 15, 8, (1 << 16) - 1

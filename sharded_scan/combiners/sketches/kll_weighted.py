@@ -1,6 +1,6 @@
 """A weighted KLL sketch: every item carries a float weight, and every rounding keeps the total.
 
-The layout is :mod:`~sharded_scan.combiners.kll`'s (levels contiguous in one ``(d, S)``
+The layout is :mod:`~sharded_scan.combiners.sketches.kll`'s (levels contiguous in one ``(d, S)``
 array of keys, capacities shrinking below the top, one ``sizes`` vector for every column),
 with a second ``(d, S)`` array of the items' weights. Items of a level may weigh anything.
 
@@ -11,7 +11,7 @@ sampling; an item heavier than ``δ`` may be taken more than once). The total we
 and the weight estimated below any value moves by less than ``δ`` with mean zero, as a
 compaction of the unweighted sketch moves a rank by ``2^h``. A micro-batch whose rows do not
 fit the level their count calls for (the unweighted rule) is sampled the same way first.
-The sketch records ``Σ δ²`` per column, so :func:`~sharded_scan.combiners.kll.rank_error_bound`
+The sketch records ``Σ δ²`` per column, so :func:`~sharded_scan.combiners.sketches.kll.rank_error_bound`
 bounds the error of the weight below an answer, relative to the total weight.
 
 The random bits come from hashes of a salt and of the keys, as in the unweighted sketch: the
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.keys import GOLDEN, fill, fold32, mix32
-from sharded_scan.combiners.kll import (
+from sharded_scan.combiners.sketches.keys import GOLDEN, fill, fold32, mix32
+from sharded_scan.combiners.sketches.kll import (
     LEVELS,
     HostSketch,
     _full,
@@ -87,7 +87,7 @@ def systematic(keys: jax.Array, weights: jax.Array, n: jax.Array, m: jax.Array, 
 
 def _step(s: WeightedSketch, level, run, run_w, run_len, inserting, k: int, sizes=None) -> WeightedSketch:
     """One move: insert the sorted ``run`` (keys and weights ``(d, R)``) into ``level``, or
-    compact ``level - 1`` into ``level`` (:func:`~sharded_scan.combiners.kll._step`'s choices)."""
+    compact ``level - 1`` into ``level`` (:func:`~sharded_scan.combiners.sketches.kll._step`'s choices)."""
     low_level = jnp.maximum(level - 1, 0)
     low = jnp.where(inserting, 0, s.sizes[low_level])
     up = s.sizes[level]

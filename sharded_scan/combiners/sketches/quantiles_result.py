@@ -19,10 +19,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from sharded_scan.combiners import kll, kll_weighted, wide
-from sharded_scan.combiners.datasketches import kll_sketches
-from sharded_scan.combiners.keys import decode, is_float, nan_key
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.sketches import kll, kll_weighted
+from sharded_scan.combiners.sketches.datasketches import kll_sketches
+from sharded_scan.combiners.sketches.keys import decode, is_float, nan_key
 from sharded_scan.errors import UsageError
 
 METHODS = ("linear", "lower", "higher", "nearest", "midpoint", "inverted_cdf")

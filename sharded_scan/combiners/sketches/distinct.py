@@ -1,6 +1,6 @@
 """Distinct counts per column: HyperLogLog registers merged by maximum, exact below a set size.
 
-Every value's 32-bit key (:mod:`~sharded_scan.combiners.keys`) is hashed twice by a
+Every value's 32-bit key (:mod:`~sharded_scan.combiners.sketches.keys`) is hashed twice by a
 bijective mixer: the top ``precision`` bits of the first hash pick one of
 ``m = 2^precision`` registers, and the leading zeros of the second (plus one, 1..33)
 are what the register keeps the maximum of. A 64-bit value's 64-bit key is hashed once
@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners import murmur
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsEachColumn
-from sharded_scan.combiners.datasketches import hll_sketches, hll_state
-from sharded_scan.combiners.each_column import EachColumn
-from sharded_scan.combiners.keys import (
+from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.sketches import murmur
+from sharded_scan.combiners.sketches.datasketches import hll_sketches, hll_state
+from sharded_scan.combiners.sketches.keys import (
     GOLDEN,
     KIND_DTYPES,
     check_column_spec,
@@ -54,7 +54,7 @@ from sharded_scan.combiners.keys import (
     run_window,
     sort_by_key,
 )
-from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.errors import UsageError
 
 DEFAULT_PRECISION = 14
@@ -277,7 +277,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
             lambda: self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held))
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.each_column.EachColumn`): under
+        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
         ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
         return EachColumn(self)
 

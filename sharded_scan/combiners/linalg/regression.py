@@ -11,9 +11,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.lstsq import check_has_rows, diagnostics, least_squares
+from sharded_scan.combiners.linalg.lstsq import check_has_rows, diagnostics, least_squares
+from sharded_scan.combiners.linalg.solvers import (
+    DEFAULT_SOLVER,
+    Solver,
+    SplitsCoMoments,
+    WeightedFactored,
+    check_solver,
+)
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.solvers import DEFAULT_SOLVER, Solver, SplitsCoMoments, WeightedFactored, check_solver
 from sharded_scan.dtypes import accumulator_dtype, check_numeric
 from sharded_scan.errors import UsageError
 

@@ -2,7 +2,7 @@
 
 ``Quantiles(qs=...)`` or ``Quantiles(num_buckets=...)`` (tf.Transform's ``quantiles``
 boundaries: ``q = 1/B, ..., (B-1)/B``). One pass folds every column into a
-:mod:`~sharded_scan.combiners.kll` sketch of about ``3k`` items; the answer for ``q`` is
+:mod:`~sharded_scan.combiners.sketches.kll` sketch of about ``3k`` items; the answer for ``q`` is
 read at the estimated ranks around ``q (n - 1)`` that ``method`` names, numpy's methods
 (``"linear"``, the default of numpy and pandas, interpolates between the items at ranks
 ``floor`` and ``ceil`` of it; ``"lower"``, the default before, answers a value of the data);
@@ -13,11 +13,11 @@ read at the estimated ranks around ``q (n - 1)`` that ``method`` names, numpy's 
 ``Quantiles(exact=True)`` returns exactly that for any row count: the sketch brackets
 every answer by keys, then each further pass counts the rows below and in ``2^bits``
 bins of every bracket and narrows it to the bin holding the wanted rank, until the
-bin is one value (:mod:`~sharded_scan.combiners.quantiles_exact`; :func:`sharded_scan.run`
+bin is one value (:mod:`~sharded_scan.combiners.sketches.quantiles_exact`; :func:`sharded_scan.run`
 runs the passes).
 
 ``Weighted(Quantiles(..., method="inverted_cdf"))`` on rows ``(w, X)`` answers numpy's weighted
-``inverted_cdf`` from a weighted KLL (:class:`WeightedQuantiles`, :mod:`~sharded_scan.combiners.kll_weighted`),
+``inverted_cdf`` from a weighted KLL (:class:`WeightedQuantiles`, :mod:`~sharded_scan.combiners.sketches.kll_weighted`),
 exactly too; ``GroupBy(Quantiles(...), K)`` keeps a sketch per key (:meth:`Quantiles.add_keyed`).
 """
 
@@ -32,10 +32,12 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners import kll, kll_weighted, wide
+from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.datasketches import kll_state
-from sharded_scan.combiners.keys import (
+from sharded_scan.combiners.passes import MultiPass
+from sharded_scan.combiners.sketches import kll, kll_weighted
+from sharded_scan.combiners.sketches.datasketches import kll_state
+from sharded_scan.combiners.sketches.keys import (
     check_column_spec,
     fill,
     fold_groups,
@@ -46,9 +48,8 @@ from sharded_scan.combiners.keys import (
     run_window,
     sort_by_key,
 )
-from sharded_scan.combiners.passes import MultiPass
-from sharded_scan.combiners.quantiles_exact import exact_passes, weighted_exact_passes
-from sharded_scan.combiners.quantiles_result import (
+from sharded_scan.combiners.sketches.quantiles_exact import exact_passes, weighted_exact_passes
+from sharded_scan.combiners.sketches.quantiles_result import (
     QuantilesAcc,
     QuantilesResult,
     WeightedQuantilesAcc,
@@ -56,7 +57,7 @@ from sharded_scan.combiners.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
-from sharded_scan.combiners.sums import SplitsByColumns, column_block, padded_columns, round_up
+from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

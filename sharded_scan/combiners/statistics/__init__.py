@@ -1,0 +1,1 @@
+"""Statistics: sums, moments, co-moments (covariance, correlation), histograms and ``Describe``."""
