@@ -63,7 +63,7 @@ import sharded_scan as ss
 from sharded_scan import merging, sharding
 from sharded_scan import program as pg
 from sharded_scan.checkpoint import Checkpointer, CheckpointJob, CheckpointOptions, CheckpointSession
-from sharded_scan.combiners.statistics.sums import round_up
+from sharded_scan.combiners.column_split import round_up
 from sharded_scan.layout import data_sharding
 from sharded_scan.paths import as_path
 from sharded_scan.relayout import (

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.checkpoint import SavedPartials
 from sharded_scan.combiners.base import Combiner
-from sharded_scan.combiners.statistics.sums import round_up
+from sharded_scan.combiners.column_split import round_up
 from sharded_scan.compile_cache import cached
 from sharded_scan.compiled import Program
 from sharded_scan.errors import UsageError

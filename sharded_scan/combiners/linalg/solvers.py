@@ -29,10 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked
+from sharded_scan.combiners.column_split import SplitsByColumns
 from sharded_scan.combiners.linalg import tsqr, whitened
 from sharded_scan.combiners.linalg.lstsq import Factor, nan_factor
 from sharded_scan.combiners.statistics import moments as statistics
-from sharded_scan.combiners.statistics.sums import SplitsByColumns
 from sharded_scan.errors import UsageError
 
 

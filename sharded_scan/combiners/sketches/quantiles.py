@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.column_split import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.sketches import kll, kll_weighted
 from sharded_scan.combiners.sketches.datasketches import kll_state
@@ -57,7 +58,6 @@ from sharded_scan.combiners.sketches.quantiles_result import (
     method_ranks,
     result_from_keys,
 )
-from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.column_split import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.combiners.sketches import kll, kll_weighted
 from sharded_scan.combiners.sketches.keys import (
     KIND_DTYPES,
@@ -54,7 +55,6 @@ from sharded_scan.combiners.sketches.keys import (
     np_float_keys,
 )
 from sharded_scan.combiners.sketches.quantiles_result import method_ranks, result_from_keys
-from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.mesh import MODEL_AXIS
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9

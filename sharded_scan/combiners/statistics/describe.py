@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, nonfinite_as_nan
+from sharded_scan.combiners.column_split import SplitsByColumns, column_block, round_up
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.results import frame, json_text, json_value
 from sharded_scan.combiners.sketches import kll
@@ -52,7 +53,6 @@ from sharded_scan.combiners.sketches.quantiles import (
 from sharded_scan.combiners.sketches.quantiles_exact import Brackets, RefinePass, SketchPass
 from sharded_scan.combiners.sketches.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
 from sharded_scan.combiners.statistics.moments import Moments, MomentsAcc
-from sharded_scan.combiners.statistics.sums import SplitsByColumns, column_block, round_up
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

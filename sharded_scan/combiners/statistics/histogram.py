@@ -14,14 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
+from sharded_scan.combiners.column_split import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.statistics.sums import (
-    SplitsByColumns,
-    check_matrix_spec,
-    column_block,
-    padded_columns,
-    round_up,
-)
+from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 

@@ -29,16 +29,15 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked, row_count
-from sharded_scan.combiners.column_split import SplitsEachColumn
-from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.statistics.sums import (
-    OUTER_PRODUCTS_AT_ONCE,
+from sharded_scan.combiners.column_split import (
     SplitsByColumns,
-    check_matrix_spec,
+    SplitsEachColumn,
     column_block,
     padded_columns,
     round_up,
 )
+from sharded_scan.combiners.results import frame, labels
+from sharded_scan.combiners.statistics.sums import OUTER_PRODUCTS_AT_ONCE, check_matrix_spec
 from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
 from sharded_scan.dtypes import accumulator_dtype

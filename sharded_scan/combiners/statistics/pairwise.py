@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.column_split import SplitsByColumns, padded_columns, round_up
 from sharded_scan.combiners.statistics.correlation import CorrelationResult
 from sharded_scan.combiners.statistics.moments import (
     HEAD_ROWS,
@@ -35,7 +36,7 @@ from sharded_scan.combiners.statistics.moments import (
     column_sum,
     own_columns,
 )
-from sharded_scan.combiners.statistics.sums import SplitsByColumns, check_matrix_spec, padded_columns, round_up
+from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.mesh import MODEL_AXIS
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
+from sharded_scan.combiners.column_split import column_block, round_up
 from sharded_scan.combiners.results import frame
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
@@ -226,44 +227,6 @@ def triangle_full(tri: Triangle) -> np.ndarray:
     lower = np.tril_indices(d, -1)
     full[lower] = full.T[lower]
     return full
-
-
-class SplitsByColumns:
-    """Mixin of a dataclass combiner whose state splits by columns over ``model``: its
-    ``model_shards`` field, set by :meth:`for_mesh` to the mesh's ``model`` size."""
-
-    def for_mesh(self, mesh: Mesh):
-        shards = dict(mesh.shape).get(MODEL_AXIS, 1)
-        return dataclasses.replace(self, model_shards=shards) if shards > 1 else self
-
-    @property
-    def whole(self):
-        """This combiner unsplit (``model_shards=1``)."""
-        return dataclasses.replace(self, model_shards=1)
-
-
-def round_up(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` (columns padded to whole ``model`` blocks)."""
-    return -(-n // multiple) * multiple
-
-
-def padded_columns(x: jax.Array, real: int, width: int, axis: int = 0, value=0) -> jax.Array:
-    """``x``'s first ``real`` columns along ``axis`` (a split state's real ones, its padding dropped),
-    padded with ``value`` to ``width`` (whole blocks of a ``model`` axis): how a state is laid out
-    for another ``model`` size (:meth:`Combiner.convert`)."""
-    x = jax.lax.slice_in_dim(x, 0, real, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width - real)
-    return jnp.pad(x, pad, constant_values=value)
-
-
-def column_block(x: jax.Array, shards: int, axis: int = 1, value=0) -> jax.Array:
-    """This ``model`` device's block of ``x``'s columns (along ``axis``; padded with ``value``
-    to ``shards`` blocks)."""
-    d = x.shape[axis]
-    width = round_up(d, shards) // shards
-    x = padded_columns(x, d, width * shards, axis, value)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(MODEL_AXIS) * width, width, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
