@@ -19,9 +19,9 @@ from launch.show import main as show_main
 from launch.show import show_text
 from sharded_scan.combiners.linalg.regression import LinearRegressionResult
 from sharded_scan.combiners.sketches.quantiles_result import QuantilesResult
+from sharded_scan.combiners.statistics.comoments import CovarianceResult
 from sharded_scan.combiners.statistics.correlation import CorrelationResult
 from sharded_scan.combiners.statistics.describe import DescribeResult
-from sharded_scan.combiners.statistics.moments import CovarianceResult
 from sharded_scan.errors import UsageError
 from sharded_scan.workdir import SUMMARY, named_arrays, write_outputs
 from tests.helpers import assert_usage_error

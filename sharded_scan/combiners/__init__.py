@@ -10,10 +10,11 @@ from sharded_scan.combiners.sketches.distinct import DistinctCount, DistinctCoun
 from sharded_scan.combiners.sketches.quantiles import Quantiles, QuantilesResult
 from sharded_scan.combiners.sketches.seeded import from_datasketches
 from sharded_scan.combiners.sketches.topk import TopK, TopKResult
+from sharded_scan.combiners.statistics.comoments import Covariance, CovarianceResult
 from sharded_scan.combiners.statistics.correlation import Correlation, CorrelationResult
 from sharded_scan.combiners.statistics.describe import Describe, DescribeResult
 from sharded_scan.combiners.statistics.histogram import Histogram, HistogramResult
-from sharded_scan.combiners.statistics.moments import Covariance, CovarianceResult, Moments, MomentsResult
+from sharded_scan.combiners.statistics.moments import Moments, MomentsResult
 from sharded_scan.combiners.statistics.sums import Gram, Sum, SumResult, WeightedSumResult
 from sharded_scan.combiners.wrappers.grouped import GroupBy, GroupByResult
 from sharded_scan.combiners.wrappers.weighted import Weighted

@@ -32,6 +32,7 @@ from sharded_scan.combiners.base import Combiner, masked
 from sharded_scan.combiners.column_split import SplitsByColumns
 from sharded_scan.combiners.linalg import tsqr, whitened
 from sharded_scan.combiners.linalg.lstsq import Factor, nan_factor
+from sharded_scan.combiners.statistics import comoments
 from sharded_scan.combiners.statistics import moments as statistics
 from sharded_scan.errors import UsageError
 
@@ -146,7 +147,7 @@ def check_solver(who: str, solver: str) -> None:
 class SplitsCoMoments(SplitsByColumns):
     """Mixin of ``LinearRegression`` and ``PCA`` (dataclasses with ``solver`` and ``model_shards``):
     with ``solver="comoments"`` :meth:`for_mesh` sets ``model_shards`` to the mesh's ``model`` size and
-    the co-moments split by columns over it, as :class:`~.statistics.Covariance`'s (the means whole on
+    the co-moments split by columns over it, as :class:`~.comoments.Covariance`'s (the means whole on
     every device); the other solvers' states stay whole. :meth:`partition` and :meth:`convert` are
     those of an accumulator that is the co-moments (``LinearRegression`` wraps them)."""
 
@@ -159,14 +160,14 @@ class SplitsCoMoments(SplitsByColumns):
         return _counting(make(targets, self.model_shards) if self.model_shards > 1 else make(targets))
 
     def partition(self, mesh):
-        parts = statistics.split_partition(self.model_shards)
+        parts = comoments.split_partition(self.model_shards)
         return None if parts is None else SolverAcc(parts, P())
 
     def convert(self, acc, source):
         """Between whole co-moments and ones split over ``model`` (a resume on a mesh with other axes)."""
         if self.solver != "comoments":
             return super().convert(acc, source)
-        return acc._replace(value=statistics.laid_out(acc.value, self.model_shards))
+        return acc._replace(value=comoments.laid_out(acc.value, self.model_shards))
 
 
 @dataclasses.dataclass(frozen=True)

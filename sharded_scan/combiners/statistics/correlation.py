@@ -10,7 +10,8 @@ import numpy as np
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.statistics.moments import CoMoments, host_m2, host_mean, no_rows, real_columns
+from sharded_scan.combiners.statistics.comoments import CoMoments
+from sharded_scan.combiners.statistics.moments import host_m2, host_mean, no_rows, real_columns
 
 
 class CorrelationResult(NamedTuple):

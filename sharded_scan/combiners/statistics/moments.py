@@ -1,4 +1,5 @@
-"""Stable second-order statistics: covariance and per-column moments.
+"""Stable second-order statistics: the centred accumulator (of :mod:`.comoments` too), per-column moments,
+and the weighted form of both.
 
 Each device keeps ``(count, shift, mean, M2)``: ``mean`` is measured from ``shift``, a
 value taken from the rows the accumulator saw, so that float32 keeps the digits of the
@@ -9,10 +10,8 @@ small and the sums keep their digits; Chan's formula folds them in with O(d) wor
 partials are merged with it too. Nothing subtracts a square of sums of raw values from
 a sum of their squares.
 
-On a mesh with a ``model`` axis of M devices the co-moment matrix of :class:`Covariance` and
-``Correlation`` is split by columns (``(d, round_up(d, M))``, each device ``d x ceil(d / M)``)
-while ``count``, ``shift`` and ``mean`` stay whole on every device: every device folds and
-merges the same means, and the outer products of its own block of columns (:func:`own_columns`).
+The co-moments of ``Covariance`` and ``Correlation`` (:mod:`.comoments`) are this accumulator with
+``full=True``; on a ``model`` axis split by columns (:func:`own_columns`).
 """
 
 from __future__ import annotations
@@ -30,19 +29,17 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, masked, row_count
 from sharded_scan.combiners.column_split import (
-    SplitsByColumns,
     SplitsEachColumn,
     column_block,
     padded_columns,
     round_up,
 )
-from sharded_scan.combiners.results import frame, labels
-from sharded_scan.combiners.statistics.sums import OUTER_PRODUCTS_AT_ONCE, check_matrix_spec
+from sharded_scan.combiners.results import frame
+from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
-from sharded_scan.mesh import MODEL_AXIS
 
 
 class CenteredAcc(NamedTuple):
@@ -350,127 +347,6 @@ def host_m2(acc: CenteredAcc) -> np.ndarray:
     return m2
 
 
-class CovarianceResult(NamedTuple):
-    """Row count, column means and the (d, d) covariance, like ``np.cov(x, rowvar=False)``.
-
-    Under ``nan_policy="omit"`` (pandas' ``df.cov()``, pairwise complete): ``count`` holds each column's
-    count of finite values, ``mean`` each column's mean of them, ``cov[i, j]`` is over the rows where
-    both columns are finite, ``pair_count[i, j]`` counts them (None under the other policies: every
-    entry is over ``count`` rows)."""
-
-    count: np.ndarray
-    mean: np.ndarray
-    cov: np.ndarray
-    columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
-    pair_count: np.ndarray | None = None  # (d, d) rows of each pair, under nan_policy="omit"
-
-    def to_pandas(self):
-        """The covariance matrix as a DataFrame named by the columns both ways, like ``df.cov()``."""
-        return frame(self, ("cov",), spread={"cov": labels(self, np.shape(self.cov)[0])})
-
-
-def split_partition(shards: int) -> CenteredAcc | None:
-    """The partition of full co-moments split by columns over ``shards`` ``model`` devices (the
-    means whole on each), or None when ``shards`` is 1 (whole)."""
-    split = P(None, MODEL_AXIS)
-    return CenteredAcc(P(), P(), P(), split, split) if shards > 1 else None
-
-
-def laid_out(acc: CenteredAcc, shards: int) -> CenteredAcc:
-    """Full co-moments, whole or split over ``model``, laid out for ``shards`` ``model`` devices (a
-    resume on a mesh with other axes): the real columns, padded with zeros to that many blocks."""
-    d = acc.mean.shape[-1]
-    return acc._replace(**{name: padded_columns(getattr(acc, name), d, round_up(d, shards), axis=1)
-                           for name in ("m2", "m2_lost")})
-
-
-class CoMoments(SplitsByColumns, Combiner):
-    """The centred co-moments of rows X (n, d), and their keyed and weighted forms: what
-    :class:`Covariance` and :class:`~sharded_scan.Correlation` accumulate; a subclass says what
-    its :meth:`result` makes of them (of the real columns: :func:`real_columns`). A subclass is a
-    dataclass with a ``model_shards`` field (set by :meth:`for_mesh`): above 1 the co-moment
-    matrix is split by columns over ``model``."""
-
-    def check_spec(self, spec):
-        super().check_spec(spec)
-        check_matrix_spec(spec, type(self).__name__)
-
-    def partition(self, mesh):
-        return split_partition(self.model_shards)
-
-    def convert(self, acc, source):
-        del source
-        return laid_out(acc, self.model_shards)
-
-    def init(self, spec):
-        return centered_init(spec.shape[0], accumulator_dtype(spec.dtype), full=True, shards=self.model_shards)
-
-    def add(self, acc, batch, mask):
-        return centered_fold(acc, batch, mask, full=True, shards=self.model_shards)
-
-    def add_keyed(self, acc, batch, mask, keys, num_keys):
-        if batch.shape[0] * batch.shape[1] ** 2 > OUTER_PRODUCTS_AT_ONCE:  # per-row outer products: too many
-            return super().add_keyed(acc, batch, mask, keys, num_keys)
-        return centered_fold_keyed(acc, batch, mask, keys, num_keys, full=True, shards=self.model_shards)
-
-    def merge(self, a, b):
-        return centered_merge(a, b, full=True, shards=self.model_shards)
-
-    def omitting_values(self):
-        """The pairwise-complete form (pandas' ``df.cov()``/``df.corr()``): each pair of columns over the
-        rows where both are finite (:mod:`~sharded_scan.combiners.statistics.pairwise`)."""
-        from sharded_scan.combiners.statistics import pairwise  # it builds on this module
-
-        return pairwise.PairwiseCovariance(ddof=self.ddof) if isinstance(self, Covariance) else (
-            pairwise.PairwiseCorrelation())
-
-    def weighted(self):
-        return WeightedCentred(self)
-
-    def finalize(self, acc):
-        return self.result(acc)
-
-    def result(self, acc: CenteredAcc, weight: float | None = None, weight_sq: float | None = None):
-        """The host result of the merged co-moments; ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` of
-        a weighted run (None: every row weighed 1)."""
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class Covariance(CoMoments):
-    """The covariance matrix of rows X (n, d), stable for data far from zero.
-
-    Weighted (``Weighted(Covariance())`` on ``(w, X)``), like ``np.cov(X, rowvar=False,
-    aweights=w, ddof=ddof)``: the divisor is ``Σw - ddof Σw²/Σw`` (reliability weights; at
-    ``ddof=0``, ``Σw``).
-
-    Under ``nan_policy="omit"`` pairwise complete, as pandas' ``df.cov()``: each entry over the rows
-    where both columns are finite (``pair_count``), NaN where a pair has ``ddof`` rows or fewer
-    (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
-
-    Args:
-      ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
-        ``np.cov`` and ``df.cov()``; each built-in takes the default of the function it
-        mirrors: ``Moments`` 0 like ``np.var``, ``Describe`` 1 like pandas).
-      model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by
-        columns over the mesh's ``model`` axis (the means whole on every device).
-    """
-
-    ddof: int = 1
-    model_shards: int = 1
-
-    def check_spec(self, spec):
-        super().check_spec(spec)
-        check_ddof(self.ddof, type(self).__name__)
-
-    def result(self, acc, weight=None, weight_sq=None):
-        acc, count = real_columns(acc), wide.to_int(acc.count)
-        if no_rows(count, "Covariance"):
-            return CovarianceResult(count, *(np.full(np.shape(a), np.nan) for a in (acc.mean, acc.m2)))
-        cov = _divide(host_m2(acc), divisor(count, self.ddof, weight, weight_sq))
-        return CovarianceResult(count, host_mean(acc), cov)
-
-
 def divisor(count: int, ddof: int, weight: float | None, weight_sq: float | None) -> float:
     """The divisor of a (co)variance of ``count`` rows: ``count - ddof``; weighted, as
     ``np.cov(aweights=)``: ``Σw - ddof Σw² / Σw``."""
@@ -538,25 +414,15 @@ class WeightedCentred(WeightSums):
         w, x = batch
         dtype = acc.weights.dtype
         w = masked(w, mask).astype(dtype)
-        before = acc.weights[0] - acc.lost[0]
         if keyed is None:
+            before = acc.weights[0] - acc.lost[0]
             sums = jnp.stack([jnp.sum(w), jnp.sum(w * w)])
-            if isinstance(self.unweighted, Moments):
-                value = self.unweighted.fold(acc.value, x, mask, seen, weights=w, before=before)
-            else:
-                value = centered_fold(acc.value, x, mask, full=True, weights=w, before=before,
-                                      shards=self.unweighted.model_shards)
-            return value, sums
+            return self.unweighted.fold_weighted(acc.value, x, mask, seen, w, before), sums
         keys, num_keys = keyed
         before = acc.weights[:, 0] - acc.lost[:, 0]
         keys = jnp.clip(keys, 0, num_keys - 1)
         sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), keys, num_keys)
-        if isinstance(self.unweighted, Moments):
-            value = self.unweighted.fold(acc.value, x, mask, seen, weights=w, before=before, keyed=(keys, num_keys))
-        else:
-            value = centered_fold_keyed(acc.value, x, mask, keys, num_keys, full=True, weights=w, before=before,
-                                        shards=self.unweighted.model_shards)
-        return value, sums
+        return self.unweighted.fold_weighted(acc.value, x, mask, seen, w, before, (keys, num_keys)), sums
 
     def add(self, acc, batch, mask):
         return self.add_omitting(acc, batch, mask, mask)
@@ -569,18 +435,14 @@ class WeightedCentred(WeightSums):
         return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
-        d = batch[1].shape[1]
-        if not isinstance(self.unweighted, Moments) and batch[1].shape[0] * d * d > OUTER_PRODUCTS_AT_ONCE:
+        if not self.unweighted.folds_keyed_at_once(batch[1]):
             return super().add_keyed(acc, batch, keep, keys, num_keys)
         value, sums = self._fold(acc, batch, keep, (keys, num_keys), seen=mask)
         return WeightedCentredAcc(value, *kahan_add(acc.weights, acc.lost, sums))
 
     def merge(self, a, b):
         na, nb = a.weights[0] - a.lost[0], b.weights[0] - b.lost[0]
-        if isinstance(self.unweighted, Moments):
-            value = self.unweighted.merge(a.value, b.value, na, nb)
-        else:
-            value = merged(a.value, b.value, na, nb, full=True, shards=self.unweighted.model_shards)[0]
+        value = self.unweighted.merge(a.value, b.value, na, nb)
         return WeightedCentredAcc(value, a.weights + b.weights, a.lost + b.lost)
 
 
@@ -896,6 +758,14 @@ class Moments(SplitsEachColumn, Combiner):
         else:
             value = moments_fold(value, x, keep, seen, weights, before)
         return acc._replace(value=value) if split else value
+
+    def fold_weighted(self, acc, x, keep, seen, weights, before, keyed=()):
+        """:meth:`fold` of rows weighing ``weights`` (:class:`WeightedCentred`), ``before`` the ``Σw`` folded."""
+        return self.fold(acc, x, keep, seen, weights, before, keyed)
+
+    def folds_keyed_at_once(self, x) -> bool:
+        """Whether a keyed micro-batch ``x`` folds in one go (:class:`WeightedCentred`): always."""
+        return True
 
     def add(self, acc, batch, mask):
         return self.fold(acc, batch, mask)

@@ -10,7 +10,7 @@ column with its count, as ``Covariance``'s ``shift`` and ``mean``), by masked ma
 (``devᵀ dev``, ``devᵀ m``, ``mᵀ m`` with ``m`` the finite mask), folded into the accumulated entries.
 
 On a mesh with a ``model`` axis of M devices every ``(d, d)`` matrix is split by columns as
-``Covariance``'s co-moments (``(d, round_up(d, M))``, :func:`~.statistics.own_columns`), the per-column
+``Covariance``'s co-moments (``(d, round_up(d, M))``, :func:`~.moments.own_columns`), the per-column
 count, shift and mean whole on every device; the pair counts are exact (:class:`~.wide.Wide`).
 """
 
@@ -28,10 +28,10 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.column_split import SplitsByColumns, padded_columns, round_up
+from sharded_scan.combiners.statistics.comoments import CovarianceResult
 from sharded_scan.combiners.statistics.correlation import CorrelationResult
 from sharded_scan.combiners.statistics.moments import (
     HEAD_ROWS,
-    CovarianceResult,
     check_ddof,
     column_sum,
     own_columns,
