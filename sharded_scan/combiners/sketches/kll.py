@@ -142,17 +142,18 @@ def window_sizes(k: int, rows: int = 0) -> tuple[int, ...]:
 
 
 def _step(
-    s: Sketch, level: jax.Array, run: jax.Array, run_len: jax.Array, inserting: jax.Array, k: int,
-    sizes: tuple[int, ...] | None = None,
+    s: Sketch, level: jax.Array, runs: tuple[jax.Array, ...], run_len: jax.Array, inserting: jax.Array, k: int,
+    sizes: tuple[int, ...] | None = None, move=None,
 ) -> Sketch:
-    """One move of the sketch, in one sorted window: insert ``run`` into ``level``, or compact ``level - 1``.
+    """One move of the sketch, in one sorted window: insert ``runs`` into ``level``, or compact ``level - 1``.
 
-    Inserting: ``level`` holds fewer than ``k`` items; they and the run (``(d, R)`` sorted,
-    ``R <= k``, its first ``run_len`` valid) are merged. Compacting: the items of
-    ``level - 1`` are paired, and the first or second of each pair (per column, at
-    random) joins ``level``; with an odd count the largest stays. Both levels together
-    hold at most ``window_size(k)`` items. ``sizes``: the windows to choose from
-    (default :func:`window_sizes`; each one is compiled).
+    Inserting: ``level`` holds fewer than ``k`` items; they and the run (``runs``: its keys
+    ``(d, R)`` sorted, ``R <= k``, its first ``run_len`` valid; a weighted sketch's: and their
+    weights) are merged. Compacting: the items of ``level - 1`` are paired, and the first or
+    second of each pair (per column, at random) joins ``level``; with an odd count the largest
+    stays. Both levels together hold at most ``window_size(k)`` items. ``sizes``: the windows to
+    choose from (default :func:`window_sizes`; each one is compiled). ``move``: the move in one
+    window (:func:`_move`; the weighted sketch's, :func:`~.kll_weighted._move`).
     """
     low_level = jnp.maximum(level - 1, 0)
     low = jnp.where(inserting, 0, s.sizes[low_level])
@@ -160,8 +161,8 @@ def _step(
     need = jnp.where(inserting, up + run_len, low + up)
     sizes = sizes or window_sizes(k)
     branch = sum((need > size).astype(jnp.int32) for size in sizes[:-1])
-    moves = [functools.partial(_move, size=size) for size in sizes]
-    s = jax.lax.switch(branch, moves, s, level, low_level, low, up, run, run_len, inserting)
+    moves = [functools.partial(move or _move, size=size) for size in sizes]
+    s = jax.lax.switch(branch, moves, s, level, low_level, low, up, *runs, run_len, inserting)
     return s._replace(overflow=s.overflow | jnp.where(inserting, up >= k, need > sizes[-1]))
 
 
@@ -232,16 +233,18 @@ def insert_sorted_rows(
 
     def move(carry):
         s, pending = carry
-        return (_step(s, jnp.where(pending, level, _lowest_full(s, k)), run, length, pending, k, window_sizes(k, mb)),
+        return (_step(s, jnp.where(pending, level, _lowest_full(s, k)), (run,), length, pending, k,
+                      window_sizes(k, mb)),
                 jnp.zeros_like(pending))
 
     return jax.lax.while_loop(lambda c: c[1] | jnp.any(_full(c[0], k)), move, (s, length > 0))[0]
 
 
-def merge(a: Sketch, b: Sketch, k: int) -> Sketch:
+def merge(a: Sketch, b: Sketch, k: int, fields: tuple[str, ...] = ("items",), move_window=None) -> Sketch:
     """The sketch of both: ``b``'s levels inserted into ``a`` as runs, lowest first.
 
-    Either side empty gives the other, unchanged.
+    Either side empty gives the other, unchanged. A weighted sketch (:mod:`.kll_weighted`) merges
+    so too: its runs are its ``fields`` ``("items", "weights")``, each window moved by its ``move_window``.
     """
     levels = jnp.arange(LEVELS, dtype=jnp.int32)
     b_starts = _starts(b.sizes)
@@ -252,10 +255,11 @@ def merge(a: Sketch, b: Sketch, k: int) -> Sketch:
     def move(carry):
         s, h = carry
         at = jnp.minimum(next_level(h), LEVELS - 1)
-        run = _window(b.items, b_starts[at], k)
+        runs = tuple(_window(getattr(b, field), b_starts[at], k) for field in fields)
         inserting = ~jnp.any(_full(s, k))  # compact first: a level takes a run only when settled
         # One window size: a merge runs once per shard, and each size compiles again per merge.
-        s = _step(s, jnp.where(inserting, at, _lowest_full(s, k)), run, b.sizes[at], inserting, k, (window_size(k),))
+        s = _step(s, jnp.where(inserting, at, _lowest_full(s, k)), runs, b.sizes[at], inserting, k,
+                  (window_size(k),), move_window)
         return s, jnp.where(inserting, at + 1, h)
 
     start = a._replace(salt=mix32(a.salt ^ (b.salt * jnp.uint32(GOLDEN))), variance=a.variance + b.variance)

@@ -35,12 +35,14 @@ from sharded_scan.combiners.sketches.kll import (
     _lowest_full,
     _splice,
     _starts,
+    _step,
     _top,
     _window,
     capacities,
     flat_size,
-    window_size,
-    window_sizes,
+)
+from sharded_scan.combiners.sketches.kll import (
+    merge as kll_merge,
 )
 
 
@@ -85,22 +87,9 @@ def systematic(keys: jax.Array, weights: jax.Array, n: jax.Array, m: jax.Array, 
     return jnp.where(jnp.arange(width) < m, picked, fill(keys.dtype)), delta
 
 
-def _step(s: WeightedSketch, level, run, run_w, run_len, inserting, k: int, sizes=None) -> WeightedSketch:
-    """One move: insert the sorted ``run`` (keys and weights ``(d, R)``) into ``level``, or
-    compact ``level - 1`` into ``level`` (:func:`~sharded_scan.combiners.sketches.kll._step`'s choices)."""
-    low_level = jnp.maximum(level - 1, 0)
-    low = jnp.where(inserting, 0, s.sizes[low_level])
-    up = s.sizes[level]
-    need = jnp.where(inserting, up + run_len, low + up)
-    sizes = sizes or window_sizes(k)
-    branch = sum((need > size).astype(jnp.int32) for size in sizes[:-1])
-    moves = [functools.partial(_move, size=size) for size in sizes]
-    s = jax.lax.switch(branch, moves, s, level, low_level, low, up, run, run_w, run_len, inserting)
-    return s._replace(overflow=s.overflow | jnp.where(inserting, up >= k, need > sizes[-1]))
-
-
 def _move(s: WeightedSketch, level, low_level, low, up, run, run_w, run_len, inserting, *, size: int):
-    """:func:`_step` in a window of ``size`` slots."""
+    """:func:`~sharded_scan.combiners.sketches.kll._step` in a window of ``size`` slots: insert the sorted
+    ``run`` (keys and weights ``(d, R)``) into ``level``, or compact ``level - 1`` into ``level``."""
     pos = jnp.arange(size, dtype=jnp.int32)
     start = jnp.where(inserting, _starts(s.sizes)[level], _starts(s.sizes)[low_level])
     win, win_w = _window(s.items, start, size), _window(s.weights, start, size)
@@ -161,36 +150,14 @@ def insert_sorted_rows(s: WeightedSketch, keys: jax.Array, weights: jax.Array, c
     def move(carry):
         s, pending = carry
         at = jnp.where(pending, level, _lowest_full(s, k))
-        return _step(s, at, run, run_w, length, pending, k), jnp.zeros_like(pending)
+        return _step(s, at, (run, run_w), length, pending, k, move=_move), jnp.zeros_like(pending)
 
     return jax.lax.while_loop(lambda c: c[1] | jnp.any(_full(c[0], k)), move, (s, length > 0))[0]
 
 
 def merge(a: WeightedSketch, b: WeightedSketch, k: int) -> WeightedSketch:
-    """The sketch of both: ``b``'s levels inserted into ``a`` as runs, lowest first (either side
-    empty gives the other, unchanged)."""
-    levels = jnp.arange(LEVELS, dtype=jnp.int32)
-    b_starts = _starts(b.sizes)
-
-    def next_level(h):
-        return jnp.min(jnp.where((levels >= h) & (b.sizes > 0), levels, LEVELS))
-
-    def move(carry):
-        s, h = carry
-        at = jnp.minimum(next_level(h), LEVELS - 1)
-        run, run_w = _window(b.items, b_starts[at], k), _window(b.weights, b_starts[at], k)
-        inserting = ~jnp.any(_full(s, k))
-        s = _step(s, jnp.where(inserting, at, _lowest_full(s, k)), run, run_w, b.sizes[at], inserting, k,
-                  (window_size(k),))
-        return s, jnp.where(inserting, at + 1, h)
-
-    start = a._replace(salt=mix32(a.salt ^ (b.salt * jnp.uint32(GOLDEN))), variance=a.variance + b.variance)
-    merged = jax.lax.while_loop(
-        lambda c: jnp.any(_full(c[0], k)) | (next_level(c[1]) < LEVELS), move, (start, jnp.zeros_like(a.sizes[0]))
-    )[0]
-    merged = merged._replace(overflow=merged.overflow | b.overflow)
-    a_empty, b_empty = jnp.all(a.sizes == 0), jnp.all(b.sizes == 0)
-    return jax.tree.map(lambda x, y, m: jnp.where(b_empty, x, jnp.where(a_empty, y, m)), a, b, merged)
+    """The sketch of both (:func:`~sharded_scan.combiners.sketches.kll.merge`, with the items' weights)."""
+    return kll_merge(a, b, k, ("items", "weights"), _move)
 
 
 def to_host(s: WeightedSketch) -> HostSketch:
