@@ -145,3 +145,28 @@ def test_python_requires_matches_the_features_the_code_uses():
     assert used.get("StrEnum") and minor >= 11  # program.py's enum.StrEnum
     ruff = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["target-version"]
     assert ruff == f"py3{minor}", ruff  # the linter checks the same Python
+
+
+def test_combiner_families_are_designs_rooms_and_import_down_the_list():
+    """DESIGN.md's Rooms name combiners/'s sub-packages as the tree has them; a combiner module imports the rooms
+    below it only: errors, dtypes, mesh and the combiner rooms listed before its own (never layout)."""
+    rooms = re.findall(r"^- `combiners/(\w*)/?` —", (ROOT / "DESIGN.md").read_text(), re.M)
+    families = {p.parent.name for p in (ROOT / "sharded_scan" / "combiners").glob("*/__init__.py")}
+    assert rooms[0] == "" and sorted(rooms[1:]) == sorted(families), (rooms, families)
+    rank = {room: i for i, room in enumerate(rooms)}
+    wrong = []
+    for path, tree in library_trees():
+        parts = path.relative_to(ROOT).parts
+        if parts[:2] != ("sharded_scan", "combiners") or parts[2:] == ("__init__.py",):
+            continue  # combiners/__init__.py gathers the public names of every family
+        own = parts[2] if len(parts) > 3 else ""
+        for node in ast.walk(tree):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [
+                a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in (n.split(".") for n in names if n.startswith("sharded_scan.")):
+                room = (name[2] if len(name) > 2 and name[2] in families else "") if name[1] == "combiners" else None
+                if (room is None and name[1] not in ("errors", "dtypes", "mesh")) or (
+                        room is not None and rank[room] > rank[own]):
+                    wrong.append(f"{'/'.join(parts[1:])} imports {'.'.join(name)}")
+    assert wrong == [], wrong
+

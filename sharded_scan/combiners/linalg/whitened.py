@@ -41,7 +41,6 @@ from sharded_scan.combiners.linalg import dense
 from sharded_scan.combiners.linalg.lstsq import Factor
 from sharded_scan.combiners.linalg.tsqr import augmented, moved, scaled
 from sharded_scan.combiners.statistics.moments import reference_point
-from sharded_scan.layout import REPRODUCIBLE_MICROBATCH
 
 GROWTH = 16.0          # re-whiten when a micro-batch's correlations exceed this many times M's floor
 DIAGONAL_COND = 64.0   # keep a diagonal basis while the centred correlations' condition number is below this
@@ -248,17 +247,22 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
 
 
+# The most rows one reduction of the fold sums at once; as many as a micro-batch of a job with
+# logical_shards (layout.REPRODUCIBLE_MICROBATCH), which XLA:CPU reduces in one thread.
+BLOCK_ROWS = 256
+
+
 def _blocked(reduce, rows: jax.Array) -> jax.Array:
     """``reduce`` (a sum over rows) of ``rows``, as the sum of its values on blocks of at most
-    ``REPRODUCIBLE_MICROBATCH`` rows in a fixed order.
+    ``BLOCK_ROWS`` rows in a fixed order.
 
     XLA:CPU splits a longer reduction between threads by how many devices the process has;
     a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold depend
     on the device count, and ``logical_shards`` promises it does not.
     """
     out = None
-    for start in range(0, rows.shape[0], REPRODUCIBLE_MICROBATCH):
-        part = reduce(rows[start : start + REPRODUCIBLE_MICROBATCH])
+    for start in range(0, rows.shape[0], BLOCK_ROWS):
+        part = reduce(rows[start : start + BLOCK_ROWS])
         out = part if out is None else out + part
     return out
 
