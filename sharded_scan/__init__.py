@@ -10,6 +10,8 @@ refused a write), :class:`Preempted` (SIGTERM or SIGINT; a checkpoint was saved)
 past 2^31 with :mod:`counts` (``counts.zeros()``, ``counts.count_rows(acc, mask)``, ``counts.to_int``).
 """
 
+import sys as _sys
+
 from sharded_scan.checkpoint import CheckpointOptions
 from sharded_scan.combiners import (
     PCA,
@@ -42,6 +44,9 @@ from sharded_scan.mesh import make_mesh
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import ReadError
 from sharded_scan.workdir import run_in_workdir
+
+# `import sharded_scan.counts` and `from sharded_scan.counts import ...` find the module itself: one home, one name
+_sys.modules[f"{__name__}.counts"] = counts
 
 __all__ = [
     "PCA",

@@ -170,3 +170,11 @@ def test_combiner_families_are_designs_rooms_and_import_down_the_list():
                     wrong.append(f"{'/'.join(parts[1:])} imports {'.'.join(name)}")
     assert wrong == [], wrong
 
+
+def test_counts_imports_as_a_module_of_its_own_name():
+    import importlib
+
+    assert importlib.import_module("sharded_scan.counts") is ss.counts
+    from sharded_scan.counts import count_rows
+
+    assert count_rows is ss.counts.count_rows
