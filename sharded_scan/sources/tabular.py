@@ -27,7 +27,8 @@ warns naming every column it leaves out (:class:`~sharded_scan.errors.ColumnsLef
 rows are first asked for, and never of the column a ``GroupBy(by=...)`` reads as its keys).
 
 pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``; Polars, where installed
-(``pip install sharded_scan[fast]``), decodes Parquet (``ParquetSource(decoder=...)``), to the same rows.
+(``pip install sharded_scan[fast]``), decodes Parquet and CSV (``ParquetSource(decoder=...)``,
+``CsvSource(decoder=...)``), to the same rows.
 """
 
 from __future__ import annotations
@@ -440,6 +441,11 @@ AHEAD_BYTES = 512 << 20
 # Polars query 0.2-0.4 ms CPU more than pyarrow's scan (its footer, its plan), and its decode saves about
 # 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
 POLARS_MIN_GROUP_BYTES = 1 << 20
+# decoder="auto" reads a CSV file of at least this many bytes with Polars (where it reads the selection faster).
+POLARS_MIN_CSV_BYTES = 1 << 20
+CSV_BATCH_ROWS = 1 << 16  # rows of a batch Polars' CSV reader hands over
+POLARS_CSV_TYPES = {"int64": "Int64", "double": "Float64", "bool": "Boolean", "string": "String",
+                    "large_string": "String"}  # pyarrow's CSV types, as Polars names them
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _polars_forked = False  # Polars was loaded before this process forked: its threads are gone and a query hangs
@@ -908,12 +914,23 @@ class CsvSource(Source):
       block_bytes: bytes pyarrow parses at a time (1 MiB blocks parse in cache: 1.4x the rate of 16 MiB
         ones on 2 cores, ``bench/tabular_streaming.py``).
       strings: as for :class:`ParquetSource`.
+      decoder: what parses the rows the reads return: ``"polars"`` (Polars' CSV reader, on its own pool of
+        :func:`host_cores` threads, ahead of the reads), ``"pyarrow"``, or ``"auto"`` (default): Polars where it
+        is installed, the file holds at least :data:`POLARS_MIN_CSV_BYTES` and the selection is of string columns
+        (where it measured faster, ``bench/decode.py --csv``), else pyarrow. Either way the rows are the same
+        values (``tests/test_decoders.py``): pyarrow's counting pass sets the types (its first block's), the nulls
+        (its ``null_values``; a string is never null) and what is malformed (one line); a file with blank lines
+        (pyarrow skips them, Polars reads rows of nulls) is pyarrow's, and a value Polars does not parse as
+        pyarrow does (``"1.5 "``, a bool ``1``) has pyarrow read the rest of the file.
     """
 
     def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
-                 block_bytes: int = 1 << 20, strings: str = "hash"):
+                 block_bytes: int = 1 << 20, strings: str = "hash", decoder: str = "auto"):
         pa = _pyarrow()
-        self._args = {"path": path, "dtype": dtype, "block_bytes": block_bytes, "strings": strings}  # for grouped_by
+        if decoder not in DECODERS:
+            raise UsageError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}.")
+        self._args = {"path": path, "dtype": dtype, "block_bytes": block_bytes, "strings": strings,
+                      "decoder": decoder}  # for grouped_by
         self._path, self._block_bytes = os.fspath(path), int(block_bytes)
         self._label = repr(self._path)
         if not os.path.isfile(self._path):
@@ -925,8 +942,48 @@ class CsvSource(Source):
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
         self._selection = resolve_columns(self._schema, columns, dtype, self._label, strings)
         self._num_rows = self._counted()
+        self._polars_rows: int | None = None  # the rows Polars counts (blank lines too), once asked
+        self._decoder = self._choose_decoder(decoder)
         self._reader, self._position, self._buffer = None, 0, None
         self._watch = FileWatch([self._path])
+
+    def _choose_decoder(self, decoder: str) -> str:
+        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this selection; one line for
+        ``"polars"`` where Polars cannot read the file as pyarrow does."""
+        strings = bool(self._selection.strings)
+        if decoder == "pyarrow" or (decoder == "auto" and (not strings or os.path.getsize(self._path)
+                                                           < POLARS_MIN_CSV_BYTES)):
+            return "pyarrow"
+        pl = _polars()
+        odd = [f"{n!r} ({self._schema.field(n).type})" for n in self._selection.names()
+               if str(self._schema.field(n).type) not in POLARS_CSV_TYPES]
+        why = ("Polars is not installed (pip install polars)" if pl is None
+               else "Polars was loaded before this process forked, and hangs in a forked child" if _polars_forked
+               else f"Polars leaves the types of {', '.join(odd)} to pyarrow" if odd
+               else None)
+        if why is None:
+            if self._polars_rows is None:
+                try:
+                    self._polars_rows = int(pl.scan_csv(self._path, infer_schema=False, glob=False)
+                                            .select(pl.len()).collect().item())
+                except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    self._polars_rows = -1
+            if self._polars_rows != self._num_rows:
+                why = (f"Polars counts {self._polars_rows} rows where pyarrow counts {self._num_rows} (blank lines, "
+                       "which pyarrow skips and Polars reads as rows of nulls)")
+        if why is None:
+            return "polars"
+        if decoder == "polars":
+            raise UsageError(f"decoder='polars' cannot read {self._label}: {why}; pass decoder='auto' (pyarrow "
+                             "where Polars cannot) or decoder='pyarrow'.")
+        return "pyarrow"
+
+    @property
+    def decoder(self) -> str:
+        """What parses the rows: ``"polars"`` or ``"pyarrow"`` (``decoder="auto"`` resolved)."""
+        return self._decoder
 
     def _read_options(self) -> Any:
         return _pyarrow().csv.ReadOptions(block_size=self._block_bytes)
@@ -957,7 +1014,34 @@ class CsvSource(Source):
         floats = np.issubdtype(self._selection.dtype, np.floating)
         if floats and not keys and not np.issubdtype(part._selection.dtype, np.floating):
             part._counted()
+        part._decoder = part._choose_decoder(self._args["decoder"])
         return part
+
+    def _open_polars(self, start: int) -> Iterator[Any]:
+        """The selected columns' rows from row ``start`` on as Arrow tables, parsed by Polars on its pool ahead of
+        the reads, with the counting pass's types and nulls (pyarrow's ``null_values`` in numbers; a string is never
+        null: an empty field is ``""``)."""
+        pl, pa, names = _polars(), _pyarrow(), self._selection.names()
+        types = {n: getattr(pl, POLARS_CSV_TYPES[str(self._schema.field(n).type)]) for n in names}
+        text = bool(self._selection.strings)
+        frame = pl.scan_csv(self._path, schema_overrides=types, infer_schema=False, glob=False,
+                            null_values=None if text else pa.csv.ConvertOptions().null_values,
+                            empty_string_is_null=not text)
+        for batch in frame.select(names).slice(start).collect_batches(chunk_size=CSV_BATCH_ROWS):
+            yield batch.to_arrow(compat_level=pl.CompatLevel.oldest())
+
+    def _next_batch(self) -> Any:
+        """The next batch of the reader; where Polars fails on a value (one pyarrow parses, as its counting pass
+        did), pyarrow reads on from the same row."""
+        try:
+            return next(self._reader)
+        except StopIteration:
+            raise
+        except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or self._decoder != "polars":
+                raise
+        self._decoder, self._reader = "pyarrow", _skip(self._open(), self._position)
+        return next(self._reader)
 
     def _open(self) -> Any:
         """The selected columns' record batches in file order, with the types the counting pass
@@ -1035,12 +1119,14 @@ class CsvSource(Source):
         self._check_range(start, stop)
         if start < self._position:
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
-        if self._reader is None:
+        if self._reader is None and self._decoder == "polars" and not _polars_forked:
+            self._reader, self._position = self._open_polars(start), start
+        elif self._reader is None:
             self._reader = self._open()
         out = self._selection.empty(pad_to or stop - start, stop - start)
         while self._position < stop:
             if self._buffer is None or self._buffer.num_rows == 0:
-                self._buffer = next(self._reader)
+                self._buffer = self._next_batch()
             skip = max(start - self._position, 0)
             take = min(self._buffer.num_rows, stop - self._position)
             if skip < take:
@@ -1053,6 +1139,17 @@ class CsvSource(Source):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._selection.columns)}
+
+
+def _skip(batches: Iterator[Any], rows: int) -> Iterator[Any]:
+    """``batches`` (Arrow) without their first ``rows`` rows."""
+    for batch in batches:
+        if rows < batch.num_rows:
+            yield batch.slice(rows)
+            rows = 0
+        else:
+            rows -= batch.num_rows
+    return
 
 
 def grouped_by(source: ParquetSource | CsvSource, by: str) -> Source:
