@@ -16,6 +16,11 @@ the best CPU of the calling thread, the serial part of a read, over the rounds):
   and cast, no JAX;
 - ``moments run``: ``ss.run(ss.Moments(), ParquetSource(..., decoder=...))``, decode to result.
 
+``--csv``: a CSV file of the same rows with a string column (``python -m bench.decode --csv [--quick]``): each
+library's own whole-file read (pyarrow on 1 thread and on its pool, Polars on its pool, of the float columns and
+of the string column), and ``CsvSource(decoder=...)`` read step by step, floats and strings; MB: the file's bytes.
+JSON: ``bench/results/decode_csv[_quick].json``.
+
 Polars' own pool has ``POLARS_MAX_THREADS`` threads (default: the cores), fixed when it is imported: its rows
 with ``t`` threads are ``t`` concurrent queries on that pool. JSON goes to ``bench/results/decode[_quick].json``.
 """
@@ -34,12 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import sharded_scan as ss
-from sharded_scan.sources import ParquetSource
+from sharded_scan.sources import CsvSource, ParquetSource
 from sharded_scan.sources.tabular import host_cores
 
 try:
     import polars as pl
     import pyarrow as pa
+    import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 except ImportError as e:  # pragma: no cover - the bench extra
     raise SystemExit(f"{e}: pip install -e '.[bench]' (polars, pyarrow)") from None
@@ -97,14 +103,67 @@ def read_all(source: ParquetSource, step: int) -> None:
         source.read(start, min(start + step, source.num_rows))
 
 
+def csv_main(rows: int, repeats: int, quick: bool) -> None:
+    """The ``--csv`` rows: each library's own read and ``CsvSource`` per decoder, numbers and strings."""
+    cores = host_cores()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "decode.csv")
+        rng = np.random.default_rng(0)
+        words = np.array(["Oslo", "Köln", "São Paulo", "New York, NY", "x" * 20], object)
+        pl.DataFrame({**{c: rng.standard_normal(rows).astype(np.float32) for c in COLUMNS},
+                      "city": words[rng.integers(0, len(words), rows)]}).write_csv(path)
+        megabytes = os.path.getsize(path) / 1e6
+        step = 1 << 17
+        sources = {(d, kind): CsvSource(path, columns=COLUMNS if kind == "floats" else "city", decoder=d)
+                   for d in ("pyarrow", "polars") for kind in ("floats", "strings")}
+        floats = {c: pl.Float64 for c in COLUMNS}
+        calls = {
+            "pyarrow read_csv, 1 thread, floats": lambda: pcsv.read_csv(path, read_options=pcsv.ReadOptions(
+                use_threads=False), convert_options=pcsv.ConvertOptions(include_columns=COLUMNS)),
+            f"pyarrow read_csv, {cores} threads, floats": lambda: pcsv.read_csv(
+                path, convert_options=pcsv.ConvertOptions(include_columns=COLUMNS)),
+            f"polars read_csv, {cores} threads, floats": lambda: pl.read_csv(path, columns=COLUMNS,
+                                                                            schema_overrides=floats),
+            "pyarrow read_csv, 1 thread, strings": lambda: pcsv.read_csv(path, read_options=pcsv.ReadOptions(
+                use_threads=False), convert_options=pcsv.ConvertOptions(include_columns=["city"])),
+            f"pyarrow read_csv, {cores} threads, strings": lambda: pcsv.read_csv(
+                path, convert_options=pcsv.ConvertOptions(include_columns=["city"])),
+            f"polars read_csv, {cores} threads, strings": lambda: pl.read_csv(path, columns=["city"]),
+            **{f"source reads, {d}, {kind}": (lambda s=s: read_all(s, step)) for (d, kind), s in sources.items()},
+        }
+        load = os.getloadavg()[0]
+        seconds = timed(calls, repeats)
+    print(f"{rows:,} rows x ({len(COLUMNS)} float32 + 1 string) as CSV ({megabytes:.0f} MB), {cores} cores, "
+          f"load {load:.1f}, best of {repeats}")
+    print(f"  {'':<40}{'wall s':>8}{'CPU s':>8}{'caller s':>9}{'MB/s':>8}{'MB/s/thread':>13}")
+    for name, (wall, cpu, caller) in seconds.items():
+        t = int(name.split(", ")[1].split()[0]) if "thread" in name else None
+        per = f"{megabytes / wall / t:13.0f}" if t else ""
+        print(f"  {name:<40}{wall:8.3f}{cpu:8.3f}{caller:9.3f}{megabytes / wall:8.0f}{per}")
+    for kind in ("floats", "strings"):
+        a, b = seconds[f"source reads, pyarrow, {kind}"], seconds[f"source reads, polars, {kind}"]
+        print(f"  source reads, {kind}: polars {a[0] / b[0]:.2f}x the speed of pyarrow (wall), {a[1] / b[1]:.2f}x "
+              f"(CPU), {a[2] / b[2]:.2f}x (the reading thread's CPU)")
+    os.makedirs(RESULTS, exist_ok=True)
+    out = os.path.join(RESULTS, f"decode_csv{'_quick' if quick else ''}.json")
+    with open(out, "w") as f:
+        kinds = ("wall", "cpu", "caller_cpu")
+        json.dump({"rows": rows, "cores": cores, "load": load, "repeats": repeats, "machine": platform.machine(),
+                   "seconds": {k: dict(zip(kinds, v, strict=True)) for k, v in seconds.items()}}, f, indent=1)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2^19 rows, best of 3")
-    parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6; quick 2^19)")
+    parser.add_argument("--csv", action="store_true", help="CSV: pyarrow and Polars, CsvSource")
+    parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6, CSV 10^6; quick 2^19)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 5; quick 3)")
     args = parser.parse_args()
-    rows = args.rows or (1 << 19 if args.quick else 4_000_000)
+    rows = args.rows or (1 << 19 if args.quick else 1_000_000 if args.csv else 4_000_000)
     repeats = args.repeats or (3 if args.quick else 5)
+    if args.csv:
+        return csv_main(rows, repeats, args.quick)
     cores = host_cores()
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32, 64) if t < cores})
     megabytes = rows * len(COLUMNS) * 4 / 1e6

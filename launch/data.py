@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -90,20 +88,10 @@ def _tabular(data: Any) -> sources.Source:
 
     if not data.key:
         return read(_columns(data), data.dtype or None)
-    # The keys in a source of their own, in their own type (one source reads one dtype; a string column as
-    # ids, which GroupBy turns into its strings); the rest as a None resolves beside them (every numeric column
-    # but the keys and weights).
-    keys = read(data.key, None)
-    if not keys.string_columns:
-        return sources.TreeSource((keys, read(read(_columns(data), None).selected_columns[1], data.dtype or None)))
-    with warnings.catch_warnings(record=True) as seen:  # a string key: a None leaves it out, as it should
-        warnings.simplefilter("always")
-        rest = read(_columns(data)[1], data.dtype or None)
-    only_key = re.compile(rf"leaves out {re.escape(repr(data.key))} \([^)]*\); count")
-    for w in seen:
-        if not only_key.search(str(w.message)):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return sources.TreeSource((keys, rest))
+    # The rows as GroupBy(by=key) reads them: the keys in a source of their own, in their own type (one source reads
+    # one dtype; a string column as ids, which GroupBy turns into its strings); the rest as a None resolves beside
+    # them (every numeric column but the keys and weights), no warning about the key column a None leaves out.
+    return read(_columns(data)[1], data.dtype or None).grouped_by(data.key)
 
 
 ZIPF_EXPONENT = 1.1  # synthetic keys: key k is drawn about (k + 1) ** -1.1 as often as key 0
@@ -140,15 +128,21 @@ class ZipfKeys(sources.Source):
         return {**super().describe(), "num_keys": self._num_keys, "seed": self._seed, "chunk_rows": self._chunk_rows}
 
 
-def synthetic_keys(data: Any) -> sources.Source | None:
-    """The synthetic kind's keys, ``data.key='zipf:K'``: :class:`ZipfKeys` below ``K``; None when unset."""
+def synthetic_key_count(data: Any) -> int | None:
+    """``K`` of the synthetic kind's keys, ``data.key='zipf:K'``; None when unset."""
     if not data.key:
         return None
     kind, _, count = data.key.partition(":")
     if kind != "zipf" or not count.isdigit() or int(count) < 1:
         raise UsageError(f"config.data.key={data.key!r}: synthetic keys read 'zipf:K' (K keys, 0..K-1, with Zipf "
                          "frequencies), e.g. --config.data.key=zipf:1000.")
-    return ZipfKeys(data.num_rows, int(count), data.seed, data.chunk_rows)
+    return int(count)
+
+
+def synthetic_keys(data: Any) -> sources.Source | None:
+    """The synthetic kind's keys, ``data.key='zipf:K'``: :class:`ZipfKeys` below ``K``; None when unset."""
+    count = synthetic_key_count(data)
+    return None if count is None else ZipfKeys(data.num_rows, count, data.seed, data.chunk_rows)
 
 
 def _synthetic(data: Any) -> sources.Source:
@@ -342,7 +336,7 @@ def make_combiner(combiner: Any, data: Any = None) -> sharded_scan.Combiner:
         kwargs = {name: value for name, value in dict(combiner.get("kwargs", {}) or {}).items() if value is not None}
         dense = data is not None and data.kind == "synthetic" and data.get("key")
         if dense and not {"num_keys", "max_keys"} & kwargs.keys():  # synthetic keys 0..K-1: num_keys K
-            kwargs["num_keys"] = synthetic_keys(data).num_keys
+            kwargs["num_keys"] = synthetic_key_count(data)
         return _built(combiner.name, {**kwargs, "inner": sharded_scan.Weighted(inner) if weighted else inner})
     if data is not None and data.get("key"):
         raise UsageError(f"config.data.key={data.key!r} makes rows (keys, X), which config.combiner.name="

@@ -15,6 +15,16 @@ class UsageError(ValueError):
         self.cli = cli or str(self)
 
 
+class ColumnsLeftOut(UserWarning):
+    """``columns=None`` of a tabular source left out columns it cannot read as numbers (strings, dates...):
+    ``columns`` names them. Name the columns you want (``columns=[...]``) to silence it, or filter this class
+    (``warnings.filterwarnings("ignore", category=ColumnsLeftOut)``)."""
+
+    def __init__(self, message: str, columns: list[str] | None = None):
+        super().__init__(message)
+        self.columns = list(columns or [])
+
+
 class StorageError(OSError):
     """The storage refused a write the job needs (no space, read-only, no permission, quota).
 

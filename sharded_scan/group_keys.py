@@ -4,11 +4,14 @@ A ``GroupBy`` without ``num_keys`` groups rows by their keys' values (strings, i
 bools, categoricals). Before anything compiles, :func:`grouped_source` finds the distinct keys: for keys in
 memory by ``pandas.factorize`` (sorted, missing keys dropped), for keys a source reads (a Parquet or CSV
 column) by reading that column once, chunk by chunk, bounded by ``max_keys`` (more is one line as soon as
-seen), a string column's ids turned back into its strings by ``Source.strings``. The keys, sorted as pandas
-sorts them, number the slots; each row's key reaches the devices as its slot (int32): the same dense programs
-as ``num_keys`` = the number of keys. Every process reads the whole key column, so every process finds the
-same keys and slots; a resumed run finds them again from the same (stamped) files, and the fingerprint names
-them (``GroupBy.fingerprint``): checkpoints, resumes and multi-host runs stay exact.
+seen): a file's column as Arrow chunks, a string column's ids and strings together, its nulls missing keys
+(their rows dropped, as pandas' ``groupby(dropna=True)``; the result's ``rows`` count the rows kept); another
+source's string ids turned back into strings by ``Source.strings``. The keys, sorted as pandas sorts them (a
+categorical's, and a file's dictionary column's, in their categories' order), number the slots; each row's
+key reaches the devices as its slot (int32): the same dense programs as ``num_keys`` = the number of keys.
+Every process reads the whole key column, so every process finds the same keys and slots; a resumed run finds them
+again from the same (stamped) files, and the fingerprint names them (``GroupBy.fingerprint``): checkpoints, resumes
+and multi-host runs stay exact.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import numpy as np
 
 from sharded_scan.combiners.results import pandas
 from sharded_scan.combiners.wrappers.grouped import MISSING, GroupBy, too_many_keys
+from sharded_scan.dtypes import string_ids_of_utf8
 from sharded_scan.errors import UsageError
 from sharded_scan.sources import Source, as_source
 from sharded_scan.sources.compose import TreeSource
+from sharded_scan.sources.tabular import _dictionary, _utf8_buffers
 
 CHUNK_ROWS = 1 << 20  # rows of the key column read at a time when finding a source's keys
 
@@ -141,6 +146,8 @@ def source_keys(keys: Source, max_keys: int) -> tuple[np.ndarray, np.ndarray, np
     spec = keys.spec
     if not isinstance(spec, jax.ShapeDtypeStruct) or spec.shape != ():
         raise UsageError("GroupBy keys must be one key a row; name one column for the keys.")
+    if hasattr(keys, "key_chunks"):  # a column of a file, read once (a string column with its strings)
+        return _column_keys(keys, max_keys)
     found = np.zeros(0, np.dtype(spec.dtype))
     for start in range(0, keys.num_rows, CHUNK_ROWS):
         stop = min(start + CHUNK_ROWS, keys.num_rows)
@@ -151,17 +158,75 @@ def source_keys(keys: Source, max_keys: int) -> tuple[np.ndarray, np.ndarray, np
     if not keys.string_columns:
         return found, found, np.arange(len(found), dtype=np.int32)
     column = keys.string_columns[0]
-    strings = keys.strings(column, found.tolist())
+    return _sorted_strings(column, found, keys.strings(column, found.tolist()))
+
+
+def _sorted_strings(column: str, found: np.ndarray, strings: dict[int, Any],
+                    categories: dict[str, int] | None = None) -> tuple[np.ndarray, ...]:
+    """The strings of a key column's ``found`` ids (``strings``: id -> the strings of that id) sorted as pandas
+    sorts them (as Python does; a categorical's in its ``categories``' order: string -> place), ``found`` and each
+    id's slot; one line for two strings of one id."""
     shared = next((i for i in found.tolist() if len(strings.get(i, ())) != 1), None)
     if shared is not None:
         raise UsageError(f"the GroupBy key column {column!r} holds the strings {sorted(strings.get(shared, {}))!r}, "
                          f"which share the 64-bit id {shared} (about 1 in 2^64 per pair; an int32 dtype keeps 32 "
                          "bits): they cannot be told apart as keys; rename one.")
     text = [next(iter(strings[i])) for i in found.tolist()]
-    order = sorted(range(len(text)), key=text.__getitem__)  # pandas sorts strings as Python does
+    order = sorted(range(len(text)), key=text.__getitem__ if categories is None else  # pandas sorts strings as
+                   lambda i: categories[text[i]])  # Python does, a categorical's keys in their categories' order
     slots = np.empty(len(text), np.int32)
     slots[order] = np.arange(len(text), dtype=np.int32)
     return _object_values([text[i] for i in order]), found, slots
+
+
+def _column_keys(keys: Source, max_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`source_keys` of a Parquet or CSV key column, read once as Arrow chunks (``key_chunks``): a
+    string column's ids and strings together. Null keys are missing (their rows dropped, as pandas'
+    ``groupby(dropna=True)``): the column reads them as a value no key has (``read_missing_as``)."""
+    dtype = np.dtype(keys.spec.dtype)
+    found, strings, rows, missing = np.zeros(0, dtype), {}, 0, 0
+    categories: dict[str, int] | None = None  # a dictionary column's values, in the order pandas reads them
+    for chunk in keys.key_chunks():
+        if hasattr(chunk, "dictionary"):  # as pandas' to_pandas unifies them: the first, then values new in others
+            categories = {} if categories is None else categories
+            for value in chunk.dictionary.to_pylist():
+                categories.setdefault(value, len(categories))
+        for lo in range(0, len(chunk), CHUNK_ROWS):
+            part = chunk.slice(lo, CHUNK_ROWS)
+            missing += part.null_count
+            present = part.drop_null() if part.null_count else part
+            if keys.string_columns:
+                dictionary, indices = _dictionary(present)
+                used = np.unique(indices)  # a dictionary column's dictionary may hold values no row has
+                ids = string_ids_of_utf8(*_utf8_buffers(dictionary)).astype(dtype)[used]
+                for i, at in zip(ids.tolist(), used.tolist(), strict=True):
+                    strings.setdefault(i, set()).add(dictionary[at].as_py())
+            else:
+                ids = np.unique(np.asarray(present.to_numpy(zero_copy_only=False), dtype))
+                ids = ids[~np.isnan(ids)] if dtype.kind == "f" else ids
+            found = np.union1d(found, ids)
+            rows += len(part)
+            if len(found) > max_keys:
+                raise too_many_keys(len(found), max_keys, f"at least (by row {rows} of {keys.num_rows}) ")
+    if missing:
+        keys.read_missing_as(_free_value(found, dtype, keys.column_names))
+    if not keys.string_columns:
+        return found, found, np.arange(len(found), dtype=np.int32)
+    return _sorted_strings(keys.string_columns[0], found, strings, categories)
+
+
+def _free_value(found: np.ndarray, dtype: np.dtype, column: Any) -> Any:
+    """A value of ``dtype`` that is none of the keys ``found`` (sorted): what a null key is read as."""
+    if dtype.kind == "f":
+        return np.nan
+    if dtype.kind == "b":
+        if len(found) < 2:
+            return not bool(found[0]) if len(found) else False
+        raise UsageError(f"the GroupBy key column {column!r} holds True, False and nulls, and bools have no third "
+                         "value to read a null as; cast it to integers (or strings) first.")
+    low = np.iinfo(dtype).min
+    taken = found[: np.searchsorted(found, low + len(found) + 1)]  # the first len(found) + 1 values hold a free one
+    return dtype.type(low + next(i for i in range(len(found) + 1) if i >= len(taken) or taken[i] != low + i))
 
 
 class KeySlots(Source):

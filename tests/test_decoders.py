@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sharded_scan.errors import UsageError
-from sharded_scan.sources import ParquetSource, tabular
+from sharded_scan.sources import CsvSource, ParquetSource, tabular
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -122,3 +122,67 @@ def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would
         finally:
             os._exit(0 if ok else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def edge_csv(path, rows=ROWS, late=None):
+    """A CSV of the values a reader may parse its own way: pyarrow's null words (NaN, nan, N/A, an empty or a
+    quoted empty field), inf, -0.0, a subnormal, an overflow, int64's limits (nulls as NaN in float64), bools, and
+    strings with commas, quotes, newlines, CRLF, NUL, unicode and spaces; ``late``: a row whose float Polars does
+    not parse (``"2.5 "``)."""
+    rng = np.random.default_rng(5)
+    floats = np.array(["1.5", "NaN", "nan", "", "inf", "-inf", "-0.0", "1e-320", "1e400", "N/A", '"NA"', '""',
+                       "-7.25e-3", "0"], object)[rng.integers(0, 14, rows)]
+    ints = rng.integers(-9, 9, rows).astype(object)
+    ints[[3, 4, 9]] = [str(I64.min), str(I64.max), ""]
+    words = np.array(['"a,b"', '"line\nbreak"', '"q""uote"', "ünï 日本", "", '"x\x00y"', '"cr\r\nlf"', " sp ", "NA",
+                      "🙂"], object)[rng.integers(0, 10, rows)]
+    flags = np.array(["true", "false", "True", "FALSE"], object)[rng.integers(0, 4, rows)]
+    lines = [f"{f},{i},{w},{b}" for f, i, w, b in zip(floats, ints, words, flags, strict=True)]
+    if late is not None:
+        lines[late] = lines[late].replace(lines[late].split(",")[0], "2.5 ", 1)
+    with open(path, "w", newline="") as f:
+        f.write("f,i,s,b\n" + "\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("columns, dtype, late", [
+    (["f", "i", "b"], "float64", None),  # NaN, nulls, int64 extremes and a null as float64, bools
+    (["f", "i"], "float64", 700),  # Polars fails on row 700's "2.5 ": pyarrow reads on from the row it was at
+    ("s", None, None), ("s", "int32", None),  # string ids
+])
+def test_csv_polars_and_pyarrow_parse_the_same_rows(tmp_path, monkeypatch, columns, dtype, late):
+    path = tmp_path / "edges.csv"
+    edge_csv(path, late=late)
+    monkeypatch.setattr(tabular, "CSV_BATCH_ROWS", 128)  # several batches, a ragged last one
+    polars = CsvSource(path, columns=columns, dtype=dtype, decoder="polars")
+    arrow = CsvSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
+    assert (polars.decoder, arrow.decoder, polars.spec) == ("polars", "pyarrow", arrow.spec)
+    for start, stop, pad in [(0, 100, None), (100, 300, None), (300, 301, None), (310, 900, None),
+                             (900, 1000, 160)]:
+        same_rows(polars.read(start, stop, pad), arrow.read(start, stop, pad))
+    assert polars.decoder == ("pyarrow" if late else "polars")
+    resumed = CsvSource(path, columns=columns, dtype=dtype, decoder="polars")
+    resumed.seek(500)  # a resume: Polars starts at the row
+    fresh = CsvSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
+    same_rows(resumed.read(500, 800), fresh.read(500, 800))
+
+
+def test_csv_decoders_refuse_the_same_and_blank_lines_are_pyarrows(tmp_path, monkeypatch):
+    path = tmp_path / "rows.csv"
+    path.write_text("a,b\n1,2.5\n3,\n5,6\n")
+    for decoder in ("pyarrow", "polars"):  # nulls an int64 cannot hold, a ragged row: one line, either decoder
+        with pytest.raises(UsageError, match="column 'b' of .* has nulls near row 0, which int64 cannot hold") as e:
+            CsvSource(path, columns=["a", "b"], dtype="int64", decoder=decoder)
+        assert "\n" not in str(e.value)
+    path.write_text("a,b\n1,2\n3\n5,6\n")
+    for decoder in ("pyarrow", "polars"):
+        with pytest.raises(UsageError, match="cannot read .* as CSV: CSV parse error: Expected 2 columns, got 1"):
+            CsvSource(path, columns="a", decoder=decoder)
+    path.write_text("a,s\n1,x\n\n3,y\n\n")  # blank lines: pyarrow skips them, Polars reads rows of nulls
+    monkeypatch.setattr(tabular, "POLARS_MIN_CSV_BYTES", 0)
+    assert CsvSource(path, columns="s").decoder == "pyarrow"
+    with pytest.raises(UsageError, match=r"decoder='polars' cannot .*Polars counts 4 rows where pyarrow counts 2"):
+        CsvSource(path, columns="s", decoder="polars")
+    path.write_text("a,s\n1,x\n3,y\n")
+    assert (CsvSource(path, columns="s").decoder, CsvSource(path, columns="a").decoder) == ("polars", "pyarrow")
+    with pytest.raises(UsageError, match=r"decoder must be one of 'auto', 'polars', 'pyarrow', got 'duckdb'"):
+        CsvSource(path, columns="a", decoder="duckdb")

@@ -1,6 +1,7 @@
 """GroupBy and Weighted: per-key and weighted reductions against numpy per group."""
 
 import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -151,11 +152,13 @@ def test_groupby_resumes_and_splits_a_weighted_gram_per_key_over_model(tmp_path)
     np.testing.assert_allclose(split.finalize(jax.device_get(columns)).result, gram.result, rtol=1e-5, atol=1e-4)
 
 
-def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_path):
+def test_groupby_config_and_the_key_and_weight_columns_of_a_parquet_file(tmp_path, monkeypatch):
     pd = pytest.importorskip("pandas")
     pytest.importorskip("pyarrow")
     config = importlib.import_module("configs.groupby").get_config("quick")
-    assert make_combiner(config.combiner, config.data) == ss.GroupBy(ss.Moments(), 10)
+    with monkeypatch.context() as patch:
+        patch.setattr(launch_data, "ZipfKeys", None)  # num_keys is K of 'zipf:K': no keys are drawn for it
+        assert make_combiner(config.combiner, config.data) == ss.GroupBy(ss.Moments(), 10)
     source = make_source(config.data)
     synthetic = source.read(0, 1000)[0]
     counts = np.bincount(synthetic, minlength=10)
@@ -283,7 +286,7 @@ def test_groupby_by_value_of_strings_categoricals_int64_and_uint64_ids_is_pandas
                                                                   if hasattr(keys, "tolist") else keys)]
 
 
-@pytest.mark.filterwarnings("ignore:columns=None reads a, b")  # the sources' own, which see city as a column left out
+@pytest.mark.filterwarnings("error::sharded_scan.errors.ColumnsLeftOut")  # by= is no column left out
 def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_exactly(tmp_path):
     """by="city" of a pandas and a polars DataFrame, a Parquet and a CSV source, and --config.data.key=city through
     the launcher (no factorize, no num_keys), each pandas' groupby("city"); a run stopped after 2 steps resumes."""
@@ -326,6 +329,51 @@ def test_groupby_by_a_column_of_a_dataframe_parquet_csv_and_the_cli_key_resumes_
     got, _ = run_job(config, str(tmp_path / "cli"))
     assert_pandas_groupby(got, city, x)
     assert ss.workdir.load_result(str(tmp_path / "cli"))["keys"].tolist() == sorted(set(city))
+
+
+def test_file_key_columns_with_nulls_and_categories_read_once_are_pandas_groupby(tmp_path, monkeypatch):
+    """A Parquet or CSV key column's nulls (strings, int64 at its limits) are missing keys, their rows dropped as
+    pandas' groupby(dropna=True); a categorical (a dictionary column) groups in its categories' order, as pandas'
+    groupby does; the key column is read once (a string column's ids and strings together), the file is not
+    opened or counted again, and columns=None names the columns it leaves out but by."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    from sharded_scan.errors import ColumnsLeftOut
+    from sharded_scan.sources import tabular
+
+    i64 = np.iinfo(np.int64)
+    words = ["Oslo", None, "Köln", "Oslo", "Århus", None, "Köln", "Oslo", "Oslo"]
+    frame = pd.DataFrame({
+        "city": pd.Categorical(words, categories=["Oslo", "Århus", "Köln", "Bern"]),  # Bern: no row
+        "text": pd.Series(words, dtype=object),
+        "id": pd.array([i64.max, 3, None, i64.min, 3, None, i64.max, 7, 1 - 2**63], "Int64"),
+        "x": np.arange(9.0)})
+    frame.to_parquet(tmp_path / "k.parquet")
+    frame.to_csv(tmp_path / "k.csv", index=False)
+    built = {"ParquetSource": 0, "CsvSource": 0, "_counted": 0}
+    for name in ("ParquetSource", "CsvSource"):
+        init = getattr(tabular, name).__init__
+        monkeypatch.setattr(getattr(tabular, name), "__init__",
+                            lambda self, *a, _init=init, _name=name, **k: built.update({_name: built[_name] + 1})
+                            or _init(self, *a, **k))
+        monkeypatch.setattr(getattr(tabular, name), "strings", None)  # the keys' strings come with their ids
+    counted = tabular.CsvSource._counted
+    monkeypatch.setattr(tabular.CsvSource, "_counted", lambda self: built.update(_counted=built["_counted"] + 1)
+                        or counted(self))
+    for path, by in [("k.parquet", "city"), ("k.parquet", "text"), ("k.parquet", "id"), ("k.csv", "id")]:
+        source = (ss.sources.ParquetSource if path.endswith("parquet") else ss.sources.CsvSource)(
+            tmp_path / path, columns=["x"])
+        got = ss.run(ss.GroupBy(ss.Sum(), by=by), source, **RUN)
+        want = frame.groupby(by, observed=True)["x"]  # dropna=True
+        assert got.keys.tolist() == want.sum().index.tolist(), (path, by)
+        np.testing.assert_array_equal(np.ravel(got.sum), want.sum())
+        np.testing.assert_array_equal(got.rows, want.size())
+    assert built == {"ParquetSource": 3, "CsvSource": 1, "_counted": 1}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        keys, rest = ss.sources.ParquetSource(tmp_path / "k.parquet").grouped_by("city").parts
+    assert [(w.category, w.message.columns) for w in seen] == [(ColumnsLeftOut, ["text"])]  # city is the keys
+    assert (keys.column_names, rest.column_names) == ("city", ["id", "x"])
 
 
 def test_more_keys_than_the_bound_and_bad_keys_are_one_line_before_compute(tmp_path, monkeypatch):

@@ -23,15 +23,18 @@ that count values by key take them (``takes_string_ids``: ``TopK``, ``DistinctCo
 the others refuse them in one line before any compute), and ``TopK`` lists the strings
 themselves: the source finds the top ids' strings afterwards (:meth:`ParquetSource.strings`).
 ``columns=None`` reads the numeric columns (a frame of strings only: its string columns) and
-warns naming every column it leaves out.
+warns naming every column it leaves out (:class:`~sharded_scan.errors.ColumnsLeftOut`; a file source when its
+rows are first asked for, and never of the column a ``GroupBy(by=...)`` reads as its keys).
 
 pyarrow is an optional dependency: ``pip install sharded_scan[tabular]``; Polars, where installed
-(``pip install sharded_scan[fast]``), decodes Parquet (``ParquetSource(decoder=...)``), to the same rows.
+(``pip install sharded_scan[fast]``), decodes Parquet and CSV (``ParquetSource(decoder=...)``,
+``CsvSource(decoder=...)``), to the same rows.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import glob
 import os
 import sys
@@ -45,7 +48,7 @@ import jax
 import numpy as np
 
 from sharded_scan.dtypes import string_ids_of_utf8
-from sharded_scan.errors import UsageError
+from sharded_scan.errors import ColumnsLeftOut, UsageError
 from sharded_scan.sources.base import ALIGN, FileWatch, PyTree, Source, aligned_empty, file_stamp, row_spec
 from sharded_scan.sources.memory import ArraySource
 
@@ -109,6 +112,9 @@ class Selection(NamedTuple):
     dtype: np.dtype
     widths: dict[str, int]
     strings: tuple[str, ...]
+    left_out: tuple[tuple[str, str], ...] = ()  # (name, "'name' (type)") of the columns a None left out
+    none_reads: tuple[str, ...] = ()  # the columns a None stands for
+    null_as: int | None = None  # a GroupBy key column's: nulls read as this value (a value no key has), not refused
 
     def names(self) -> list[str]:
         """Every column name selected, sorted, once each."""
@@ -159,20 +165,19 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strin
     if strings not in STRINGS:
         raise UsageError(f"strings must be one of {', '.join(map(repr, STRINGS))}, got {strings!r}.")
     text = [f.name for f in schema if _text(f.type)] if strings == "hash" else []
+    left_out: tuple[tuple[str, str], ...] = ()
+    none_reads: tuple[str, ...] = ()
     numeric = [f.name for f in schema if _numeric(f.type) or _vector(f.type)]
     selections, tree = _leaves(columns)
     if any(s is None for s in selections):
         named = {n for s in selections if s is not None for n in _each(s)}
         rest = [n for n in numeric if n not in named] or [n for n in text if n not in named]
-        left_out = [f"{f.name!r} ({f.type})" for f in schema if f.name not in named and f.name not in rest]
         if not rest:
             besides = f" besides {', '.join(sorted(named))}" if named else ""
             raise UsageError(f"{where} has no numeric column{besides} (its columns: {', '.join(schema.names)}).")
-        if left_out:
-            warnings.warn(
-                f"columns=None reads {', '.join(rest)} of {where} and leaves out {', '.join(left_out)}; count string "
-                "columns by naming them in columns= (TopK and DistinctCount read them as ids), or name the columns "
-                "you want to silence this.", stacklevel=3)
+        left_out = tuple((f.name, f"{f.name!r} ({f.type})") for f in schema
+                         if f.name not in named and f.name not in rest)
+        none_reads = tuple(rest)
         columns = tree.unflatten([rest if s is None else s for s in selections])
         selections, _ = _leaves(columns)
     if not selections or not all(_is_names(s) for s in selections):
@@ -213,7 +218,19 @@ def resolve_columns(schema: Any, columns: Columns, dtype: Any, where: str, strin
     dtype = np.dtype(dtype)
     if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
         raise UsageError(f"dtype must be a numeric numpy dtype, got {dtype}.")
-    return Selection(columns, dtype, _widths(schema, vectors, where, sample), chosen_text)
+    return Selection(columns, dtype, _widths(schema, vectors, where, sample), chosen_text, left_out, none_reads)
+
+
+def warn_left_out(selection: Selection, where: str, but: Sequence[str] = (), stacklevel: int = 3) -> None:
+    """The warning (:class:`~sharded_scan.errors.ColumnsLeftOut`) naming the columns ``columns=None`` left out of
+    ``selection``, but those of ``but`` (a ``GroupBy``'s ``by``, which is read as the keys); none when none is."""
+    left = [text for name, text in selection.left_out if name not in but]
+    if left:
+        reads = ", ".join(n for n in selection.none_reads if n not in but)
+        warnings.warn(ColumnsLeftOut(
+            f"columns=None reads {reads} of {where} and leaves out {', '.join(left)}; count string columns by naming "
+            "them in columns= (TopK and DistinctCount read them as ids), or name the columns you want to silence "
+            "this.", [name for name, _ in selection.left_out if name not in but]), stacklevel=stacklevel)
 
 
 def _widths(schema: Any, vectors: list[str], where: str, sample: Callable[[list[str]], Any] | None) -> dict[str, int]:
@@ -358,24 +375,20 @@ def _fill_block(table: Any, selection: Selection, first_row: int, where: str, ou
 
     def column(name: str, target: np.ndarray) -> None:
         values = table.column(name)
-        check_nulls(values, name, dtype, first_row, where)
+        if selection.null_as is None:
+            check_nulls(values, name, dtype, first_row, where)
         at = 0
         for chunk in getattr(values, "chunks", [values]):  # a table's column is chunked, a batch's is not
             if not len(chunk):
                 continue
             place = target[at : at + len(chunk)]
-            if name in selection.strings:
-                place[:] = string_ids(chunk)
-            elif name in selection.widths:
-                vectors = _vector_values(chunk, selection.widths[name], name, dtype, first_row + at, where)
-                if chunk.null_count:  # a null list: NaN values (a float dtype: check_nulls said so)
-                    valid = chunk.is_valid().to_numpy(zero_copy_only=False)
-                    place[~valid] = np.nan
-                    place[valid] = vectors
-                else:
-                    np.copyto(place, vectors, casting="unsafe")
+            if selection.null_as is not None and chunk.null_count:  # a key column's missing keys (scalars)
+                valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+                known = np.empty(int(valid.sum()), dtype)
+                _fill_chunk(chunk.drop_null(), name, selection, known, first_row + at, where)
+                place[valid], place[~valid] = known, selection.null_as
             else:
-                np.copyto(place, chunk.to_numpy(zero_copy_only=False), casting="unsafe")
+                _fill_chunk(chunk, name, selection, place, first_row + at, where)
             at += len(chunk)
 
     rows = slice(offset, offset + table.num_rows)
@@ -388,6 +401,23 @@ def _fill_block(table: Any, selection: Selection, first_row: int, where: str, ou
             k = selection.widths.get(name)
             column(name, leaf[rows, at] if k is None else leaf[rows, at : at + k])
             at += k or 1
+
+
+def _fill_chunk(chunk: Any, name: str, selection: Selection, place: np.ndarray, first_row: int, where: str) -> None:
+    """One Arrow chunk of column ``name`` cast into ``place``."""
+    dtype = selection.dtype
+    if name in selection.strings:
+        place[:] = string_ids(chunk)
+    elif name in selection.widths:
+        vectors = _vector_values(chunk, selection.widths[name], name, dtype, first_row, where)
+        if chunk.null_count:  # a null list: NaN values (a float dtype: check_nulls said so)
+            valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+            place[~valid] = np.nan
+            place[valid] = vectors
+        else:
+            np.copyto(place, vectors, casting="unsafe")
+    else:
+        np.copyto(place, chunk.to_numpy(zero_copy_only=False), casting="unsafe")
 
 
 def _paths(path: str | os.PathLike | Sequence) -> list[str] | str:
@@ -411,6 +441,11 @@ AHEAD_BYTES = 512 << 20
 # Polars query 0.2-0.4 ms CPU more than pyarrow's scan (its footer, its plan), and its decode saves about
 # 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
 POLARS_MIN_GROUP_BYTES = 1 << 20
+# decoder="auto" reads a CSV file of at least this many bytes with Polars (where it reads the selection faster).
+POLARS_MIN_CSV_BYTES = 1 << 20
+CSV_BATCH_ROWS = 1 << 16  # rows of a batch Polars' CSV reader hands over
+POLARS_CSV_TYPES = {"int64": "Int64", "double": "Float64", "bool": "Boolean", "string": "String",
+                    "large_string": "String"}  # pyarrow's CSV types, as Polars names them
 _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _polars_forked = False  # Polars was loaded before this process forked: its threads are gone and a query hangs
@@ -499,6 +534,7 @@ class ParquetSource(Source):
                  decoder: str = "auto"):
         pa = _pyarrow()
         self._where = str(path)
+        self._label = repr(self._where)
         if decoder not in DECODERS:
             raise UsageError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}.")
         self._args = {"path": path, "dtype": dtype, "format": format, "strings": strings,
@@ -520,21 +556,33 @@ class ParquetSource(Source):
             raise UsageError(f"cannot read {self._where!r} as a {format} dataset: {str(e).splitlines()[0]}") from None
         self._units = [u for u, n in units if n]
         self._spans = [s for s, (_, n) in zip(spans, units, strict=True) if n]  # (file, its first row, rows)
-        self._selection = resolve_columns(self._dataset.schema, columns, dtype, repr(self._where), strings,
-                                          lambda names: self._units[0].head(16, columns=names) if self._units else None)
-        _check_fragments(fragments, self._dataset.schema, self._selection.names(), self._selection.dtype)
+        self._fragments, self._format = fragments, format
         self._paths = [f.path for f in fragments]
         self._starts = np.cumsum([0] + [n for _, n in units if n])
+        filesystem = self._dataset.filesystem
+        self._local = isinstance(filesystem, pa.fs.LocalFileSystem)
+        self._watch = FileWatch(self._paths) if self._local else FileWatch(self._paths, _arrow_state(filesystem))
+        self._select(columns, dtype, strings)
+
+    def _select(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> None:
+        """Resolves and checks ``columns`` (metadata only) and what decodes them."""
+        self._selection = resolve_columns(self._dataset.schema, columns, dtype, self._label, strings,
+                                          lambda names: self._units[0].head(16, columns=names) if self._units else None)
+        _check_fragments(self._fragments, self._dataset.schema, self._selection.names(), self._selection.dtype, keys)
         self._stream: _Stream | None = None
         self._tensor_columns = _tensor_columns(self._dataset.schema, self._selection)
-        self._format = format
-        filesystem = self._dataset.filesystem
-        local = isinstance(filesystem, pa.fs.LocalFileSystem)
-        self._watch = FileWatch(self._paths) if local else FileWatch(self._paths, _arrow_state(filesystem))
         row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
-        self._decoder = self._choose_decoder(decoder, local, self.num_rows * row_bytes / max(len(self._units), 1))
-        largest = max((n for _, n in units), default=1) * row_bytes
+        self._decoder = self._choose_decoder(self._args["decoder"], self._local,
+                                             self.num_rows * row_bytes / max(len(self._units), 1))
+        largest = max((int(n) for n in np.diff(self._starts)), default=1) * row_bytes
         self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest, 1)))
+
+    def _selecting(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> ParquetSource:
+        """This dataset (not opened again) with other ``columns``: a part of :func:`grouped_by` (``keys``: the key
+        column, whose nulls are not refused before the run)."""
+        part = copy.copy(self)
+        part._select(columns, dtype, strings, keys)
+        return part
 
     def _choose_decoder(self, decoder: str, local: bool, group_bytes: float) -> str:
         """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset (``group_bytes``: the
@@ -576,7 +624,15 @@ class ParquetSource(Source):
 
     @property
     def spec(self) -> PyTree:
+        self._left_out_said()
         return self._selection.spec()
+
+    def _left_out_said(self) -> None:
+        """The columns ``columns=None`` left out, named once, when the rows are first asked for (not when the
+        source is built: ``GroupBy(by=...)`` reads one of them as its keys, and names only the others)."""
+        if self._selection.left_out:
+            selection, self._selection = self._selection, self._selection._replace(left_out=())
+            warn_left_out(selection, self._label, stacklevel=4)
 
     @property
     def column_names(self) -> Columns:
@@ -588,8 +644,21 @@ class ParquetSource(Source):
         return self._selection.columns
 
     def grouped_by(self, by: str) -> Source:
-        """The rows ``(column by, the columns selected here but by)``: a ``GroupBy(by=...)``'s."""
+        """The rows ``(column by, the columns selected here but by)``: a ``GroupBy(by=...)``'s (the dataset is not
+        opened again)."""
         return grouped_by(self, by)
+
+    def key_chunks(self) -> Iterator[Any]:
+        """The Arrow chunks (nulls kept) of the one column this source reads, in order: a ``GroupBy`` key column,
+        read once to find its keys (and a string column's strings)."""
+        scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
+                                                    self._dataset.filesystem)
+        return (batch.column(0) for batch in scan.to_batches(columns=self._selection.names()[:1]))
+
+    def read_missing_as(self, value: Any) -> None:
+        """A key column's nulls read as ``value`` (a value no key has; ``GroupBy`` drops those rows) from now on,
+        not refused."""
+        self._selection = self._selection._replace(null_as=value)
 
     @property
     def string_columns(self) -> tuple[str, ...]:
@@ -605,6 +674,7 @@ class ParquetSource(Source):
         return find_strings((batch.column(0) for batch in batches), ids, self._selection.dtype)
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        self._left_out_said()
         first = max(int(np.searchsorted(self._starts, start, side="right")) - 1, 0)
         files = sorted({u.path for u in self._units[first : int(np.searchsorted(self._starts, stop, side="left"))]})
         with self._watch.reading(files, start, stop):  # a file changed or gone mid-run: one line
@@ -799,10 +869,10 @@ def _arrow_state(filesystem: Any) -> Any:
     return state
 
 
-def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.dtype) -> None:
+def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.dtype, nulls: bool = False) -> None:
     """One line before any compute when a file's selected columns differ in type from the
     dataset's (its first file's), or hold nulls that an integer ``dtype`` cannot (Parquet
-    row-group statistics; files without them are checked as they are read)."""
+    row-group statistics; files without them are checked as they are read), unless ``nulls`` (a key column's)."""
     first = fragments[0].path if fragments else "the first file"
     for fragment in fragments:
         physical = fragment.physical_schema
@@ -815,7 +885,7 @@ def _check_fragments(fragments: list, schema: Any, names: list[str], dtype: np.d
                     f"column {name!r} is {physical.field(name).type} in {fragment.path} but "
                     f"{schema.field(name).type} in {first}: the files' schemas differ; rewrite them with one type."
                 )
-        metadata = getattr(fragment, "metadata", None) if not np.issubdtype(dtype, np.floating) else None
+        metadata = getattr(fragment, "metadata", None) if not (nulls or np.issubdtype(dtype, np.floating)) else None
         for g in range(metadata.num_row_groups if metadata is not None else 0):
             group = metadata.row_group(g)
             for j in range(group.num_columns):
@@ -844,29 +914,134 @@ class CsvSource(Source):
       block_bytes: bytes pyarrow parses at a time (1 MiB blocks parse in cache: 1.4x the rate of 16 MiB
         ones on 2 cores, ``bench/tabular_streaming.py``).
       strings: as for :class:`ParquetSource`.
+      decoder: what parses the rows the reads return: ``"polars"`` (Polars' CSV reader, on its own pool of
+        :func:`host_cores` threads, ahead of the reads), ``"pyarrow"``, or ``"auto"`` (default): Polars where it
+        is installed, the file holds at least :data:`POLARS_MIN_CSV_BYTES` and the selection is of string columns
+        (where it measured faster, ``bench/decode.py --csv``), else pyarrow. Either way the rows are the same
+        values (``tests/test_decoders.py``): pyarrow's counting pass sets the types (its first block's), the nulls
+        (its ``null_values``; a string is never null) and what is malformed (one line); a file with blank lines
+        (pyarrow skips them, Polars reads rows of nulls) is pyarrow's, and a value Polars does not parse as
+        pyarrow does (``"1.5 "``, a bool ``1``) has pyarrow read the rest of the file.
     """
 
     def __init__(self, path: str | os.PathLike, columns: Columns = None, dtype: Any = None,
-                 block_bytes: int = 1 << 20, strings: str = "hash"):
+                 block_bytes: int = 1 << 20, strings: str = "hash", decoder: str = "auto"):
         pa = _pyarrow()
-        self._args = {"path": path, "dtype": dtype, "block_bytes": block_bytes, "strings": strings}  # for grouped_by
+        if decoder not in DECODERS:
+            raise UsageError(f"decoder must be one of {', '.join(map(repr, DECODERS))}, got {decoder!r}.")
+        self._args = {"path": path, "dtype": dtype, "block_bytes": block_bytes, "strings": strings,
+                      "decoder": decoder}  # for grouped_by
         self._path, self._block_bytes = os.fspath(path), int(block_bytes)
+        self._label = repr(self._path)
         if not os.path.isfile(self._path):
             raise UsageError(f"no such CSV file: {self._path!r}; check the path.")
         try:
-            reader = pa.csv.open_csv(self._path, read_options=pa.csv.ReadOptions(block_size=self._block_bytes))
-            self._schema = reader.schema  # the types inferred from the first block, kept for every read
-            self._selection = resolve_columns(reader.schema, columns, dtype, repr(self._path), strings)
-            self._num_rows = 0
-            names = self._selection.names()
-            for batch in reader:  # one pass: counts the rows, finds ragged lines and nulls before any compute
-                for name in names:
-                    check_nulls(batch.column(name), name, self._selection.dtype, self._num_rows, repr(self._path))
-                self._num_rows += batch.num_rows
+            self._schema = pa.csv.open_csv(self._path, read_options=self._read_options()).schema  # the types the
+            # first block says, kept for every read
         except pa.ArrowException as e:
             raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
+        self._selection = resolve_columns(self._schema, columns, dtype, self._label, strings)
+        self._num_rows = self._counted()
+        self._polars_rows: int | None = None  # the rows Polars counts (blank lines too), once asked
+        self._decoder = self._choose_decoder(decoder)
         self._reader, self._position, self._buffer = None, 0, None
         self._watch = FileWatch([self._path])
+
+    def _choose_decoder(self, decoder: str) -> str:
+        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this selection; one line for
+        ``"polars"`` where Polars cannot read the file as pyarrow does."""
+        strings = bool(self._selection.strings)
+        if decoder == "pyarrow" or (decoder == "auto" and (not strings or os.path.getsize(self._path)
+                                                           < POLARS_MIN_CSV_BYTES)):
+            return "pyarrow"
+        pl = _polars()
+        odd = [f"{n!r} ({self._schema.field(n).type})" for n in self._selection.names()
+               if str(self._schema.field(n).type) not in POLARS_CSV_TYPES]
+        why = ("Polars is not installed (pip install polars)" if pl is None
+               else "Polars was loaded before this process forked, and hangs in a forked child" if _polars_forked
+               else f"Polars leaves the types of {', '.join(odd)} to pyarrow" if odd
+               else None)
+        if why is None:
+            if self._polars_rows is None:
+                try:
+                    self._polars_rows = int(pl.scan_csv(self._path, infer_schema=False, glob=False)
+                                            .select(pl.len()).collect().item())
+                except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    self._polars_rows = -1
+            if self._polars_rows != self._num_rows:
+                why = (f"Polars counts {self._polars_rows} rows where pyarrow counts {self._num_rows} (blank lines, "
+                       "which pyarrow skips and Polars reads as rows of nulls)")
+        if why is None:
+            return "polars"
+        if decoder == "polars":
+            raise UsageError(f"decoder='polars' cannot read {self._label}: {why}; pass decoder='auto' (pyarrow "
+                             "where Polars cannot) or decoder='pyarrow'.")
+        return "pyarrow"
+
+    @property
+    def decoder(self) -> str:
+        """What parses the rows: ``"polars"`` or ``"pyarrow"`` (``decoder="auto"`` resolved)."""
+        return self._decoder
+
+    def _read_options(self) -> Any:
+        return _pyarrow().csv.ReadOptions(block_size=self._block_bytes)
+
+    def _counted(self) -> int:
+        """The file's rows, in one pass that parses only the selected columns (others are only split), finding
+        ragged lines, values not of the first block's types and nulls the row dtype cannot hold, before any
+        compute."""
+        pa = _pyarrow()
+        names, rows = self._selection.names(), 0
+        options = pa.csv.ConvertOptions(column_types=self._schema, include_columns=names)
+        try:
+            for batch in pa.csv.open_csv(self._path, read_options=self._read_options(), convert_options=options):
+                for name in names:
+                    check_nulls(batch.column(name), name, self._selection.dtype, rows, self._label)
+                rows += batch.num_rows
+        except pa.ArrowException as e:
+            raise UsageError(f"cannot read {self._path!r} as CSV: {str(e).splitlines()[0]}") from None
+        return rows
+
+    def _selecting(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> CsvSource:
+        """This file with other ``columns``, its rows not counted again: a part of :func:`grouped_by`. Nulls are
+        looked for again only where the new row dtype cannot hold them and the old one could, and not in the key
+        column (``keys``), where they are missing keys."""
+        part = copy.copy(self)
+        part._selection = resolve_columns(self._schema, columns, dtype, self._label, strings)
+        part._reader, part._position, part._buffer = None, 0, None
+        floats = np.issubdtype(self._selection.dtype, np.floating)
+        if floats and not keys and not np.issubdtype(part._selection.dtype, np.floating):
+            part._counted()
+        part._decoder = part._choose_decoder(self._args["decoder"])
+        return part
+
+    def _open_polars(self, start: int) -> Iterator[Any]:
+        """The selected columns' rows from row ``start`` on as Arrow tables, parsed by Polars on its pool ahead of
+        the reads, with the counting pass's types and nulls (pyarrow's ``null_values`` in numbers; a string is never
+        null: an empty field is ``""``)."""
+        pl, pa, names = _polars(), _pyarrow(), self._selection.names()
+        types = {n: getattr(pl, POLARS_CSV_TYPES[str(self._schema.field(n).type)]) for n in names}
+        text = bool(self._selection.strings)
+        frame = pl.scan_csv(self._path, schema_overrides=types, infer_schema=False, glob=False,
+                            null_values=None if text else pa.csv.ConvertOptions().null_values,
+                            empty_string_is_null=not text)
+        for batch in frame.select(names).slice(start).collect_batches(chunk_size=CSV_BATCH_ROWS):
+            yield batch.to_arrow(compat_level=pl.CompatLevel.oldest())
+
+    def _next_batch(self) -> Any:
+        """The next batch of the reader; where Polars fails on a value (one pyarrow parses, as its counting pass
+        did), pyarrow reads on from the same row."""
+        try:
+            return next(self._reader)
+        except StopIteration:
+            raise
+        except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or self._decoder != "polars":
+                raise
+        self._decoder, self._reader = "pyarrow", _skip(self._open(), self._position)
+        return next(self._reader)
 
     def _open(self) -> Any:
         """The selected columns' record batches in file order, with the types the counting pass
@@ -887,7 +1062,15 @@ class CsvSource(Source):
 
     @property
     def spec(self) -> PyTree:
+        self._left_out_said()
         return self._selection.spec()
+
+    def _left_out_said(self) -> None:
+        """The columns ``columns=None`` left out, named once, when the rows are first asked for (not when the
+        source is built: ``GroupBy(by=...)`` reads one of them as its keys, and names only the others)."""
+        if self._selection.left_out:
+            selection, self._selection = self._selection, self._selection._replace(left_out=())
+            warn_left_out(selection, self._label, stacklevel=4)
 
     @property
     def sequential(self) -> bool:
@@ -903,8 +1086,16 @@ class CsvSource(Source):
         return self._selection.columns
 
     def grouped_by(self, by: str) -> Source:
-        """As :meth:`ParquetSource.grouped_by`."""
+        """As :meth:`ParquetSource.grouped_by` (the file is not counted again)."""
         return grouped_by(self, by)
+
+    def key_chunks(self) -> Iterator[Any]:
+        """As :meth:`ParquetSource.key_chunks`."""
+        return (batch.column(0) for batch in self._open())
+
+    def read_missing_as(self, value: Any) -> None:
+        """As :meth:`ParquetSource.read_missing_as`."""
+        self._selection = self._selection._replace(null_as=value)
 
     @property
     def string_columns(self) -> tuple[str, ...]:
@@ -920,6 +1111,7 @@ class CsvSource(Source):
         self.read(cursor, cursor)
 
     def read(self, start: int, stop: int, pad_to: int | None = None) -> PyTree:
+        self._left_out_said()
         with self._watch.reading([self._path], start, stop):  # the file changed or gone mid-run: one line
             return self._read_rows(start, stop, pad_to)
 
@@ -927,12 +1119,14 @@ class CsvSource(Source):
         self._check_range(start, stop)
         if start < self._position:
             raise ValueError(f"CsvSource reads forward only: row {start} is before row {self._position}.")
-        if self._reader is None:
+        if self._reader is None and self._decoder == "polars" and not _polars_forked:
+            self._reader, self._position = self._open_polars(start), start
+        elif self._reader is None:
             self._reader = self._open()
         out = self._selection.empty(pad_to or stop - start, stop - start)
         while self._position < stop:
             if self._buffer is None or self._buffer.num_rows == 0:
-                self._buffer = next(self._reader)
+                self._buffer = self._next_batch()
             skip = max(start - self._position, 0)
             take = min(self._buffer.num_rows, stop - self._position)
             if skip < take:
@@ -947,9 +1141,22 @@ class CsvSource(Source):
         return {**super().describe(), "path": os.path.abspath(self._path), "columns": repr(self._selection.columns)}
 
 
+def _skip(batches: Iterator[Any], rows: int) -> Iterator[Any]:
+    """``batches`` (Arrow) without their first ``rows`` rows."""
+    for batch in batches:
+        if rows < batch.num_rows:
+            yield batch.slice(rows)
+            rows = 0
+        else:
+            rows -= batch.num_rows
+    return
+
+
 def grouped_by(source: ParquetSource | CsvSource, by: str) -> Source:
     """``source``'s file(s) as rows ``(column by, the columns source selects but by)``: the keys in a
-    source of their own, in their own type (strings as ids; one source reads one dtype)."""
+    source of their own, in their own type (strings as ids; one source reads one dtype), its nulls missing keys
+    (refused only where the keys are dense, ``num_keys=N``). Both parts share ``source``'s opened dataset (its
+    row count, a CSV's counting pass); the columns a ``columns=None`` left out are named now, but ``by``."""
     from sharded_scan.sources.compose import TreeSource
 
     def without(names: Any) -> Any:
@@ -961,9 +1168,13 @@ def grouped_by(source: ParquetSource | CsvSource, by: str) -> Source:
         return [n for n in names if n != by]
 
     rest = jax.tree.map(without, source.selected_columns, is_leaf=_is_names)
-    args = source._args  # the same module's sources
-    return TreeSource((type(source)(**{**args, "dtype": None, "strings": "hash"}, columns=by),
-                       type(source)(**args, columns=rest)))
+    selection = source._selection
+    if selection.left_out:  # named now but by, which is read as the keys
+        source._selection = selection._replace(left_out=())
+        warn_left_out(selection, source._label, but=(by,), stacklevel=5)
+    args = source._args
+    return TreeSource((source._selecting(by, None, "hash", keys=True),
+                       source._selecting(rest, args["dtype"], args["strings"])))
 
 
 class FrameSource(ArraySource):
@@ -1009,6 +1220,7 @@ def dataframe_source(
     except (AttributeError, TypeError, pa.ArrowException) as e:
         raise UsageError(f"cannot read {where} as columns: {str(e).splitlines()[0]}") from None
     selection = resolve_columns(table.schema, columns, dtype, where, strings, lambda names: table.select(names))
+    warn_left_out(selection, where)
     return FrameSource(table_rows(table, selection, 0, where), selection.column_names(),
                        {name: table.column(name) for name in selection.strings})
 
