@@ -1,7 +1,8 @@
 """64-bit integers and floats at their extremes, as numpy treats them (issue 42, findings 5-9).
 
-Every run takes ``microbatch=8, steps_per_call=1``: whatever the row count (at most 64), one step's
-shapes, so each combiner, dtype and mesh compiles once for the whole module.
+Every run takes ``microbatch=1, steps_per_call=1``: whatever the row count, one step's shapes (a larger
+micro-batch shrinks to the rows a device holds, a new program for each small row count), so each combiner,
+dtype and mesh compiles once for the whole module.
 """
 
 import logging
@@ -14,7 +15,7 @@ import sharded_scan as ss
 from sharded_scan.dtypes import holds_subnormals
 
 MESHES = ["data:1", "data:8"]
-SMALL = {"microbatch": 8, "steps_per_call": 1}
+SMALL = {"microbatch": 1, "steps_per_call": 1}
 
 
 def run(combiner, x, mesh):
