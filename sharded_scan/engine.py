@@ -84,8 +84,10 @@ class RunReport(NamedTuple):
     mesh: dict[str, int]
     passes: int = 1            # passes over the data (more than one for a MultiPass reduction)
     nonfinite_values: int = 0  # values of the merged accumulator NaN or inf where its identity is finite
-    compile_seconds: float = 0.0  # of seconds: tracing and compiling programs (or loading them from the persistent
-                                  # compilation cache), in any thread; the rest is reading, computing and saving
+    compile_seconds: float = 0.0  # of seconds: tracing, lowering and compiling programs (or loading them from the
+                                  # persistent compilation cache) from the call's start, building the program included
+                                  # (its checks and memory estimate trace), in any thread; the rest is reading,
+                                  # computing and saving
 
 
 def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any) -> Any:

@@ -111,6 +111,8 @@ def run_in_workdir(
                          "RunOptions(checkpoint=...).")
     checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
     force_unlock = force_unlock or (checkpointer is not None and checkpointer.options.force_unlock)
+    # The report's seconds and compile_seconds from here: building the program traces its step (the memory estimate).
+    started, compiled = time.perf_counter(), compile_cache.compile_seconds()
     combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     if checkpointer is not None:  # verify_data="digest": the files' digests, read once for both uses
@@ -132,7 +134,7 @@ def run_in_workdir(
             if reads_several_times(combiner):  # e.g. Quantiles(exact=True)
                 result, report = run_with_report(combiner, source, program.options)  # pass by pass
             else:
-                result, report = run_program(program, source)
+                result, report = run_program(program, source, started, compiled)
         cache = warm_start(first_step.seconds, cached_before)
         summary = {**summary_of(report, source), **cache, **(record or {}), "job": job,
                    "files": program.fingerprint["files"]}
