@@ -207,7 +207,7 @@ def merged_on_host(program: Program, partials: PyTree) -> PyTree:
     (one device, one process: a small job's) is that shard as it is, read without a program to index it."""
     alone = program.layout.num_shards == 1 and program.mesh.size == 1 and jax.process_count() == 1
     if alone and program.merge_route == MergeRoute.PROCESS_TREE:  # the tree of one shard merges nothing
-        return jax.tree.map(lambda x: x[0], to_host(partials))
+        return jax.tree.map(lambda x: np.asarray(x[0]), to_host(partials))  # a 0-d array, as to_host gives
     return to_host(program.merge(partials))
 
 
