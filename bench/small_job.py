@@ -7,11 +7,15 @@
 Every measurement is one fresh Python process, timed inside it from its first line to the answer:
 ``import numpy``, the rows loaded from a ``.npy`` file, ``import pandas`` and the frame built (the
 same in every process), then either ``df.describe()`` or ``import sharded_scan`` and
-``ss.run(ss.Describe(), df)`` with the default options. ``cold``: the compilation cache is an empty
-directory (``XDG_CACHE_HOME`` points to a fresh one, so the default ``compilation_cache="auto"``
-picks it); ``warm``: a second process on the same directory. Best of ``--repeats`` each (a fresh
-directory per repeat); the ratios are over pandas' best of the same run. The target (issue 45,
-item 5): at most 3x pandas warm and 5x cold.
+``ss.run_with_report(ss.Describe(), df)`` with the default options. ``import ss`` is ``import
+ml_dtypes`` (JAX's dtypes; its own column), ``import jax`` (``of it jax``, ml_dtypes included) and
+``import sharded_scan``; ``run CPU`` is the run's CPU seconds and ``compiling`` its report's
+``compile_seconds`` (tracing included). ``--with-path DIR`` adds a row with ``DIR`` first on the
+path (another ml_dtypes, say). ``cold``: the compilation cache is an empty directory
+(``XDG_CACHE_HOME`` points to a fresh one, so the default ``compilation_cache="auto"`` picks it);
+``warm``: a second process on the same directory. Best of ``--repeats`` each (a fresh directory per
+repeat); the ratios are over pandas' best of the same run. The target (issue 45, item 5): at most
+3x pandas warm and 5x cold.
 """
 
 from __future__ import annotations
@@ -43,14 +47,21 @@ print("RESULT", json.dumps({{"seconds": seconds}}))
 
 _SHARDED = _PROLOGUE + """\
 t1 = time.perf_counter()
+import ml_dtypes
+t_ml = time.perf_counter()
+import jax
+t_jax = time.perf_counter()
 import sharded_scan as ss
 t2 = time.perf_counter()
 from sharded_scan import compile_cache
-out = ss.run(ss.Describe(), df)
+cpu = time.process_time()
+out, report = ss.run_with_report(ss.Describe(), df)
 seconds = time.perf_counter() - t0
 looked_up, from_cache = compile_cache.counts()
 import json
 print("RESULT", json.dumps({{"seconds": seconds, "import": t2 - t1, "run": seconds - (t2 - t0),
+                            "ml_dtypes": t_ml - t1, "jax": t_jax - t1, "run_cpu": time.process_time() - cpu,
+                            "compile": report.compile_seconds, "version": ml_dtypes.__version__,
                             "compiles": looked_up, "from_cache": from_cache}}))
 """
 
@@ -75,11 +86,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", action="append", default=[],
                         help="another checkout's root: its sharded_scan measured in the same run (repeatable)")
+    parser.add_argument("--with-path", action="append", default=[],
+                        help="a row of this checkout with DIR first on PYTHONPATH (e.g. another ml_dtypes)")
     args = parser.parse_args()
     import numpy as np
 
     checkouts = [("this", ROOT)] + [(os.path.basename(os.path.abspath(p)) or p, os.path.abspath(p))
                                     for p in args.against]
+    checkouts += [(f"+{os.path.basename(os.path.abspath(p))}", f"{os.path.abspath(p)}{os.pathsep}{ROOT}")
+                  for p in args.with_path]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.npy")
         rng = np.random.default_rng(0)
@@ -102,13 +117,17 @@ def main() -> None:
                         best[key] = got
     base = best["pandas"]["seconds"]
     print(f"{args.rows:,} rows x {args.cols} float64 columns, a fresh process each, best of {args.repeats}")
-    print(f"{'':<24}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'run':>8}{'programs':>10}{'cached':>8}")
+    print(f"{'':<24}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'of it jax':>11}{'ml_dtypes':>11}{'run':>8}"
+          f"{'run CPU':>9}{'compiling':>11}{'programs':>10}{'cached':>8}")
     print(f"{'pandas describe()':<24}{base:>9.2f}{1.0:>10.2f}")
     for key, got in best.items():
         if key != "pandas":
             print(f"{'sharded_scan ' + key:<24}{got['seconds']:>9.2f}{got['seconds'] / base:>10.2f}"
-                  f"{got['import']:>11.2f}{got['run']:>8.2f}{got['compiles']:>10}{got['from_cache']:>8}")
-    print("target: warm <= 3x pandas, cold <= 5x pandas")
+                  f"{got['import']:>11.2f}{got['jax']:>11.2f}{got['ml_dtypes']:>11.2f}{got['run']:>8.2f}"
+                  f"{got['run_cpu']:>9.2f}{got['compile']:>11.2f}{got['compiles']:>10}{got['from_cache']:>8}")
+    versions = sorted({got["version"] for key, got in best.items() if key != "pandas"})
+    print(f"target: warm <= 3x pandas, cold <= 5x pandas; ml_dtypes {', '.join(versions)} (its import, in 'of it jax', "
+          "is the ml_dtypes column)")
 
 
 if __name__ == "__main__":

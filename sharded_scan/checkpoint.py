@@ -95,7 +95,8 @@ class CheckpointOptions:
         modification time; its bytes under ``verify_data="digest"``) since the checkpoint
         was written, and serve a finished job's result although its files changed since.
       force_unlock: take the directory even when the lease says another process holds
-        it (only when you know that process is gone).
+        it (only when you know that process is gone); a workdir's lock (which covers its
+        checkpoints) is taken by ``run_in_workdir(..., force_unlock=True)`` instead.
       verify_data: how the job tells that a file it reads is the one a checkpoint (or a
         finished job's result) was made from. ``"stamps"`` (default): its size and
         modification time, one ``stat`` a file; a file rewritten with the same size and its

@@ -39,6 +39,7 @@ from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_proc
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
 from sharded_scan.group_keys import grouped_source
+from sharded_scan.merging import MergeRoute
 from sharded_scan.options import RunOptions
 from sharded_scan.prefetch import device_batches
 from sharded_scan.program import build_program
@@ -84,8 +85,10 @@ class RunReport(NamedTuple):
     mesh: dict[str, int]
     passes: int = 1            # passes over the data (more than one for a MultiPass reduction)
     nonfinite_values: int = 0  # values of the merged accumulator NaN or inf where its identity is finite
-    compile_seconds: float = 0.0  # of seconds: tracing and compiling programs (or loading them from the persistent
-                                  # compilation cache), in any thread; the rest is reading, computing and saving
+    compile_seconds: float = 0.0  # of seconds: tracing, lowering and compiling programs (or loading them from the
+                                  # persistent compilation cache) from the call's start, building the program included
+                                  # (its checks and memory estimate trace), in any thread; the rest is reading,
+                                  # computing and saving
 
 
 def run(combiner: Combiner, data: Any, options: RunOptions | None = None, **overrides: Any) -> Any:
@@ -177,7 +180,7 @@ def _run_program(
             session.close()  # waits for the saves in flight; a failed one raises StorageError
     finishing("past the last step: " + ("merging" if ckpt is None else f"the finished job's checkpoint in "
                                         f"{ckpt.directory} is saved; merging and writing the result"))
-    merged = to_host(program.merge(partials))
+    merged = merged_on_host(program, partials)
     nonfinite = check_overflow(program, merged)
     result = with_column_names(finalize(program, merged), part_of(source, program.job.data_part))
     layout = program.layout
@@ -197,6 +200,15 @@ def _run_program(
         compile_seconds=compile_cache.compile_seconds() - compiled,
     )
     return result, report
+
+
+def merged_on_host(program: Program, partials: PyTree) -> PyTree:
+    """The merged accumulator on the host: ``program.merge`` of the partials; a lone shard of a pairwise route
+    (one device, one process: a small job's) is that shard as it is, read without a program to index it."""
+    alone = program.layout.num_shards == 1 and program.mesh.size == 1 and jax.process_count() == 1
+    if alone and program.merge_route == MergeRoute.PROCESS_TREE:  # the tree of one shard merges nothing
+        return jax.tree.map(lambda x: np.asarray(x[0]), to_host(partials))  # a 0-d array, as to_host gives
+    return to_host(program.merge(partials))
 
 
 # The checkpoint options that decide when the processes save together (and what they resume).

@@ -82,7 +82,9 @@ def run_in_workdir(
         (default: its defaults), which here name no directory (the workdir's ``checkpoints/``),
         e.g. ``CheckpointOptions(every_steps=50)``; None: no checkpoints (a rerun starts afresh).
       force_unlock: take the workdir even though its lock file names a running job
-        (only when you know that job is gone; ``CheckpointOptions(force_unlock=True)`` too).
+        (only when you know that job is gone); the CLI's ``--force_unlock``. The workdir's lock
+        covers its checkpoints: ``CheckpointOptions(force_unlock=True)`` is for ``run``'s
+        checkpoint directories, and refused here.
       record: more fields for ``summary.json`` (the launcher's config).
       outputs: more files beside ``result.npz``, ``{name: render}``: ``render(result)``
         gives a file's text or bytes, None where the result has none (the launcher's
@@ -110,7 +112,8 @@ def run_in_workdir(
                          "sharded_scan.CheckpointOptions(...)) naming no directory, or checkpoint=None, not "
                          "RunOptions(checkpoint=...).")
     checkpointer = _checkpointer(str(root / CHECKPOINTS), checkpoint)
-    force_unlock = force_unlock or (checkpointer is not None and checkpointer.options.force_unlock)
+    # The report's seconds and compile_seconds from here: building the program traces its step (the memory estimate).
+    started, compiled = time.perf_counter(), compile_cache.compile_seconds()
     combiner, source = grouped_source(combiner, data)  # as_source(data); a GroupBy's keys by value found first
     program = build_program(combiner, source, dataclasses.replace(options, checkpoint=checkpointer))
     if checkpointer is not None:  # verify_data="digest": the files' digests, read once for both uses
@@ -132,7 +135,7 @@ def run_in_workdir(
             if reads_several_times(combiner):  # e.g. Quantiles(exact=True)
                 result, report = run_with_report(combiner, source, program.options)  # pass by pass
             else:
-                result, report = run_program(program, source)
+                result, report = run_program(program, source, started, compiled)
         cache = warm_start(first_step.seconds, cached_before)
         summary = {**summary_of(report, source), **cache, **(record or {}), "job": job,
                    "files": program.fingerprint["files"]}
@@ -243,6 +246,10 @@ def _checkpointer(directory: str, checkpoint: Any) -> Checkpointer | None:
     if not isinstance(checkpoint, (CheckpointOptions, str, os.PathLike)):
         raise not_an_option(checkpoint, "None or sharded_scan.CheckpointOptions(...) naming no directory (the "
                             "workdir's checkpoints/)", "sharded_scan.CheckpointOptions()", "CheckpointOptions(")
+    if isinstance(checkpoint, CheckpointOptions) and checkpoint.force_unlock:
+        raise UsageError("a workdir's lock covers its checkpoints: pass run_in_workdir(..., force_unlock=True) "
+                         "(--force_unlock), not CheckpointOptions(force_unlock=True), which is for run()'s "
+                         "checkpoint directories.")
     named = checkpoint if not isinstance(checkpoint, CheckpointOptions) else checkpoint.directory
     if named is not None and where(named) != where(directory):
         raise UsageError(f"a workdir keeps its checkpoints in {directory}: pass checkpoint=sharded_scan."

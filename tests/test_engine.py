@@ -71,6 +71,28 @@ class MaxAbs(ss.Combiner):
         return acc
 
 
+def test_a_lone_shard_is_merged_without_a_program():
+    # Issue 45 (a small job that answers at once): on one device the merge compiled a program that only took the
+    # lone shard out of the stacked partials; now a one-device job of a pairwise merge compiles its init and step.
+    compiled = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":  # also a program loaded from the persistent cache
+            compiled.append(kwargs.get("fun_name"))
+
+    combiner = MaxAbs()  # a new one: none of its programs is memoized yet
+    x = rows(77, d=3)
+    built = program.build_program(combiner, ss.sources.as_source(x), ss.RunOptions(mesh="data:1", microbatch=4))
+    assert built.merge_route == merging.MergeRoute.PROCESS_TREE  # a pairwise merge, as Describe's and Quantiles'
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        got, report = ss.run_with_report(combiner, x, mesh="data:1", microbatch=4)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    np.testing.assert_array_equal(got, np.abs(x).max(0))
+    assert len(compiled) == 2 and report.devices == 1, compiled
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_user_combiner_with_collective_fold(mesh):
     x = rows(77, d=3)

@@ -41,7 +41,7 @@ def fresh_sum():
 @pytest.fixture(scope="module")
 def cold_and_warm(tmp_path_factory):
     """A job run twice through its own compilation cache: ``(x, (result, summary) cold, the same warm, the done:
-    lines logged)``."""
+    lines logged, each run's compile_cache.compile_seconds())``."""
     tmp_path = tmp_path_factory.mktemp("warm")
     x = np.arange(600, dtype=np.float32).reshape(200, 3)
     cache = tmp_path / "cache"
@@ -51,16 +51,21 @@ def cold_and_warm(tmp_path_factory):
     log.addHandler(lines), log.setLevel(logging.INFO)
     try:
         run = dict(compilation_cache=str(cache), checkpoint=None, mesh="data:2", microbatch=16)
-        cold = ss.run_in_workdir(fresh_sum(), x, tmp_path / "a", **run)
+        first, second = fresh_sum(), fresh_sum()  # made before: jnp.zeros compiles too
+        spent = [compile_cache.compile_seconds()]  # every run's tracing and compiling, by JAX's events
+        cold = ss.run_in_workdir(first, x, tmp_path / "a", **run)
+        spent.append(compile_cache.compile_seconds())
         assert compile_cache.in_use() == str(cache) and os.listdir(cache)  # filled
-        warm = ss.run_in_workdir(fresh_sum(), x, tmp_path / "b", **run)
+        warm = ss.run_in_workdir(second, x, tmp_path / "b", **run)
+        spent.append(compile_cache.compile_seconds())
 
         assert compile_cache.use(None) is None and compile_cache.in_use() is None  # off, process-wide
     finally:
         log.removeHandler(lines), log.setLevel(level)
         compile_cache.use(before)
     assert compile_cache.in_use() == before
-    return x, cold, warm, [line for line in lines.messages if line.startswith("done: ")]
+    done = [line for line in lines.messages if line.startswith("done: ")]
+    return x, cold, warm, done, [spent[1] - spent[0], spent[2] - spent[1]]
 
 
 class Lines(logging.Handler):
@@ -73,7 +78,7 @@ class Lines(logging.Handler):
 
 
 def test_a_second_run_loads_its_compiled_programs_from_the_cache(cold_and_warm):
-    x, (got, cold), (again, warm), _ = cold_and_warm
+    x, (got, cold), (again, warm), *_ = cold_and_warm
     directory = cold["compilation_cache"]["directory"]
     assert cold["compilation_cache"]["programs"] > 0 and cold["compilation_cache"]["from_cache"] == 0
     assert not cold["compiled_from_cache"] and cold["first_step_seconds"] > 0
@@ -88,10 +93,12 @@ def test_the_done_line_tells_compiling_from_reading_and_computing(cold_and_warm)
     # Issue 43: "done: 10000 rows in 1.75 s (642 rows/s) ... first step after 2.33 s": compiling counted as reading,
     # and the first step's time (from before the run) longer than the run. Now each is said apart, and rows/s is
     # over the reading and computing.
-    _, (_, cold), (_, warm), done = cold_and_warm
+    _, (_, cold), (_, warm), done, spent = cold_and_warm
     assert len(done) == 2, done
-    for summary, line in ((cold, done[0]), (warm, done[1])):
+    for summary, line, compiling in ((cold, done[0], spent[0]), (warm, done[1], spent[1])):
         assert 0 < summary["compile_seconds"] < summary["seconds"]  # tracing, at least, even from the cache
+        # Issue 45: a workdir's summary left out the step traced while the program was built (its memory estimate).
+        assert summary["compile_seconds"] == pytest.approx(compiling, rel=1e-9)
         assert summary["compute_seconds"] == pytest.approx(summary["seconds"] - summary["compile_seconds"])
         assert summary["rows_per_second"] == pytest.approx(summary["rows_this_run"] / summary["compute_seconds"])
         assert (f"done: 200 rows in {summary['seconds']:.2f} s (compiling {summary['compile_seconds']:.2f} s, "

@@ -75,6 +75,11 @@ def test_a_second_job_on_a_held_workdir_is_one_line_and_exit_2(tmp_path, capsys)
                      "force_unlock=True"):
             assert word in err[0], (word, err[0])
         assert os.listdir(tmp_path) == [LEASE_FILE]  # nothing computed or written
+        # Issue 45: one way to take a workdir (the checkpoint option's force_unlock is run()'s directories').
+        assert_usage_error(lambda: ss.run_in_workdir(ss.Gram(), X, tmp_path, **KW,
+                                                     checkpoint=ss.CheckpointOptions(force_unlock=True)),
+                           ["run_in_workdir(..., force_unlock=True)", "--force_unlock", "not CheckpointOptions("])
+        assert os.listdir(tmp_path) == [LEASE_FILE]
         got, _ = ss.run_in_workdir(ss.Gram(), X, tmp_path, force_unlock=True, checkpoint=None, **KW)
         np.testing.assert_allclose(got, gram64(), rtol=1e-5, atol=1e-4)
     finally:

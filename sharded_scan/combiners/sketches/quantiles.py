@@ -166,6 +166,9 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
     bits: int = 10
     method: str = dataclasses.field(default="linear", compare=False)  # read on the host only, like qs
     model_shards: int = 1
+    # Its add sorts the micro-batch whatever the mask: a mask-free second scan ran no faster (12 steps of 16384
+    # rows x 8 columns) and added 0.6 of 2.7 CPU-s to compiling the step.
+    one_scan_per_step = True
 
     def __post_init__(self):
         object.__setattr__(self, "qs", check_qs(self.qs, self.num_buckets, "Quantiles"))
