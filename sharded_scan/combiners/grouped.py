@@ -137,9 +137,10 @@ def distinct_states(leaves: list, keys: np.ndarray) -> tuple[np.ndarray, np.ndar
     position in ``keys`` of each distinct state's first key, and each key's state's number. The keys that
     met no rows mostly hold the identity, but not all: ``Moments`` under ``nan_policy="omit"`` counts the
     NaN rows it skipped (``nan_count``) in a key whose every row was skipped."""
-    rows = [np.ascontiguousarray(np.asarray(x)[keys]).reshape(len(keys), -1).view(np.uint8) for x in leaves]
-    rows = np.concatenate([np.zeros((len(keys), 0), np.uint8)] + rows, axis=1)
-    _, first, which = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    rows = [np.asarray(x)[keys].reshape(len(keys), -1).view(np.uint8) for x in leaves]  # the keys' rows alone
+    rows = np.concatenate([np.zeros((len(keys), 1), np.uint8)] + rows, axis=1)  # one byte more: never 0 wide
+    states = rows.view(np.dtype((np.void, rows.shape[1]))).reshape(-1)  # a row a value: no copy for unique's axis
+    _, first, which = np.unique(states, return_index=True, return_inverse=True)
     return first, which.reshape(-1)
 
 
@@ -380,6 +381,14 @@ class GroupBy(Wrapper):
                     "--config.combiner.kwargs.out_of_range=other to count them in an 'other' row.",
             )
         count = count[: self.slots]
+        keys = self.key_values
+        if keys is None:
+            keys = np.arange(self.slots)
+            if self.out_of_range == "other":
+                keys[-1] = OTHER_KEY
+        if self.inner.finalizes_stacked:  # every key in one call (Sum), not 1,000 calls for 1,000 keys
+            result = jax.tree.map(np.asarray, self.inner.finalize(jax.tree.map(lambda x: x[: self.slots], acc.value)))
+            return GroupByResult(result, count, keys, self.key_name)
         leaves, tree = jax.tree.flatten(acc.value)
         results = [self.inner.finalize(tree.unflatten([x[k] for x in leaves])) if count[k] else None
                    for k in range(self.slots)]
@@ -390,12 +399,7 @@ class GroupBy(Wrapper):
             blanks = [self._no_rows_result(acc.value, int(empty[i]), template) for i in first]
             for k, i in zip(empty, which, strict=True):
                 results[k] = blanks[i]
-        if self.key_values is not None:
-            return GroupByResult(stack(results), count, self.key_values, self.key_name)
-        keys = np.arange(self.slots)
-        if self.out_of_range == "other":
-            keys[-1] = OTHER_KEY
-        return GroupByResult(stack(results), count, keys)
+        return GroupByResult(stack(results), count, keys, self.key_name)
 
     def _no_rows_result(self, value, k: int, template):
         """The inner result of a key that met no rows: the inner finalize of its (identity)
