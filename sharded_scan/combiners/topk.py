@@ -5,7 +5,10 @@ Each column keeps at most ``capacity`` monitored values, each with two exact int
 its rows before that; and one bound ``D`` on the rows of any value not monitored. So
 every value's true count lies in ``[count, count + slack]`` (unmonitored: ``[0, D]``).
 
-A micro-batch is sorted and run-length encoded into exact counts; monitored values
+A micro-batch is counted exactly: by hashing where it holds at least 1024 rows and 2 a monitored
+slot (:func:`~sharded_scan.combiners.keys.first_rows`: each row counts one at its value's first row;
+whole keys are compared, so a hash collision never merges two values, and a micro-batch hashing
+leaves unresolved is sorted), else sorted and run-length encoded; monitored values
 add theirs, new values come in with ``slack = D``, and the ``capacity`` candidates with
 the largest ``count + slack`` are kept (ties: the lower index, ``lax.top_k``'s choice); ``D``
 becomes the largest ``count + slack`` dropped. Partials merge the same way (a value missing on
