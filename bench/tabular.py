@@ -21,6 +21,9 @@ sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
   (``datasketches``' HLL takes one value per Python call: no vectorized update, so no peer);
 - top-k (100 most frequent of a Zipf(1.1) int32 column): DuckDB ``GROUP BY`` + ``LIMIT``, Polars
   ``value_counts``, ``np.unique`` counts of the read column; error: true top-100 values missed.
+- group-by (4 float columns by an int32 key of 1,000 Zipf(1.1) values, ``GroupBy(..., num_keys=1000, by=)``):
+  sums and row counts, and count, mean, population variance, min, max (``GroupBy(Moments())``); DuckDB
+  ``GROUP BY``, Polars ``group_by().agg``; error: the largest relative difference from numpy in float64.
 
 JSON goes to ``bench/results/tabular[_quick].json``.
 
@@ -67,7 +70,9 @@ combiner's ``add`` over the same rows on one device):
   s): its fixed parts alone are half the peers' query. 31 steps instead of 16 cost it 0.057
   against 0.047 CPU-s (load 6.5; the step cap above).
 - top-100 against DuckDB, Polars and numpy: the steps are 0.09-0.10 s of 0.12-0.16 s (before: 0.124-0.131
-  s of 0.16-0.17 s); per micro-batch ``TopK`` sorts 16384 keys (0.41 ms, half of its ``add``) and keeps
+  s of 0.16-0.17 s; both before hashing: ``TopK`` now counts a 16384-row micro-batch by hashing,
+  ``keys.first_rows``, its ``add`` 1.6-1.9x faster); per micro-batch ``TopK`` sorted 16384 keys (0.41 ms,
+  half of its ``add``) and keeps
   the 4096 largest of 20480 candidates with no sort (``topk._select``: guessed thresholds checked by
   two counts each, one running sum to rank the chosen; it was ``lax.top_k``, 0.40 ms); sorting once
   per step instead would sort as many keys (n log n does not shrink); the peers count the 2·10^6 ids
@@ -102,6 +107,7 @@ from sharded_scan.sources import ParquetSource
 FLOATS = [f"f{i}" for i in range(8)]
 IDS = ["few", "many"]
 ZIPF = "zipf"
+GROUP, GROUPS, GROUPED = "g", 1000, FLOATS[:4]  # the group-by rows: 4 float columns by 1,000 Zipf keys
 QS = np.arange(1, 100) / 100
 TOP = 100
 # No --devices: JAX's own CPU device count (one device), what `ss.run` gets in a user's process;
@@ -123,6 +129,9 @@ def write_file(path: str, rows: int) -> None:
     columns["few"] = rng.integers(0, 100_000, rows, dtype=np.int32)
     columns["many"] = rng.integers(0, max(rows // 2, 1), rows, dtype=np.int32)
     columns[ZIPF] = np.minimum(rng.zipf(1.1, rows), 2**31 - 1).astype(np.int32)
+    weights = np.arange(1, GROUPS + 1) ** -1.1
+    columns[GROUP] = np.searchsorted(np.cumsum(weights / weights.sum()), rng.random(rows)).clip(0, GROUPS - 1
+                                                                                             ).astype(np.int32)
     pq.write_table(pa.table(columns), path, row_group_size=1 << 17)
 
 
@@ -140,7 +149,9 @@ def duck(sql: str, path: str) -> list:
 # sharded_scan's combiner and columns for each row.
 OURS = {"moments": (ss.Moments(), FLOATS), "covariance": (ss.Covariance(), FLOATS),
         "quantiles": (ss.Quantiles(num_buckets=100), FLOATS), "distinct": (ss.DistinctCount(exact_up_to=0), IDS),
-        "topk": (ss.TopK(k=TOP), ZIPF)}
+        "topk": (ss.TopK(k=TOP), ZIPF),
+        "groupby_sum": (ss.GroupBy(ss.Sum(), GROUPS, by=GROUP), [GROUP, *GROUPED]),
+        "groupby_moments": (ss.GroupBy(ss.Moments(), GROUPS, by=GROUP), [GROUP, *GROUPED])}
 
 
 def run_ours(path: str, row: str) -> Any:
@@ -247,6 +258,63 @@ def top_k(path: str) -> dict[str, Callable[[], np.ndarray]]:
     }
 
 
+GROUP_STATS = {"groupby_sum": ("count", "sum"), "groupby_moments": ("count", "mean", "var", "min", "max")}
+SQL = {"count": "count({c})", "sum": "sum({c})", "mean": "avg({c})", "var": "var_pop({c})", "min": "min({c})",
+       "max": "max({c})"}
+
+
+def group_by(path: str, row: str) -> dict[str, Callable[[], np.ndarray]]:
+    """Per key and column, each statistic: ``(GROUPS, 4, stats)`` float64 (keys of no rows: NaN)."""
+    stats = GROUP_STATS[row]
+
+    def table(keys: np.ndarray, columns: dict) -> np.ndarray:
+        out = np.full((GROUPS, len(GROUPED), len(stats)), np.nan)
+        for (c, s), values in columns.items():
+            out[np.asarray(keys, np.int64), GROUPED.index(c), stats.index(s)] = values
+        return out
+
+    def ours():
+        r = run_ours(path, row)
+        fields = {"count": np.broadcast_to(r.rows[:, None], (GROUPS, len(GROUPED))),
+                  **{s: np.asarray(getattr(r, s), np.float64) for s in stats if s != "count"}}
+        return np.stack([np.asarray(fields[s], np.float64) for s in stats], axis=-1)
+
+    def duckdb_group_by():
+        select = ", ".join(SQL[s].format(c=c) for c in GROUPED for s in stats)
+        rows = np.array(duck(f"SELECT {GROUP}, {select} FROM FILE GROUP BY {GROUP}", path), np.float64)
+        return table(rows[:, 0], {(c, s): rows[:, 1 + i * len(stats) + j] for i, c in enumerate(GROUPED)
+                                  for j, s in enumerate(stats)})
+
+    def polars_group_by():
+        exprs = [(pl.col(c).var(ddof=0) if s == "var" else pl.len() if s == "count" else getattr(pl.col(c), s)()
+                  ).alias(f"{c}|{s}") for c in GROUPED for s in stats]
+        got = pl.scan_parquet(path).group_by(GROUP).agg(exprs).collect()
+        return table(got[GROUP].to_numpy(), {(c, s): got[f"{c}|{s}"].to_numpy() for c in GROUPED for s in stats})
+
+    return {"sharded_scan": ours, "duckdb": duckdb_group_by, "polars": polars_group_by}
+
+
+def per_key(path: str, row: str) -> Callable[[np.ndarray], float]:
+    """The largest relative difference from numpy's float64 statistics per key (keys present)."""
+    stats, x = GROUP_STATS[row], read_columns(path, [GROUP, *GROUPED]).astype(np.float64)
+    keys, x = x[:, 0].astype(np.int64), x[:, 1:]
+    order = np.argsort(keys, kind="stable")
+    starts = np.searchsorted(keys[order], np.arange(GROUPS))
+    present = np.bincount(keys, minlength=GROUPS) > 0
+    parts = {"count": lambda v: np.full(v.shape[1], len(v)), "sum": lambda v: v.sum(0), "mean": lambda v: v.mean(0),
+             "var": lambda v: v.var(0), "min": lambda v: v.min(0), "max": lambda v: v.max(0)}
+    want = np.full((GROUPS, len(GROUPED), len(stats)), np.nan)
+    for k, rows in enumerate(np.split(x[order], starts[1:])):
+        if present[k]:
+            want[k] = np.stack([parts[s](rows) for s in stats], axis=-1)
+
+    def error(got: np.ndarray) -> float:
+        got, ref = np.asarray(got)[present], want[present]
+        return float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-30)))
+
+    return error
+
+
 # errors ---------------------------------------------------------------------------------
 def rank_error(ordered: np.ndarray) -> Callable[[np.ndarray], float]:
     n = len(ordered)
@@ -327,14 +395,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2^18 rows, best of 2")
     parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6; quick 2^18)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 3; quick 2)")
-    parser.add_argument("--only", help="comma-separated rows: moments,covariance,quantiles,distinct,topk")
+    parser.add_argument("--only", help="comma-separated rows: moments,covariance,quantiles,distinct,topk,"
+                        "groupby_sum,groupby_moments")
     parser.add_argument("--profile", action="store_true", help="also time sharded_scan's parts (profile())")
     parser.add_argument("--devices", type=int, help="simulated CPU devices (default: JAX's, what a user's run gets)")
     args = parser.parse_args()
     if args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     rows, repeats = args.rows or ((1 << 18) if args.quick else 4_000_000), args.repeats or (2 if args.quick else 3)
-    only = set(args.only.split(",")) if args.only else {"moments", "covariance", "quantiles", "distinct", "topk"}
+    only = set(args.only.split(",")) if args.only else {"moments", "covariance", "quantiles", "distinct", "topk",
+                                                        "groupby_sum", "groupby_moments"}
     out = []
     with tempfile.TemporaryDirectory(prefix="bench-tabular-") as tmp:
         path = os.path.join(tmp, "table.parquet")
@@ -368,6 +438,10 @@ def main() -> None:
             true_top = set(values[np.argsort(-counts, kind="stable")[:TOP]].tolist())
             missed = lambda got: float(TOP - len(true_top & set(np.asarray(got).ravel().tolist())))  # noqa: E731
             out.append(measure(f"top-{TOP} (Zipf 1.1)", top_k(path), missed, repeats, parts("topk")))
+        for row in ("groupby_sum", "groupby_moments"):
+            if row in only:
+                out.append(measure(f"{row} (4 columns by {GROUPS} Zipf keys)", group_by(path, row),
+                                   per_key(path, row), repeats, parts(row)))
     for r in out:
         print_row(r)
     os.makedirs(RESULTS, exist_ok=True)

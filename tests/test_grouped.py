@@ -397,3 +397,34 @@ def test_more_keys_than_the_bound_and_bad_keys_are_one_line_before_compute(tmp_p
                        ["every GroupBy key is missing", "dropna"])
     assert_usage_error(lambda: ss.run(ss.GroupBy(ss.Sum(), 3), (keys["strings"], x)),
                        ["GroupBy(num_keys=3) keys must be integers 0..2", "leave num_keys out"])
+
+
+
+def test_groupby_sum_finalizes_every_key_in_one_call_as_key_by_key():
+    """``Sum.finalizes_stacked``: GroupBy finalizes its keys in one call, not one a key; the result is the
+    key-by-key one, field for field and dtype for dtype: float and exact integer sums (past int64 too:
+    Python ints), keys of no rows, the ``other`` row, keys by value."""
+
+    class KeyByKey(ss.Sum):
+        finalizes_stacked = False
+
+    spec = (jax.ShapeDtypeStruct((), np.int32), (jax.ShapeDtypeStruct((3,), np.float32),
+                                                 jax.ShapeDtypeStruct((), np.int32)))
+    r = np.random.default_rng(0)
+    by_value = ss.GroupBy(ss.Sum(), max_keys=10).with_keys(np.array(list("abcdefg"), object), "city")
+    for big, combiner in [(False, ss.GroupBy(ss.Sum(), K, out_of_range="other")), (True, by_value)]:
+        acc = jax.tree.map(np.array, combiner.init(spec))  # then states as a run leaves them
+        (floats, ints), count = acc.value.sum, acc.value.count
+        floats[:] = r.normal(size=floats.shape)
+        ints.limbs[:] = r.integers(0, 1 << 16, ints.limbs.shape)
+        ints.limbs[..., -1] = r.integers(-5, 5, ints.limbs.shape[:-1]) * (1 << 14 if big else 1)
+        count.limbs[:] = 0
+        count.limbs[:, 0] = r.integers(0, 3, count.limbs.shape[0])  # some keys of no rows
+        acc.count.limbs[: len(count.limbs), 0] = count.limbs[:, 0]
+        one, each = combiner.finalize(acc), combiner.rewrap(KeyByKey()).finalize(acc)
+        assert ss.Sum.finalizes_stacked and type(one) is type(each) and type(one.result) is type(each.result)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(each), strict=True):
+            assert np.asarray(a).dtype == np.asarray(b).dtype
+            np.testing.assert_array_equal(a, b)
+        assert (np.asarray(one.sum[1]).dtype == object) == big  # past int64: Python ints, as key by key
+        assert one.by == each.by == combiner.key_name and one.keys.tolist() == each.keys.tolist()

@@ -12,6 +12,10 @@ from tests.test_checkpoint import CrashError, crash_at
 
 KW = {"microbatch": 64, "steps_per_call": 2}
 SMALL = ss.TopK(k=10, capacity=256)  # far fewer slots than values: evictions happen
+# Micro-batches of at least 1024 rows and 2 rows a monitored slot count their values by hashing (keys.first_rows)
+# instead of sorting: runs with TopK(capacity=16) and these micro-batches are hashed.
+HASHED = {"microbatch": 1024, "steps_per_call": 1}
+M32 = 2**32
 
 
 def zipf(n, universe=5000, seed=0):
@@ -56,14 +60,14 @@ def test_zipf_top_values_are_exact_in_random_sorted_and_reversed_order_and_count
 def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_zeros():
     r = np.random.default_rng(1)
     values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0], np.float32)
-    column = r.choice(values, 999, p=[0.1, 0.2, 0.2, 0.3, 0.15, 0.05])
-    got = ss.run(ss.TopK(k=8), column, mesh="data:2", **KW)  # two summaries merged: as on 8, a cheaper compile
+    column = r.choice(values, 2 * 1024 * 2 + 333, p=[0.1, 0.2, 0.2, 0.3, 0.15, 0.05])  # hashed micro-batches
+    got = ss.run(ss.TopK(k=8, capacity=16), column, mesh="data:2", **HASHED)  # as on 8, a cheaper compile
     counts = pd.Series(column).value_counts(dropna=False)
     assert got.values.shape == (8,) and got.certain and got.bound == 0
     assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
     for value, count in zip(got.values[:5], got.counts[:5], strict=True):
         assert count == (counts[np.nan] if np.isnan(value) else counts[value])
-    kept = ss.run(ss.TopK(k=8), column, mesh="data:2", nan_policy="omit", **KW)
+    kept = ss.run(ss.TopK(k=8, capacity=16), column, mesh="data:2", nan_policy="omit", **HASHED)
     assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
 
 
@@ -144,3 +148,124 @@ def test_strings_are_counted_by_their_hash_ids():
 )
 def test_bad_arguments_are_one_clear_line(make, words):
     assert_usage_error(make, words)
+
+
+
+
+def colliding_keys(count, bits, seed=0, wide=False):
+    """``count`` distinct keys that round 0 of ``keys.round_hash`` sends to one slot of a ``2^bits`` table:
+    the 32-bit mixer (lowbias32) run backwards from outputs sharing their top ``bits``; 64-bit keys: keys
+    sharing their fold of the high half onto the low one too (``v`` and ``v ^ m * (2^32 + 1)``)."""
+    r = np.random.default_rng(seed)
+    mixed = (r.choice(1 << (32 - bits), count, replace=False).astype(np.uint64) | (5 << (32 - bits))) % M32
+    inv1, inv2 = pow(0x7FEB352D, -1, M32), pow(0x846CA68B, -1, M32)
+
+    def unshift(x, s):  # the inverse of x ^= x >> s
+        y = x
+        for _ in range(32 // s + 1):
+            y = x ^ (y >> s)
+        return y
+
+    x = [int(v) for v in mixed]
+    x = [unshift(v, 16) for v in x]
+    x = [unshift(v * inv2 % M32, 15) for v in x]
+    x = [unshift(v * inv1 % M32, 16) for v in x]
+    keys = np.array([v ^ 0x9E3779B9 for v in x], np.uint64)  # round 0's seed: GOLDEN * 1
+    return keys if not wide else keys * np.uint64(M32 + 1)  # 64 bits: high half = low half, their fold 0
+
+
+def test_hashing_finds_each_rows_first_row_under_colliding_keys_and_says_when_it_gives_up():
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.sketches.keys import first_rows, round_hash
+
+    n, bits = 600, 11  # first_rows' table for 600 rows: 2^11 slots
+    r = np.random.default_rng(3)
+    bad = colliding_keys(40, bits)
+    slots = round_hash(jnp.asarray(bad.astype(np.uint32)), jnp.int32(0), bits)
+    assert len(np.unique(np.asarray(slots))) == 1  # the construction: every key in one slot in round 0
+    keys = np.stack([r.choice(bad, n), r.integers(0, 2**32, n, dtype=np.uint64) % 7,
+                     r.integers(0, 2**32, n, dtype=np.uint64)]).astype(np.uint32)
+    valid = r.random((3, n)) < 0.9
+
+    def want(k, v):
+        out = np.full(k.shape, -1)
+        for j in range(k.shape[0]):
+            seen = {}
+            for i in np.flatnonzero(v[j]):
+                out[j, i] = seen.setdefault(int(k[j, i]), i)
+        return out
+
+    found = jax.jit(first_rows, static_argnums=2)
+    rep, done = found(jnp.asarray(keys), jnp.asarray(valid), None)
+    assert bool(done)
+    np.testing.assert_array_equal(rep, want(keys, valid))
+    rep, done = found(jnp.asarray(keys), jnp.asarray(valid), 1)  # one round: the colliding keys left over
+    first = keys[0][valid[0]][0]  # round 0 resolves only the key of the slot's lowest row
+    assert not bool(done)
+    np.testing.assert_array_equal(np.asarray(rep)[0] >= 0, valid[0] & (keys[0] == first))
+    with jax.enable_x64(True):  # 64-bit keys whose 32-bit folds are all one, and the extremes
+        wide = np.concatenate([colliding_keys(30, bits, wide=True), np.array([0, 2**63, 2**64 - 1], np.uint64)])
+        keys = r.choice(wide, (2, n))
+        valid = np.ones((2, n), bool)
+        rep, done = found(jnp.asarray(keys), jnp.asarray(valid), None)
+        assert bool(done)
+        np.testing.assert_array_equal(rep, want(keys, valid))
+
+
+def hashed_columns(n, seed=0):
+    """int64 rows ``(n, 3)``: Zipf over values whose 32-bit folds and round-0 slots are all one, with the
+    int64 extremes; five values (the extremes among them), counted exactly; values mostly seen once."""
+    r = np.random.default_rng(seed)
+    info = np.iinfo(np.int64)
+    table = np.concatenate([[info.min, info.max, -1, 0], colliding_keys(60, 12, wide=True).view(np.int64)])
+    few = np.array([info.min, info.max, -1, 0, 2**40])
+    return np.stack([table[zipf(n, universe=len(table), seed=seed) % len(table)], r.choice(few, n),
+                     r.integers(-(2**62), 2**62, n)], 1)
+
+
+@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
+def test_hashed_micro_batches_count_like_value_counts_with_colliding_extreme_and_string_values(mesh):
+    n = 8 * 1024 * 2 + 333  # ragged: the last step's micro-batches part padding, some all padding
+    x = hashed_columns(n)
+    got = ss.run(ss.TopK(k=3, capacity=16), x, mesh=mesh, **HASHED)
+    assert got.values.dtype == np.int64 and got.bound[2] > 0  # the third column overflows the summary
+    for j in range(3):
+        check_bounds(x[:, j], type(got)(*(f[j] for f in got)))
+    values, counts = np.unique(x[:, 0], return_counts=True)
+    np.testing.assert_array_equal(got.values[0][:2], values[np.lexsort((values, -counts))[:2]])
+    truth = pd.Series(x[:, 1]).value_counts()
+    assert got.certain[1] and np.all(got.errors[1] == 0)
+    np.testing.assert_array_equal(got.counts[1], truth.reindex(got.values[1]).to_numpy())
+    if mesh == "data:1":
+        return
+    n, mesh = 2 * 1024 * 2 + 333, "data:2"  # strings (int64 ids): on 2 devices, a cheaper compile than 8
+    words = np.random.default_rng(2).choice(np.array(["a", "a\x00", "é\x00\x00", "\U0001f600", "\x00", ""],
+                                                     dtype=object), n)
+    top = ss.run(ss.TopK(k=6, capacity=16), pd.DataFrame({"w": words}), mesh=mesh, **HASHED)
+    counts = pd.Series(words).value_counts()
+    assert top.certain[0] and top.values[0].tolist() == sorted(
+        counts.index, key=lambda s: (-counts[s], int(ss.hash_strings([s])[0])))
+    np.testing.assert_array_equal(top.counts[0], counts[top.values[0]].to_numpy())
+
+
+def test_hashed_top_k_resumes_bitwise_and_falls_back_to_the_sort_when_hashing_gives_up(tmp_path, monkeypatch):
+    from sharded_scan.combiners.sketches import keys
+
+    x = hashed_columns(8 * 1024 * 3, seed=4)
+    combiner, run = ss.TopK(k=3, capacity=16), dict(mesh="data:8", **HASHED)
+    whole = ss.run(combiner, x, **run)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    with pytest.raises(CrashError):
+        ss.run(combiner, x, checkpoint=options, progress=crash_at(2), **run)
+    again = ss.run(combiner, x, checkpoint=options, **run)
+    for a, b in zip(again, whole, strict=True):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(keys, "HASH_ROUNDS", 1)  # the colliding keys stay unresolved: the sort counts them
+    sorted_ = ss.run(ss.TopK(k=2, capacity=16), x, **run)  # another k: a program traced afresh, not the memoized
+    for j in range(3):
+        check_bounds(x[:, j], type(sorted_)(*(f[j] for f in sorted_)))
+    for got in (sorted_, whole):
+        np.testing.assert_array_equal(got.counts[1], pd.Series(x[:, 1]).value_counts().reindex(
+            got.values[1]).to_numpy())

@@ -52,6 +52,10 @@ class Combiner(abc.ABC):
     #: True when ``add`` is slow to compile and cheap to mask (LinearRegression's and PCA's re-whitening
     #: fold): each step compiles one scan, not a second, constant-mask copy for steps of real rows only.
     one_scan_per_step: bool = False
+    #: True when ``finalize`` of an accumulator with a leading key axis on every leaf gives each key's
+    #: result along that axis, also for keys of no rows (``Sum``): ``GroupBy`` then finalizes every key
+    #: in one call instead of one a key.
+    finalizes_stacked: bool = False
 
     @abc.abstractmethod
     def init(self, spec: PyTree) -> PyTree:

@@ -158,6 +158,11 @@ def segment_sum_rows(x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: i
 def to_int(w: Wide | np.ndarray) -> np.ndarray:
     """The exact value on the host: int64, or Python ints (object) when it does not fit."""
     limbs = np.asarray(w.limbs if isinstance(w, Wide) else w)
+    weights = 2.0 ** (LIMB_BITS * np.arange(limbs.shape[-1]))
+    if limbs.dtype.kind in "iu" and limbs.size and float(np.max(np.abs(limbs.astype(np.float64)) @ weights)) < 2.0**62:
+        # every partial sum is below 2^62 in magnitude: int64 arithmetic is exact (no Python ints a value)
+        shifted = limbs.astype(np.int64) << (LIMB_BITS * np.arange(limbs.shape[-1], dtype=np.int64))
+        return np.asarray(shifted.sum(axis=-1), np.int64)
     total = np.zeros(limbs.shape[:-1], object)
     for k in reversed(range(limbs.shape[-1])):
         total = np.asarray(total * (1 << LIMB_BITS) + limbs[..., k].astype(object), object)

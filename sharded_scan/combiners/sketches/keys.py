@@ -248,3 +248,51 @@ def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
         return jax.tree.map(lambda x, v: x.at[group].set(v), acc, one)
 
     return jax.lax.fori_loop(0, chunks, body, acc)
+
+
+HASH_ROUNDS = 8  # first_rows' most rounds; a micro-batch left unresolved after them is sorted instead
+
+
+def round_hash(keys: jax.Array, r: jax.Array, bits: int) -> jax.Array:
+    """Round ``r``'s slot of each key in a table of ``2^bits``: the top ``bits`` of a seeded mix of the
+    whole key (64-bit keys mixed in 64 bits, so no two rounds share their collisions by construction)."""
+    if keys.dtype == jnp.uint64:
+        mixed = fold32(mix64(keys ^ (r.astype(jnp.uint64) + 1) * jnp.uint64(0x9E3779B97F4A7C15)))
+    else:
+        mixed = mix32(keys ^ (r.astype(jnp.uint32) + 1) * jnp.uint32(GOLDEN))
+    return (mixed >> (32 - bits)).astype(jnp.int32)
+
+
+def first_rows(keys: jax.Array, valid: jax.Array, rounds: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per row of ``keys`` ``(d, n)``, the index of the first valid row of its column holding the same key,
+    found by hashing instead of sorting; and whether every valid row was resolved within ``rounds``.
+
+    Each round hashes the unresolved keys into a table of at least ``2n`` slots (a new seed a round),
+    keeps the lowest row index in each slot (a scatter-min) and resolves the rows whose slot's owner holds
+    their own key, compared whole: a hash collision costs a round, never merges two keys. Every row of a
+    key lands in the same slot, so a key's rows resolve together, to its first row; the lowest unresolved
+    row always owns its slot, so each round resolves at least one key. Unresolved and invalid rows: -1.
+    ``rounds``: :data:`HASH_ROUNDS` unless given.
+    """
+    rounds = HASH_ROUNDS if rounds is None else rounds
+    d, n = keys.shape
+    bits = max(int(np.ceil(np.log2(max(n, 2)))) + 1, 4)
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n))
+    rows = jnp.arange(d)[:, None]
+
+    def body(state):
+        r, rep = state
+        open_ = valid & (rep < 0)
+        slot = jnp.where(open_, round_hash(keys, r, bits), 1 << bits)
+        owner = jnp.full((d, 1 << bits), n, jnp.int32).at[rows, slot].min(pos, mode="drop")
+        mine = jnp.take_along_axis(owner, jnp.minimum(slot, (1 << bits) - 1), axis=1)
+        same = open_ & (jnp.take_along_axis(keys, jnp.minimum(mine, n - 1), axis=1) == keys)
+        return r + 1, jnp.where(same, mine, rep)
+
+    def more(state):
+        r, rep = state
+        return (r < rounds) & jnp.any(valid & (rep < 0))
+
+    start = (jnp.int32(0), jnp.where(valid, -1, -1).astype(jnp.int32))  # varying as keys are in shard_map
+    _, rep = jax.lax.while_loop(more, body, start)
+    return rep, ~jnp.any(valid & (rep < 0))

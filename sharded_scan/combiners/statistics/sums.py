@@ -63,6 +63,8 @@ class Sum(AdditiveCombiner):
     ``count`` counts every row; ``"omit_rows"`` skips every row holding one.
     """
 
+    finalizes_stacked = True  # GroupBy finalizes every key at once: a sum of no rows is 0, its count 0
+
     def init(self, spec):
         def zero(s):
             if _is_integer(s.dtype):
