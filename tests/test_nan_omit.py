@@ -6,6 +6,7 @@ the row-wise skip. One frame: NaNs in different rows of different columns, an in
 a column of one finite value, a constant one; 203 rows (ragged steps).
 """
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -120,3 +121,95 @@ def test_rows_checked_before_compute_are_those_omit_folds():
     keys[1] = 5  # a key out of range in a row holding NaN: its other value is folded, so it is one line
     with pytest.raises(ss.UsageError, match="keys outside"):
         apply_policies(ss.GroupBy(ss.Moments(), 2), nan_policy="omit").check_rows((keys, x))
+
+
+QS = [0, 0.1, 0.5, 0.9, 1]
+
+
+def weights():
+    w = np.random.default_rng(7).random(N) * 3
+    w[[2, 40]] = 0.0, np.nan  # a zero weight omits its row; a NaN one is skipped under omit
+    return w
+
+
+def weighted_quantiles(x, w):
+    """Per column, np.quantile(weights=) of its finite values of positive weight (NaN for none), (d, len(QS))."""
+    out = np.full((x.shape[1], len(QS)), np.nan)
+    for j in range(x.shape[1]):
+        m = np.isfinite(x[:, j]) & (np.nan_to_num(w) > 0)
+        if m.any():
+            out[j] = np.quantile(x[m, j], QS, weights=w[m], method="inverted_cdf")
+    return out
+
+
+@pytest.mark.parametrize("mesh", ["data:8", "data:1"])
+def test_quantiles_skip_each_value_where_it_stands_like_nanquantile(mesh):
+    x, keys, df = frame()
+    q = run(ss.Quantiles(qs=QS), x, mesh=mesh)  # at most k rows a shard: numpy's answers exactly
+    np.testing.assert_array_equal(q.count, df.count())  # each column its own count
+    np.testing.assert_array_equal(q.quantiles, df.quantile(QS).to_numpy().T)  # NaN for the all-NaN column
+    if mesh == "data:1":  # one device: the fold alone, no merge of partials
+        return
+    g = run(ss.GroupBy(ss.Quantiles(qs=QS), K), (keys, x), mesh=mesh).result
+    want = df.groupby(keys).quantile(QS).to_numpy().reshape(K, len(QS), -1).transpose(0, 2, 1)
+    np.testing.assert_allclose(g.quantiles, want, rtol=1e-15)
+    np.testing.assert_array_equal(g.count, df.groupby(keys).count())
+    w = weights()  # a row's weight counts for a column only where its value there is finite
+    g = run(ss.GroupBy(ss.Weighted(ss.Quantiles(qs=QS, method="inverted_cdf")), K), (keys, (w, x)), mesh=mesh).result
+    np.testing.assert_array_equal(g.quantiles, [weighted_quantiles(x[keys == k], w[keys == k]) for k in range(K)])
+    positive = np.isfinite(x) & (np.nan_to_num(w) > 0)[:, None]
+    np.testing.assert_array_equal(g.count, [positive[keys == k].sum(0) for k in range(K)])
+
+
+def test_exact_quantiles_skip_each_value_split_over_model_and_refuse_an_old_omit_checkpoint():
+    from sharded_scan.combiners.wrappers.policies import apply_policies
+
+    x, _, df = frame()
+    w = weights()
+    for combiner, data, want in (
+            (ss.Quantiles(qs=QS, k=16, exact=True), x, df.quantile(QS).to_numpy().T),
+            (ss.Weighted(ss.Quantiles(qs=QS, k=16, exact=True, method="inverted_cdf")), (w, x),
+             weighted_quantiles(x, w))):
+        got = run(combiner, data, mesh="data:2,model:4")  # 25 rows a shard: compacted, so refined in passes
+        assert got.passes > 1
+        np.testing.assert_array_equal(got.quantiles, want)
+        sketch = dataclasses.replace(combiner.inner if isinstance(combiner, ss.Weighted) else combiner, exact=False)
+        # a checkpoint of an omit job that skipped whole rows is another job's: its fingerprint differs
+        for job in (sketch, ss.GroupBy(sketch, K), combiner):
+            old = {**job.fingerprint(), "nan_policy": "omit"}
+            assert apply_policies(job, nan_policy="omit").fingerprint() != old
+
+
+def pairwise_weighted(x, w, ddof=1):
+    """Per pair of columns, over the rows where both are finite and the weight positive: np.cov(aweights=)
+    (NaN for ddof rows or fewer), the correlation, the rows."""
+    d = x.shape[1]
+    cov, corr, rows = np.full((d, d), np.nan), np.full((d, d), np.nan), np.zeros((d, d), int)
+    for i in range(d):
+        for j in range(d):
+            m = np.isfinite(x[:, i]) & np.isfinite(x[:, j]) & (np.nan_to_num(w) > 0)
+            rows[i, j] = m.sum()
+            if m.sum() > ddof:
+                pair = np.cov(x[m][:, [i, j]], rowvar=False, aweights=w[m], ddof=ddof)
+                cov[i, j] = pair[0, 1]
+                if np.ptp(x[m, i]) > 0 and np.ptp(x[m, j]) > 0:  # neither constant (numpy: a variance ~1e-30)
+                    corr[i, j] = np.clip(pair[0, 1] / np.sqrt(pair[0, 0] * pair[1, 1]), -1, 1)
+    return cov, corr, rows
+
+
+def test_weighted_covariance_and_correlation_are_pairwise_complete():
+    x, _, _ = frame()
+    w = weights()
+    cov, corr, rows = pairwise_weighted(x, w)
+    c = run(ss.Weighted(ss.Covariance()), (w, x), mesh="data:2,model:4")
+    size = np.where(np.isfinite(x), np.abs(x), 0).max(0)  # the constant column's
+    assert_matrix(c.cov, cov, np.outer(size, size))  # cov is exactly 0, numpy's within rounding of its mean
+    np.testing.assert_array_equal(c.pair_count, rows)  # rows of positive weight where both are finite
+    np.testing.assert_array_equal(c.count, np.diagonal(rows))
+    live = np.diagonal(rows) > 0
+    want = [np.average(x[:, j][m], weights=w[m]) for j in np.flatnonzero(live)
+            for m in [np.isfinite(x[:, j]) & (np.nan_to_num(w) > 0)]]
+    np.testing.assert_allclose(c.mean[live], want, rtol=1e-13)
+    r = run(ss.Weighted(ss.Correlation()), (w, x), mesh="data:8")
+    assert_matrix(r.corr, corr, np.ones(corr.shape))
+    np.testing.assert_array_equal(r.pair_count, rows)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import sharded_scan as ss
 from tests.helpers import assert_usage_error
-from tests.properties import RUN, D, check_round_trips, float_frames, kept_rows, same_values
+from tests.properties import RUN, D, check_round_trips, float_frames, kept_rows, kept_values, same_values
 from tests.test_properties import mesh_name, pad, runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -54,11 +54,11 @@ def rank_distance(col: np.ndarray, answer: float, q: float) -> float:
 
 @given(x=float_frames(max_rows=300), policy=st.sampled_from(["propagate", "omit"]))
 def test_quantile_sketch_within_its_rank_error(x, policy):
-    kept = kept_rows(x, policy)
+    kept = [kept_values(x, j, policy) for j in range(D)]  # under "omit" each column's finite values
     for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), k=16, method="lower"), x, nan_policy=policy)):
-        assert int(np.max(r.count)) == len(kept)
+        assert np.array_equal(r.count, [len(c) for c in kept] if policy == "omit" else len(x))
         for j in range(D):
-            col, at = kept[:, j], f"{mesh_name(i)} {policy} column {j} rows {len(kept)}"
+            col, at = kept[j], f"{mesh_name(i)} {policy} column {j} rows {len(kept[j])}"
             if not len(col) or np.isnan(col).any():
                 assert np.isnan(r.quantiles[j]).all(), (at, r.quantiles[j])
                 continue
@@ -87,10 +87,10 @@ def next_to_infinity(got, numpy_answers, lower, higher) -> np.ndarray:
 
 @given(x=float_frames(), policy=st.sampled_from(["propagate", "omit"]), method=st.sampled_from(METHODS))
 def test_exact_quantiles_are_numpys(x, policy, method):
-    kept = kept_rows(x, policy)
     for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), exact=True, method=method), x, nan_policy=policy)):
         for j in range(D):
-            col, at = kept[:, j], f"{mesh_name(i)} {policy} {method} column {j} {kept[:, j].tolist()!r}"
+            col = kept_values(x, j, policy)  # under "omit" the column's finite values
+            at = f"{mesh_name(i)} {policy} {method} column {j} {col.tolist()!r}"
             if not len(col):
                 assert np.isnan(r.quantiles[j]).all(), at
                 continue
@@ -290,6 +290,9 @@ def test_weighted_quantiles_and_grouped_top_k(x, seed, policy):
         wk, xk = finite[:, 0], finite[:, 1:]
         for j in range(D):
             col, wj = xk[wk > 0, j], wk[wk > 0]
+            if policy == "omit":  # per column: a row's weight counts where the column's value is finite
+                m = np.isfinite(x[:, j]) & (w > 0)
+                col, wj = x[m, j], w[m]
             where = f"{at} column {j} {col.tolist()!r} weights {wj.tolist()!r}"
             if not len(col) or np.isnan(col).any():
                 assert np.isnan(r.quantiles[j]).all(), (where, r.quantiles[j])

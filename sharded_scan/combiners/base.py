@@ -268,23 +268,30 @@ class AdditiveCombiner(Combiner):
         return jax.tree.map(jnp.add, a, b)
 
 
-def finite_rows(batch: PyTree) -> jax.Array:
-    """Per row of ``batch`` (a pytree of ``(rows, ...)`` arrays): whether its every float value is finite."""
+def finite_rows(batch: PyTree, xp: Any = jnp) -> jax.Array:
+    """Per row of ``batch`` (a pytree of ``(rows, ...)`` arrays): whether its every float value is finite
+    (``xp=np``: of host arrays, on the host, in their own dtypes)."""
     leaves = jax.tree.leaves(batch)
-    finite = jnp.ones((leaves[0].shape[0],), bool)
+    finite = xp.ones((leaves[0].shape[0],), bool)
     for leaf in leaves:
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            finite &= jnp.all(jnp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
+            finite &= xp.all(xp.isfinite(leaf).reshape(leaf.shape[0], -1), axis=1)
     return finite
 
 
-def nonfinite_as_nan(batch: PyTree) -> PyTree:
-    """``batch`` with each NaN or inf float value NaN: what a combiner that leaves NaN out column by column
-    (``Describe``, ``TopK``) folds under ``nan_policy="omit"``, so that it skips an inf where it stands too."""
+def nonfinite_as(batch: PyTree, value: float) -> PyTree:
+    """``batch`` with each NaN or inf float value ``value``: what a combiner that skips values where they stand
+    folds under ``nan_policy="omit"`` (NaN: ``Describe``, ``TopK``, ``Quantiles``, which leave NaN out column by
+    column, so that an inf is skipped too; 0: ``Sum``, to which it adds nothing)."""
     def one(x):
-        return jnp.where(jnp.isfinite(x), x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return jnp.where(jnp.isfinite(x), x, value) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree.map(one, batch)
+
+
+def nonfinite_as_nan(batch: PyTree) -> PyTree:
+    """:func:`nonfinite_as` NaN."""
+    return nonfinite_as(batch, jnp.nan)
 
 
 def masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:

@@ -85,6 +85,13 @@ def nan_key(key_type) -> np.generic:
     return b.key(b.nan | b.sign)
 
 
+def finite_keys(keys: jax.Array, kind: jax.Array) -> jax.Array:
+    """Where keys of kind ``kind`` (:func:`kind_code`, traced) stand for finite values: below NaN's key for
+    floats (the filler of padding sorts above it too), everywhere for integers."""
+    floats = jnp.asarray([t.kind == "f" for t in KIND_DTYPES])[kind]
+    return (keys < nan_key(keys.dtype)) | ~floats
+
+
 def kind_code(dtype) -> jax.Array:
     """The kind of ``dtype``'s keys as an int32 scalar, for accumulators to carry to ``finalize``."""
     return jnp.int32(KIND_DTYPES.index(keyed_as(dtype)))

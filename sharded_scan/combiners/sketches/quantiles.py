@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, nonfinite_as_nan
 from sharded_scan.combiners.column_split import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.combiners.passes import MultiPass
 from sharded_scan.combiners.sketches import kll, kll_weighted
@@ -41,6 +41,7 @@ from sharded_scan.combiners.sketches.datasketches import kll_state
 from sharded_scan.combiners.sketches.keys import (
     check_column_spec,
     fill,
+    finite_keys,
     fold_groups,
     fold_if_any,
     key_dtype,
@@ -95,6 +96,20 @@ def extremes(acc, keys, count):
             jnp.maximum(acc.high, largest.reshape(acc.high.shape)))
 
 
+def finite_extremes(acc, keys, finite):
+    """:func:`extremes` of the ``finite`` ``(d,)`` first keys of each column (a column of none: no change)."""
+    has = finite > 0
+    first = jnp.where(has, keys[:, 0], fill(keys.dtype))
+    last = jnp.where(has, jnp.take_along_axis(keys, jnp.maximum(finite - 1, 0)[:, None], axis=1)[:, 0], 0)
+    return (jnp.minimum(acc.low, first.reshape(acc.low.shape).astype(keys.dtype)),
+            jnp.maximum(acc.high, last.reshape(acc.high.shape).astype(keys.dtype)))
+
+
+def finite_count(keys, count, kind):
+    """Per column ``(d,)`` (int32): how many of the first ``count`` keys ``(d, mb)`` stand for finite values."""
+    return jnp.sum(finite_keys(keys, kind) & (jnp.arange(keys.shape[1]) < count), axis=1, dtype=jnp.int32)
+
+
 class SplitQuantilesAcc(NamedTuple):
     """A :class:`Quantiles` accumulator split by columns over ``model``: its columns padded
     with empty ones to a multiple of the axis size, and how many are real."""
@@ -109,7 +124,12 @@ def unsplit(acc: SplitQuantilesAcc) -> QuantilesAcc:
     real = shape[0] if shape else 1
     ends = (lambda x: x[:real]) if shape else (lambda x: x[0])
     return value._replace(sketch=value.sketch._replace(items=value.sketch.items[:real]), low=ends(value.low),
-                          high=ends(value.high))
+                          high=ends(value.high), count=_count_columns(value.count, lambda x: x[:real]))
+
+
+def _count_columns(count: wide.Wide, fn) -> wide.Wide:
+    """``fn`` of a count per column (:class:`FiniteQuantiles`': ``(d,)``); one count of every row as it is."""
+    return jax.tree.map(fn, count) if np.ndim(count.limbs) > 1 else count
 
 
 def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
@@ -118,7 +138,8 @@ def split(acc: QuantilesAcc, shards: int) -> SplitQuantilesAcc:
     d, width = items.shape[0], round_up(items.shape[0], shards)
     ends = lambda x, value: padded_columns(jnp.reshape(x, (-1,)), d, width, value=value)  # noqa: E731
     value = acc._replace(sketch=acc.sketch._replace(items=padded_columns(items, d, width, value=fill(items.dtype))),
-                         low=ends(acc.low, fill(items.dtype)), high=ends(acc.high, 0))
+                         low=ends(acc.low, fill(items.dtype)), high=ends(acc.high, 0),
+                         count=_count_columns(acc.count, lambda x: padded_columns(x, d, width)))
     return SplitQuantilesAcc(value, jnp.zeros(shape, jnp.int8))
 
 
@@ -147,8 +168,9 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
 
     NaN and infinities: with ``nan_policy="propagate"`` a column holding NaN gives NaN
     (like ``np.quantile``) and infinities rank as the largest and smallest values; with
-    ``"omit"`` (as ``"omit_rows"``) rows holding NaN or Inf are skipped, whole (no per-column form
-    yet: ``Describe(percentiles=...)`` skips each NaN or Inf where it stands). ``-0.0`` and ``0.0`` count as one value.
+    ``"omit"`` each NaN or Inf is skipped where it stands, as ``np.nanquantile`` per column or pandas'
+    ``df.quantile()`` (:class:`FiniteQuantiles`: ``count`` per column, its finite values); ``"omit_rows"`` skips
+    every row holding one. ``-0.0`` and ``0.0`` count as one value.
     float64 and int64 values are ranked exactly, by 64-bit keys.
 
     On a mesh with a ``model`` axis of size M (set by :meth:`for_mesh`, ``model_shards``) the
@@ -189,7 +211,15 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
         if self.model_shards == 1:
             return None
         sketch = kll.Sketch(P(MODEL_AXIS, None), P(), P(), P(), P())
-        return SplitQuantilesAcc(QuantilesAcc(sketch, P(), P(MODEL_AXIS), P(MODEL_AXIS), P()), P())
+        count = P(MODEL_AXIS) if self.per_column else P()
+        return SplitQuantilesAcc(QuantilesAcc(sketch, count, P(MODEL_AXIS), P(MODEL_AXIS), P()), P())
+
+    #: Whether ``count`` is per column (:class:`FiniteQuantiles`: each column's finite values) or every row's.
+    per_column = False
+
+    def omitting_values(self):
+        """``nan_policy="omit"``: each column's quantiles of its own finite values (:class:`FiniteQuantiles`)."""
+        return FiniteQuantiles(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def init(self, spec):
         shape = spec.shape
@@ -240,7 +270,7 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
 
         return fold_groups(fold, acc, groups, num_keys, width)
 
-    def weighted(self):
+    def weighted(self) -> WeightedQuantiles:
         if self.method != "inverted_cdf":
             raise UsageError(
                 "weighted quantiles are read from the inverse of the weighted CDF (numpy's only weighted method): "
@@ -274,6 +304,40 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
         return exact_passes(self.qs, self.bits, self.method, dataclasses.replace(self, exact=False))
 
 
+class FiniteQuantiles(Quantiles):
+    """``Quantiles`` under ``nan_policy="omit"``: per column the quantiles of its own finite values, as
+    ``np.nanquantile`` per column or pandas' ``df.quantile()``; a NaN or Inf in one column hides none of the
+    row's other values. Each NaN or Inf is folded as NaN (:func:`~.base.nonfinite_as_nan`), whose key sorts
+    after every value, as ``Describe`` folds its percentiles; ``count`` is per column, its finite values, and a
+    column's answers are read at ranks of its own finite rows (NaN for a column of none). ``rank_error`` bounds
+    every column's. Split over ``model``, weighted, per key and ``exact=True`` as ``Quantiles``."""
+
+    per_column = True
+
+    def omitting_values(self):
+        return self
+
+    def finite_values(self, batch):
+        return nonfinite_as_nan(batch)
+
+    def init(self, spec):
+        acc = super().init(spec)
+        if self.model_shards > 1:
+            return acc
+        return acc._replace(count=wide.zeros(acc.sketch.items.shape[:1], limbs=3))  # (d,): 1 for rows of one value
+
+    def _add_sorted(self, acc, keys, count, key_sum=None):
+        sketch = kll.insert_sorted_rows(acc.sketch, keys, count, self.k, key_sum)
+        finite = finite_count(keys, count, acc.kind)
+        low, high = finite_extremes(acc, keys, finite)
+        return QuantilesAcc(sketch, wide.add_int32(acc.count, finite), low, high, acc.kind)
+
+    def finalize(self, acc):
+        if self.model_shards > 1:
+            return self.whole.finalize(unsplit(acc))
+        return finite_quantiles(acc, np.asarray(self.qs), self.method)._replace(sketch=kll_state(acc, self.k))
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightedQuantiles(Combiner, MultiPass):
     """``Quantiles(..., method="inverted_cdf").weighted()``: on rows ``(w, X)``, per column the smallest
@@ -286,6 +350,8 @@ class WeightedQuantiles(Combiner, MultiPass):
     or below (and, across the answer's own weight, below) it. ``q = 0`` and ``q = 1`` are the exact
     smallest and largest values of positive weight. With ``exact=True`` further passes sum the weight
     below the sketch's brackets until each answer is one value: numpy's, with the same exception.
+    Under ``nan_policy="omit"`` (:class:`FiniteQuantiles`) per column: a row's weight counts for a column only
+    where its value there is finite (``count`` and the total weight per column).
     """
 
     quantiles: Quantiles
@@ -301,12 +367,25 @@ class WeightedQuantiles(Combiner, MultiPass):
     def check_spec(self, spec):
         self.quantiles.check_spec(spec[1])
 
+    def omitting_values(self):
+        return WeightedQuantiles(self.quantiles.omitting_values())
+
+    def finite_values(self, batch):
+        """Under ``nan_policy="omit"`` each NaN or Inf as NaN: its weight left out of its column alone."""
+        return nonfinite_as_nan(batch) if self.quantiles.per_column else None
+
     def init(self, spec):
         w, x = spec
         one = self.quantiles.init(x)
         d = x.shape[0] if x.shape else 1
         sketch = kll_weighted.empty(d, self.quantiles.k, one.low.dtype, w.dtype)
-        return WeightedQuantilesAcc(sketch, one.count, jnp.zeros((), w.dtype), one.low, one.high, one.kind)
+        weight = jnp.zeros((d,) if self.quantiles.per_column else (), w.dtype)  # per column: its finite values'
+        return WeightedQuantilesAcc(sketch, one.count, weight, one.low, one.high, one.kind)
+
+    def _weights(self, w, cols, mask, kind):
+        """Each row's weight in every column ``(d, mb)``: 0 for padding, and per column for a NaN (``omit``)."""
+        cells = mask[None, :] & finite_keys(cols, kind) if self.quantiles.per_column else mask
+        return jnp.broadcast_to(jnp.where(cells, w, 0), cols.shape)
 
     def add(self, acc, batch, mask):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
@@ -314,12 +393,16 @@ class WeightedQuantiles(Combiner, MultiPass):
     def _add(self, acc, batch, mask):
         w, x = batch
         cols = masked_columns(x, mask)
-        keys, weights = jax.lax.sort((cols, jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape)), dimension=1,
-                                     num_keys=1)
+        keys, weights = jax.lax.sort((cols, self._weights(w, cols, mask, kind_code(x.dtype))), dimension=1, num_keys=1)
         return self._add_sorted(acc, keys, weights, jnp.sum(mask, dtype=jnp.int32))
 
     def _add_sorted(self, acc, keys, weights, count):
         sketch = kll_weighted.insert_sorted_rows(acc.sketch, keys, weights, count, self.quantiles.k)
+        if self.quantiles.per_column:
+            finite = finite_count(keys, count, acc.kind)
+            low, high = finite_extremes(acc, keys, finite)
+            return WeightedQuantilesAcc(sketch, wide.add_int32(acc.count, finite), acc.weight + jnp.sum(weights, 1),
+                                        low, high, acc.kind)
         low, high = extremes(acc, keys, count)
         total = acc.weight + jnp.sum(weights[0])
         return WeightedQuantilesAcc(sketch, wide.add_int32(acc.count, count), total, low, high, acc.kind)
@@ -328,8 +411,8 @@ class WeightedQuantiles(Combiner, MultiPass):
         """A sketch per key, as :meth:`Quantiles.add_keyed`."""
         w, x = batch
         cols = masked_columns(x, mask)
-        groups, cols, weights = sort_by_key(cols, mask, keys, num_keys,
-                                            jnp.broadcast_to(jnp.where(mask, w, 0), cols.shape))
+        weights = self._weights(w, cols, mask, kind_code(x.dtype))
+        groups, cols, weights = sort_by_key(cols, mask, keys, num_keys, weights)
 
         width = min(cols.shape[1], self.quantiles.k)
 
@@ -354,7 +437,7 @@ class WeightedQuantiles(Combiner, MultiPass):
         variance = np.asarray(acc.sketch.variance, np.float64)
         bound = max((kll.rank_error_bound(float(v), float(t), CONFIDENCE) for v, t in zip(variance, total[:, 0],
                                                                                              strict=True)), default=0.0)
-        rows = int(wide.to_int(acc.count))
+        rows = wide.to_int(acc.count)
         return result_from_keys(acc, qs, (picks, picks, np.zeros(picks.shape)), rows, bound, passes=1,
                                 method="inverted_cdf")
 
@@ -375,3 +458,18 @@ def sketch_quantiles(acc: QuantilesAcc, qs: np.ndarray, method: str) -> Quantile
     rows = int(wide.to_int(acc.count))
     bound = kll.rank_error_bound(float(acc.sketch.variance), rows, CONFIDENCE)
     return result_from_keys(acc, qs, sketch_picks(host, qs, total, method), rows, bound, passes=1, method=method)
+
+
+def finite_quantiles(acc: QuantilesAcc, qs: np.ndarray, method: str) -> QuantilesResult:
+    """:func:`sketch_quantiles` of a :class:`FiniteQuantiles` accumulator: each column's answers read at the
+    ranks of its count of finite values (its NaN's sort last), as ``Describe``'s percentiles; ``rank_error``
+    the largest of the columns' (each the sketch's error in ranks over the column's values)."""
+    host = kll.to_host(acc.sketch)
+    rows = wide.to_int(acc.count)
+    bound = max((kll.rank_error_bound(float(acc.sketch.variance), int(n), CONFIDENCE) for n in rows if n > 0),
+                default=0.0)
+    low, high, weight = sketch_picks(host, qs, np.asarray(rows, np.float64)[:, None], method)
+    largest = np.asarray(acc.high).reshape(-1, 1)  # a NaN item past a column's finite ones is never its answer
+    return result_from_keys(acc, qs, (np.minimum(low, largest), np.minimum(high, largest), weight), rows, bound,
+                            passes=1, method=method)
+

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, nonfinite_as_nan
 from sharded_scan.combiners.column_split import SplitsByColumns, column_block, padded_columns, round_up
 from sharded_scan.combiners.sketches import kll, kll_weighted
 from sharded_scan.combiners.sketches.keys import (
@@ -54,7 +54,7 @@ from sharded_scan.combiners.sketches.keys import (
     nan_key,
     np_float_keys,
 )
-from sharded_scan.combiners.sketches.quantiles_result import method_ranks, result_from_keys
+from sharded_scan.combiners.sketches.quantiles_result import finite_weight, method_ranks, result_from_keys
 from sharded_scan.mesh import MODEL_AXIS
 
 BRACKET_CONFIDENCE = 1.0 - 1e-9
@@ -94,6 +94,10 @@ class SketchPass(Combiner):
 
     def finite_values(self, batch):
         return self.sketch.finite_values(batch)
+
+    def omitting_values(self):
+        """The sketch's own (``Quantiles``': each column's finite values, :class:`~.quantiles.FiniteQuantiles`)."""
+        return dataclasses.replace(self, sketch=self.sketch.omitting_values())
 
     def merge(self, a, b):
         return self.sketch.merge(a, b)
@@ -178,6 +182,11 @@ class RefinePass(SplitsByColumns, Combiner):
 
     def bind(self, operands):
         return dataclasses.replace(self, bound=operands)
+
+    def finite_values(self, batch):
+        """``nan_policy="omit"``: each NaN or Inf as NaN, whose key sorts after every boundary (the brackets
+        hold finite keys), so that a column's counts are of its own finite values, as its sketch pass's."""
+        return nonfinite_as_nan(batch)
 
     def fingerprint(self):
         raw = (np.ascontiguousarray(self.bounds, np.int64).tobytes() if self.bounds.dtype != object
@@ -331,7 +340,8 @@ class Brackets:
     """
 
     def __init__(self, acc, ranks: np.ndarray, settled: np.ndarray, bits: int):
-        rows = int(wide.to_int(acc.count))
+        counts = wide.to_int(acc.count)  # per column under nan_policy="omit": its finite values
+        rows = int(np.max(counts, initial=0))  # the margin is the sketch's error in ranks, whatever the rows
         host = kll.to_host(acc.sketch)
         self.ranks, self.bins, self.dtype = ranks, 1 << bits, KIND_DTYPES[int(acc.kind)]
         self.key_type = np.asarray(acc.low).dtype
@@ -341,8 +351,8 @@ class Brackets:
             self.lo = self.hi = host_ints(kll.keys_at(host, ranks))
             return
         margin = kll.rank_error_bound(float(acc.sketch.variance), rows, BRACKET_CONFIDENCE) * rows + 1
-        # Past either end of the sketch's items only the true extremes bracket safely.
-        total = host.cumulative[:, -1:]
+        # Past either end of the sketch's items (of its finite ones per column) only the true extremes bracket safely.
+        total = finite_weight(host, acc.kind) if np.ndim(counts) else host.cumulative[:, -1:]
         low, high = self.low[:, None], self.high[:, None]
         lo = np.where(ranks < margin, low, host_ints(kll.keys_at(host, np.maximum(ranks - margin, 0))))
         hi = np.where(ranks + margin >= total, high, host_ints(kll.keys_at(host, ranks + margin)))
@@ -414,6 +424,12 @@ def nan_columns(acc) -> np.ndarray:
     return ((high_keys == nan_key(high_keys.dtype)) & is_float(acc.kind))[:, None]
 
 
+def no_rows(rows) -> np.ndarray:
+    """``(d, 1)`` (or a scalar): which columns have no values to answer from (their answers NaN)."""
+    rows = np.asarray(rows)
+    return (rows == 0).reshape(-1, 1) if rows.ndim else rows == 0
+
+
 def refined(brackets, refine_pass):
     """Yields ``refine_pass(bounds)`` passes until every bracket is closed; returns the passes run, the sketch's too."""
     passes = 1
@@ -429,10 +445,11 @@ def weighted_exact_passes(qs: tuple[float, ...], bits: int, sketch: Combiner):
     (``sketch``), then weight counts that narrow each answer by ``bits`` bits of its key."""
     qs = np.asarray(qs, np.float64)
     acc = yield SketchPass(sketch)
-    rows = int(wide.to_int(acc.count))
+    rows = wide.to_int(acc.count)  # per column under nan_policy="omit", as the weight
     d = np.asarray(acc.low).size
-    targets = np.broadcast_to(qs[None, :] * float(acc.weight), (d, len(qs)))
-    brackets = WeightedBrackets(acc, targets, (qs[None, :] == 0) | (qs[None, :] == 1) | nan_columns(acc), bits)
+    targets = np.broadcast_to(qs[None, :] * np.asarray(acc.weight, np.float64).reshape(-1, 1), (d, len(qs)))
+    settled = (qs[None, :] == 0) | (qs[None, :] == 1) | nan_columns(acc) | no_rows(rows)
+    brackets = WeightedBrackets(acc, targets, settled, bits)
     passes = yield from refined(brackets, WeightedRefinePass)
     keys = brackets.keys
     return result_from_keys(acc, qs, (keys, keys, np.zeros(keys.shape)), rows, 0.0, passes, "inverted_cdf")
@@ -444,13 +461,14 @@ def exact_passes(qs: tuple[float, ...], bits: int, method: str, sketch: Combiner
     :func:`sharded_scan.run` drives."""
     qs = np.asarray(qs, np.float64)
     acc = yield SketchPass(sketch)
-    rows = int(wide.to_int(acc.count))
+    rows = wide.to_int(acc.count)  # per column under nan_policy="omit": its finite values
     d = np.asarray(acc.low).size
-    low, high, weight = (np.broadcast_to(a, (d, len(qs))) for a in method_ranks(qs, rows, method))
+    per_row = rows if np.ndim(rows) == 0 else rows.reshape(-1, 1)
+    low, high, weight = (np.broadcast_to(a, (d, len(qs))) for a in method_ranks(qs, per_row, method))
     both = not np.array_equal(low, high)  # linear and midpoint read two ranks, the others one
     ranks = np.concatenate([low, high], axis=1) if both else low
     ends = np.tile(qs, 2 if both else 1)[None, :]
-    brackets = Brackets(acc, ranks, (ends == 0) | (ends == 1) | nan_columns(acc), bits)
+    brackets = Brackets(acc, ranks, (ends == 0) | (ends == 1) | nan_columns(acc) | no_rows(rows), bits)
     passes = yield from refined(brackets, RefinePass)
     keys = brackets.keys
     picks = (keys[:, : len(qs)], keys[:, len(qs):] if both else keys, weight)

@@ -39,7 +39,8 @@ class QuantilesResult(NamedTuple):
     uint64 columns, as ``np.quantile``'s), each answer read at the ranks ``method`` names
     (``np.quantile``'s; see the module docstring),
     NaN for a column that holds NaN (numpy's ``np.quantile`` does the same) or has no
-    rows; ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
+    rows (``nan_policy="omit"``: no finite values, ``count`` then per column, each column's finite
+    values); ``rank_error`` bounds ``|rank - q (n - 1)| / n`` of every answer with
     probability ``0.99`` each (0: exact); ``passes`` counts the passes over the data;
     ``sketch`` the merged sketch, a record per column (:func:`~.datasketches.kll_state_dtype`;
     None after exact passes), what :meth:`to_datasketches` writes.
@@ -153,7 +154,8 @@ def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, picks: tuple[np.ndarray,
     exact ends, NaN columns, shape. A :data:`DISCONTINUOUS` method's answers over integer rows are
     the rows' own integers (int64; uint64 for uint64 columns), else float64 (NaN with no rows)."""
     low, high, weight = picks
-    if method in DISCONTINUOUS and not is_float(acc.kind) and rows > 0:
+    rows = np.asarray(rows)  # per column ``(d,)`` under ``nan_policy="omit"`` (each column's finite values)
+    if method in DISCONTINUOUS and not is_float(acc.kind) and np.all(rows > 0):
         values = values_at(acc, qs, low)  # such a method reads one rank: low and high are the same keys
     else:
         values = values_from_keys(acc, qs, low, high, np.broadcast_to(weight, low.shape)).astype(np.float64)
@@ -162,6 +164,17 @@ def result_from_keys(acc: QuantilesAcc, qs: np.ndarray, picks: tuple[np.ndarray,
     if values.dtype.kind == "f":
         values[nan | (rows == 0)] = np.nan
     if np.ndim(acc.low) == 0:
-        values = values[0]
+        values, rows = values[0], rows.reshape(-1)[0]
     bound = 0.0 if math.isnan(bound) else bound
-    return QuantilesResult(values, qs.copy(), np.int64(rows), np.float64(bound), np.int64(passes))
+    return QuantilesResult(values, qs.copy(), rows.astype(np.int64)[()], np.float64(bound), np.int64(passes))
+
+
+def finite_weight(host: kll.HostSketch, kind) -> np.ndarray:
+    """Per column ``(d, 1)``: the sketch's weight of finite values (below NaN's key; every item for integers)."""
+    if host.keys.shape[1] == 0:
+        return np.ones((host.keys.shape[0], 1))
+    if not is_float(kind):
+        return host.cumulative[:, -1:]
+    items = np.sum(host.keys < nan_key(host.keys.dtype), axis=1)
+    at = np.take_along_axis(host.cumulative, np.maximum(items - 1, 0)[:, None], axis=1)
+    return np.where(items[:, None] > 0, at, 0.0)

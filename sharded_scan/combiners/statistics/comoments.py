@@ -46,7 +46,8 @@ class CovarianceResult(NamedTuple):
     Under ``nan_policy="omit"`` (pandas' ``df.cov()``, pairwise complete): ``count`` holds each column's
     count of finite values, ``mean`` each column's mean of them, ``cov[i, j]`` is over the rows where
     both columns are finite, ``pair_count[i, j]`` counts them (None under the other policies: every
-    entry is over ``count`` rows)."""
+    entry is over ``count`` rows). Weighted, ``count`` and ``pair_count`` count the rows of positive weight,
+    ``mean`` is ``np.average`` and ``cov[i, j]`` ``np.cov(aweights=)`` over those rows."""
 
     count: np.ndarray
     mean: np.ndarray
@@ -122,14 +123,6 @@ class CoMoments(SplitsByColumns, Combiner):
             return centered_merge(a, b, full=True, shards=self.model_shards)
         return merged(a, b, na, nb, full=True, shards=self.model_shards)[0]
 
-    def omitting_values(self):
-        """The pairwise-complete form (pandas' ``df.cov()``/``df.corr()``): each pair of columns over the
-        rows where both are finite (:mod:`~sharded_scan.combiners.statistics.pairwise`)."""
-        from sharded_scan.combiners.statistics import pairwise  # it builds on this module
-
-        return pairwise.PairwiseCovariance(ddof=self.ddof) if isinstance(self, Covariance) else (
-            pairwise.PairwiseCorrelation())
-
     def weighted(self):
         return WeightedCentred(self)
 
@@ -152,7 +145,8 @@ class Covariance(CoMoments):
 
     Under ``nan_policy="omit"`` pairwise complete, as pandas' ``df.cov()``: each entry over the rows
     where both columns are finite (``pair_count``), NaN where a pair has ``ddof`` rows or fewer
-    (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCovariance`); weighted, whole rows are skipped.
+    (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCovariance`); weighted too, each pair over its
+    rows' weights (``np.cov(aweights=)`` of the pair's rows).
 
     Args:
       ddof: delta degrees of freedom; the divisor is ``count - ddof`` (1, the default, like
@@ -168,6 +162,13 @@ class Covariance(CoMoments):
     def check_spec(self, spec):
         super().check_spec(spec)
         check_ddof(self.ddof, type(self).__name__)
+
+    def omitting_values(self):
+        """The pairwise-complete form (pandas' ``df.cov()``): each pair of columns over the rows where both
+        are finite (:mod:`~sharded_scan.combiners.statistics.pairwise`)."""
+        from sharded_scan.combiners.statistics.pairwise import PairwiseCovariance  # it builds on this module
+
+        return PairwiseCovariance(ddof=self.ddof, model_shards=self.model_shards)
 
     def result(self, acc, weight=None, weight_sq=None):
         acc, count = real_columns(acc), wide.to_int(acc.count)

@@ -19,7 +19,8 @@ class CorrelationResult(NamedTuple):
 
     Under ``nan_policy="omit"`` (pandas' ``df.corr()``, pairwise complete): ``count`` and ``mean`` per
     column over its finite values, ``corr[i, j]`` over the rows where both columns are finite (NaN where
-    fewer than 2), ``pair_count[i, j]`` counts them (None under the other policies)."""
+    fewer than 2), ``pair_count[i, j]`` counts them (None under the other policies); weighted, the rows of
+    positive weight, each pair's correlation that of ``np.cov(aweights=)`` over them."""
 
     count: np.ndarray
     mean: np.ndarray
@@ -42,8 +43,8 @@ class Correlation(CoMoments):
     warns of the division). Weighted (``Weighted(Correlation())``): ``np.cov(aweights=)``'s
     correlations (the divisor cancels). Under ``nan_policy="omit"`` pairwise complete, as pandas'
     ``df.corr()``: each entry over the rows where both columns are finite (``pair_count``), NaN where
-    fewer than 2 (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCorrelation`); weighted, whole rows
-    are skipped.
+    fewer than 2 (:class:`~sharded_scan.combiners.statistics.pairwise.PairwiseCorrelation`); weighted too, each
+    pair over its rows' weights.
 
     Attributes:
       model_shards: set by :meth:`for_mesh`: when above 1 the (d, d) co-moments are split by
@@ -51,6 +52,13 @@ class Correlation(CoMoments):
     """
 
     model_shards: int = 1
+
+    def omitting_values(self):
+        """The pairwise-complete form (pandas' ``df.corr()``): each pair of columns over the rows where both
+        are finite (:mod:`~sharded_scan.combiners.statistics.pairwise`)."""
+        from sharded_scan.combiners.statistics.pairwise import PairwiseCorrelation  # it builds on this module
+
+        return PairwiseCorrelation(model_shards=self.model_shards)
 
     def result(self, acc, weight=None, weight_sq=None):
         del weight, weight_sq  # the divisor cancels

@@ -363,9 +363,9 @@ class WeightedCentredAcc(NamedTuple):
     lost: jax.Array     # (2,)
 
 
-class WeightSums(Combiner):
-    """A weighted form that keeps ``Σw`` and ``Σw²`` (Kahan-compensated) beside ``unweighted``'s
-    accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
+class WeightedForm(Combiner):
+    """The weighted form of ``unweighted`` (a dataclass field), on rows ``(w, X)``: named, checked and laid
+    out for a mesh as ``unweighted``."""
 
     unweighted: Combiner
 
@@ -377,6 +377,11 @@ class WeightSums(Combiner):
 
     def for_mesh(self, mesh):
         return dataclasses.replace(self, unweighted=self.unweighted.for_mesh(mesh))
+
+
+class WeightSums(WeightedForm):
+    """A weighted form that keeps ``Σw`` and ``Σw²`` (Kahan-compensated) beside ``unweighted``'s
+    accumulator (:class:`WeightedCentredAcc`) and ends in ``unweighted.result(acc, Σw, Σw²)``."""
 
     def partition(self, mesh):
         parts = self.unweighted.partition(mesh)

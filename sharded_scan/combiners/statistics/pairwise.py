@@ -9,6 +9,11 @@ micro-batch's sums about each column's running mean (its mean over its own finit
 column with its count, as ``Covariance``'s ``shift`` and ``mean``), by masked matrix products
 (``devᵀ dev``, ``devᵀ m``, ``mᵀ m`` with ``m`` the finite mask), folded into the accumulated entries.
 
+Weighted (:class:`WeightedPairwise`, ``Weighted(Covariance())`` on ``(w, X)``): each row's weight counts
+for a pair only where both values are finite; every count above that weighs is then the weights' sum over
+those rows (Chan's formulas with weights for counts, as ``WeightedCentred``), and the divisor of a weighted
+covariance is the pair's ``Σw - ddof Σw²/Σw`` (``np.cov(aweights=)`` over the pair's rows).
+
 On a mesh with a ``model`` axis of M devices every ``(d, d)`` matrix is split by columns as
 ``Covariance``'s co-moments (``(d, round_up(d, M))``, :func:`~.moments.own_columns`), the per-column
 count, shift and mean whole on every device; the pair counts are exact (:class:`~.wide.Wide`).
@@ -31,16 +36,18 @@ from sharded_scan.combiners.column_split import SplitsByColumns, padded_columns,
 from sharded_scan.combiners.statistics.comoments import CovarianceResult
 from sharded_scan.combiners.statistics.correlation import CorrelationResult
 from sharded_scan.combiners.statistics.moments import (
-    HEAD_ROWS,
+    WeightedForm,
     check_ddof,
     column_sum,
     own_columns,
+    reference_point,
 )
 from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.mesh import MODEL_AXIS
 
 PAIR_FIELDS = ("pairs", "row_mean", "col_mean", "co", "row_m2", "col_m2")
+WEIGHT_FIELDS = ("pair_weight", "pair_weight_sq")  # a weighted form's per-pair Σw, Σw² (None unweighted)
 
 
 class PairAcc(NamedTuple):
@@ -58,24 +65,31 @@ class PairAcc(NamedTuple):
     co: jax.Array
     row_m2: jax.Array
     col_m2: jax.Array
+    weight: jax.Array | None = None  # weighted: per column Σw of its finite values; per pair Σw, Σw²
+    pair_weight: jax.Array | None = None
+    pair_weight_sq: jax.Array | None = None
 
 
-def pair_init(d: int, dtype, shards: int = 1) -> PairAcc:
+def pair_init(d: int, dtype, shards: int = 1, weighted: bool = False) -> PairAcc:
     width = round_up(d, shards)
     zeros, matrix = jnp.zeros((d,), dtype), jnp.zeros((d, width), dtype)
-    return PairAcc(wide.zeros((d,)), zeros, zeros, wide.zeros((d, width)), *(matrix,) * 5)
+    weights = (zeros, matrix, matrix) if weighted else ()
+    return PairAcc(wide.zeros((d,)), zeros, zeros, wide.zeros((d, width)), *(matrix,) * 5, *weights)
 
 
-def column_reference(shift: jax.Array, x: jax.Array, m: jax.Array, nb: jax.Array) -> jax.Array:
-    """Each column's reference point from its finite values in a micro-batch (``m``): its first one plus
-    the mean of the first ``HEAD_ROWS`` rows' differences from it (``statistics.reference_point`` per
-    column: a constant column's deviations exactly 0); ``shift`` where the column has none."""
-    first_row = jnp.argmax(jax.lax.optimization_barrier(m), axis=0)
-    first = jnp.take_along_axis(x, first_row[None], axis=0)[0]
-    first = jnp.where(nb > 0, first, shift)
-    head, kept = x[:HEAD_ROWS], m[:HEAD_ROWS]
-    offset = jnp.sum(jnp.where(kept, head - first, 0), axis=0) / jnp.maximum(jnp.sum(kept, axis=0), 1).astype(x.dtype)
-    return first + offset
+def _column_weight(acc: PairAcc, dtype) -> jax.Array:
+    """What each column's mean weighs: its finite values' count, or their weights' sum."""
+    return wide.to_float(acc.count, dtype) if acc.weight is None else acc.weight
+
+
+def _pair_weight(acc: PairAcc, dtype) -> jax.Array:
+    """What each pair's entries weigh: its rows, or their weights' sum."""
+    return wide.to_float(acc.pairs, dtype) if acc.pair_weight is None else acc.pair_weight
+
+
+# Each column's reference point from its finite values in a micro-batch (``m``): ``statistics.reference_point``
+# per column (a constant column's deviations exactly 0; ``shift`` where the column has none).
+column_reference = jax.vmap(reference_point, in_axes=(0, 1, 1, 0))
 
 
 def _entries(acc: PairAcc, na, nb, mr, mc, cb, vrb, vcb, ar, ac) -> dict:
@@ -95,8 +109,9 @@ def _entries(acc: PairAcc, na, nb, mr, mc, cb, vrb, vcb, ar, ac) -> dict:
     )
 
 
-def pair_fold(acc: PairAcc, x: jax.Array, m: jax.Array, shards: int = 1) -> PairAcc:
-    """``acc`` with a micro-batch's finite values (``m``: ``(rows, d)``, True where kept) folded in."""
+def pair_fold(acc: PairAcc, x: jax.Array, m: jax.Array, shards: int = 1, w: jax.Array | None = None) -> PairAcc:
+    """``acc`` with a micro-batch's finite values (``m``: ``(rows, d)``, True where kept) folded in;
+    ``w``: the rows' weights ``(rows,)`` (a weighted ``acc``)."""
     dtype, width = acc.co.dtype, acc.co.shape[-1]
     x = x.astype(dtype)
     nbc = jnp.sum(m, axis=0, dtype=jnp.int32)
@@ -111,19 +126,24 @@ def pair_fold(acc: PairAcc, x: jax.Array, m: jax.Array, shards: int = 1) -> Pair
         return jnp.matmul(a.T, b, preferred_element_type=dtype)
 
     dev_o, mf_o = own(dev), own(mf)
-    nb, sr, sc = product(mf, mf_o), product(dev, mf_o), product(mf, dev_o)
+    wf, wdev = (mf, dev) if w is None else (mf * w.astype(dtype)[:, None], dev * w.astype(dtype)[:, None])
+    nb, sr, sc = product(wf, mf_o), product(wdev, mf_o), product(wf, dev_o)
     safe = jnp.where(nb > 0, nb, 1)
     mr, mc = sr / safe, sc / safe
-    cb = product(dev, dev_o) - mr * sc
-    vrb, vcb = product(dev * dev, mf_o) - mr * sr, product(mf, dev_o * dev_o) - mc * sc
+    cb = product(wdev, dev_o) - mr * sc
+    vrb, vcb = product(wdev * dev, mf_o) - mr * sr, product(wf, dev_o * dev_o) - mc * sc
     center = acc.mean
-    entries = _entries(acc, wide.to_float(acc.pairs, dtype), nb, mr, mc, cb, vrb, vcb,
+    entries = _entries(acc, _pair_weight(acc, dtype), nb, mr, mc, cb, vrb, vcb,
                        acc.row_mean - center[:, None], acc.col_mean - own(center)[None, :])
     entries["row_mean"] = entries["row_mean"] + center[:, None]
     entries["col_mean"] = entries["col_mean"] + own(center)[None, :]
-    total = wide.to_float(acc.count, dtype) + nbc.astype(dtype)
-    mean = acc.mean + column_sum(dev) / jnp.where(total > 0, total, 1)
-    pairs = wide.add_int32(acc.pairs, jnp.round(nb).astype(jnp.int32))  # < 2^24 rows a micro-batch: exact
+    total = _column_weight(acc, dtype) + (nbc.astype(dtype) if w is None else column_sum(wf))
+    mean = acc.mean + column_sum(wdev) / jnp.where(total > 0, total, 1)
+    rows = nb if w is None else product(mf, mf_o)
+    pairs = wide.add_int32(acc.pairs, jnp.round(rows).astype(jnp.int32))  # < 2^24 rows a micro-batch: exact
+    if w is not None:
+        entries.update(weight=total, pair_weight=acc.pair_weight + nb,
+                       pair_weight_sq=acc.pair_weight_sq + product(wf * w.astype(dtype)[:, None], mf_o))
     return PairAcc(wide.add_int32(acc.count, nbc), shift, mean, pairs, **entries)
 
 
@@ -137,13 +157,15 @@ def pair_merge(a: PairAcc, b: PairAcc, shards: int = 1) -> PairAcc:
     def own(v):
         return own_columns(v, width, shards)
 
-    na, nb = wide.to_float(a.count, dtype), wide.to_float(b.count, dtype)
+    na, nb = _column_weight(a, dtype), _column_weight(b, dtype)
     ma, mb = a.mean + ua, b.mean + ub
     mean = jnp.where(a_empty, mb, jnp.where(b_empty, ma, ma + (mb - ma) * (nb / jnp.where(na + nb > 0, na + nb, 1))))
     ra, ca = a.row_mean + ua[:, None], a.col_mean + own(ua)[None, :]
     rb, cbm = b.row_mean + ub[:, None], b.col_mean + own(ub)[None, :]
-    entries = _entries(a, wide.to_float(a.pairs, dtype), wide.to_float(b.pairs, dtype), rb, cbm, b.co, b.row_m2,
-                       b.col_m2, ra, ca)
+    entries = _entries(a, _pair_weight(a, dtype), _pair_weight(b, dtype), rb, cbm, b.co, b.row_m2, b.col_m2, ra, ca)
+    if a.weight is not None:
+        entries.update(weight=a.weight + b.weight, pair_weight=a.pair_weight + b.pair_weight,
+                       pair_weight_sq=a.pair_weight_sq + b.pair_weight_sq)
     return PairAcc(wide.add(a.count, b.count), shift, mean, wide.add(a.pairs, b.pairs), **entries)
 
 
@@ -156,18 +178,18 @@ class PairwiseCoMoments(SplitsByColumns, Combiner):
         super().check_spec(spec)
         check_matrix_spec(spec, type(self).__name__)
 
-    def partition(self, mesh):
+    def partition(self, mesh, weighted: bool = False):
         if self.model_shards == 1:
             return None
         split = P(None, MODEL_AXIS)
-        return PairAcc(P(), P(), P(), *(split,) * len(PAIR_FIELDS))
+        return PairAcc(P(), P(), P(), *(split,) * len(PAIR_FIELDS), *((P(), split, split) if weighted else ()))
 
     def convert(self, acc, source):
         del source
         d = np.shape(acc.mean)[0]
         width = round_up(d, self.model_shards)
         return acc._replace(**{f: jax.tree.map(lambda x: padded_columns(x, d, width, axis=1), getattr(acc, f))
-                               for f in PAIR_FIELDS})
+                               for f in PAIR_FIELDS + WEIGHT_FIELDS})
 
     def init(self, spec):
         return pair_init(spec.shape[0], accumulator_dtype(spec.dtype), self.model_shards)
@@ -182,9 +204,13 @@ class PairwiseCoMoments(SplitsByColumns, Combiner):
     def merge(self, a, b):
         return pair_merge(a, b, self.model_shards)
 
+    def weighted(self):
+        return WeightedPairwise(self)
+
     def finalize(self, acc):
         d = np.shape(acc.mean)[0]
-        host = {f: np.asarray(getattr(acc, f), np.float64)[:, :d] for f in PAIR_FIELDS if f != "pairs"}
+        host = {f: np.asarray(getattr(acc, f), np.float64)[:, :d] for f in PAIR_FIELDS + WEIGHT_FIELDS
+                if f != "pairs" and getattr(acc, f) is not None}
         pairs = wide.to_int(jax.tree.map(lambda x: np.asarray(x)[:, :d], acc.pairs))
         count = wide.to_int(acc.count)
         mean = np.where(count > 0, np.asarray(acc.shift, np.float64) + np.asarray(acc.mean, np.float64), np.nan)
@@ -193,7 +219,44 @@ class PairwiseCoMoments(SplitsByColumns, Combiner):
         return self.result(count, mean, pairs, host)
 
     def result(self, count, mean, pairs, host):
+        """The result from the finished state: ``host`` holds the float fields of the real columns (a
+        weighted form's ``pair_weight`` and ``pair_weight_sq`` too)."""
         raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedPairwise(WeightedForm):
+    """The weighted form of a :class:`PairwiseCoMoments`, on rows ``(w, X)`` (``Weighted`` hands it rows
+    of ``w > 0``): each pair over the rows where both values are finite, those rows' weights as counts
+    (the module's docstring). ``count`` and ``pair_count`` count rows (of positive weight), as
+    ``WeightedCentred``'s ``count``; ``mean`` is each column's ``np.average`` of its finite values."""
+
+    unweighted: PairwiseCoMoments
+
+    def partition(self, mesh):
+        return self.unweighted.partition(mesh, weighted=True)
+
+    def convert(self, acc, source):
+        return self.unweighted.convert(acc, source.unweighted)
+
+    def init(self, spec):
+        w, x = spec
+        dtype = accumulator_dtype(np.result_type(w.dtype, x.dtype))
+        return pair_init(x.shape[0], dtype, self.unweighted.model_shards, weighted=True)
+
+    def add(self, acc, batch, mask):
+        w, x = batch
+        cells = mask[:, None] & (jnp.isfinite(x) if jnp.issubdtype(x.dtype, jnp.inexact) else True)
+        return pair_fold(acc, x, cells, self.unweighted.model_shards, jnp.where(mask, w, 0))
+
+    def finite_values(self, batch):
+        return batch  # add skips each NaN or inf where it stands
+
+    def merge(self, a, b):
+        return pair_merge(a, b, self.unweighted.model_shards)
+
+    def finalize(self, acc):
+        return self.unweighted.finalize(acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +276,10 @@ class PairwiseCovariance(PairwiseCoMoments):
     def result(self, count, mean, pairs, host):
         dof = pairs - self.ddof
         with np.errstate(divide="ignore", invalid="ignore"):
+            if "pair_weight" in host:  # weighted: np.cov(aweights=) over each pair's rows
+                weight = host["pair_weight"]
+                dof = np.where((weight > 0) & (pairs > self.ddof),
+                               weight - self.ddof * host["pair_weight_sq"] / np.where(weight > 0, weight, 1), 0.0)
             cov = np.where(dof > 0, host["co"] / np.where(dof > 0, dof, 1), np.nan)
         np.fill_diagonal(cov, np.where(np.diagonal(dof) > 0, np.maximum(np.diagonal(cov), 0.0), np.nan))
         return CovarianceResult(count, mean, cov, pair_count=pairs)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked
+from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked, nonfinite_as
 from sharded_scan.combiners.column_split import column_block, round_up
 from sharded_scan.combiners.results import frame
 from sharded_scan.dtypes import accumulator_dtype
@@ -83,7 +83,7 @@ class Sum(AdditiveCombiner):
     def finite_values(self, batch):
         """``nan_policy="omit"``: each NaN or inf adds nothing to its column (pandas' ``sum()``: 0 for a
         column of none); ``count`` counts the rows."""
-        return _finite_or_zero(batch)
+        return nonfinite_as(batch, 0)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         def fold(a, x):
@@ -115,21 +115,13 @@ class WeightedSumResult(NamedTuple):
         return frame(self, ("sum", "count", "weight"))
 
 
-def _finite_or_zero(batch):
-    """``batch`` with each NaN or inf float value 0."""
-    def one(x):
-        return jnp.where(jnp.isfinite(x), x, 0) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(one, batch)
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightedSum(AdditiveCombiner):
     """``Sum().weighted()``: on rows ``(w, data)``, ``Σ w x`` of every leaf (in float), the rows and ``Σ w``."""
 
     def finite_values(self, batch):
         """``nan_policy="omit"``: each NaN or inf value adds nothing (``Weighted`` skips a row of NaN weight)."""
-        return batch[0], _finite_or_zero(batch[1])
+        return batch[0], nonfinite_as(batch[1], 0)
 
     def init(self, spec):
         w, data = spec

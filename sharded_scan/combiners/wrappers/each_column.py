@@ -122,7 +122,7 @@ class EachColumn(Wrapper):
         return cells & jnp.isfinite(x) if finite and jnp.issubdtype(x.dtype, jnp.inexact) else cells
 
     def add(self, acc, batch, mask):
-        return self._fold(acc, batch, mask, self._cells(batch, mask, False))
+        return self.add_omitting(acc, batch, mask, mask)
 
     def add_omitting(self, acc, batch, mask, keep):
         return self._fold(acc, batch, mask, self._cells(batch, keep, False))
@@ -131,7 +131,7 @@ class EachColumn(Wrapper):
         return self._fold(acc, batch, mask, self._cells(batch, self.finite_keep(batch, keep), True))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
-        return self._fold(acc, batch, mask, self._cells(batch, mask, False), (keys, num_keys))
+        return self.add_keyed_omitting(acc, batch, mask, mask, keys, num_keys)
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         return self._fold(acc, batch, mask, self._cells(batch, keep, False), (keys, num_keys))

@@ -218,11 +218,7 @@ class NonFinite(Wrapper):
         where its other values are folded); a NaN weight of ``Weighted`` is skipped in memory as from a file,
         not refused."""
         if self.policy in OMITTING:
-            leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
-            keep = np.ones(leaves[0].shape[0], bool)
-            for leaf in leaves:
-                if _is_float(leaf):  # as add's rows: every float value of the row finite
-                    keep &= np.isfinite(leaf).reshape(leaf.shape[0], -1).all(axis=1)
+            keep = finite_rows(jax.tree.map(np.asarray, rows), np)  # as add's rows: every float value finite
             if self.policy == "omit" and not keep.all():
                 keep = np.asarray(self.inner.finite_keep(rows, np.ones(keep.shape, bool)))
             rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)

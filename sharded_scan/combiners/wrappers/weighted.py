@@ -144,13 +144,10 @@ class Weighted(Wrapper, MultiPass):
                            wide.count_rows(acc.bad_weights, bad))
 
     def omitting_values(self):
-        """The weighted form of the inner combiner's :meth:`~Combiner.omitting_values` where it has one
-        (``Moments``' per column); else this one (its rows skipped whole)."""
-        inner = self.inner.omitting_values()
-        try:
-            return dataclasses.replace(self, inner=inner)
-        except UsageError:  # no weighted form of it (Covariance's pairwise one)
-            return self
+        """The weighted form of the inner combiner's :meth:`~Combiner.omitting_values` (``Moments``' per
+        column, ``Covariance``'s pairwise, ``Quantiles``' per column; ``self``'s rows skipped whole where
+        it is the inner combiner itself)."""
+        return dataclasses.replace(self, inner=self.inner.omitting_values())
 
     def add_finite(self, acc, batch, mask, keep):
         """``nan_policy="omit"``: a row of NaN or Inf weight skipped; the form skips the data's values."""
