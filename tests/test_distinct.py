@@ -1,11 +1,12 @@
 """DistinctCount: exact below exact_up_to, within the HLL standard error above, against numpy/pandas."""
 
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.sketches.distinct import estimate
+from sharded_scan.combiners.sketches.distinct import estimate, more_than
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at
 
@@ -117,3 +118,20 @@ def test_few_values_are_exact_by_default_and_many_are_estimated():
     assert got.exact.all() and ss.DistinctCount().exact_up_to == 1 << 14
     over = ss.run(ss.DistinctCount(precision=12), many, mesh="data:2", **KW)  # 5000 > 2^12 kept keys
     assert not over.exact and abs(over.count - 5000) <= 2.5 * over.relative_error * 5000
+
+
+def test_exact_at_the_set_size_and_one_past_it():
+    """``exact_up_to`` values are still exact and one more is not, whatever micro-batch brings the last one; a
+    column of many values (past the bound after its first micro-batches, :func:`more_than`, no sort) is the
+    estimate. The shapes of ``columns()``: the module's programs."""
+    r = np.random.default_rng(5)
+    late = np.concatenate([np.zeros(2000), r.permutation(np.arange(1001) % 300)])  # 299 values in the last third
+    x = np.stack([late, r.permutation(np.arange(3001) % 301), r.integers(0, 2000, 3001)], 1).astype(np.float32)
+    got = ss.run(SMALL, x, mesh="data:2", **KW)
+    np.testing.assert_array_equal(got.exact, [True, False, False])
+    assert got.count[0] == 300 and abs(got.count[1] - 301) <= 3 * 1.04 / 32 * 301
+    keys = jnp.asarray(np.arange(600, dtype=np.uint32).reshape(2, 300))
+    batch = jnp.asarray(np.stack([np.arange(64), np.arange(1000, 1064)]).astype(np.uint32))
+    held, rows = jnp.array([300, 300]), jnp.ones(64, bool)
+    # A lower bound: never more than E for E values (the batch's among the kept ones), often for more.
+    np.testing.assert_array_equal(more_than(keys, held, batch, rows, 300), [False, True])

@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 
 import sharded_scan as ss
-from tests.helpers import assert_usage_error, f64, rel_err
+from tests.helpers import CrashError, assert_usage_error, crash_at, f64, rel_err
 
 MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
 
@@ -160,6 +160,8 @@ def test_pca_components_are_orthonormal_rows_sorted_by_variance():
         (lambda: ss.run(ss.Covariance(), rows(10).reshape(10, 4, 1)), ["(4, 1)", "(d,)"]),
         (lambda: ss.run(ss.Moments(), rows(10)[:, 0]), ["()", "(d,)"]),
         (lambda: ss.run(ss.Moments(), (rows(10), rows(10))), ["one array"]),
+        (lambda: ss.Moments(fields=("mean", "std")), ["Moments fields", "'std'", "var", "norm_l2"]),
+        (lambda: ss.Moments(fields=3), ["Moments fields", "3"]),
     ],
 )
 def test_bad_input_is_one_clear_line(call, words):
@@ -292,3 +294,57 @@ def test_column_sum_adds_every_row_of_every_column(n, d):
     got = np.asarray(column_sum(jax.numpy.asarray(x)))
     assert got.shape == (d,)
     np.testing.assert_allclose(got, f64(x).sum(0), rtol=1e-6, atol=1e-3 * max(n, 1) ** 0.5)
+
+
+def test_moments_fields_compute_only_what_is_asked_and_stay_numpys():
+    """Moments(fields=...): a mean and a variance keep no third and fourth moments, zeros or norms (a smaller
+    state, so a cheaper fold), the others None; still numpy's, at an infinity too (no min or max asked);
+    split over a model axis, weighted and per key alike."""
+    x = rows(1009, d=5, offset=3.0)
+    x[17, 4] = np.inf
+    spec = jax.ShapeDtypeStruct((5,), np.float32)
+    asked = ss.Moments(fields=("var", "mean"))
+    small, full = asked.init(spec), ss.Moments().init(spec)
+    assert (small.higher.shape, small.counts.limbs.shape[:2]) == ((1, 5), (1, 5))  # a row unused: no empty array
+    assert (full.higher.shape, full.counts.limbs.shape[:2]) == ((4, 5), (2, 5))
+    assert asked.fields == ("mean", "var") and ss.Moments(fields="mean,var") == asked
+    every = ("count", "mean", "var", "min", "max", "skewness", "kurtosis", "nan_count", "zeros", "norm_l1", "norm_l2")
+    assert ss.Moments(fields=every).fields is None  # every field: the default job
+    got = ss.run(asked, x, mesh="data:4,model:2", microbatch=8, steps_per_call=2)
+    want = f64(x)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(got.mean, want.mean(0), rtol=1e-6)
+        np.testing.assert_allclose(got.var, want.var(0), rtol=1e-5)  # NaN beside the inf, as numpy's
+    assert got.mean[4] == np.inf and got.count == 1009
+    assert all(getattr(got, f) is None for f in got._fields[3:-1])  # min ... norm_l2
+    assert list(got.to_pandas().columns) == ["count", "mean", "var"]
+
+    w = np.random.default_rng(3).uniform(0.5, 2, 1009).astype(np.float32)
+    keys = np.arange(1009) % 3
+    both = ss.run(ss.GroupBy(ss.Weighted(ss.Moments(fields=("mean", "skewness", "norm_l1"))), 3),
+                  (keys, (w, x[:, :4])), mesh="data:2", microbatch=8, steps_per_call=2)
+    assert both.var is None and both.min is None and both.kurtosis is None and both.norm_l2 is None
+    for k in range(3):
+        part, weight = want[keys == k, :4], w[keys == k]
+        mean = np.average(part, axis=0, weights=weight)
+        np.testing.assert_allclose(both.mean[k], mean, rtol=1e-6)
+        m2, m3 = (np.average((part - mean) ** p, axis=0, weights=weight) for p in (2, 3))
+        np.testing.assert_allclose(both.skewness[k], m3 / m2**1.5, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(both.norm_l1[k], (np.abs(part) * weight[:, None]).sum(0), rtol=1e-6)
+
+
+def test_moments_of_other_fields_are_another_job(tmp_path):
+    """The fields asked are part of the job: a checkpoint of a mean and variance does not resume as a job
+    asking for the minimum too (the same state shapes), and resumes as itself; all fields is the job as
+    it was before the option."""
+    x = rows(600, d=3)
+    kw = {"mesh": "data:2", "microbatch": 8, "steps_per_call": 2}
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    mean_var = ss.Moments(fields=("mean", "var"))
+    with pytest.raises(CrashError):
+        ss.run(mean_var, x, checkpoint=options, progress=crash_at(3), **kw)
+    assert_usage_error(lambda: ss.run(ss.Moments(fields=("mean", "var", "min")), x, checkpoint=options, **kw),
+                       ["different job"])
+    got = ss.run(mean_var, x, checkpoint=options, **kw)
+    np.testing.assert_allclose(got.var, f64(x).var(0), rtol=1e-5)
+    assert "fields" not in ss.Moments().fingerprint() and "fields" in mean_var.fingerprint()

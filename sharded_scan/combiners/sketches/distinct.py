@@ -132,6 +132,41 @@ def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax
     return kept[:, :capacity], jnp.sum(fresh, axis=1, dtype=jnp.int32)
 
 
+def run_once(pred: jax.Array, f, *operands):
+    """``f(*operands)`` where ``pred``, else ``operands`` (a tuple); a ``while_loop`` of at most one turn,
+    whose carry XLA updates in place: a ``cond`` copies the operands it returns unchanged (a state's
+    ``E`` slots each micro-batch, about 15% of the estimate's step)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), f(*c[1])), (pred, operands))[1]
+
+
+# more_than's table holds at most this many slots over all columns (bools: 16 MiB); past it, no bound.
+BOUND_SLOTS = 1 << 24
+
+
+def bound_bits(e: int, d: int) -> int:
+    """The bits of :func:`more_than`'s slots for ``E = e`` over ``d`` columns: about ``8 E`` slots a
+    column, at least ``2 E`` (else it rarely shows more than ``E``); 0 where they would not fit in
+    :data:`BOUND_SLOTS` (no bound)."""
+    bits = e.bit_length() + 2
+    fits = (BOUND_SLOTS // max(d, 1)).bit_length() - 1
+    return min(bits, fits) if min(bits, fits) > e.bit_length() else 0
+
+
+def more_than(keys: jax.Array, held: jax.Array, batch_keys: jax.Array, rows: jax.Array, e: int) -> jax.Array:
+    """Per column, True where its first ``held`` of ``keys`` ``(d, E)`` and the ``rows`` of ``batch_keys``
+    ``(d, mb)`` hold more than ``e`` distinct values for sure: more than ``e`` of the slots their hashes'
+    top bits pick (:func:`bound_bits`) are taken, and distinct slots are distinct values. A cheap lower
+    bound (a scatter, no sort): False says nothing."""
+    d, bits = keys.shape[0], bound_bits(e, keys.shape[0])
+    both = jnp.concatenate([keys, batch_keys], axis=1)
+    real = jnp.concatenate([jnp.arange(keys.shape[1]) < held[:, None],
+                            jnp.broadcast_to(rows[None, :], batch_keys.shape)], axis=1)
+    mixed = mix64(both) if both.dtype == jnp.uint64 else mix32(both)
+    slot = jnp.where(real, (mixed >> (8 * both.dtype.itemsize - bits)).astype(jnp.int32), 1 << bits)
+    taken = jnp.zeros((d, 1 << bits), bool).at[jnp.arange(d)[:, None], slot].set(True, mode="drop")
+    return jnp.sum(taken, axis=1, dtype=jnp.int32) > e
+
+
 def sigma(x: float) -> float:
     """Ertl's sigma: the contribution of untouched registers (fraction ``x``)."""
     if x == 1.0:
@@ -251,30 +286,53 @@ class DistinctCount(SplitsEachColumn, Combiner):
     def add(self, acc, batch, mask):
         if self.model_shards > 1:
             return acc._replace(value=self.whole.add(acc.value, self.own(batch), mask))
-        return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
-
-    def _add(self, acc, batch, mask):
         keys = columns(batch)
-        index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch), self.string_ids)
-        d = keys.shape[0]
-        rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
-        registers = acc.registers.at[rows, index].max(rank)
+
+        def scatter(registers):
+            index, rank = register_updates(keys, mask, self.precision, self._hash_code(batch), self.string_ids)
+            rows = jnp.broadcast_to(jnp.arange(keys.shape[0])[:, None], index.shape)
+            return registers.at[rows, index].max(rank)
+
+        registers = fold_if_any(mask, scatter, acc.registers)
         if not self.exact_up_to:
             return acc._replace(registers=registers)
-        batch_keys = jnp.where(mask[None, :], keys, fill(keys.dtype))
-        return self._add_held(acc, registers, batch_keys, jnp.sum(mask, dtype=jnp.int32))
+        def batch_keys():  # made inside the loop that keeps them, from the micro-batch as it is: no copy each time
+            return jnp.where(mask[None, :], columns(batch), fill(keys.dtype))
+
+        return self._add_held(acc, registers, batch_keys, jnp.sum(mask, dtype=jnp.int32), mask)
 
     def _hash_code(self, batch):
         """The key kind DataSketches' hash reads values as (``datasketches=True``), else None: our hash."""
         return KIND_DTYPES.index(keyed_as(batch.dtype)) if self.datasketches else None
 
-    def _add_held(self, acc, registers, batch_keys, count):
+    def _add_held(self, acc, registers, batch_keys, count, rows=None):
         """``acc`` with ``registers`` and, while some column keeps its values, the first ``count`` of
-        ``batch_keys`` ``(d, mb)`` among them."""
-        valid = acc.held.reshape(-1) + count
-        return jax.lax.cond(  # once every column has more values than it keeps, the registers alone
-            jnp.all(acc.held > self.exact_up_to), lambda: acc._replace(registers=registers),
-            lambda: self._held(registers, jnp.concatenate([acc.keys, batch_keys], axis=1), valid, acc.held))
+        ``batch_keys()`` ``(d, mb)`` among them (``rows``: ``(mb,)``, which of them are real, for the bound of
+        :func:`more_than`; None: no bound, as for ``add_keyed``'s short chunks).
+
+        Nothing is sorted once every column holds more than ``E`` values, nor for a micro-batch after which
+        :func:`more_than` shows each column that would sort to hold more (so a column of many values sorts
+        one micro-batch, its first); a fresh state sorts the micro-batch alone, not its ``E`` empty slots."""
+        e = self.exact_up_to
+
+        def kept(keys, held):
+            valid, over, batch = held + count, held > e, batch_keys()
+            if rows is not None and bound_bits(e, held.shape[0]):
+                over |= jax.lax.cond(jnp.any(~over & (valid > e)),
+                                     lambda: more_than(keys, held, batch, rows, e), lambda: over)
+
+            def sort(keys):
+                unique, n = unique_prefix(keys, valid, e)
+                return unique, jnp.where(over, e + 1, jnp.minimum(n, e + 1))
+
+            return jax.lax.cond(
+                jnp.all(over), lambda: (keys, jnp.where(over, e + 1, held)),
+                lambda: jax.lax.cond(jnp.all(held == 0), lambda: sort(batch),
+                                     lambda: sort(jnp.concatenate([keys, batch], axis=1))))
+
+        held = acc.held.reshape(-1)
+        keys, held = run_once(~jnp.all(held > e) & (count > 0), kept, acc.keys, held)
+        return DistinctAcc(registers, keys, held.reshape(acc.held.shape))
 
     def omitting_values(self):
         """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
@@ -299,7 +357,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
         width = min(cols.shape[1], self.exact_up_to)
 
         def fold(one, start, n):
-            return self._add_held(one, one.registers, run_window(cols, start, n, width), n)
+            return self._add_held(one, one.registers, lambda: run_window(cols, start, n, width), n)
 
         return fold_groups(fold, acc._replace(registers=registers), groups, num_keys, width)
 
@@ -309,10 +367,18 @@ class DistinctCount(SplitsEachColumn, Combiner):
         registers = jnp.maximum(a.registers, b.registers)
         if not self.exact_up_to:
             return a._replace(registers=registers)
-        valid = (a.held + b.held).reshape(-1)
-        merged = self._held(registers, jnp.concatenate([a.keys, b.keys], axis=1), valid, a.held)
-        return merged._replace(held=jnp.where((a.held > self.exact_up_to) | (b.held > self.exact_up_to),
-                                              self.exact_up_to + 1, merged.held))
+        e, a_held, b_held = self.exact_up_to, a.held.reshape(-1), b.held.reshape(-1)
+        over = (a_held > e) | (b_held > e)
+
+        def sort():
+            merged = self._held(registers, jnp.concatenate([a.keys, b.keys], axis=1), a_held + b_held, a.held)
+            return merged.keys, jnp.where(over, e + 1, merged.held.reshape(-1))
+
+        # No sort where a side is empty or a column already holds more than E (every column: a merge of partials).
+        alone = jnp.all(over | (a_held == 0) | (b_held == 0))
+        keys, held = jax.lax.cond(alone, lambda: (jnp.where((b_held == 0)[:, None], a.keys, b.keys),
+                                                  jnp.where(over, e + 1, a_held + b_held)), sort)
+        return DistinctAcc(registers, keys, held.reshape(a.held.shape))
 
     def merge_collectives(self):
         """The estimate alone (``exact_up_to=0``): registers by maximum; the unused keys and counts

@@ -472,17 +472,49 @@ class MomentsResult(NamedTuple):
     columns: np.ndarray | None = None  # X's column names (a DataFrame, Parquet, CSV), else np.arange(d)
 
     def to_pandas(self):
-        """A DataFrame: a row per column, a column per statistic (``df.agg([...]).T``)."""
-        return frame(self, MomentsResult._fields[:-1])
+        """A DataFrame: a row per column, a column per statistic computed (``df.agg([...]).T``)."""
+        return frame(self, [f for f in MomentsResult._fields[:-1] if getattr(self, f) is not None])
+
+
+# What Moments(fields=...) may ask for: every statistic of MomentsResult.
+MOMENT_FIELDS = MomentsResult._fields[:-1]
+
+
+class MomentParts(NamedTuple):
+    """What a :class:`Moments` state keeps beside the count, mean and M2 (:func:`moment_parts`)."""
+
+    extremes: bool = True  # min and max of every row; False: only of micro-batches holding a NaN or inf
+    higher: bool = True    # M3 and M4 (skewness, kurtosis)
+    l1: bool = True        # Σ|x| (norm_l1)
+    l2: bool = True        # Σ(x s)² (norm_l2)
+    zeros: bool = True     # the rows holding 0
+
+
+ALL_PARTS = MomentParts()
+
+
+def moment_parts(fields) -> MomentParts:
+    """The parts of the state the result ``fields`` need (None: every field)."""
+    if fields is None:
+        return ALL_PARTS
+    asked = set(fields)
+    return MomentParts(bool(asked & {"min", "max"}), bool(asked & {"skewness", "kurtosis"}), "norm_l1" in asked,
+                       "norm_l2" in asked, "zeros" in asked)
+
+
+def higher_rows(parts: MomentParts) -> tuple[str, ...]:
+    """The rows of a state's ``higher`` (and ``higher_lost``): of M3, M4, Σ|x| and Σ(x s)², those kept."""
+    return ("m3", "m4") * parts.higher + ("l1",) * parts.l1 + ("l2",) * parts.l2
 
 
 class MomentsAcc(NamedTuple):
     centered: CenteredAcc
     min: jax.Array
     max: jax.Array
-    higher: jax.Array       # (4, d): M3, M4 (about the mean), Σ|x| and Σ(x s)² (s: squares_scale), less higher_lost
+    higher: jax.Array       # (4, d): M3, M4 (about the mean), Σ|x| and Σ(x s)² (s: squares_scale), less higher_lost;
+    #                         of a MomentParts, its higher_rows (one unused row of zeros where none)
     higher_lost: jax.Array  # (4, d) Kahan compensation of higher
-    counts: wide.Wide       # (2, d): real rows holding NaN, rows counted holding 0
+    counts: wide.Wide       # (2, d): real rows holding NaN, rows counted holding 0 (without zeros: (1, d))
 
 
 def squares_scale(dtype) -> float:
@@ -494,11 +526,11 @@ def squares_scale(dtype) -> float:
     return 2.0 ** -(3 * np.finfo(dtype).maxexp // 4)
 
 
-def moments_init(d: int, dtype) -> MomentsAcc:
-    """The identity of :class:`Moments` of ``d`` columns: no rows."""
-    higher = jnp.zeros((4, d), dtype)
+def moments_init(d: int, dtype, parts: MomentParts = ALL_PARTS) -> MomentsAcc:
+    """The identity of :class:`Moments` of ``d`` columns keeping ``parts``: no rows."""
+    higher = jnp.zeros((max(len(higher_rows(parts)), 1), d), dtype)  # orbax saves no empty array: a row unused
     return MomentsAcc(centered_init(d, dtype, full=False), jnp.full((d,), jnp.inf, dtype),
-                      jnp.full((d,), -jnp.inf, dtype), higher, higher, wide.zeros((2, d)))
+                      jnp.full((d,), -jnp.inf, dtype), higher, higher, wide.zeros((1 + parts.zeros, d)))
 
 
 def batch_moments(s1, s2, s3, s4, delta):
@@ -529,19 +561,28 @@ def pebay(before, share, delta, m2a, m2b, m3a, m3b) -> jax.Array:
     return jnp.stack([m3, m4])
 
 
-def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None) -> MomentsAcc:
+def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None,
+                 parts: MomentParts = ALL_PARTS) -> MomentsAcc:
     """``acc`` with the rows ``keep`` folded in, in one pass: the centred moments by Chan's and
     Pébay's formulas from the power sums of the rows' deviations from ``acc``'s mean, Σ|x|
-    and the counts. ``seen`` (a superset of ``keep``: the real rows, also those a ``nan_policy``
-    skips; None: ``keep``) counts the NaNs. ``weights`` (per row, 0 where ``keep`` is False) and
-    ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1."""
+    and the counts (of them, what ``parts`` keeps). ``seen`` (a superset of ``keep``: the real rows,
+    also those a ``nan_policy`` skips; None: ``keep``) counts the NaNs. ``weights`` (per row, 0 where
+    ``keep`` is False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     shift, dev, nb = deviations(c, x, keep)
     kept = masked(x, keep)
-    *sums, low, high = column_reductions(_powers(dev, kept, weights), masked(x, keep, jnp.inf),
-                                        masked(x, keep, -jnp.inf))
-    zeros = sums[6] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
+    if parts.extremes:
+        *sums, low, high = column_reductions(_powers(dev, kept, weights, parts), masked(x, keep, jnp.inf),
+                                            masked(x, keep, -jnp.inf))
+    else:
+        sums = column_reductions(_powers(dev, kept, weights, parts))
+        # Only where a row kept is NaN or inf (then the sum of the deviations is not finite): what the
+        # result reads the infinities from (with_infinities); clean data never pays.
+        low, high = jax.lax.cond(~jnp.all(jnp.isfinite(sums[0])),
+                                 lambda: (jnp.min(masked(x, keep, jnp.inf), axis=0),
+                                          jnp.max(masked(x, keep, -jnp.inf), axis=0)),
+                                 lambda: (jnp.full_like(sums[0], jnp.inf), jnp.full_like(sums[0], -jnp.inf)))
     weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
     # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
     # only then are the NaNs counted (a pass over the rows that clean data never pays).
@@ -549,14 +590,18 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None)
     rows = keep if seen is None else seen
     nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
                         lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
+    counts = [nans]
+    if parts.zeros:
+        zeros = sums[-1] - (x.shape[0] - nb).astype(x.dtype)  # the rows not kept are 0 in `kept`
+        counts.append(zeros.astype(jnp.int32))  # < 2^24 rows a micro-batch: exact
+        sums = sums[:-1]
     before = wide.to_float(c.count, x.dtype) if before is None else before
-    counts = jnp.stack([nans, zeros.astype(jnp.int32)])  # < 2^24 rows a micro-batch: exact
-    return moments_update(acc, shift, nb, before, weight, sums[:6], counts, low, high,
-                          batch_mean(x, keep, nb, weights))
+    return moments_update(acc, shift, nb, before, weight, sums, jnp.stack(counts), low, high,
+                          batch_mean(x, keep, nb, weights), parts)
 
 
 def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=None, before=None,
-                       seen=None) -> MomentsAcc:
+                       seen=None, parts: MomentParts = ALL_PARTS) -> MomentsAcc:
     """:func:`moments_fold` per key (``acc`` with a leading ``num_keys`` axis): each key's power
     sums, counts, minima and maxima by segment reductions, folded by the same formulas."""
     c = acc.centered
@@ -564,50 +609,71 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     shift, dev, nb, keys = keyed_deviations(c, x, keep, keys, num_keys)
     kept = masked(x, keep)
     nans = masked(jnp.isnan(x), keep if seen is None else seen)
-    values = (*_powers(dev, kept, weights)[:6], masked(kept == 0, keep), nans)
-    sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in values], axis=1), keys, num_keys)
-    low = jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys)
-    high = jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys)
+    powers = _powers(dev, kept, weights, parts)
+    values = (*powers[:-1], masked(kept == 0, keep)) if parts.zeros else powers
+    sums = jax.ops.segment_sum(jnp.stack([v.astype(x.dtype) for v in (*values, nans)], axis=1), keys, num_keys)
+
+    def extremes():
+        return (jax.ops.segment_min(masked(x, keep, jnp.inf), keys, num_keys),
+                jax.ops.segment_max(masked(x, keep, -jnp.inf), keys, num_keys))
+
+    if parts.extremes:
+        low, high = extremes()
+    else:  # as moments_fold: only where a row kept is NaN or inf
+        low, high = jax.lax.cond(~jnp.all(jnp.isfinite(sums[:, 0])), extremes,
+                                 lambda: (jnp.full_like(sums[:, 0], jnp.inf), jnp.full_like(sums[:, 0], -jnp.inf)))
     weight = nb.astype(x.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
     before = wide.to_float(c.count, x.dtype) if before is None else before
-    counts = sums[:, 6:][:, ::-1].astype(jnp.int32)  # nans, zeros
-    out = jax.vmap(moments_update)(acc, shift, nb, before, weight, sums[:, :6], counts, low, high)
+    k = len(values) - parts.zeros
+    counts = sums[:, k:][:, ::-1].astype(jnp.int32)  # nans, zeros
+    out = jax.vmap(lambda *a: moments_update(*a, parts=parts))(acc, shift, nb, before, weight, sums[:, :k], counts,
+                                                               low, high)
     return out._replace(centered=keyed_without_overflow(c, out.centered, before, weight, x, keep, keys, weights))
 
 
-def _powers(dev, kept, weights):
-    """Per row: the (weighted) deviations and their squares, cubes, fourth powers, ``|x|``, ``(x s)²``
-    (:func:`squares_scale`) and whether ``x`` is 0 (7 arrays ``(rows, d)``; ``kept``: the rows, 0 where not kept)."""
+def _powers(dev, kept, weights, parts: MomentParts = ALL_PARTS):
+    """Per row: the (weighted) deviations and their squares, and of the cubes, fourth powers, ``|x|``,
+    ``(x s)²`` (:func:`squares_scale`) and whether ``x`` is 0 those ``parts`` keeps (arrays ``(rows, d)``;
+    ``kept``: the rows, 0 where not kept)."""
     wdev = dev if weights is None else dev * weights[:, None]
     w2 = wdev * dev
-    size = jnp.abs(kept)
-    scaled = kept * squares_scale(kept.dtype)
-    per_row = (size, scaled * scaled)
+    out = [wdev, w2]
+    if parts.higher:
+        out += [w2 * dev, w2 * w2 if weights is None else w2 * dev * dev]
+    per_row = []
+    if parts.l1:
+        per_row.append(jnp.abs(kept))
+    if parts.l2:
+        scaled = kept * squares_scale(kept.dtype)
+        per_row.append(scaled * scaled)
     if weights is not None:
-        per_row = tuple(v * weights[:, None] for v in per_row)
-    return (wdev, w2, w2 * dev, w2 * w2 if weights is None else w2 * dev * dev, *per_row,
-            (kept == 0).astype(kept.dtype))
+        per_row = [v * weights[:, None] for v in per_row]
+    return (*out, *per_row, *([(kept == 0).astype(kept.dtype)] if parts.zeros else []))
 
 
 def moments_update(acc: MomentsAcc, shift, nb, before, weight, sums, counts, low, high,
-                   batch_mean=None) -> MomentsAcc:
+                   batch_mean=None, parts: MomentParts = ALL_PARTS) -> MomentsAcc:
     """``acc`` (of weight ``before``) with a micro-batch of ``nb`` real rows of weight ``weight``:
-    ``sums`` ``(6, d)``, the (weighted) power sums of their deviations from ``acc``'s mean, Σ|x| and Σ(x s)²;
-    ``counts`` ``(2, d)`` int32 NaNs and zeros; ``low``, ``high`` their minima and maxima
-    (``batch_mean``: :func:`folded`'s)."""
+    ``sums``, the (weighted) power sums of their deviations from ``acc``'s mean, then (what ``parts``
+    keeps) those of the cubes and fourth powers, Σ|x| and Σ(x s)²; ``counts`` ``(k, d)`` int32 NaNs and
+    zeros; ``low``, ``high`` their minima and maxima (``batch_mean``: :func:`folded`'s)."""
     c = acc.centered
-    s1, s2, s3, s4, l1, squares = sums
+    s1, s2, *rest = sums
     centered, delta, share = folded(c, shift, nb, before, weight, s1, s2, full=False, batch_mean=batch_mean)
-    m34b = batch_moments(s1, s2, s3, s4, delta)
-    m2a, m3a = kahan_total(c.m2, c.m2_lost, jnp), kahan_total(acc.higher[0], acc.higher_lost[0], jnp)
-    cross = pebay(before, share, delta, m2a, s2 - s1 * delta, m3a, m34b[0])
-    higher, lost = kahan_add(acc.higher, acc.higher_lost, jnp.concatenate([m34b + cross, l1[None], squares[None]]))
     some = nb > 0
-    return MomentsAcc(
-        centered, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high),
-        jnp.where(some, higher, acc.higher), jnp.where(some, lost, acc.higher_lost),
-        wide.add_int32(acc.counts, counts),
-    )
+    higher, lost = acc.higher, acc.higher_lost
+    if rest:
+        new = []
+        if parts.higher:
+            s3, s4, *rest = rest
+            m34b = batch_moments(s1, s2, s3, s4, delta)
+            m2a, m3a = kahan_total(c.m2, c.m2_lost, jnp), kahan_total(acc.higher[0], acc.higher_lost[0], jnp)
+            new.append(m34b + pebay(before, share, delta, m2a, s2 - s1 * delta, m3a, m34b[0]))
+        new += [v[None] for v in rest]
+        higher, lost = kahan_add(acc.higher, acc.higher_lost, jnp.concatenate(new))
+        higher, lost = jnp.where(some, higher, acc.higher), jnp.where(some, lost, acc.higher_lost)
+    return MomentsAcc(centered, jnp.minimum(acc.min, low), jnp.maximum(acc.max, high), higher, lost,
+                      wide.add_int32(acc.counts, counts))
 
 
 # column_reductions folds at most this many rows one after another, then adds the partials by jnp.sum.
@@ -617,9 +683,9 @@ SEQUENTIAL_ROWS = 512
 ONE_PASS_BELOW_WIDTH = 32
 
 
-def column_reductions(sums, low: jax.Array, high: jax.Array) -> list[jax.Array]:
+def column_reductions(sums, low: jax.Array | None = None, high: jax.Array | None = None) -> list[jax.Array]:
     """The column sums of each of ``sums``, the column minima of ``low`` and maxima of ``high``
-    (``(rows, d)`` each).
+    (``(rows, d)`` each; None: the sums alone).
 
     Narrow rows (``d <`` :data:`ONE_PASS_BELOW_WIDTH`) in one pass over the micro-batch, a
     variadic ``lax.reduce``, where separate reductions would read it once each: it folds groups
@@ -627,65 +693,84 @@ def column_reductions(sums, low: jax.Array, high: jax.Array) -> list[jax.Array]:
     :data:`SEQUENTIAL_ROWS`) one after another into ``rows / g`` partials, which ``jnp.sum``
     adds, so the rounding stays that of short sums.
     """
-    rows, d = low.shape
+    rows, d = sums[0].shape
+    extremes = () if low is None else (low, high)
     if d >= ONE_PASS_BELOW_WIDTH:
-        return [*(jnp.sum(v, axis=0) for v in sums), jnp.min(low, axis=0), jnp.max(high, axis=0)]
+        return [*(jnp.sum(v, axis=0) for v in sums),
+                *((jnp.min(low, axis=0), jnp.max(high, axis=0)) if extremes else ())]
     seq = math.gcd(rows, SEQUENTIAL_ROWS)
-    values = [v.reshape(seq, rows // seq, d) for v in (*sums, low, high)]
+    values = [v.reshape(seq, rows // seq, d) for v in (*sums, *extremes)]
     k = len(sums)
 
     def fold(a, b):
-        return (*(p + q for p, q in zip(a[:k], b[:k], strict=True)), jnp.minimum(a[k], b[k]),
-                jnp.maximum(a[k + 1], b[k + 1]))
+        return (*(p + q for p, q in zip(a[:k], b[:k], strict=True)),
+                *((jnp.minimum(a[k], b[k]), jnp.maximum(a[k + 1], b[k + 1])) if extremes else ()))
 
-    inits = tuple(jnp.asarray(i, low.dtype) for i in (*(0,) * k, jnp.inf, -jnp.inf))
+    inits = tuple(jnp.asarray(i, sums[0].dtype) for i in (*(0,) * k, *((jnp.inf, -jnp.inf) if extremes else ())))
     partial = jax.lax.reduce(tuple(values), inits, fold, (0,))
-    return [*(jnp.sum(p, axis=0) for p in partial[:k]), jnp.min(partial[k], axis=0), jnp.max(partial[k + 1], axis=0)]
+    return [*(jnp.sum(p, axis=0) for p in partial[:k]),
+            *((jnp.min(partial[k], axis=0), jnp.max(partial[k + 1], axis=0)) if extremes else ())]
 
 
-def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None) -> MomentsAcc:
+def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None, parts: MomentParts = ALL_PARTS) -> MomentsAcc:
     """Two :class:`Moments` accumulators as one (of weights ``na``, ``nb``: their counts when None)."""
     dtype = a.min.dtype
     na = wide.to_float(a.centered.count, dtype) if na is None else na
     nb = wide.to_float(b.centered.count, dtype) if nb is None else nb
     centered, delta, share = merged(a.centered, b.centered, na, nb, full=False)
-    cross = pebay(na, share, delta, a.centered.m2, b.centered.m2, a.higher[0], b.higher[0])
-    either_empty = wide.is_zero(a.centered.count) | wide.is_zero(b.centered.count)
-    cross = jnp.where(either_empty, 0, cross)  # exactly the other side (no inf·0 from a far shift)
-    higher = a.higher + b.higher + jnp.concatenate([cross, jnp.zeros_like(cross)])  # Σ|x|, Σ(x s)²: added
+    higher = a.higher + b.higher  # Σ|x|, Σ(x s)²: added
+    if parts.higher:
+        cross = pebay(na, share, delta, a.centered.m2, b.centered.m2, a.higher[0], b.higher[0])
+        either_empty = wide.is_zero(a.centered.count) | wide.is_zero(b.centered.count)
+        cross = jnp.where(either_empty, 0, cross)  # exactly the other side (no inf·0 from a far shift)
+        higher = higher + jnp.concatenate([cross, jnp.zeros_like(higher[2:])])
     return MomentsAcc(centered, jnp.minimum(a.min, b.min), jnp.maximum(a.max, b.max), higher,
                       a.higher_lost + b.higher_lost, wide.add(a.counts, b.counts))
 
 
-def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None) -> MomentsResult:
+def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None, fields=None) -> MomentsResult:
     """The host result of a merged :class:`Moments` accumulator (``columns`` None). ``weight``
-    (float64) and ``dof`` (the variance's divisor) of a weighted one; else from the count."""
+    (float64) and ``dof`` (the variance's divisor) of a weighted one; else from the count. ``fields``:
+    those asked (:func:`moment_parts`; None: every one), the others None."""
+    parts = moment_parts(fields)
     count = wide.to_int(acc.centered.count)
     counts = wide.to_int(acc.counts)
-    higher = kahan_total(np.asarray(acc.higher, np.float64), np.asarray(acc.higher_lost, np.float64))
     d = np.shape(acc.min)[0]
+    higher = kahan_total(np.asarray(acc.higher, np.float64), np.asarray(acc.higher_lost, np.float64))
+    rows = dict(zip(higher_rows(parts), higher, strict=False))
+    nan = np.full(d, np.nan)
+    zeros = counts[1] if parts.zeros else None
     if no_rows(count, "Moments"):
-        nan = np.full(d, np.nan)
-        return MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[0], counts[1], np.zeros(d), np.zeros(d))
+        return asked(MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[0], zeros, np.zeros(d), np.zeros(d)),
+                     fields)
     weight = float(count) if weight is None else weight
     m2 = host_m2(acc.centered)
     mean = host_mean(acc.centered)
     low, high = np.asarray(acc.min), np.asarray(acc.max)
-    finite = np.isfinite(low) & np.isfinite(high)  # every row kept finite (a NaN kept makes both NaN)
+    # Every row kept finite (a NaN kept makes both NaN); also where only the micro-batches holding a NaN or
+    # an inf were read (MomentParts.extremes False: both stay at their identity, +inf and -inf, without one).
+    finite = ~((low == -np.inf) | (high == np.inf) | np.isnan(low) | np.isnan(high))
     # Finite rows whose squared deviations overflowed (rows far apart near the largest float): an
     # infinite M2, never NaN; the mean stays finite (_without_overflow).
     m2 = np.where(finite & np.isnan(m2), np.inf, m2)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        m2n, m3n, m4n = m2 / weight, higher[0] / weight, higher[1] / weight
+        m2n = m2 / weight
         shape = (m2 > 0) & np.isfinite(m2)
-        skewness = np.where(shape, m3n / m2n**1.5, np.nan)
-        kurtosis = np.where(shape, m4n / (m2n * m2n) - 3.0, np.nan)
+        skewness = np.where(shape, rows["m3"] / weight / m2n**1.5, np.nan) if parts.higher else nan
+        kurtosis = np.where(shape, rows["m4"] / weight / (m2n * m2n) - 3.0, np.nan) if parts.higher else nan
+        l2 = norm_l2(m2, weight * mean * mean, rows["l2"], finite, low.dtype) if parts.l2 else nan
         result = MomentsResult(
             count, mean, _divide(m2, count - ddof if dof is None else dof), low, high,
-            skewness, kurtosis, counts[0], counts[1], higher[2],
-            norm_l2(m2, weight * mean * mean, higher[3], finite, np.asarray(acc.min).dtype),
+            skewness, kurtosis, counts[0], zeros, rows.get("l1", nan), l2,
         )
-    return with_infinities(result)
+    return asked(with_infinities(result), fields)
+
+
+def asked(result: MomentsResult, fields) -> MomentsResult:
+    """``result`` with the fields not in ``fields`` (None: every field is) None."""
+    if fields is None:
+        return result
+    return result._replace(**{f: None for f in MOMENT_FIELDS if f not in fields and f != "count"})
 
 
 def norm_l2(m2: np.ndarray, squared_mean: np.ndarray, scaled: np.ndarray, finite: np.ndarray, dtype) -> np.ndarray:
@@ -732,11 +817,43 @@ class Moments(SplitsEachColumn, Combiner):
     Args:
       ddof: delta degrees of freedom of the variance (0, the default, like ``np.var``; 1 like
         pandas' ``var()`` and ``Covariance``'s default).
+      fields: the statistics to compute, names of :class:`MomentsResult`'s fields (e.g.
+        ``("mean", "var")``); the others are None in the result and cost nothing: the third and fourth
+        moments only for ``skewness``/``kurtosis``, ``Σ|x|`` for ``norm_l1``, a scaled ``Σx²`` for
+        ``norm_l2``, the zeros for ``zeros``, the minima and maxima for ``min``/``max`` (without them
+        only the micro-batches holding a NaN or inf are read for them, so a mean is still numpy's at
+        the infinities). ``count`` always comes; a string names them with commas (``"mean,var"``). None
+        (the default): every field.
     """
 
     ddof: int = 0
+    fields: tuple[str, ...] | None = None
     model_shards: int = 1  # set by for_mesh: above 1 each model device holds its block of the columns
     state_type, row_field = MomentsAcc, "min"
+
+    def __post_init__(self):
+        fields = self.fields
+        if fields is None:
+            return
+        names = [f.strip() for f in fields.split(",")] if isinstance(fields, str) else fields
+        if not isinstance(names, (tuple, list)) or not all(isinstance(f, str) for f in names) or (
+                set(names) - set(MOMENT_FIELDS)):
+            raise UsageError(f"Moments fields must be names among {', '.join(MOMENT_FIELDS)} (None: all of them), "
+                             f"got {fields!r}.")
+        # In MomentsResult's order, once each; all of them is the default (the same job as before the option).
+        asked = tuple(f for f in MOMENT_FIELDS if f in names)
+        object.__setattr__(self, "fields", None if set(asked) >= set(MOMENT_FIELDS) - {"count"} else asked)
+
+    @property
+    def parts(self) -> MomentParts:
+        """What the state keeps for :attr:`fields`."""
+        return moment_parts(self.fields)
+
+    def fingerprint(self):
+        named = super().fingerprint()
+        if self.fields is None:  # as before the option: a checkpoint written then resumes
+            del named["fields"]
+        return named
 
     def column_axes(self):
         return MomentsAcc(CenteredAcc(None, 0, 0, 0, 0), 0, 0, 1, 1, 1)
@@ -750,7 +867,7 @@ class Moments(SplitsEachColumn, Combiner):
         check_ddof(self.ddof, type(self).__name__)
 
     def init(self, spec):
-        acc = moments_init(spec.shape[0], accumulator_dtype(spec.dtype))
+        acc = moments_init(spec.shape[0], accumulator_dtype(spec.dtype), self.parts)
         return self.split(acc) if self.model_shards > 1 else acc
 
     def fold(self, acc, x, keep, seen=None, weights=None, before=None, keyed=()):
@@ -759,9 +876,10 @@ class Moments(SplitsEachColumn, Combiner):
         split = self.model_shards > 1
         value, x = (acc.value, self.own(x)) if split else (acc, x)
         if keyed:
-            value = moments_fold_keyed(value, x, keep, *keyed, weights=weights, before=before, seen=seen)
+            value = moments_fold_keyed(value, x, keep, *keyed, weights=weights, before=before, seen=seen,
+                                       parts=self.parts)
         else:
-            value = moments_fold(value, x, keep, seen, weights, before)
+            value = moments_fold(value, x, keep, seen, weights, before, self.parts)
         return acc._replace(value=value) if split else value
 
     def fold_weighted(self, acc, x, keep, seen, weights, before, keyed=()):
@@ -792,8 +910,8 @@ class Moments(SplitsEachColumn, Combiner):
     def merge(self, a, b, na=None, nb=None):
         """:func:`moments_merge` (of weights ``na``, ``nb``: their counts when None), block by block when split."""
         if self.model_shards > 1:
-            return a._replace(value=moments_merge(a.value, b.value, na, nb))
-        return moments_merge(a, b, na, nb)
+            return a._replace(value=moments_merge(a.value, b.value, na, nb, self.parts))
+        return moments_merge(a, b, na, nb, self.parts)
 
     def weighted(self):
         return WeightedCentred(self)
@@ -806,4 +924,4 @@ class Moments(SplitsEachColumn, Combiner):
         ``weight_sq``: ``Σw``, ``Σw²`` of a weighted run (None: every row weighed 1)."""
         acc = self.unsplit(acc) if self.model_shards > 1 else acc
         count = int(wide.to_int(acc.centered.count))
-        return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq))
+        return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq), self.fields)
