@@ -76,7 +76,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
     folds away (except where ``combiner.one_scan_per_step``). ``fixed``: every float
-    product of ``add`` sums in contraction order (:func:`~sharded_scan.fixed_order.fixed_order`).
+    product of ``add`` rounds as the code fixes (:func:`~sharded_scan.fixed_order.fixed_order`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
@@ -210,7 +210,7 @@ class Program:
 
     @property
     def fixed_products(self) -> bool:
-        """Whether float products sum in contraction order (:mod:`sharded_scan.fixed_order`).
+        """Whether float products round as the code fixes (:mod:`sharded_scan.fixed_order`).
 
         Where ``logical_shards`` promises bitwise results on CPU: XLA:CPU's matmul library
         picks its summation order by the process's thread pool, the CPU's caches and the

@@ -1,4 +1,4 @@
-"""Matrix products whose summation order the program fixes, not the CPU's matmul library.
+"""Matrix products whose every rounding the program fixes, not the CPU's matmul library.
 
 XLA:CPU hands a ``dot`` to a library kernel (Eigen's tensor contraction) that chooses how
 to cut the contraction at run time: by the size of the process's thread pool (with 4 or
@@ -7,15 +7,17 @@ threads and adds the pieces, with 1-3 it does not), by the CPU's cache sizes, an
 output's width (a column block of a ``model`` axis takes other paths than the whole
 matrix). The same program then rounds differently on another split of a job or another
 machine. :func:`fixed_order` evaluates a function with every floating-point ``dot_general``
-replaced by elementwise products added one contraction index after another, in index
-order: each output element is ``((p_0 + p_1) + p_2) + ...`` whatever the shapes, threads
-or caches (for float32, the products exact in float64 and summed there, rounded once:
-XLA fuses them into one loop over the output, and an FMA changes nothing). It costs speed
-(no blocked kernel), so the engine uses it only where it promises bitwise results
-(``logical_shards`` on CPU).
+computed so that each output element is a function of its row and column alone, every rounding
+fixed by the code: for float32 (and narrower), the contraction cut into blocks of 256 indices, each
+row (column) of a block rounded to a grid of 22 bits below its largest magnitude, so that the block's
+float64 matmul sums integers below 2^53, exact in whatever order the kernel adds them (threads,
+caches, FMA or not); the blocks added in index order, rounded once (:func:`exact_block_dot`). The
+hardware's matmul does the work, so it costs about what a float64 matmul costs; the engine uses it
+only where it promises bitwise results (``logical_shards`` on CPU). float64 products are added
+one contraction index after another instead (slower: elementwise loops).
 
 It fails closed: every primitive of ``fn`` (inside loops, branches and calls) is one it
-rewrites in an order the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
+rewrites with roundings the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
 scatter-add of repeated indices, cumulative sums and products, and ``qr``'s R), one it follows
 (``jit``, ``scan``, ``while``, ``cond``, custom derivative rules, ``remat``), one whose every
 output element is the same whatever the order XLA computes it in (:data:`ORDER_FREE`:
@@ -40,9 +42,9 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from sharded_scan.errors import UsageError
 
-# Contraction indices a loop iteration adds (one pass over the output), and the most
-# product elements a chunk may hold (float64 operands); float32's exact products: EXACT_CHUNK a pass.
-CHUNK, CHUNK_ELEMENTS, EXACT_CHUNK = 2, 1 << 20, 32
+# float64 products: contraction indices a loop iteration adds (one pass over the output), and the most
+# product elements a chunk may hold.
+CHUNK, CHUNK_ELEMENTS = 2, 1 << 20
 
 
 def fixed_order(fn: Callable, who: str = "this function") -> Callable:
@@ -66,16 +68,13 @@ def fixed_order(fn: Callable, who: str = "this function") -> Callable:
 
 
 def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, **_) -> jax.Array:
-    """``lax.dot_general`` with each output element summed in contraction-index order.
+    """``lax.dot_general`` with every rounding of each output element fixed by the code, not the kernel.
 
-    A float32 (or narrower) result is the float64 sum ``((p_0 + p_1) + p_2) + ...`` of the
-    float64 products, each exact (24-bit significands multiply into 48 bits; no float32
-    product overflows or underflows in float64), rounded once to the result dtype: an FMA
-    gives exactly the same sum, so however XLA:CPU fuses the multiplies into the adds, and
-    whether the CPU has FMA or not, the result is the same. Any other float (float64) is
-    summed in its own dtype, its products reaching the adds through a loop's state (one
-    iteration later, so no add has a multiply in its expression for XLA:CPU to contract).
-    ``precision`` does not apply.
+    A float32 (or narrower) result is :func:`exact_block_dot`'s, rounded once to the result dtype:
+    float64 matmuls whose sums are exact in any order, blocks added in index order. Any other float
+    (float64) is summed in contraction-index order in its own dtype, its products reaching the adds
+    through a loop's state (one iteration later, so no add has a multiply in its expression for
+    XLA:CPU to contract). ``precision`` does not apply.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
@@ -94,36 +93,71 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
 
     if dtype in EXACT_IN_FLOAT64:
         with jax.enable_x64(True):
-            left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
-            right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64)
-            return _exact_products_summed(left, right).astype(dtype).reshape(out_shape)
+            left = jnp.transpose(lhs, (*lhs_batch, *lhs_free, *lhs_contract)).reshape(b, m, k)
+            right = jnp.transpose(rhs, (*rhs_batch, *rhs_contract, *rhs_free)).reshape(b, k, n)
+            return exact_block_dot(left, right, dtype).reshape(out_shape)
     return _products_summed_a_loop_later(
         operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), dtype),
         operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), dtype), b * m * n,
     ).reshape(out_shape)
 
 
-# Float dtypes whose products are exact in float64 (significands of at most 26 bits).
+# Float dtypes whose values are exact in float64 with room to spare (significands of at most 24 bits).
 EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloat16))
+# exact_block_dot: contraction indices a block (one float64 matmul), and the bits each operand keeps below its
+# block's largest magnitude: BITS + BITS + log2(BLOCK) <= 53, so every partial sum of a block is exact.
+BLOCK, BITS = 256, 22
+SUM_BITS = 53 - (BLOCK.bit_length() - 1)  # exact_block_sum: no products, the values keep 45 bits
 
 
-def _exact_products_summed(left: jax.Array, right: jax.Array) -> jax.Array:
-    """``sum_k left[k] * right[k]`` in index order, ``EXACT_CHUNK`` indices a loop iteration: one
-    fused loop over the output (products and adds in registers), exact products so contraction is moot."""
-    k = left.shape[0]
-    acc = jnp.full(jnp.broadcast_shapes(left.shape[1:], right.shape[1:]), -0.0, left.dtype)  # -0.0 + p is p
-    acc = _varying_like(acc, left, right)  # inside shard_map: a scan's carry varies as its operands
+def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
+    """``left @ right`` (``(b, m, k) @ (b, k, n)``, float32 or narrower values) in ``dtype``, rounded in
+    a way no kernel chooses: the contraction cut into blocks of :data:`BLOCK` indices; in each block every row
+    of ``left`` (column of ``right``) rounded to :data:`BITS` bits below its largest magnitude's power of two
+    (an integer times a power of two: elementwise, order-free); each block's matmul then sums integers below
+    2^53, exact in any order (thread split, cache blocking, FMA or not); blocks added in index order.
 
-    def add_in_order(acc, pair):
-        for i in range(pair[0].shape[0]):
-            acc = acc + pair[0][i] * pair[1][i]
-        return acc, None
+    So each output element is a function of its row and column alone, whatever the shapes, batch, threads
+    or CPU: one float64 matmul a block, the hardware's. It differs from the exact product by at most
+    ``2^-BITS (max|a| sum|b| + max|b| sum|a|)`` over each block (less than float32's matmul bound, ``k eps
+    sum|a b|``, but for values far below their block's largest). Non-finite values as IEEE's sum of
+    products (NaN, +-inf); an exact zero is +0.
+    """
+    b, m, k = left.shape
+    n = right.shape[2]
+    blocks = max(1, -(-k // BLOCK))
+    pad = blocks * BLOCK - k if blocks > 1 else 0
+    width = k + pad
+    left = jnp.pad(left.astype(np.float64), ((0, 0), (0, 0), (0, pad))).reshape(b, m, blocks, width // blocks)
+    right = jnp.pad(right.astype(np.float64), ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, width // blocks, n)
+    scale_left, unit_left = _grid(_largest_finite(left, axis=3), BITS)  # (b, m, blocks)
+    scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
+    q_left = jax.lax.round(left * scale_left[..., None], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    q_right = jax.lax.round(right * scale_right[:, :, None, :], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
+    # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
+    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 2), (0, 1))))
+    sums = sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
+    acc = sums[:, 0]
+    for block in range(1, blocks):  # in block order: the program's own adds, which XLA keeps
+        acc = acc + sums[:, block]
+    return jnp.where(acc == 0, 0.0, acc).astype(dtype)  # +0 whatever the matmul's zero sign; rounded once
 
-    whole = k - k % EXACT_CHUNK
-    if whole:
-        chunks = [x[:whole].reshape(whole // EXACT_CHUNK, EXACT_CHUNK, *x.shape[1:]) for x in (left, right)]
-        acc = jax.lax.scan(add_in_order, acc, tuple(chunks))[0]
-    return add_in_order(acc, (left[whole:], right[whole:]))[0]
+
+def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axis)
+
+
+def _grid(largest: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """``(2^(bits - e), 2^(e - bits))`` for ``2^e`` the power of two just above ``largest`` (>= 0): values up
+    to ``largest`` times the first are at most ``2^bits``; rounded, they are integers times the second."""
+    exponent = (jax.lax.bitcast_convert_type(largest, jnp.int64) >> 52) - 1022  # largest < 2^exponent
+    exponent = jnp.where(largest > 0, exponent, 0)  # float32 values: largest is 0 or normal in float64
+
+    def power_of_two(e):
+        return jax.lax.bitcast_convert_type((e + 1023) << 52, jnp.float64)
+
+    return power_of_two(bits - exponent), power_of_two(exponent - bits)
 
 
 def _products_summed_a_loop_later(left: jax.Array, right: jax.Array, outputs: int) -> jax.Array:
@@ -304,10 +338,20 @@ def _apply(eqn, invals: list) -> list:
 
 
 def ordered_sum(x: jax.Array, axes) -> jax.Array:
-    """``x`` summed over ``axes`` in index order (row-major over the axes): a product with ones."""
+    """``x`` summed over ``axes`` with every rounding fixed by the code (:func:`exact_block_sum`)."""
     axes = tuple(axes)
-    ones = jnp.ones([x.shape[a] for a in axes], x.dtype)
-    return ordered_dot_general(x, ones, ((axes, tuple(range(len(axes)))), ((), ())))
+    keep = [d for d in range(x.ndim) if d not in axes]
+    k = math.prod(x.shape[a] for a in axes)
+    out_shape = [x.shape[d] for d in keep]
+    dtype = x.dtype
+    if not jnp.issubdtype(dtype, jnp.floating) or np.dtype(dtype) not in EXACT_IN_FLOAT64:
+        ones = jnp.ones([x.shape[a] for a in axes], dtype)
+        return ordered_dot_general(x, ones, ((axes, tuple(range(len(axes)))), ((), ())))
+    if k == 0:
+        return jnp.zeros(out_shape, dtype)
+    with jax.enable_x64(True):
+        rows = jnp.transpose(x, (*keep, *axes)).reshape(math.prod(out_shape), k).astype(np.float64)
+        return exact_block_sum(rows).astype(dtype).reshape(out_shape)
 
 
 def _reduce(params: dict, invals: list) -> list:
@@ -360,6 +404,24 @@ def _scatter_add_in_order(params: dict, operand: jax.Array, indices: jax.Array, 
                                    mode=params["mode"]), None
 
     return jax.lax.scan(add_one, _varying_like(operand, indices, updates), (indices, updates), unroll=8)[0]
+
+
+def exact_block_sum(rows: jax.Array) -> jax.Array:
+    """The sums of ``rows`` ``(m, k)`` (float64 holding float32 or narrower values) as :func:`exact_block_dot`
+    sums products: in blocks of :data:`BLOCK` values, each row's values of a block rounded to
+    :data:`SUM_BITS` bits below their largest magnitude's power of two (so the block's sum is exact in any
+    order), blocks added in index order. Non-finite values as IEEE's sum; an exact zero is +0."""
+    m, k = rows.shape
+    blocks = max(1, -(-k // BLOCK))
+    pad = blocks * BLOCK - k if blocks > 1 else 0
+    values = jnp.pad(rows, ((0, 0), (0, pad))).reshape(m, blocks, (k + pad) // blocks)
+    scale, unit = _grid(_largest_finite(values, axis=2), SUM_BITS)
+    # exact in any order; a NaN or inf stays one, and IEEE's NaN or +-inf comes out of any order alike
+    sums = jnp.sum(jax.lax.round(values * scale[..., None], jax.lax.RoundingMethod.TO_NEAREST_EVEN), axis=2) * unit
+    acc = sums[:, 0]
+    for block in range(1, blocks):  # in block order
+        acc = acc + sums[:, block]
+    return jnp.where(acc == 0, 0.0, acc)
 
 
 def _tree_sum(terms: jax.Array) -> jax.Array:

@@ -46,8 +46,8 @@ MIN_JOB_STEPS = 16
 # With logical_shards fixed a shard folds micro-batches of at most this many rows (and
 # whitened.py merges in blocks of as many). The cap kept XLA:CPU's matmul library from
 # splitting a sum between threads (longer dots differed between processes of 1 and 8
-# devices); that guarantee now comes from fixed_order.py, which sums every product of such
-# a job in contraction order on CPU, and the cap stays so that those jobs' layout, and so
+# devices); that guarantee now comes from fixed_order.py, which fixes every rounding of the products of such
+# a job on CPU, and the cap stays so that those jobs' layout, and so
 # their checkpoints' fingerprint, stays what it was.
 REPRODUCIBLE_MICROBATCH = 256
 

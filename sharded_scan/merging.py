@@ -72,7 +72,7 @@ def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
 
 def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, traced at ``precision`` (``fixed``:
-    float products in contraction order): the body of every merge program but the ``psum``."""
+    float products with fixed roundings): the body of every merge program but the ``psum``."""
 
     def merge(a, b, operands):
         with jax.default_matmul_precision(precision):
@@ -85,7 +85,7 @@ def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
 @cached
 def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
-    float products in contraction order)."""
+    float products with fixed roundings)."""
     return jax.jit(pair_merge(combiner, precision, fixed))
 
 
@@ -190,7 +190,7 @@ def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: 
     (:func:`tree_fold`'s), which makes the result independent of the device count. The result is on
     every device, or split over the axes ``combiner.partition`` names (a wide accumulator is gathered
     and folded block by block, over ``data`` only, never gathered whole on one device). ``fixed``:
-    float products of the merge in contraction order.
+    float products of the merge with fixed roundings.
     """
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     merged_specs = accumulator_specs(combiner, mesh)
@@ -365,7 +365,7 @@ class Merge(abc.ABC):
       mesh: the devices.
       layout: how the shards lie on them.
       precision: the matmul precision the merge traces under.
-      fixed: float products in contraction order (:mod:`sharded_scan.fixed_order`).
+      fixed: float products with fixed roundings (:mod:`sharded_scan.fixed_order`).
     """
 
     route: ClassVar[MergeRoute]
