@@ -205,3 +205,18 @@ def test_a_run_traces_its_add_once(monkeypatch):
     frame = data(40)  # 3 steps of 16 rows on one device, the last ragged
     check_like_pandas(ss.run(ss.Describe(), frame, mesh="data:1", microbatch=16), frame)
     assert len(calls) == 1
+
+
+def test_the_columns_moments_are_only_what_describe_prints():
+    """A column's state folds the mean, variance and extremes alone (no third or fourth moments, norms or
+    zeros: their sums were most of the per-column compile), and the fingerprint names that state, so a
+    checkpoint of another one is another job."""
+    import jax
+
+    from sharded_scan.combiners.statistics import describe
+
+    spec = jax.ShapeDtypeStruct((1,), np.float32)
+    kept, every = describe.COLUMN.init(spec), ss.Moments(ddof=1).init(spec)
+    assert np.shape(kept.higher)[0] < np.shape(every.higher)[0]
+    assert np.shape(kept.counts.limbs)[0] < np.shape(every.counts.limbs)[0]
+    assert ss.Describe().fingerprint()["moments"] == repr(describe.COLUMN.fields)

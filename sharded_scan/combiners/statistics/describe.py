@@ -56,7 +56,7 @@ from sharded_scan.combiners.statistics.moments import Moments, MomentsAcc
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
-COLUMN = Moments(ddof=1)  # one column's count, mean, variance (pandas' ddof=1), min and max
+COLUMN = Moments(ddof=1, fields=("mean", "var", "min", "max"))  # what df.describe() reads of a column
 METHOD = "linear"  # pandas' percentiles
 FORMAT = "sharded_scan.describe/1"
 DESCRIBE_JSON = "describe.json"  # what the CLI's Describe job writes next to result.npz
@@ -225,6 +225,10 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
     def sketch(self) -> Quantiles:
         """The one-pass sketch of every column's keys (a NaN's key sorts last)."""
         return Quantiles(qs=self.percentiles, k=self.k, method=METHOD, model_shards=self.model_shards)
+
+    def fingerprint(self):
+        # the columns' moments are part of the state: a checkpoint of another field set is another job
+        return {**super().fingerprint(), "moments": repr(COLUMN.fields)}
 
     def check_spec(self, spec):
         for leaf in jax.tree.leaves(spec):
