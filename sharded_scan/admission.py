@@ -81,32 +81,35 @@ def live_peak(jaxpr: Any) -> int:
     return peak
 
 
-# _temporaries by what they depend on: tracing a sketch's add costs more than a cached run of it.
-_TEMPORARIES: dict[Any, tuple[int, int]] = {}
+# _temporaries by what they depend on: tracing a sketch's add costs more than a cached run of it. The merge's
+# entry leaves the micro-batch out (a merge does not see it): another micro-batch of the same job traces only the
+# step again (a grouped sketch's merge took 0.1-0.3 s to trace a time), whose trace the run's first step reuses.
+_TEMPORARIES: dict[Any, int] = {}
 
 
 def _temporaries(program: Program) -> tuple[int, int]:
     """Bytes one micro-batch's ``add``, and one ``merge`` of two accumulators, make beside
     their inputs (0, 0 when they cannot be traced alone; the merge's 0 where no two states are merged by it:
-    :func:`_merges_pairs`); traced once per combiner, row spec, micro-batch, operand shapes and x64 setting."""
+    :func:`_merges_pairs`); traced once per combiner, row spec, operand shapes and x64 setting (the add also per
+    micro-batch)."""
     mb = program.layout.microbatch
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
-        key = (program.combiner, mb, jax.config.jax_enable_x64, _merges_pairs(program),
+        key = (program.combiner, jax.config.jax_enable_x64, _merges_pairs(program),
                *[(jax.tree.structure(t), tuple(jax.tree.leaves(t))) for t in (program.spec, operands)])
         hash(key)
     except TypeError:  # something unhashable in the combiner: traced every time
-        key = None
-    if key is not None and key in _TEMPORARIES:
-        return _TEMPORARIES[key]
-    found = _traced_temporaries(program, mb)
-    if key is not None:
-        _TEMPORARIES[key] = found
-    return found
+        return _traced_temporaries(program, mb)
+    add_key, merge_key = ("add", mb, *key), ("merge", *key)
+    if add_key not in _TEMPORARIES or merge_key not in _TEMPORARIES:
+        add, merge = _traced_temporaries(program, mb, _TEMPORARIES.get(merge_key))
+        _TEMPORARIES[add_key], _TEMPORARIES[merge_key] = add, merge
+    return _TEMPORARIES[add_key], _TEMPORARIES[merge_key]
 
 
-def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
+def _traced_temporaries(program: Program, mb: int, merge: int | None = None) -> tuple[int, int]:
+    """:func:`_temporaries` traced (the merge's, unless ``merge`` gives it)."""
     try:
         operands = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                 program.host_operands)
@@ -118,11 +121,13 @@ def _traced_temporaries(program: Program, mb: int) -> tuple[int, int]:
         add = max((live_peak(body) for body in _scan_bodies(program.trace_step().jaxpr.jaxpr)), default=0)
         if not _merges_pairs(program):
             return add, 0
-        merge = per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts, 2, split)(
-            operands, acc, acc)
+        if merge is not None:
+            return add, merge
+        merge = live_peak(per_device(lambda ops, a, b: program.combiner.bind(ops).merge(a, b), program.mesh, parts,
+                                     2, split)(operands, acc, acc))
     except Exception:  # noqa: BLE001 - e.g. an add that needs other axes than the mesh has: no estimate
         return 0, 0
-    return add, live_peak(merge)
+    return add, merge
 
 
 def _merges_pairs(program: Program) -> bool:

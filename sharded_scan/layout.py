@@ -50,6 +50,18 @@ MIN_JOB_STEPS = 16
 # a job on CPU, and the cap stays so that those jobs' layout, and so
 # their checkpoints' fingerprint, stays what it was.
 REPRODUCIBLE_MICROBATCH = 256
+# A job smaller than one step runs a micro-batch of the power of two at or above its rows per shard, at least
+# this many rows (never more than asked): on 8 devices every job of up to 64 rows runs one step program, and
+# one of up to 8 x 16384 rows one of 12, where each rows-per-shard count compiled its own (2.5-4 CPU-s each).
+# The rows past the data are masked (they fold nothing): fewer than 8 a shard, or than the rows it needs, more.
+SMALL_MICROBATCH = 8
+
+
+def small_step_size(needed: int, asked: int, floor: int = 1) -> int:
+    """``asked`` (micro-batch rows or micro-batches a step), shrunk for a job that needs only ``needed``: the
+    power of two at or above ``needed`` and ``floor``, never above ``asked``. Row counts that round alike share
+    one compiled step (rows past the data are masked: they fold nothing)."""
+    return int(min(asked, max(floor, 1 << max(int(needed) - 1, 0).bit_length())))
 
 
 def row_bytes(spec: Any) -> int:
@@ -176,10 +188,11 @@ def make_layout(
             "devices; pick a multiple, e.g. the largest device count you will use."
         )
     shards = int(logical_shards or data_size)
-    # Never pad a small dataset out to a huge step. This depends on the shard count only,
-    # so a fixed logical_shards gives the same layout on every mesh.
-    microbatch = int(min(microbatch, max(1, math.ceil(num_rows / shards))))
-    steps_per_call = int(min(steps_per_call, max(1, math.ceil(num_rows / (shards * microbatch)))))
+    # Never pad a small dataset out to a huge step, but round what it needs up to a canonical size
+    # (small_step_size), so that jobs of nearby row counts run the same compiled step. This depends on the
+    # shard count only, so a fixed logical_shards gives the same layout on every mesh.
+    microbatch = small_step_size(math.ceil(num_rows / shards), microbatch, SMALL_MICROBATCH)
+    steps_per_call = small_step_size(math.ceil(num_rows / (shards * microbatch)), steps_per_call)
     if logical_shards is not None and microbatch > REPRODUCIBLE_MICROBATCH:
         # The same rows a step, folded in micro-batches whose dots XLA never splits by thread.
         steps_per_call *= math.ceil(microbatch / REPRODUCIBLE_MICROBATCH)

@@ -213,3 +213,8 @@ def test_the_estimate_reads_the_add_from_the_steps_trace_which_the_run_reuses(mo
     np.testing.assert_allclose(got.mean, x.mean(0), rtol=1e-5)
     alone = build_program(ss.Moments(), as_source(x), RunOptions(mesh="data:1", microbatch=64, steps_per_call=2))
     assert admission._temporaries(alone)[1] == 0  # one shard: no two states merged, no merge traced
+    merges = []
+    merge = ss.Moments.merge
+    monkeypatch.setattr(ss.Moments, "merge", lambda self, *args: merges.append(1) or merge(self, *args))
+    other = build_program(ss.Moments(), as_source(x), RunOptions(mesh="data:2", microbatch=32, steps_per_call=2))
+    assert admission._temporaries(other)[1] > 0 and not merges  # another micro-batch: the merge is not traced again

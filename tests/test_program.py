@@ -74,7 +74,8 @@ def test_a_bad_option_is_one_line(options, words):
     "num_rows, options, runs",
     [
         (100_000, {"microbatch": 1024, "logical_shards": 8}, 256),  # reproducible shards fold 256 rows at a time
-        (40, {"microbatch": 1024}, 5),  # 40 rows over 8 devices: no step padded out to 8 x 1024 rows
+        (40, {"microbatch": 1024}, 8),  # 40 rows over 8 devices: no step padded out to 8 x 1024 rows, but to 8 x 8
+        (3000, {"microbatch": 1024}, 512),  # 375 rows a shard: the power of two above, as for every 257..512
         (100_000, {"microbatch": 1024}, 1024),
     ],
 )
@@ -159,6 +160,33 @@ def test_another_histogram_range_reuses_the_compiled_programs(compiles):
         for j in range(3):
             np.testing.assert_array_equal(got.counts[j], np.histogram(x[:, j], 8, (lo, hi))[0])
     assert len(compiles) == first
+
+
+def test_small_jobs_of_other_row_counts_reuse_the_compiled_programs(compiles):
+    """A job smaller than one step runs a canonical micro-batch (layout.small_step_size), so the ragged row counts
+    users and generated tests meet share its programs; the padding rows fold nothing: not into counts, min/max,
+    NaN counts or a sketch."""
+    rng = np.random.default_rng(3)
+    data = rng.normal(size=(64, 3)).astype(np.float32) * 1e3
+    data[rng.integers(0, 64, 12), rng.integers(0, 3, 12)] = [np.nan, np.inf, -np.inf, -0.0] * 3
+    jobs = (ss.Moments(), ss.Quantiles(qs=[0.0, 0.5, 1.0], method="lower"))
+    first = None
+    for n in (64, 1, 9, 17, 33, 50):  # 8, 1, 2, 3, 5 and 7 rows a device: each compiled its own step
+        x = data[:n]
+        kept = [x[np.isfinite(x[:, j]), j].astype(np.float64) for j in range(3)]
+        finite = x[np.isfinite(x).all(axis=1)]  # Quantiles omits a row that holds any
+        moments, quantiles = (ss.run(job, x, nan_policy="omit") for job in jobs)
+        np.testing.assert_array_equal(moments.count, [len(k) for k in kept])
+        np.testing.assert_array_equal(moments.nan_count, np.isnan(x).sum(axis=0))
+        for j, k in enumerate(kept):
+            if len(k):
+                assert (moments.min[j], moments.max[j]) == (k.min(), k.max())
+                assert abs(moments.mean[j] - k.mean()) <= 1e-5 * np.abs(k).mean()  # float32 sums
+        for j in range(3 if len(finite) else 0):
+            want = np.quantile(finite[:, j], [0, 0.5, 1], method="lower")
+            np.testing.assert_array_equal(quantiles.quantiles[j], want)
+        first = len(compiles) if first is None else first
+    assert len(compiles) == first, "another row count compiled its own programs"
 
 
 def test_an_iterator_source_resumes_exactly_once_after_a_crash(tmp_path):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -76,6 +77,36 @@ class Wrapper(Combiner):
 
     def operand_partition(self, mesh):
         return self.inner.operand_partition(mesh)
+
+
+# Host rows go through ``finite_keep`` in blocks of at most this many, the last padded to a power of two.
+FINITE_KEEP_BLOCK = 1 << 16
+
+
+@functools.lru_cache(maxsize=32)
+def _finite_keep_program(combiner: Combiner):
+    return jax.jit(combiner.finite_keep)
+
+
+def host_finite_keep(combiner: Combiner, rows: Any) -> np.ndarray:
+    """``combiner.finite_keep`` of every row of ``rows`` (host arrays) as a numpy bool array, in one compiled
+    program per power of two of rows (at least 64), not one per op and row count as eager ops compile: a
+    check of in-memory data then shares its programs across row counts. Padding rows (zeros) are dropped."""
+    leaves, tree = jax.tree.flatten(rows)
+    leaves = [np.asarray(leaf) for leaf in leaves]
+    try:
+        program = _finite_keep_program(combiner)
+    except TypeError:  # an unhashable user combiner
+        program = jax.jit(combiner.finite_keep)
+    n, out = leaves[0].shape[0], []
+    for start in range(0, n, FINITE_KEEP_BLOCK):
+        block = [leaf[start:start + FINITE_KEEP_BLOCK] for leaf in leaves]
+        size = len(block[0])
+        padded = max(64, 1 << (size - 1).bit_length())
+        block = [np.concatenate([b, np.zeros((padded - size, *b.shape[1:]), b.dtype)]) for b in block]
+        keep = np.arange(padded) < size
+        out.append(np.asarray(program(jax.tree.unflatten(tree, block), keep))[:size])
+    return np.concatenate(out)
 
 
 def innermost(combiner: Combiner) -> Combiner:
@@ -220,7 +251,7 @@ class NonFinite(Wrapper):
         if self.policy in OMITTING:
             keep = finite_rows(jax.tree.map(np.asarray, rows), np)  # as add's rows: every float value finite
             if self.policy == "omit" and not keep.all():
-                keep = np.asarray(self.inner.finite_keep(rows, np.ones(keep.shape, bool)))
+                keep = host_finite_keep(self.inner, rows)
             rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)
         self.inner.check_rows(rows)
 
