@@ -187,6 +187,10 @@ def test_mistakes_are_one_line_before_compute(floats):
     for combiner, message in cases:
         with pytest.raises(ss.UsageError, match=message):
             ss.run(combiner, x, **RUN)
+    for seeded in (ss.from_datasketches(QUANTILES, [kll_double, None], item="double"),
+                   ss.from_datasketches(TOPK, [None, None], item="long")):  # omit would skip whole rows: refused
+        with pytest.raises(ss.UsageError, match="nan_policy='omit_rows'"):
+            ss.run(seeded, x, nan_policy="omit", **RUN)
     with pytest.raises(ss.UsageError, match="datasketches=True"):
         ss.from_datasketches(ss.DistinctCount(), [kll_double])
     with pytest.raises(ss.UsageError, match="lg_k=8 cannot be merged"):

@@ -166,6 +166,11 @@ class FromDataSketches(Wrapper):
                                  "the most TopK's counts hold exactly with the run's rows.")
             _keys(np.asarray(image.items), code)
 
+    def omitting_values(self):
+        raise UsageError("from_datasketches(...) cannot skip a NaN or Inf where it stands (nan_policy='omit') yet: "
+                         "pass nan_policy='omit_rows' (each row holding one skipped) or leave such values out of "
+                         "the data.")
+
     def partition(self, mesh):
         return self.inner.partition(mesh)
 
