@@ -135,11 +135,7 @@ def csv_main(rows: int, repeats: int, quick: bool) -> None:
         seconds = timed(calls, repeats)
     print(f"{rows:,} rows x ({len(COLUMNS)} float32 + 1 string) as CSV ({megabytes:.0f} MB), {cores} cores, "
           f"load {load:.1f}, best of {repeats}")
-    print(f"  {'':<40}{'wall s':>8}{'CPU s':>8}{'caller s':>9}{'MB/s':>8}{'MB/s/thread':>13}")
-    for name, (wall, cpu, caller) in seconds.items():
-        t = int(name.split(", ")[1].split()[0]) if "thread" in name else None
-        per = f"{megabytes / wall / t:13.0f}" if t else ""
-        print(f"  {name:<40}{wall:8.3f}{cpu:8.3f}{caller:9.3f}{megabytes / wall:8.0f}{per}")
+    print_table(seconds, megabytes, 40)
     for kind in ("floats", "strings"):
         a, b = seconds[f"source reads, pyarrow, {kind}"], seconds[f"source reads, polars, {kind}"]
         print(f"  source reads, {kind}: polars {a[0] / b[0]:.2f}x the speed of pyarrow (wall), {a[1] / b[1]:.2f}x "
@@ -151,6 +147,16 @@ def csv_main(rows: int, repeats: int, quick: bool) -> None:
         json.dump({"rows": rows, "cores": cores, "load": load, "repeats": repeats, "machine": platform.machine(),
                    "seconds": {k: dict(zip(kinds, v, strict=True)) for k, v in seconds.items()}}, f, indent=1)
     print(f"wrote {out}")
+
+
+def print_table(seconds: dict, megabytes: float, width: int) -> None:
+    """One line a call: wall, CPU and the calling thread's CPU seconds, MB/s, and MB/s a thread where the
+    call's name says its threads (``"..., N thread(s)"``)."""
+    print(f"  {'':<{width}}{'wall s':>8}{'CPU s':>8}{'caller s':>9}{'MB/s':>8}{'MB/s/thread':>13}")
+    for name, (wall, cpu, caller) in seconds.items():
+        t = int(name.split(", ")[1].split()[0]) if "thread" in name else None
+        per = f"{megabytes / wall / t:13.0f}" if t else ""
+        print(f"  {name:<{width}}{wall:8.3f}{cpu:8.3f}{caller:9.3f}{megabytes / wall:8.0f}{per}")
 
 
 def main() -> None:
@@ -189,11 +195,7 @@ def main() -> None:
         seconds = timed(calls, repeats)
     print(f"{rows:,} rows x {len(COLUMNS)} float32 ({megabytes:.0f} MB decoded), {cores} cores, load {load:.1f}, "
           f"best of {repeats}")
-    print(f"  {'':<34}{'wall s':>8}{'CPU s':>8}{'caller s':>9}{'MB/s':>8}{'MB/s/thread':>13}")
-    for name, (wall, cpu, caller) in seconds.items():
-        t = int(name.split(", ")[1].split()[0]) if "threads" in name else None
-        per = f"{megabytes / wall / t:13.0f}" if t else ""
-        print(f"  {name:<34}{wall:8.3f}{cpu:8.3f}{caller:9.3f}{megabytes / wall:8.0f}{per}")
+    print_table(seconds, megabytes, 34)
     for prefix in ("source reads", "moments run"):
         a, b = seconds[f"{prefix}, pyarrow"], seconds[f"{prefix}, polars"]
         serial = f", {a[2] / b[2]:.2f}x (the reading thread's CPU)" if prefix == "source reads" else ""
