@@ -49,10 +49,10 @@ def test_a_killed_holders_lock_file_is_stale(tmp_path):
 def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path, capsys):
     """The concurrent-second-job fault: the same command twice on one workdir (the second, the same config,
     through the launcher's end of a run in this process: exits and cli_wording around run_job)."""
-    args = ("--config=configs/gram.py:quick", "--config.data.num_rows=4000000", "--config.checkpoint.every_steps=50",
-            f"--workdir={tmp_path}")
+    args = ("--config=configs/gram.py:quick", "--config.data.num_rows=8000000", "--config.checkpoint.every_steps=50",
+            "--config.log_every_seconds=0", f"--workdir={tmp_path}")
     config = gram.get_config("quick")
-    config.data.num_rows, config.checkpoint.every_steps = 4000000, 50
+    config.data.num_rows, config.checkpoint.every_steps, config.log_every_seconds = 8000000, 50, 0.0
     log = tmp_path.parent / f"{tmp_path.name}.log"
     with cli.started(cli.main_cmd(*args), log) as first:
         deadline = time.monotonic() + 60
@@ -63,6 +63,9 @@ def test_a_second_cli_job_on_a_running_workdir_gets_one_line(tmp_path, capsys):
         for word in ("is in use by pid", str(first.pid), "(same job)", "wait for it or pass --force_unlock"):
             assert word in line, line
         assert first.poll() is None  # the first job runs on, untouched
+        while "step " not in log.read_text():  # its steps have begun (a Ctrl-C while compiling saves nothing: 130)
+            assert first.poll() is None and time.monotonic() < deadline + 60, log.read_text()[-2000:]
+            time.sleep(0.05)
         first.send_signal(signal.SIGINT)  # Ctrl-C: it saves and stops like on SIGTERM
         assert first.wait(timeout=60) == 0
     assert "interrupted (SIGINT): saved a checkpoint at row" in log.read_text()
