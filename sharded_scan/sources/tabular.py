@@ -104,6 +104,16 @@ STRINGS = ("hash", "refuse")
 ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # a string column's ids: 64 bits, or their low 32 (a TPU's)
 
 
+def chosen_decoder(asked: str, why_not_polars: str | None, what: str) -> str:
+    """``"polars"`` where nothing keeps Polars from reading ``what``, else ``"pyarrow"``; ``decoder="polars"``
+    asked where something does (``why_not_polars``) is one line."""
+    if why_not_polars is None:
+        return "polars"
+    if asked == "polars":
+        raise UsageError(f"decoder='polars' cannot read {what}: {why_not_polars}; pass decoder='auto' (pyarrow "
+                         "where Polars cannot) or decoder='pyarrow'.")
+    return "pyarrow"
+
 class Selection(NamedTuple):
     """What a tabular source reads: ``columns`` (a pytree of names), the row ``dtype``, the
     ``widths`` of its vector columns (name -> values a row) and its ``strings`` (read as ids)."""
@@ -597,12 +607,7 @@ class ParquetSource(Source):
                else "Polars reads local files, and these are remote" if not local
                else f"Polars leaves the types of {', '.join(odd)} to pyarrow" if odd
                else None)
-        if why is None:
-            return "polars"
-        if decoder == "polars":
-            raise UsageError(f"decoder='polars' cannot read {self._where!r}: {why}; pass decoder='auto' (pyarrow "
-                             "where Polars cannot) or decoder='pyarrow'.")
-        return "pyarrow"
+        return chosen_decoder(decoder, why, repr(self._where))
 
     @property
     def decoder(self) -> str:
@@ -973,12 +978,7 @@ class CsvSource(Source):
             if self._polars_rows != self._num_rows:
                 why = (f"Polars counts {self._polars_rows} rows where pyarrow counts {self._num_rows} (blank lines, "
                        "which pyarrow skips and Polars reads as rows of nulls)")
-        if why is None:
-            return "polars"
-        if decoder == "polars":
-            raise UsageError(f"decoder='polars' cannot read {self._label}: {why}; pass decoder='auto' (pyarrow "
-                             "where Polars cannot) or decoder='pyarrow'.")
-        return "pyarrow"
+        return chosen_decoder(decoder, why, self._label)
 
     @property
     def decoder(self) -> str:
