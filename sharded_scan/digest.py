@@ -23,12 +23,12 @@ import numpy as np
 PyTree = Any
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def _mix(x: Any, xp: Any = jnp) -> Any:
     """MurmurHash3's 32-bit finaliser: every input bit moves about half the output bits."""
     x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
+    x = x * xp.uint32(0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
+    x = x * xp.uint32(0xC2B2AE35)
     return x ^ (x >> 16)
 
 
@@ -43,23 +43,40 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
 
 
+def _host_words(x: np.ndarray) -> np.ndarray:
+    """:func:`_words` of a host array, word for word (little-endian words in memory order)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    size = x.dtype.itemsize
+    if size >= 4:
+        return x.view(np.dtype("<u4")).reshape(-1)
+    return x.view({1: np.uint8, 2: np.dtype("<u2")}[size]).astype(np.uint32).reshape(-1)
+
+
+def _pair(w: Any, xp: Any) -> Any:
+    position = xp.arange(w.size, dtype=xp.uint32)
+    return xp.stack([xp.sum(w, dtype=xp.uint32), xp.sum(_mix(w ^ _mix(position, xp), xp), dtype=xp.uint32)])
+
+
 @jax.jit
 def _sums(tree: PyTree) -> list[jax.Array]:
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        w = _words(leaf)
-        position = jnp.arange(w.size, dtype=jnp.uint32)
-        out.append(jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(_mix(w ^ _mix(position)), dtype=jnp.uint32)]))
-    return out
+    return [_pair(_words(leaf), jnp) for leaf in jax.tree.leaves(tree)]
 
 
 def array_digests(tree: PyTree) -> list[str]:
     """One 16-hex-digit digest per leaf of ``tree`` (jax or numpy arrays), in leaf order.
 
     With jax arrays sharded over several processes, every process must call it (it
-    runs one small reduction over all devices) and all get the same digests.
+    runs one small reduction over all devices) and all get the same digests. Where every
+    leaf is on this process, the same sums are taken on the host (no program to compile).
     """
-    sums = jax.device_get(_sums(jax.tree.map(_as_array, tree)))
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        with np.errstate(over="ignore"):
+            sums = [_pair(_host_words(np.asarray(x)), np) for x in leaves]
+    else:
+        sums = jax.device_get(_sums(jax.tree.map(_as_array, tree)))
     return [f"{int(s[0]):08x}{int(s[1]):08x}" for s in sums]
 
 
