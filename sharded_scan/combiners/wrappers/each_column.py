@@ -15,6 +15,7 @@ Over a ``model`` axis the stacked state is whole on every device (each folds eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -52,6 +53,12 @@ def joined(results: list, one_value: bool = False) -> Any:
         return type(first)(*[v if v is None else joined([r[i] for r in results])
                              for i, v in enumerate(first)])
     return np.concatenate([np.atleast_1d(np.asarray(r)) for r in results])
+
+
+@functools.lru_cache(maxsize=32)
+def _column_state_ndim(inner: Any) -> int:
+    """The axes of the first leaf of ``inner``'s state of one column (traced once per combiner)."""
+    return np.ndim(jax.tree.leaves(jax.eval_shape(inner.init, jax.ShapeDtypeStruct((1,), jnp.float32)))[0])
 
 
 class EachColumnAcc(NamedTuple):
@@ -155,8 +162,7 @@ class EachColumn(Wrapper):
     def _has_keys(self, acc) -> bool:
         """Whether ``acc`` holds a leading key axis (a ``GroupBy``'s every key): a leaf two axes more than one
         column's state (a state of rows ``(n, d)`` or ``(n,)`` is one more: the columns)."""
-        one = jax.eval_shape(self.inner.init, jax.ShapeDtypeStruct((1,), jnp.float32))
-        return np.ndim(jax.tree.leaves(acc.value)[0]) == np.ndim(jax.tree.leaves(one)[0]) + 2
+        return np.ndim(jax.tree.leaves(acc.value)[0]) == _column_state_ndim(self.inner) + 2
 
     def finalize(self, acc):
         if self.finalizes_stacked and self._has_keys(acc):
