@@ -24,8 +24,9 @@ sharded_scan's: > 1 means sharded_scan is faster) and each answer's error:
 - top-k (100 most frequent of a Zipf(1.1) int32 column): DuckDB ``GROUP BY`` + ``LIMIT``, Polars
   ``value_counts``, ``np.unique`` counts of the read column; error: true top-100 values missed.
 - group-by (4 float columns by an int32 key of 1,000 Zipf(1.1) values, ``GroupBy(..., num_keys=1000, by=)``):
-  sums and row counts, and count, mean, population variance, min, max (``GroupBy(Moments())``); DuckDB
-  ``GROUP BY``, Polars ``group_by().agg``; error: the largest relative difference from numpy in float64.
+  sums and row counts, and count, mean, population variance, min, max (``GroupBy(Moments(fields=...))``; also
+  ``GroupBy(Moments())``, every field); DuckDB ``GROUP BY``, Polars ``group_by().agg``; error: the largest
+  relative difference from numpy in float64.
 
 JSON goes to ``bench/results/tabular[_quick].json``.
 
@@ -101,6 +102,7 @@ import pyarrow.parquet as pq
 import sharded_scan as ss
 from bench.tuning import interleaved_best
 from sharded_scan.engine import run_program
+from sharded_scan.group_keys import grouped_source
 from sharded_scan.prefetch import place, read_local
 from sharded_scan.program import build_program
 from sharded_scan.sharding import to_host
@@ -155,7 +157,7 @@ OURS = {"moments": (ss.Moments(fields=MOMENT_FIELDS), FLOATS), "covariance": (ss
         "quantiles": (ss.Quantiles(num_buckets=100), FLOATS), "distinct": (ss.DistinctCount(exact_up_to=0), IDS),
         "topk": (ss.TopK(k=TOP), ZIPF),
         "groupby_sum": (ss.GroupBy(ss.Sum(), GROUPS, by=GROUP), [GROUP, *GROUPED]),
-        "groupby_moments": (ss.GroupBy(ss.Moments(), GROUPS, by=GROUP), [GROUP, *GROUPED])}
+        "groupby_moments": (ss.GroupBy(ss.Moments(fields=MOMENT_FIELDS), GROUPS, by=GROUP), [GROUP, *GROUPED])}
 
 
 def run_ours(path: str, row: str) -> Any:
@@ -279,8 +281,8 @@ def group_by(path: str, row: str) -> dict[str, Callable[[], np.ndarray]]:
             out[np.asarray(keys, np.int64), GROUPED.index(c), stats.index(s)] = values
         return out
 
-    def ours():
-        r = run_ours(path, row)
+    def ours(combiner=None):
+        r = run_ours(path, row) if combiner is None else ss.run(combiner, ParquetSource(path, columns=OURS[row][1]))
         fields = {"count": np.broadcast_to(r.rows[:, None], (GROUPS, len(GROUPED))),
                   **{s: np.asarray(getattr(r, s), np.float64) for s in stats if s != "count"}}
         return np.stack([np.asarray(fields[s], np.float64) for s in stats], axis=-1)
@@ -297,7 +299,9 @@ def group_by(path: str, row: str) -> dict[str, Callable[[], np.ndarray]]:
         got = pl.scan_parquet(path).group_by(GROUP).agg(exprs).collect()
         return table(got[GROUP].to_numpy(), {(c, s): got[f"{c}|{s}"].to_numpy() for c in GROUPED for s in stats})
 
-    return {"sharded_scan": ours, "duckdb": duckdb_group_by, "polars": polars_group_by}
+    every = {"sharded_scan, all fields": lambda: ours(ss.GroupBy(ss.Moments(), GROUPS, by=GROUP))} if (
+        row == "groupby_moments") else {}
+    return {"sharded_scan": ours, **every, "duckdb": duckdb_group_by, "polars": polars_group_by}
 
 
 def per_key(path: str, row: str) -> Callable[[np.ndarray], float]:
@@ -359,7 +363,8 @@ def profile(path: str, row: str, repeats: int) -> dict[str, float]:
     the merge and ``finalize`` (``merge``); the run's own set-up (``build``: spec checks, admission,
     fingerprint). The run overlaps reads with steps on the same cores, so the parts add up to more."""
     combiner, columns = OURS[row]
-    source, options = ParquetSource(path, columns=columns), ss.RunOptions.make(None)
+    combiner, source = grouped_source(combiner, ParquetSource(path, columns=columns))  # GroupBy by= a column
+    options = ss.RunOptions.make(None)
     program = build_program(combiner, source, options)
     layout = program.layout
     cursors = range(0, layout.num_rows, layout.rows_per_step)

@@ -428,3 +428,61 @@ def test_groupby_sum_finalizes_every_key_in_one_call_as_key_by_key():
             np.testing.assert_array_equal(a, b)
         assert (np.asarray(one.sum[1]).dtype == object) == big  # past int64: Python ints, as key by key
         assert one.by == each.by == combiner.key_name and one.keys.tolist() == each.keys.tolist()
+
+
+def test_groupby_moments_finalizes_every_key_at_once_as_each_keys_moments_and_pandas(monkeypatch):
+    """``Moments.finalizes_stacked``: GroupBy(Moments()) finalizes its keys in one call; each key's result is, bit
+    for bit and dtype for dtype, the key-by-key one (``Moments().finalize`` of that key's state, keys of no rows
+    as before), and pandas' groupby in float64 (mean, var, min, max, skew, kurt), under both nan_policy values,
+    with keys of no rows, a constant key, a key's column of NaNs only and NaNs here and there."""
+    pd = pytest.importorskip("pandas")
+    states, finalize = [], ss.GroupBy.finalize
+    monkeypatch.setattr(ss.GroupBy, "finalize", lambda self, acc: states.append((self, acc)) or finalize(self, acc))
+    assert ss.Moments().finalizes_stacked
+    # the shapes of test_groupby_moments_is_pandas_groupby_on_1_3_and_8_devices and of
+    # test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas: their programs
+    cases = [("propagate", 40, launch_data.ZipfKeys(2999, 40, seed=3).read(0, 2999),
+              np.random.default_rng(3).normal(5, 2, size=(2999, 2)), {"mesh": "data:1"}),
+             ("omit", K, *(v.astype(t) for v, t in zip(data(997)[:2], (np.int32, np.float64), strict=True)), {})]
+    for policy, num_keys, keys, x, mesh in cases:
+        keys = np.where(keys >= num_keys - 2, 0, keys).astype(keys.dtype)  # the last 2 keys of no rows
+        x[::13, 0] = np.nan
+        x[keys == 1] = 7.25  # a constant key
+        x[keys == 2, 1] = np.nan  # its column has no value to omit
+        absent = np.setdiff1d(np.arange(num_keys), keys)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = ss.run(ss.GroupBy(ss.Moments(), num_keys), (keys, x), nan_policy=policy, **mesh, **RUN)
+        # keys of no rows are quiet; under "omit" key 2's column of NaNs alone says it has no value
+        assert sum("Moments of no rows" in str(w.message) for w in said) == (policy == "omit")
+        combiner, acc = states[-1]
+        assert combiner.inner.finalizes_stacked  # Moments; under "omit" each column's (EachColumn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            one = finalize(combiner, acc)
+            with monkeypatch.context() as m:
+                m.setattr(ss.Moments, "finalizes_stacked", False)
+                each = finalize(combiner, acc)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(each), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        skip = policy == "omit"
+        groups = pd.DataFrame(x).groupby(keys)
+        n = np.broadcast_to(got.count.reshape(num_keys, -1), got.mean.shape).astype(np.float64)
+        present = np.unique(keys)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # pandas' skew and kurt are the bias-corrected forms of the biased ones (scipy's defaults) here
+            skew = got.skewness * np.sqrt(n * (n - 1)) / (n - 2)
+            kurt = ((n + 1) * got.kurtosis + 6) * (n - 1) / ((n - 2) * (n - 3))
+        want = {"mean": (got.mean, groups.mean(skipna=skip)), "var": (got.var, groups.var(ddof=0, skipna=skip)),
+                "min": (got.min, groups.min(skipna=skip)), "max": (got.max, groups.max(skipna=skip))}
+        for name, (ours, theirs) in want.items():
+            np.testing.assert_allclose(ours[present], theirs, rtol=1e-12, atol=1e-12, err_msg=name)
+        for ours, theirs in ((skew, groups.skew(skipna=skip)), (kurt, groups.kurt(skipna=skip))):
+            theirs, ours = theirs.to_numpy(), ours[present]
+            both = np.isfinite(theirs) & (n[present] > 3)
+            np.testing.assert_allclose(ours[both], theirs[both], rtol=1e-9)
+            assert np.isnan(ours[1]).all()  # the constant key: no shape, as scipy's
+        assert np.isnan(got.mean[absent]).all() and (got.rows[absent] == 0).all() and (got.count[absent] == 0).all()
+        assert (got.var[1] == 0).all() and np.isnan(got.mean[2, 1])
+        assert (got.nan_count[2, 1] == (keys == 2).sum()) and got.min.dtype == np.float64

@@ -344,12 +344,12 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
 
 def _moments(acc: DescribeAcc) -> tuple[np.ndarray, ...]:
     """Per column (float64 ``(d,)``; count int64): count, mean, variance, min, max."""
-    d = np.shape(acc.moments.min)[0]
     with warnings.catch_warnings():  # a column of no values is NaN, reported by its count of 0
         warnings.simplefilter("ignore", RuntimeWarning)
-        parts = [COLUMN.finalize(jax.tree.map(lambda x, j=j: np.asarray(x)[j], acc.moments)) for j in range(d)]
-    count = np.array([int(p.count) for p in parts], np.int64)
-    return (count, *(np.array([np.float64(getattr(p, f)[0]) for p in parts]) for f in ("mean", "var", "min", "max")))
+        # every column in one call (stacked: the column axis first), each as its own call's
+        r = COLUMN.finalize(jax.tree.map(np.asarray, acc.moments))
+    return (np.asarray(r.count, np.int64), *(np.asarray(getattr(r, f)[:, 0], np.float64)
+                                             for f in ("mean", "var", "min", "max")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -326,8 +326,12 @@ def no_rows(count: int, who: str) -> bool:
     return True
 
 
-def _divide(m2: np.ndarray, dof: float) -> np.ndarray:
+def _divide(m2: np.ndarray, dof) -> np.ndarray:
+    """``m2 / dof`` (NaN or inf where ``dof`` is not positive); ``dof`` an array: one a row of ``m2`` (stacked)."""
     with np.errstate(divide="ignore", invalid="ignore"):
+        if np.ndim(dof):
+            dof = np.asarray(dof, np.float64)
+            return np.asarray(m2, np.float64) / np.where(dof > 0, dof, 0.0)[..., None]
         return np.asarray(m2, np.float64) / (dof if dof > 0 else 0.0)
 
 
@@ -337,12 +341,12 @@ def real_columns(acc: CenteredAcc) -> CenteredAcc:
     return acc._replace(m2=acc.m2[:, :d], m2_lost=acc.m2_lost[:, :d])
 
 
-def host_m2(acc: CenteredAcc) -> np.ndarray:
+def host_m2(acc: CenteredAcc, full: bool | None = None) -> np.ndarray:
     """The compensated M2 in float64, its variances (the diagonal, or every entry of a
     vector) at least 0: rounding can leave a sum of squared deviations a few ulps below
-    zero. NaN stays."""
+    zero. NaN stays. ``full``: a matrix (None: when not a vector); False: vectors, stacked too."""
     m2 = kahan_total(np.asarray(acc.m2, np.float64), np.asarray(acc.m2_lost, np.float64))
-    diagonal = m2 if m2.ndim == 1 else np.einsum("ii->i", m2)
+    diagonal = m2 if m2.ndim == 1 or full is False else np.einsum("ii->i", m2)
     diagonal[diagonal < 0] = 0.0
     return m2
 
@@ -731,20 +735,26 @@ def moments_merge(a: MomentsAcc, b: MomentsAcc, na=None, nb=None, parts: MomentP
 def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None, fields=None) -> MomentsResult:
     """The host result of a merged :class:`Moments` accumulator (``columns`` None). ``weight``
     (float64) and ``dof`` (the variance's divisor) of a weighted one; else from the count. ``fields``:
-    those asked (:func:`moment_parts`; None: every one), the others None."""
+    those asked (:func:`moment_parts`; None: every one), the others None.
+
+    Stacked: a leading axis on every leaf (``GroupBy``'s keys, ``Describe``'s columns; unweighted) gives the
+    results along it in one call, each the same, element for element, as its own call's (a result of no rows:
+    NaN statistics, the norms 0); min and max in float64 where an entry is of no rows, as such calls' joined."""
     parts = moment_parts(fields)
     count = wide.to_int(acc.centered.count)
     counts = wide.to_int(acc.counts)
-    d = np.shape(acc.min)[0]
+    dims = np.shape(acc.min)
     higher = kahan_total(np.asarray(acc.higher, np.float64), np.asarray(acc.higher_lost, np.float64))
-    rows = dict(zip(higher_rows(parts), higher, strict=False))
-    nan = np.full(d, np.nan)
-    zeros = counts[1] if parts.zeros else None
-    if no_rows(count, "Moments"):
-        return asked(MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[0], zeros, np.zeros(d), np.zeros(d)),
-                     fields)
-    weight = float(count) if weight is None else weight
-    m2 = host_m2(acc.centered)
+    rows = {name: higher[..., i, :] for i, name in enumerate(higher_rows(parts))}
+    nan = np.full(dims, np.nan)
+    zeros = counts[..., 1, :] if parts.zeros else None
+    empty = np.asarray(count == 0, bool)
+    if empty.any() and no_rows(0, "Moments") and empty.all():
+        return asked(MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[..., 0, :], zeros, np.zeros(dims),
+                                   np.zeros(dims)), fields)
+    if weight is None:
+        weight = float(count) if np.ndim(count) == 0 else np.asarray(count, np.float64)[..., None]
+    m2 = host_m2(acc.centered, full=False)
     mean = host_mean(acc.centered)
     low, high = np.asarray(acc.min), np.asarray(acc.max)
     # Every row kept finite (a NaN kept makes both NaN); also where only the micro-batches holding a NaN or
@@ -761,9 +771,16 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None, fields=Non
         l2 = norm_l2(m2, weight * mean * mean, rows["l2"], finite, low.dtype) if parts.l2 else nan
         result = MomentsResult(
             count, mean, _divide(m2, count - ddof if dof is None else dof), low, high,
-            skewness, kurtosis, counts[0], zeros, rows.get("l1", nan), l2,
+            skewness, kurtosis, counts[..., 0, :], zeros, rows.get("l1", nan), l2,
         )
-    return asked(with_infinities(result), fields)
+    result = with_infinities(result)
+    if empty.any():  # stacked: the entries of no rows as one call's (above; min and max then float64, as joined)
+        empty = empty[..., None]
+        result = result._replace(**{f: np.where(empty, 0.0 if f.startswith("norm") else np.nan,
+                                                np.asarray(getattr(result, f), np.float64))
+                                    for f in ("mean", "var", "min", "max", "skewness", "kurtosis", "norm_l1",
+                                              "norm_l2")})
+    return asked(result, fields)
 
 
 def asked(result: MomentsResult, fields) -> MomentsResult:
@@ -849,6 +866,11 @@ class Moments(SplitsEachColumn, Combiner):
         """What the state keeps for :attr:`fields`."""
         return moment_parts(self.fields)
 
+    @property
+    def finalizes_stacked(self) -> bool:
+        """Every key's result in one call under ``GroupBy`` (:func:`moments_result`), whole columns only."""
+        return self.model_shards == 1
+
     def fingerprint(self):
         named = super().fingerprint()
         if self.fields is None:  # as before the option: a checkpoint written then resumes
@@ -923,5 +945,8 @@ class Moments(SplitsEachColumn, Combiner):
         """The host result (``columns`` None; of the real columns when split); ``weight``,
         ``weight_sq``: ``Σw``, ``Σw²`` of a weighted run (None: every row weighed 1)."""
         acc = self.unsplit(acc) if self.model_shards > 1 else acc
-        count = int(wide.to_int(acc.centered.count))
+        count = wide.to_int(acc.centered.count)
+        if np.ndim(count):  # stacked (finalizes_stacked): unweighted
+            return moments_result(acc, self.ddof, dof=count - self.ddof, fields=self.fields)
+        count = int(count)
         return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq), self.fields)

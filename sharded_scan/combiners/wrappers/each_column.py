@@ -15,6 +15,7 @@ Over a ``model`` axis the stacked state is whole on every device (each folds eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -52,6 +53,12 @@ def joined(results: list, one_value: bool = False) -> Any:
         return type(first)(*[v if v is None else joined([r[i] for r in results])
                              for i, v in enumerate(first)])
     return np.concatenate([np.atleast_1d(np.asarray(r)) for r in results])
+
+
+@functools.lru_cache(maxsize=32)
+def _column_state_ndim(inner: Any) -> int:
+    """The axes of the first leaf of ``inner``'s state of one column (traced once per combiner)."""
+    return np.ndim(jax.tree.leaves(jax.eval_shape(inner.init, jax.ShapeDtypeStruct((1,), jnp.float32)))[0])
 
 
 class EachColumnAcc(NamedTuple):
@@ -147,7 +154,32 @@ class EachColumn(Wrapper):
         inner = self.inner.merge_collectives()
         return None if inner is None else EachColumnAcc(inner, "max")
 
+    @property
+    def finalizes_stacked(self) -> bool:
+        """Every key at once under ``GroupBy`` where ``inner`` finalizes stacked and the rows are ``X`` alone."""
+        return self.inner.finalizes_stacked and not self.path
+
+    def _has_keys(self, acc) -> bool:
+        """Whether ``acc`` holds a leading key axis (a ``GroupBy``'s every key): a leaf two axes more than one
+        column's state (a state of rows ``(n, d)`` or ``(n,)`` is one more: the columns)."""
+        return np.ndim(jax.tree.leaves(acc.value)[0]) == _column_state_ndim(self.inner) + 2
+
     def finalize(self, acc):
+        if self.finalizes_stacked and self._has_keys(acc):
+            return self._finalize_keys(acc)
         d = np.shape(jax.tree.leaves(acc.value)[0])[0]
         parts = [self.inner.finalize(jax.tree.map(lambda x, j=j: np.asarray(x)[j], acc.value)) for j in range(d)]
         return joined(parts, one_value=np.ndim(acc.row) == 0)
+
+    def _finalize_keys(self, acc):
+        """Every key's and column's results in one ``inner`` finalize (the key and column axes first), each
+        field as :func:`joined` joins a key's columns (one call a column), a key a row."""
+        r = self.inner.finalize(jax.tree.map(np.asarray, acc.value))
+
+        def per_key(x):
+            x = np.asarray(x)
+            if np.ndim(acc.row) == 1:  # rows of one value: the one column's, as it is
+                return x[:, 0, 0] if x.ndim > 2 else x[:, 0]
+            return x.reshape(x.shape[0], -1, *x.shape[3:]) if x.ndim > 2 else x
+
+        return jax.tree.map(per_key, r)

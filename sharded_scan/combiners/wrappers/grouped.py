@@ -388,9 +388,9 @@ class GroupBy(Wrapper):
             keys = np.arange(self.slots)
             if self.out_of_range == "other":
                 keys[-1] = OTHER_KEY
-        if self.inner.finalizes_stacked:  # every key in one call (Sum), not 1,000 calls for 1,000 keys
-            result = jax.tree.map(np.asarray, self.inner.finalize(jax.tree.map(lambda x: x[: self.slots], acc.value)))
-            return GroupByResult(result, count, keys, self.key_name)
+        if self.inner.finalizes_stacked:  # every key in one call (Sum, Moments), not 1,000 calls for 1,000 keys
+            value = jax.tree.map(lambda x: np.asarray(x)[: self.slots], acc.value)
+            return GroupByResult(self._stacked_result(value, count == 0), count, keys, self.key_name)
         leaves, tree = jax.tree.flatten(acc.value)
         results = [self.inner.finalize(tree.unflatten([x[k] for x in leaves])) if count[k] else None
                    for k in range(self.slots)]
@@ -402,6 +402,25 @@ class GroupBy(Wrapper):
             for k, i in zip(empty, which, strict=True):
                 results[k] = blanks[i]
         return GroupByResult(stack(results), count, keys, self.key_name)
+
+    def _stacked_result(self, value, empty: np.ndarray):
+        """The inner results of every key (``finalizes_stacked``) in one finalize, those of the keys that met no
+        rows (``empty``) in another, without numpy's warnings of empty means, as key by key."""
+        def of(which, quiet: bool):
+            with warnings.catch_warnings():
+                if quiet:
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                return jax.tree.map(np.asarray, self.inner.finalize(jax.tree.map(lambda x: x[which], value)))
+
+        if not empty.any() or empty.all():
+            return of(slice(None), bool(empty.all()))
+
+        def joined(rows, blank):
+            out = np.empty((len(empty), *rows.shape[1:]), np.result_type(rows, blank))
+            out[~empty], out[empty] = rows, blank
+            return out
+
+        return jax.tree.map(joined, of(~empty, False), of(empty, True))
 
     def _no_rows_result(self, value, k: int, template):
         """The inner result of a key that met no rows: the inner finalize of its (identity)
