@@ -95,10 +95,10 @@ def host_identity(combiner: Combiner, spec: PyTree) -> PyTree | None:
     arrays, not kept: a grouped state may be large), or None where it holds an operation other than the exact
     ones numpy evaluates here, or a weak-typed value. Run eagerly, each ``jax.numpy`` call of an init compiles a
     program of its own (about 26 for ``Moments``); jitted, the init is one program a job (about 0.1 CPU-s)."""
+    closed, shapes = jax.make_jaxpr(lambda: combiner.init(spec), return_shape=True)()
     try:
-        closed, shapes = jax.make_jaxpr(lambda: combiner.init(spec), return_shape=True)()
         values = _evaluate_on_host(closed.jaxpr, closed.consts)
-    except _NotOnHostError:
+    except Exception:  # noqa: BLE001 - another operation, or a value numpy does not hold (a PRNG key): jitted
         return None
     if any(v.aval.weak_type for v in closed.jaxpr.outvars):
         return None
