@@ -32,10 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import threadpoolctl
+from jax.extend.core import Literal
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import (
+    FEW_MICROBATCHES,
+    Combiner,
+    folding_few_microbatches,
+    reads_few_microbatches,
+)
 from sharded_scan.compile_cache import cached
 from sharded_scan.layout import Layout, data_sharding
 from sharded_scan.merging import Merge, MergeRoute, choose_merge, compile_gather, pinned
@@ -58,6 +64,78 @@ PyTree = Any
 MICROBATCH_SCAN = "sharded_scan_microbatches"
 
 
+# A step whose shards fold fewer rows than this (``microbatch * steps_per_call``) compiles one scan, masked, whatever
+# the combiner: its second, constant-mask copy of the scan doubled the compile of the add (Moments: 1.5 CPU-s, not
+# 1.2) to save a few selects a row, where a step of so few rows costs its dispatch more than its arithmetic.
+TWO_SCANS_FROM_ROWS = 4096
+
+
+def one_scan(combiner: Combiner, layout: Layout) -> bool:
+    """Whether a step of ``layout`` folds every shard with one scan (a mask for its real rows): where
+    ``combiner.one_scan_per_step`` asks, or the shards' blocks are small (:data:`TWO_SCANS_FROM_ROWS`)."""
+    return bool(combiner.one_scan_per_step) or layout.rows_per_shard < TWO_SCANS_FROM_ROWS
+
+
+# What an identity (``combiner.init``) is made of, evaluated in numpy by :func:`host_identity`: exact operations.
+_HOST_PRIMITIVES = {
+    "broadcast_in_dim": lambda x, *_, shape, broadcast_dimensions, **__: np.broadcast_to(
+        np.expand_dims(x, tuple(i for i in range(len(shape)) if i not in broadcast_dimensions)), shape),
+    "convert_element_type": lambda x, *, new_dtype, **_: np.asarray(x).astype(new_dtype),
+    "iota": lambda *, dtype, shape, dimension, **_: np.broadcast_to(np.expand_dims(
+        np.arange(shape[dimension], dtype=dtype), tuple(i for i in range(len(shape)) if i != dimension)), shape),
+    "eq": lambda x, y: np.equal(x, y),
+    "add": lambda x, y: np.add(x, y),
+    "concatenate": lambda *xs, dimension: np.concatenate(xs, axis=dimension),
+    "reshape": lambda x, *, new_sizes, **_: np.reshape(x, new_sizes),
+}
+
+
+def host_identity(combiner: Combiner, spec: PyTree) -> PyTree | None:
+    """``combiner.init(spec)`` as host numpy, without compiling: its jaxpr evaluated in numpy (read-only
+    arrays, not kept: a grouped state may be large), or None where it holds an operation other than the exact
+    ones numpy evaluates here, or a weak-typed value. Run eagerly, each ``jax.numpy`` call of an init compiles a
+    program of its own (about 26 for ``Moments``); jitted, the init is one program a job (about 0.1 CPU-s)."""
+    closed, shapes = jax.make_jaxpr(lambda: combiner.init(spec), return_shape=True)()
+    try:
+        values = _evaluate_on_host(closed.jaxpr, closed.consts)
+    except Exception:  # noqa: BLE001 - another operation, or a value numpy does not hold (a PRNG key): jitted
+        return None
+    if any(v.aval.weak_type for v in closed.jaxpr.outvars):
+        return None
+    for x in values:
+        x.flags.writeable = False
+    return jax.tree.unflatten(jax.tree.structure(shapes), values)
+
+
+class _NotOnHostError(Exception):
+    pass
+
+
+def _evaluate_on_host(jaxpr: Any, consts: list, args: list = ()) -> list[np.ndarray]:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, (np.asarray(c) for c in consts), strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v):
+        return np.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        args = [read(v) for v in eqn.invars]
+        if name in ("pjit", "jit", "closed_call"):
+            inner = eqn.params["jaxpr"]
+            outs = _evaluate_on_host(inner.jaxpr, inner.consts, args)
+        elif name in _HOST_PRIMITIVES:
+            outs = [_HOST_PRIMITIVES[name](*args, **eqn.params)]
+        else:
+            raise _NotOnHostError(name)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            x = np.asarray(x)
+            if x.shape != v.aval.shape:
+                raise _NotOnHostError(name)
+            env[v] = x.astype(v.aval.dtype, copy=False)
+    return [np.array(read(v), order="C") for v in jaxpr.outvars]
+
+
 @cached
 def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) -> Callable:
     """The jitted maker of ``num_shards`` identity accumulators, laid out on ``mesh``."""
@@ -68,15 +146,17 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) 
 
 
 @cached
-def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False) -> Callable:
+def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False,
+                 few: bool = False) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
     first ``num_valid`` are real. Each logical shard folds its block of rows as
     ``steps_per_call`` micro-batches of ``microbatch`` rows, in order. A shard whose
     block is all real rows takes a branch with a constant all-True mask, which XLA
-    folds away (except where ``combiner.one_scan_per_step``). ``fixed``: every float
-    product of ``add`` rounds as the code fixes (:func:`~sharded_scan.fixed_order.fixed_order`).
+    folds away (except where :func:`one_scan`: ``combiner.one_scan_per_step``, or small blocks). ``fixed``: every float
+    product of ``add`` rounds as the code fixes (:func:`~sharded_scan.fixed_order.fixed_order`). ``few``: a short
+    job's step (:func:`~sharded_scan.combiners.base.folds_few_microbatches` while it is traced).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
@@ -95,7 +175,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
             return add(acc, item[1], jnp.ones((mb,), bool)), None
 
         with jax.named_scope(MICROBATCH_SCAN):  # what the memory estimate finds in the step's trace
-            if combiner.one_scan_per_step:
+            if one_scan(combiner, layout):
                 return jax.lax.scan(ragged, acc, (offsets, micro))[0]
             return jax.lax.cond(
                 valid == rows_per_shard,
@@ -108,7 +188,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
         bound = combiner.bind(operands)
         first_row = jax.lax.axis_index(DATA_AXIS) * layout.rows_per_device
         valid = jnp.clip(num_valid - first_row - jnp.arange(per_device) * rows_per_shard, 0, rows_per_shard)
-        with jax.default_matmul_precision(precision):
+        with jax.default_matmul_precision(precision), folding_few_microbatches(few):
             if per_device == 1:
                 acc = fold_shard(bound, jax.tree.map(lambda x: x[0], partials), batch, valid[0])
                 return jax.tree.map(lambda x: x[None], acc)
@@ -175,13 +255,20 @@ class Program:
         return {"shards": self.layout.num_shards, "axes": mesh_axes(self.mesh)}
 
     def init(self) -> PyTree:
-        """Identity partials, one accumulator per logical shard."""
-        return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards)()
+        """Identity partials, one accumulator per logical shard: the identity made on the host and placed
+        (:func:`host_identity`; nothing to compile), else by a jitted program."""
+        host = host_identity(self.combiner, self.spec)
+        if host is None:
+            return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards)()
+        # Each device's block a fresh copy: a CPU device may hold it without copying, and the step donates it.
+        return jax.tree.map(lambda x, like: jax.make_array_from_callback(
+            like.shape, like.sharding, lambda idx, x=x: np.array(np.broadcast_to(x[None], like.shape)[idx])),
+            host, self.like)
 
     def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
         """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
         compiled = compile_step(
-            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products, self.short
         )
         return compiled(partials, batch, np.int32(num_valid), self.operands)
 
@@ -209,6 +296,14 @@ class Program:
         return self.host_operands if self.merger.whole_operands else self.operands
 
     @property
+    def short(self) -> bool:
+        """Whether each shard folds fewer than :data:`~sharded_scan.combiners.base.FEW_MICROBATCHES` micro-batches
+        over the whole job (a resumed one's too) and the combiner compiles less for it
+        (:func:`~sharded_scan.combiners.base.reads_few_microbatches`): :func:`compile_step`'s ``few``."""
+        return (self.layout.num_steps() * self.layout.steps_per_call < FEW_MICROBATCHES
+                and reads_few_microbatches(self.combiner))
+
+    @property
     def fixed_products(self) -> bool:
         """Whether float products round as the code fixes (:mod:`sharded_scan.fixed_order`).
 
@@ -224,7 +319,7 @@ class Program:
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
         compiled = compile_step(
-            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products
+            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products, self.short
         )
         # The operands' shapes only: the memory estimate traces this before they are placed.
         operands = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(

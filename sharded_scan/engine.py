@@ -34,7 +34,7 @@ from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.passes import reads_several_times
 from sharded_scan.combiners.sketches.topk_strings import read_once, with_strings
 from sharded_scan.combiners.wrappers.policies import NonFiniteError, innermost, step_guard
-from sharded_scan.compiled import Program
+from sharded_scan.compiled import Program, host_identity
 from sharded_scan.distributed import Preempted, PreemptionWatch, agree, any_process, finishing
 from sharded_scan.dtypes import x64_scope
 from sharded_scan.errors import StorageError, UsageError
@@ -481,11 +481,23 @@ def nonfinite_values(program: Program, merged: PyTree) -> int:
     bad = [int(np.sum(~np.isfinite(x))) if np.issubdtype(x.dtype, np.inexact) else 0 for x in bad]
     if not any(bad):
         return 0
-    identity = jax.tree.leaves(jax.device_get(program.combiner.init(program.spec)))
+    identity = jax.tree.leaves(identity_on_host(program.combiner, program.spec))
     return sum(
         int(np.sum(~np.isfinite(np.asarray(x)) & np.isfinite(np.asarray(i))))
         for x, i, b in zip(jax.tree.leaves(merged), identity, bad, strict=True) if b
     )
+
+
+def identity_on_host(combiner: Combiner, spec: PyTree) -> PyTree:
+    """``combiner.init(spec)`` as host numpy: :func:`~sharded_scan.compiled.host_identity`, else one jitted program
+    a job (memoized); run eagerly, each of its ``jax.numpy`` calls compiled a program of its own."""
+    host = host_identity(combiner, spec)
+    return jax.device_get(_compile_identity(combiner, spec)()) if host is None else host
+
+
+@compile_cache.cached
+def _compile_identity(combiner: Combiner, spec: PyTree):
+    return jax.jit(lambda: combiner.init(spec))
 
 
 def overflow_words(merged: PyTree) -> tuple[str, str]:

@@ -295,8 +295,16 @@ def own_blocks(partials: PyTree) -> list[PyTree]:
 
 
 def states_of(block: PyTree, device: jax.Device | None = None) -> Iterator[PyTree]:
-    """The shards of a stacked ``block``, one at a time, in order, on its device (or ``device``)."""
-    for j in range(jax.tree.leaves(block)[0].shape[0]):
+    """The shards of a stacked ``block``, one at a time, in order, on its device (or ``device``).
+
+    Moved to ``device`` from a CPU device through host numpy (a copy in the same memory): a jitted index
+    compiles once for every device it runs on (eight programs a job on eight CPU devices)."""
+    leaves = jax.tree.leaves(block)
+    on_cpu = device is not None and all(d.platform == "cpu" for x in leaves for d in x.devices())
+    for j in range(leaves[0].shape[0]):
+        if on_cpu:
+            yield jax.device_put(jax.tree.map(lambda x, j=j: np.asarray(x)[j], block), device)
+            continue
         state = _index(block, j)
         yield state if device is None else jax.device_put(state, device)
 

@@ -246,9 +246,13 @@ class OneScanSum(ss.Sum):
     one_scan_per_step = True  # a user's combiner asks for it (Sum's add is cheap to compile: for the test)
 
 
-def test_a_combiner_that_asks_for_one_scan_a_step_gets_one():
+def test_a_combiner_that_asks_for_one_scan_a_step_gets_one_and_small_steps_get_one():
     # A step whose shard holds only real rows takes a copy of the scan with a constant mask, unless the
-    # combiner (here inside the Compensated wrapper, which forwards the attribute) says one_scan_per_step.
-    options = ss.RunOptions(mesh="data:1", microbatch=4, steps_per_call=2)
-    steps = [program_for_spec(c, row(2), 64, options).lower_step().as_text() for c in (ss.Sum(), OneScanSum())]
-    assert [text.count("stablehlo.while") for text in steps] == [2, 1]
+    # combiner (here inside the Compensated wrapper, which forwards the attribute) says one_scan_per_step,
+    # or the shard's block is small (fewer than compiled.TWO_SCANS_FROM_ROWS rows: one scan, half the compile).
+    scans = {}
+    for microbatch, steps_per_call in ((2048, 2), (4, 2)):
+        options = ss.RunOptions(mesh="data:1", microbatch=microbatch, steps_per_call=steps_per_call)
+        steps = [program_for_spec(c, row(2), 8192, options).lower_step().as_text() for c in (ss.Sum(), OneScanSum())]
+        scans[microbatch * steps_per_call] = [text.count("stablehlo.while") for text in steps]
+    assert scans == {4096: [2, 1], 8: [1, 1]}

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
+from sharded_scan.combiners.base import folding_few_microbatches
 from sharded_scan.combiners.sketches import kll
+from sharded_scan.program import program_for_spec
 from tests import test_program
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at
@@ -205,6 +207,14 @@ def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
     jax.tree.map(np.testing.assert_array_equal, three, two)
     host = kll.to_host(jax.tree.map(np.asarray, three))
     assert np.all(np.abs(host.cumulative[:, -1] - 24 * mb) < 64) and int(np.sum(three.sizes)) < 4 * k  # compacted
+    # A short job's step (fewer than base.FEW_MICROBATCHES micro-batches a shard) leaves the middle window out:
+    # the same sketch, one move less to compile (issue 45: a small job that answers at once).
+    with folding_few_microbatches(True):
+        assert two_sizes(k, mb) == (256, 3072)
+    options = ss.RunOptions(mesh="data:1", microbatch=mb, steps_per_call=1)
+    spec = jax.ShapeDtypeStruct((d,), np.float32)
+    short, long = (program_for_spec(ss.Quantiles(qs=(0.5,), k=k), spec, n * mb, options) for n in (24, 64))
+    assert (short.short, long.short) == (True, False)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,8 @@ integer sum) names it per leaf in :meth:`Combiner.merge_collectives`: one collec
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -36,6 +38,39 @@ from sharded_scan.dtypes import check_numeric
 from sharded_scan.errors import UsageError
 
 PyTree = Any
+
+
+# A job whose shards each fold fewer micro-batches than this is short: a combiner may compile less for its steps
+# (the KLL sketch leaves out a window size, whose compile its faster moves pay back only over more micro-batches).
+FEW_MICROBATCHES = 64
+_few_microbatches = contextvars.ContextVar("sharded_scan_few_microbatches", default=False)
+
+
+def folds_few_microbatches() -> bool:
+    """Whether the step being traced is a short job's (:data:`FEW_MICROBATCHES`; ``compiled.compile_step`` says)."""
+    return _few_microbatches.get()
+
+
+def reads_few_microbatches(combiner: Any) -> bool:
+    """Whether ``combiner``, or a combiner in its dataclass fields (a wrapper's inner one, at any depth), has
+    ``compiles_less_when_short``: only then is a short job's step another program (else one program serves both)."""
+    if getattr(combiner, "compiles_less_when_short", False):
+        return True
+    if not dataclasses.is_dataclass(combiner):
+        return False
+    values = [getattr(combiner, f.name) for f in dataclasses.fields(combiner)]
+    values = [v for value in values for v in (value if isinstance(value, (tuple, list)) else (value,))]
+    return any(isinstance(v, Combiner) and reads_few_microbatches(v) for v in values)
+
+
+@contextlib.contextmanager
+def folding_few_microbatches(few: bool):
+    """While tracing a step: :func:`folds_few_microbatches` is ``few``."""
+    token = _few_microbatches.set(bool(few))
+    try:
+        yield
+    finally:
+        _few_microbatches.reset(token)
 
 
 class Combiner(abc.ABC):
@@ -52,6 +87,8 @@ class Combiner(abc.ABC):
     #: True when ``add`` is slow to compile and cheap to mask (LinearRegression's and PCA's re-whitening
     #: fold): each step compiles one scan, not a second, constant-mask copy for steps of real rows only.
     one_scan_per_step: bool = False
+    #: True when ``add`` compiles less in a short job's step (:func:`folds_few_microbatches`; the KLL sketch's).
+    compiles_less_when_short: bool = False
     #: True when ``finalize`` of an accumulator with a leading key axis on every leaf gives each key's
     #: result along that axis, also for keys of no rows (``Sum``): ``GroupBy`` then finalizes every key
     #: in one call instead of one a key.

@@ -191,6 +191,7 @@ class Quantiles(SplitsByColumns, Combiner, MultiPass):
     # Its add sorts the micro-batch whatever the mask: a mask-free second scan ran no faster (12 steps of 16384
     # rows x 8 columns) and added 0.6 of 2.7 CPU-s to compiling the step.
     one_scan_per_step = True
+    compiles_less_when_short = True  # kll.window_sizes: no middle window in a short job
 
     def __post_init__(self):
         object.__setattr__(self, "qs", check_qs(self.qs, self.num_buckets, "Quantiles"))

@@ -212,6 +212,7 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
     # Its add masks every column's NaNs anyway: a mask-free scan saves little per step, and a second
     # scan doubles the step's tracing and compiling (most of a small job's time).
     one_scan_per_step = True
+    compiles_less_when_short = True  # its sketch's (Quantiles')
     k: int = DEFAULT_K
     bits: int = 10
     model_shards: int = 1  # set by for_mesh: above 1 each model device holds its block of the columns
