@@ -1,8 +1,11 @@
 """64-bit integers and floats at their extremes, as numpy treats them (issue 42, findings 5-9).
 
-Every run takes ``microbatch=1, steps_per_call=1``: whatever the row count, one step's shapes (a larger
-micro-batch shrinks to the rows a device holds, a new program for each small row count), so each combiner,
-dtype and mesh compiles once for the whole module.
+Every run takes ``microbatch=1, steps_per_call=1`` on eight devices: whatever the row count, one step's shapes
+(a larger micro-batch shrinks to the rows a device holds, a new program for each small row count), so each
+combiner and dtype compiles once for the whole module. Each case runs in two layouts of those programs
+(:func:`layouts`): its few rows as they are (row ``i`` on device ``i % 8``: a case of a few rows leaves
+devices empty, their partials merged in) and each row repeated eight times (every device folds all the rows, in
+order, as one device alone would: the fold that a ``data:1`` run checked, at no second mesh's compiles).
 """
 
 import logging
@@ -14,58 +17,66 @@ import pytest
 import sharded_scan as ss
 from sharded_scan.dtypes import holds_subnormals
 
-MESHES = ["data:1", "data:8"]
-SMALL = {"microbatch": 1, "steps_per_call": 1}
+SMALL = {"microbatch": 1, "steps_per_call": 1, "mesh": "data:8"}
+LAYOUTS = ["sparse", "repeated"]
 
 
-def run(combiner, x, mesh):
-    return ss.run(combiner, x, mesh=mesh, **SMALL)
+def layouts(*arrays):
+    """``arrays`` (rows of one job) as they are and with each row repeated eight times: row ``8 s + i`` goes to
+    device ``i`` at step ``s``, so every device folds rows 0, 1, 2... in order, then the merge of eight."""
+    return [arrays, tuple(np.repeat(a, 8, axis=0) for a in arrays)]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_uint64_values_come_back_as_uint64(mesh):
+def run(combiner, x):
+    return ss.run(combiner, x, **SMALL)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
+def test_uint64_values_come_back_as_uint64(layout):
     # finding 5: TopK of uint64 reported 2**64-1 as -1 and 2**63 as -2**63 (values read back as int64)
-    x = np.array([2**64 - 1] * 2 + [0, 1, 2**63, 2**63 + 5], np.uint64)
-    top = run(ss.TopK(k=3), x, mesh)
+    (x,) = layouts(np.array([2**64 - 1] * 2 + [0, 1, 2**63, 2**63 + 5], np.uint64))[layout]
+    top = run(ss.TopK(k=3), x)
     assert top.values.dtype == np.uint64
     assert top.values.tolist() == [2**64 - 1, 0, 1]
     assert top.to_pandas()["values"].dtype == np.uint64
     assert top.to_pandas()["values"].tolist() == [2**64 - 1, 0, 1]
-    high = run(ss.Quantiles(qs=[0.0, 0.5, 0.9, 1.0], exact=True, method="higher"), x, mesh)
+    high = run(ss.Quantiles(qs=[0.0, 0.5, 0.9, 1.0], exact=True, method="higher"), x)
     assert high.quantiles.dtype == np.uint64
     assert high.quantiles.tolist() == np.quantile(x, [0.0, 0.5, 0.9, 1.0], method="higher").tolist()
-    assert run(ss.DistinctCount(), x, mesh).count == 5
+    assert run(ss.DistinctCount(), x).count == 5
 
 
 QS = [0.0, 0.25, 0.5, 0.7, 1.0]
+INTS = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_exact_quantiles_of_integers_are_the_datas_own_integers(mesh):
+@pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
+def test_exact_quantiles_of_integers_are_the_datas_own_integers(layout):
     # finding 6: method="lower" of int64 [2**62+1, 2**62+3, 2**62+5] gave 4.611686018427388e+18, not in the data
-    x = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)
+    x, keys = layouts(INTS, np.array([0, 0, 0, 2, 2]))[layout]
     for method in ("lower", "higher", "nearest", "inverted_cdf"):
-        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x, mesh).quantiles
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x).quantiles
         want = np.quantile(x, QS, method=method)
         assert got.dtype == np.int64 and want.dtype == np.int64, method
         assert got.tolist() == want.tolist(), method
-    assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), x[:3], mesh).quantiles.tolist() == [2**62 + 3]
-    if mesh == "data:8":  # per key too: a key that met no rows holds 0 (count 0), never turning the others to floats
-        grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], method="lower"), 3), (np.array([0, 0, 0, 2, 2]), x), mesh)
-        assert grouped.quantiles.dtype == np.int64 and grouped.count.tolist() == [3, 0, 2]
-        assert grouped.quantiles[:, 0].tolist() == [2**62 + 3, 0, -(2**63)]
+    (first,) = layouts(INTS[:3])[layout]
+    assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), first).quantiles.tolist() == [2**62 + 3]
+    # per key too: a key that met no rows holds 0 (count 0), never turning the others to floats
+    grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], method="lower"), 3), (keys, x))
+    assert grouped.quantiles.dtype == np.int64 and grouped.count.tolist() == [(keys == k).sum() for k in range(3)]
+    assert grouped.quantiles[:, 0].tolist() == [2**62 + 3, 0, -(2**63)]
     for method in ("linear", "midpoint"):  # these mix two values: float64, as numpy's
-        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x[:3], mesh).quantiles
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), first).quantiles
         assert got.dtype == np.float64
-        np.testing.assert_array_equal(got, np.quantile(x[:3], QS, method=method))
+        np.testing.assert_array_equal(got, np.quantile(first, QS, method=method))
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_interpolated_quantile_of_int64_neighbours_further_apart_than_int64_is_between_them(mesh):
+@pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
+def test_interpolated_quantile_of_int64_neighbours_further_apart_than_int64_is_between_them(layout):
     # numpy's b - a of int64 wraps: its median of [-2**63, 2**63 - 1] is 9.2e18, ours -0.5 to rounding
-    x = np.array([2**62 + 1, 2**62 + 3, 2**62 + 5, -(2**63), 2**63 - 1], np.int64)[3:]
+    (x,) = layouts(INTS[3:])[layout]
     for method in ("linear", "midpoint"):
-        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x, mesh).quantiles
+        got = run(ss.Quantiles(qs=QS, exact=True, method=method), x).quantiles
         want = np.quantile(x.astype(object), QS, method=method).astype(np.float64)  # Python's ints do not wrap
         np.testing.assert_allclose(got, want, rtol=0, atol=2.0**12, err_msg=method)
         assert abs(got[2]) <= 2.0**11, (method, got)
@@ -76,15 +87,15 @@ def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
     # last bin of Histogram(4, (0, 4e-310))) and said nothing. It cannot keep them: one warning line says so.
     x = np.array([[1e-310], [2e-310], [3e-310]])
     with caplog.at_level(logging.WARNING, logger="sharded_scan.prefetch"):
-        run(ss.Moments(), x, "data:8")
+        run(ss.Moments(), x)
     lines = [r.getMessage() for r in caplog.records if r.name == "sharded_scan.prefetch"]
     assert len(lines) == 1 and "subnormal" in lines[0] and "flushes to 0" in lines[0], lines
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sharded_scan.prefetch"):
         # the sketches compare keys (bits), not floats: they keep them, exactly
-        got = run(ss.Quantiles(qs=[0.0, 0.5, 1.0], exact=True, method="lower"), x, "data:8")
+        got = run(ss.Quantiles(qs=[0.0, 0.5, 1.0], exact=True, method="lower"), x)
         np.testing.assert_array_equal(got.quantiles, [[1e-310, 2e-310, 3e-310]])
-        run(ss.Moments(), np.array([[1e-300], [2.2250738585072014e-308], [0.0], [-0.0]]), "data:8")
+        run(ss.Moments(), np.array([[1e-300], [2.2250738585072014e-308], [0.0], [-0.0]]))
     assert sum("subnormal" in r.getMessage() for r in caplog.records) == 1  # the Quantiles run's; none for normals
     assert holds_subnormals(np.array([1e-45], np.float32)) and holds_subnormals((np.zeros(2), np.array([-5e-324])))
     assert holds_subnormals(np.array([1e-39], ml_dtypes.bfloat16))
@@ -93,30 +104,31 @@ def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
     assert not holds_subnormals(normals) and not holds_subnormals(np.arange(5))
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(mesh):
+@pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
+def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(layout):
     # finding 8: NaN on data:8 with a few rows (an empty device's partial merged in: its far shift made delta inf)
     for n in (2, 3, 9, 17):
-        x = np.full((n, 2), 1e308)
-        x[:, 1] = -1e308
-        moments = run(ss.Moments(ddof=1), x, mesh)
+        column = np.full((n, 2), 1e308)
+        column[:, 1] = -1e308
+        x, narrow = layouts(column, np.full((n, 1), 3e38, np.float32))[layout]
+        moments = run(ss.Moments(ddof=1), x)
         np.testing.assert_array_equal(moments.var, [0.0, 0.0])
         np.testing.assert_array_equal(moments.mean, x[0])
-        np.testing.assert_array_equal(run(ss.Covariance(), x, mesh).cov, np.zeros((2, 2)))
-        np.testing.assert_array_equal(run(ss.Moments(), np.full((n, 1), 3e38, np.float32), mesh).var, [0.0])
-        if mesh == "data:8" and n in (2, 17):  # Describe's std: its one-column Moments, merged alike
-            described = run(ss.Describe(), x, mesh)
+        np.testing.assert_array_equal(run(ss.Covariance(), x).cov, np.zeros((2, 2)))
+        np.testing.assert_array_equal(run(ss.Moments(), narrow).var, [0.0])
+        if n in (2, 17):  # Describe's std: its one-column Moments, merged alike
+            described = run(ss.Describe(), x)
             np.testing.assert_array_equal(described.std, [0.0, 0.0])
             np.testing.assert_array_equal(described.mean, x[0])
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_infinities_propagate_and_finite_means_stay_finite(mesh):
+@pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
+def test_infinities_propagate_and_finite_means_stay_finite(layout):
     # finding 9: the mean of [inf, 1, 2] was NaN (numpy: inf), that of [1e308, 1e308, -1e308] -inf (3.3e307)
-    x = np.array([[np.inf, -np.inf, np.inf, 1e308, 3.0],
-                  [1.0, 1.0, -np.inf, 1e308, 4.0],
-                  [2.0, 2.0, 2.0, -1e308, 5.0]])
-    got = run(ss.Moments(), x, mesh)
+    x, keys = layouts(np.array([[np.inf, -np.inf, np.inf, 1e308, 3.0],
+                                [1.0, 1.0, -np.inf, 1e308, 4.0],
+                                [2.0, 2.0, 2.0, -1e308, 5.0]]), np.array([0, 1, 0]))[layout]
+    got = run(ss.Moments(), x)
     with np.errstate(invalid="ignore", over="ignore"):
         np.testing.assert_array_equal(got.mean[:3], x[:, :3].mean(0))  # inf, -inf, NaN (numpy and pandas)
         np.testing.assert_array_equal(got.var[:3], x[:, :3].var(0))  # NaN
@@ -125,15 +137,14 @@ def test_infinities_propagate_and_finite_means_stay_finite(mesh):
     assert got.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)  # numpy's own mean overflows here: inf
     assert got.var[3] == np.inf  # the true variance, 8.9e615, overflows: inf, not NaN
     assert got.mean[4] == 4.0 and got.var[4] == pytest.approx(2 / 3, rel=1e-15)
-    if mesh == "data:8":
-        described = run(ss.Describe(), x, mesh)
-        np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
-        assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
-        assert run(ss.Covariance(), x[:, 3:], mesh).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
-    keyed = run(ss.GroupBy(ss.Moments(), 2), (np.array([0, 1, 0]), x[:, 3:]), mesh)  # the per-key folds too
+    described = run(ss.Describe(), x)
+    np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
+    assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
+    assert run(ss.Covariance(), x[:, 3:]).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
+    keyed = run(ss.GroupBy(ss.Moments(), 2), (keys, x[:, 3:]))  # the per-key folds too
     assert keyed.mean[0, 0] == 0.0 and keyed.mean[1, 0] == 1e308 and keyed.mean[0, 1] == 4.0
     # rows far apart over many micro-batches and devices, float32 and float64: every merge and fold
     for big, dtype in ((1e308, np.float64), (3e38, np.float32)):
-        far = np.array([big] * 40 + [-big] * 20, dtype)[:, None]
-        mean = run(ss.Moments(), far, mesh).mean[0]
+        (far,) = layouts(np.array([big] * 40 + [-big] * 20, dtype)[:, None])[layout]
+        mean = run(ss.Moments(), far).mean[0]
         assert mean == pytest.approx(np.float64(far[0, 0]) / 3, rel=1e-6 if dtype == np.float32 else 1e-14)

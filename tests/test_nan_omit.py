@@ -51,30 +51,28 @@ def assert_matrix(got, want, scale):
     np.testing.assert_array_less(np.abs(got - want)[live], (1e-12 * scale)[live] + 1e-300)
 
 
-@pytest.mark.parametrize("mesh", ["data:8", "data:1"])
-def test_omit_skips_each_value_where_it_stands_like_pandas(mesh):
+def test_omit_skips_each_value_where_it_stands_like_pandas():
+    # Eight devices fold 16 to 32 rows each (NaNs in different rows of different columns), then merge: the fold a
+    # one-device run makes alone, and the merge of partials.
     x, keys, df = frame()
+    mesh = "data:8"
     finite = np.isfinite(x)
     c = run(ss.Correlation(), x, mesh=mesh)
     np.testing.assert_array_equal(c.pair_count, finite.T.astype(int) @ finite)
     np.testing.assert_array_equal(c.count, df.count())
     np.testing.assert_allclose(c.mean, df.mean(), rtol=1e-13)
     assert_matrix(c.corr, df.corr().to_numpy(), np.ones((6, 6)))
-    if mesh == "data:1":  # one device: the pairwise fold alone, no merge of partials
-        return
-    m = run(ss.Moments(ddof=1), x, mesh=mesh)
-    np.testing.assert_array_equal(m.count, df.count())  # each column its own count
-    np.testing.assert_array_equal(m.nan_count, np.isnan(x).sum(0))
-    np.testing.assert_allclose(m.mean, df.mean(), rtol=1e-13)
-    np.testing.assert_allclose(m.var, df.var(), rtol=1e-12)
-    np.testing.assert_array_equal(m.min, df.min())
-    np.testing.assert_array_equal(m.max, df.max())
-    assert m.var[5] == 0 and np.isnan(m.var[4])  # constant; one value (ddof=1)
+    # Moments alone under "omit" (count, nan_count, mean, var, min, max of each column's finite values, against exact
+    # rationals, all-NaN and constant columns among them): tests/test_properties.py; here its keyed fold, as pandas'.
     g = run(ss.GroupBy(ss.Moments(ddof=1), K), (keys, x), mesh=mesh).result
     grouped = df.groupby(keys)
-    np.testing.assert_array_equal(g.count, grouped.count())
+    np.testing.assert_array_equal(g.count, grouped.count())  # each column its own count
+    np.testing.assert_array_equal(g.nan_count, [np.isnan(x[keys == k]).sum(0) for k in range(K)])
     np.testing.assert_allclose(g.mean, grouped.mean(), rtol=1e-12)
-    np.testing.assert_allclose(g.var, grouped.var(), rtol=1e-11)
+    np.testing.assert_allclose(g.var, grouped.var(), rtol=1e-11)  # NaN where a key holds one value (ddof=1)
+    np.testing.assert_array_equal(g.min, grouped.min())
+    np.testing.assert_array_equal(g.max, grouped.max())
+    assert (g.var[:, 5] == 0).all()  # the constant column
     d = run(ss.Describe(), x, mesh=mesh)
     np.testing.assert_array_equal(d.count, df.count())
     np.testing.assert_array_equal(d.nan_count, (~finite).sum(0))  # the values skipped
@@ -142,15 +140,12 @@ def weighted_quantiles(x, w):
     return out
 
 
-@pytest.mark.parametrize("mesh", ["data:8", "data:1"])
-def test_quantiles_skip_each_value_where_it_stands_like_nanquantile(mesh):
+def test_quantiles_skip_each_value_where_it_stands_like_nanquantile():
     x, keys, df = frame()
-    q = run(ss.Quantiles(qs=QS), x, mesh=mesh)  # at most k rows a shard: numpy's answers exactly
-    np.testing.assert_array_equal(q.count, df.count())  # each column its own count
-    np.testing.assert_array_equal(q.quantiles, df.quantile(QS).to_numpy().T)  # NaN for the all-NaN column
-    if mesh == "data:1":  # one device: the fold alone, no merge of partials
-        return
-    g = run(ss.GroupBy(ss.Quantiles(qs=QS), K), (keys, x), mesh=mesh).result
+    mesh = "data:8"  # each device's fold of 16 to 32 rows and the merge
+    # Quantiles alone under "omit": test_quantiles.py (against np.nanquantile, on one device) and
+    # tests/test_properties_sketches.py (eight devices, at the float extremes); here its keyed and weighted folds.
+    g = run(ss.GroupBy(ss.Quantiles(qs=QS), K), (keys, x), mesh=mesh).result  # at most k rows a shard: exact
     want = df.groupby(keys).quantile(QS).to_numpy().reshape(K, len(QS), -1).transpose(0, 2, 1)
     np.testing.assert_allclose(g.quantiles, want, rtol=1e-15)
     np.testing.assert_array_equal(g.count, df.groupby(keys).count())

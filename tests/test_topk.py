@@ -42,11 +42,13 @@ def check_bounds(column, got):
     assert truth.drop(got.values[listed]).max() <= got.bound
 
 
-@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
-def test_zipf_top_values_are_exact_in_random_sorted_and_reversed_order_and_counts_within_errors(mesh):
+# One summary over the whole stream; and summaries merged: four devices of one shard each, the program of
+# test_logical_shards_...'s data:4 run (the same step shape: no compile of its own, unlike a data:8 run's).
+@pytest.mark.parametrize("mesh, shards", [("data:1", None), ("data:4", 4)])
+def test_zipf_top_values_are_exact_in_random_sorted_and_reversed_order_and_counts_within_errors(mesh, shards):
     x = zipf(6000)
     data = np.stack([x, np.sort(x), np.sort(x)[::-1]], 1)
-    got = ss.run(SMALL, data, mesh=mesh, **KW)
+    got = ss.run(SMALL, data, mesh=mesh, logical_shards=shards, **KW)
     assert np.all(got.bound > 0)  # values were dropped: the summary is full
     for j in range(3):
         values, counts = exact_top(data[:, j], 10)
@@ -225,11 +227,12 @@ def hashed_columns(n, seed=0):
                      r.integers(-(2**62), 2**62, n)], 1)
 
 
-@pytest.mark.parametrize("mesh", ["data:1", "data:8"])
-def test_hashed_micro_batches_count_like_value_counts_with_colliding_extreme_and_string_values(mesh):
-    n = 8 * 1024 * 2 + 333  # ragged: the last step's micro-batches part padding, some all padding
+def test_hashed_micro_batches_count_like_value_counts_with_colliding_extreme_and_string_values():
+    # Eight devices: each folds two or three hashed micro-batches (the last step's part padding, some all padding), as
+    # one device alone folds them, then the summaries merge; the program test_hashed_top_k_resumes_... runs again.
+    n = 8 * 1024 * 2 + 333
     x = hashed_columns(n)
-    got = ss.run(ss.TopK(k=3, capacity=16), x, mesh=mesh, **HASHED)
+    got = ss.run(ss.TopK(k=3, capacity=16), x, mesh="data:8", **HASHED)
     assert got.values.dtype == np.int64 and got.bound[2] > 0  # the third column overflows the summary
     for j in range(3):
         check_bounds(x[:, j], type(got)(*(f[j] for f in got)))
@@ -238,8 +241,6 @@ def test_hashed_micro_batches_count_like_value_counts_with_colliding_extreme_and
     truth = pd.Series(x[:, 1]).value_counts()
     assert got.certain[1] and np.all(got.errors[1] == 0)
     np.testing.assert_array_equal(got.counts[1], truth.reindex(got.values[1]).to_numpy())
-    if mesh == "data:1":
-        return
     n, mesh = 2 * 1024 * 2 + 333, "data:2"  # strings (int64 ids): on 2 devices, a cheaper compile than 8
     words = np.random.default_rng(2).choice(np.array(["a", "a\x00", "é\x00\x00", "\U0001f600", "\x00", ""],
                                                      dtype=object), n)
