@@ -283,3 +283,22 @@ def test_standard_errors_are_nan_where_the_ols_formula_does_not_hold():
     # As many parameters as rows: a perfect fit with no degree of freedom left.
     assert exact.rank == 4 and abs(exact.r2 - 1) < 1e-4
     assert np.isnan(exact.residual_std) and np.isnan(exact.coef_stderr).all() and np.isnan(exact.intercept_stderr)
+
+
+def test_the_whitened_power_estimate_traces_its_operator_once_and_estimates_the_top_eigenvalue():
+    # Its operator (a matrix product, rewritten by fixed_order under logical_shards) in the loop only: the
+    # solver's add and merge hold it twice each, and every copy is a program's worth of kernels to compile.
+    import jax
+
+    from sharded_scan.combiners.linalg import whitened
+
+    m = np.diag(np.arange(1.0, 9.0, dtype=np.float32))
+    traced = []
+
+    def apply(v):
+        traced.append(v)
+        return m @ v
+
+    jax.make_jaxpr(lambda v: whitened._power_estimate(apply, v))(np.ones(8, np.float32))
+    assert len(traced) == 1
+    assert abs(float(whitened._power_estimate(lambda v: m @ v, np.ones(8, np.float32))) - 8) < 0.2

@@ -130,12 +130,13 @@ def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.
 def _power_estimate(apply, v: jax.Array) -> jax.Array:
     """About the largest eigenvalue of the symmetric PSD operator ``apply``, by power steps from ``v``."""
 
-    def step(_, v):
+    def step(_, carry):  # the Rayleigh quotient of v beside the next v: `apply` traced once, in the loop
+        v, _ = carry
         w = apply(v)
-        return w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(w.dtype).tiny)
+        return w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(w.dtype).tiny), v @ w
 
-    v = jax.lax.fori_loop(0, POWER_STEPS, step, v / jnp.linalg.norm(v))
-    return v @ apply(v)
+    v = v / jnp.linalg.norm(v)
+    return jax.lax.fori_loop(0, POWER_STEPS + 1, step, (v, jnp.zeros_like(v[0])))[1]
 
 
 def _power_of_two_below(x: jax.Array) -> jax.Array:
