@@ -20,6 +20,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
+# XLA:CPU's emitters the suite compiles with (tests/conftest.py)
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
 def main_cmd(*args: str, devices: int = 4) -> list[str]:

@@ -2,12 +2,14 @@
 devices, for every built-in, also after an elastic resume from one split onto another."""
 
 import contextlib
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests import multiprocess
+from tests import cli, multiprocess
 
 # (processes, devices per process); 8x1 was dropped for the suite's time (8 processes: ~30 s of CPU): 4x2
 # runs the process tree's rounds at depth 2 and 2x1 processes of one device; 1x2 (one process of two
@@ -147,6 +149,22 @@ def split_running(split, **kwargs):
 
 
 def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp_path):
+    # The suite compiles with XLA:CPU's legacy emitters (tests/conftest.py); users' programs compile with
+    # its default ones, whose fusions and multiply-adds the bits must not depend on either: this test runs
+    # in a fresh pytest of 8 devices on the default emitters (its processes too).
+    if cli.LEGACY_EMITTERS in os.environ.get("XLA_FLAGS", ""):
+        env = {k: v for k, v in cli.env().items() if k != "SHARDED_SCAN_TEST_CPU"}
+        env["XLA_FLAGS"] = ""
+        node = f"{__file__}::test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split"
+        log = tmp_path / "default_emitters.log"
+        with cli.started([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], log, env) as proc:
+            code = proc.wait(timeout=600)
+        assert code == 0, log.read_text()[-4000:]
+        return
+    every_builtin_bitwise(tmp_path)
+
+
+def every_builtin_bitwise(tmp_path):
     assert sorted([(1, 8), (1, 1), *SOME]) == sorted(SPLITS) and set(EVERY) == set(combiners())
     assert set(ON_1X1) | set(ON_2X1) == set(EVERY) and SOME[(2, 1)][:len(ON_2X1)] == ON_2X1
     assert (jax.process_count(), jax.local_device_count()) == (1, 8)  # conftest: this process is 1x8
