@@ -107,10 +107,6 @@ def host_identity(combiner: Combiner, spec: PyTree) -> PyTree | None:
     return jax.tree.unflatten(jax.tree.structure(shapes), values)
 
 
-class _NotOnHostError(Exception):
-    pass
-
-
 def _evaluate_on_host(jaxpr: Any, consts: list, args: list = ()) -> list[np.ndarray]:
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, (np.asarray(c) for c in consts), strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -127,11 +123,11 @@ def _evaluate_on_host(jaxpr: Any, consts: list, args: list = ()) -> list[np.ndar
         elif name in _HOST_PRIMITIVES:
             outs = [_HOST_PRIMITIVES[name](*args, **eqn.params)]
         else:
-            raise _NotOnHostError(name)
+            raise KeyError(name)  # not a primitive numpy evaluates here: jitted
         for v, x in zip(eqn.outvars, outs, strict=True):
             x = np.asarray(x)
             if x.shape != v.aval.shape:
-                raise _NotOnHostError(name)
+                raise KeyError(name)  # not a primitive numpy evaluates here: jitted
             env[v] = x.astype(v.aval.dtype, copy=False)
     return [np.array(read(v), order="C") for v in jaxpr.outvars]
 
