@@ -20,7 +20,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
-# XLA:CPU's emitters the suite compiles with (tests/conftest.py)
+# the suite's XLA:CPU code generation (tests/conftest.py), not the defaults users get
 LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 

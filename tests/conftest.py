@@ -14,13 +14,12 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # xdist workers inhe
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sharded_scan_tests_{_RUN}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# XLA:CPU's legacy emitters compile the suite's programs in 20-35% less CPU than its fusion emitters (the
-# default), and compiling is most of the suite's time. What the tests check does not depend on the code
-# generator: results within their bounds either way, and logical_shards' bits the same on every split under
-# either (not across the two: they contract multiply-adds differently); tests/test_reproducible.py checks the
-# default emitters' in a process of its own.
-# Run with XLA_FLAGS set (even empty) to test under your own flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")  # tests/cli.py's LEGACY_EMITTERS
+# XLA:CPU compiles the suite's programs with its legacy emitters and without LLVM's optimizations: 35-50% less
+# compile CPU than its defaults, and compiling is most of the suite's time. What the tests check does not depend
+# on the code generator: results within their bounds either way, and logical_shards' bits the same on every split
+# under any one setting (not across settings: they contract multiply-adds differently); tests/test_reproducible.py
+# checks the defaults users get in a process of its own. Run with XLA_FLAGS set (even empty) for your own flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0")
 
 import jax  # noqa: E402 - after the cache settings above
 import pytest  # noqa: E402
