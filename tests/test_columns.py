@@ -156,10 +156,12 @@ def test_a_vocabulary_is_one_call_topk_of_a_string_column_like_value_counts(word
     where, frame = words
     make = {"parquet": lambda: ParquetSource(where / "words.parquet", columns="word"),
             "csv": lambda: CsvSource(where / "words.csv", columns="word", block_bytes=4096),
-            "frame": lambda: frame[["word"]]}[kind]  # a frame of strings only: its string columns
-    job = VOCABULARY_JOB  # one layout: the kinds share compiled programs
+            "frame": lambda: dataframe_source(frame, columns="word")}[kind]
+    # One layout and one column (not a list of one): the kinds share compiled programs. A frame of strings only,
+    # columns=None (its string columns, a list of one): test_strings_exact's every run.
+    job = VOCABULARY_JOB
     top = ss.run(ss.TopK(k=20, capacity=500), make(), **job)  # k=500's accumulator: its programs (k: finalize only)
-    values, counts = np.ravel(top.values), np.ravel(top.counts)  # a frame's columns=None: a list of one
+    values, counts = np.ravel(top.values), np.ravel(top.counts)
     want = frame.word.value_counts()
     assert counts.tolist() == want.to_numpy()[:20].tolist()  # ties come in another order than pandas'
     assert [want[v] for v in values] == counts.tolist() and values[0] == want.index[0]

@@ -8,6 +8,10 @@ import pytest
 import sharded_scan as ss
 
 QS = [0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]
+# One device: the 64-bit keys' encodings, sorts, compactions and hashes are the subject here, and one device's
+# programs compile in about two thirds of eight's (no merges over devices). The same sketches of 64-bit values
+# merged over 8 devices: test_float_extremes (uint64 and int64 limits on data:1 and data:8).
+ONE = "data:1"
 
 
 def lower(x, qs=QS):
@@ -24,7 +28,7 @@ def floats_past_float32(n, rng):
 
 def test_quantiles_of_float64_values_that_float32_would_merge():
     x = floats_past_float32(3000, np.random.default_rng(0))
-    got = ss.run(ss.Quantiles(qs=QS, method="lower"), x, microbatch=256)
+    got = ss.run(ss.Quantiles(qs=QS, method="lower"), x, mesh=ONE, microbatch=256)
     assert float(got.rank_error) == 0.0  # nothing compacted: the sketch holds every row
     np.testing.assert_array_equal(got.quantiles, lower(x))
 
@@ -40,7 +44,7 @@ def test_exact_quantiles_of_float64_int64_and_uint64_after_compaction():
     passes = []
     for name, x in cases.items():  # bits=8: a run's refining passes share one compiled program (their boundaries
         # are operands), so 8 bits' extra passes (10 over the three dtypes, 7 at 12 bits) cost only their reads
-        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8, method="lower"), x, microbatch=512)
+        got = ss.run(ss.Quantiles(qs=QS, k=16, exact=True, bits=8, method="lower"), x, mesh=ONE, microbatch=512)
         assert int(got.passes) > 1, name  # the sketch compacted: refining passes ran
         np.testing.assert_array_equal(got.quantiles, lower(x), err_msg=name)
         passes.append(int(got.passes))
@@ -50,7 +54,7 @@ def test_exact_quantiles_of_float64_int64_and_uint64_after_compaction():
 def test_exact_linear_quantiles_of_float64_values_that_float32_would_merge():
     x = floats_past_float32(3002, np.random.default_rng(6))
     qs = [0.0, 0.001, 0.1, 0.3, 0.5, 0.77, 0.999, 1.0]  # h = q (n - 1) mostly between two ranks
-    got = ss.run(ss.Quantiles(qs=qs, k=16, exact=True, bits=8, method="linear"), x, microbatch=256)
+    got = ss.run(ss.Quantiles(qs=qs, k=16, exact=True, bits=8, method="linear"), x, mesh=ONE, microbatch=256)
     assert int(got.passes) > 1  # the sketch compacted: refining passes ran
     want = np.quantile(x, qs, axis=0, method="linear").T
     assert not np.array_equal(want, lower(x, qs))  # the weights matter: not the lower ranks' values
@@ -60,7 +64,7 @@ def test_exact_linear_quantiles_of_float64_values_that_float32_would_merge():
 def test_distinct_count_of_int64_ids_past_two_to_the_32():
     ids = (np.arange(5000, dtype=np.int64) << 33) | 12345  # one value in their low 32 bits
     x = np.stack([ids, ids % 7], axis=1)
-    got = ss.run(ss.DistinctCount(exact_up_to=8000), x, microbatch=512)
+    got = ss.run(ss.DistinctCount(exact_up_to=8000), x, mesh=ONE, microbatch=512)
     np.testing.assert_array_equal(got.count, [5000, 7])
     assert got.exact.all()
 
@@ -71,14 +75,14 @@ def test_distinct_count_estimates_64_bit_values_within_its_error():
     floats = 1e9 + np.arange(100_000) * 1e-3  # keyed in 32 bits these were counted as 3
     for x in (ids, floats, ids.astype(np.uint64) << np.uint64(1)):
         want = len(np.unique(x))
-        got = ss.run(ss.DistinctCount(), x, microbatch=4096)
+        got = ss.run(ss.DistinctCount(), x, mesh=ONE, microbatch=4096)
         assert not got.exact
         assert abs(int(got.count) / want - 1) < 5 * float(got.relative_error), (x.dtype, int(got.count), want)
 
 
 def test_distinct_count_compares_float64_as_np_unique():
     x = np.array([0.0, -0.0, np.nan, np.nan, 1.0, 1.0 + 2.0**-52, 1.0, -np.inf, np.inf])
-    got = ss.run(ss.DistinctCount(exact_up_to=16), x)
+    got = ss.run(ss.DistinctCount(exact_up_to=16), x, mesh=ONE)
     assert int(got.count) == len(np.unique(x)) == 6 and bool(got.exact)
 
 
@@ -86,7 +90,7 @@ def test_topk_of_int64_ids_equal_in_their_low_32_bits():
     rng = np.random.default_rng(3)
     ids = (rng.zipf(1.5, 30_000).astype(np.int64) << 35) + 7
     x = np.stack([ids, -ids], axis=1)
-    got = ss.run(ss.TopK(k=5, capacity=4096), x, microbatch=1024)
+    got = ss.run(ss.TopK(k=5, capacity=4096), x, mesh=ONE, microbatch=1024)
     for j in range(2):
         values, counts = np.unique(x[:, j], return_counts=True)
         order = np.lexsort((values, -counts))[:5]  # most frequent first, ties: smaller value first
@@ -97,7 +101,7 @@ def test_topk_of_int64_ids_equal_in_their_low_32_bits():
 
 def test_topk_of_float64_values_float32_would_merge():
     x = np.repeat(1.0 + np.arange(6) * 2.0**-40, [1, 50, 2, 40, 3, 30])
-    got = ss.run(ss.TopK(k=3), np.random.default_rng(4).permutation(x), microbatch=16)
+    got = ss.run(ss.TopK(k=3), np.random.default_rng(4).permutation(x), mesh=ONE, microbatch=16)
     np.testing.assert_array_equal(got.values, 1.0 + np.array([1, 3, 5]) * 2.0**-40)
     np.testing.assert_array_equal(got.counts, [50, 40, 30])
 
@@ -107,9 +111,9 @@ def test_under_the_global_flag_the_sketches_give_the_same_answers():
     x = floats_past_float32(5000, rng)
     # k=16 at micro-batch 256: the sketch pass the exact linear case above compiled (its first pass)
     combiners = [ss.Quantiles(qs=QS, k=16), ss.DistinctCount(exact_up_to=64), ss.TopK(k=4, capacity=64)]
-    scoped = [ss.run(c, x, microbatch=256) for c in combiners]
+    scoped = [ss.run(c, x, mesh=ONE, microbatch=256) for c in combiners]
     with jax.enable_x64(True):  # what jax_enable_x64 set at start-up gives, in this thread
-        flagged = [ss.run(c, x, microbatch=256) for c in combiners]
+        flagged = [ss.run(c, x, mesh=ONE, microbatch=256) for c in combiners]
     for a, b in zip(scoped, flagged, strict=True):
         for field in a._fields:
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)

@@ -7,7 +7,10 @@ import pytest
 import sharded_scan as ss
 
 K = 5
-RUN = {"microbatch": 64, "steps_per_call": 2, "mesh": "data:2"}  # one layout for every case: programs shared
+# One layout for every case: programs shared. One device: its programs compile in about two thirds of two's; these
+# sketches merged over 8 devices: test_nan_omit (GroupBy of Quantiles and of Weighted(Quantiles)), test_properties_
+# sketches (Weighted(Quantiles), GroupBy(TopK)), test_strings_exact and test_columns (TopK, DistinctCount on data:2).
+RUN = {"microbatch": 64, "steps_per_call": 2, "mesh": "data:1"}
 QS = np.linspace(0, 1, 21)
 
 
@@ -46,7 +49,7 @@ WEIGHTED = ss.Weighted(ss.Quantiles(qs=QS, k=256, method="inverted_cdf"))
 
 def test_weighted_quantiles_are_numpy_inverted_cdf_exactly_uncompacted_and_within_the_bound_compacted():
     _, x, _, w = data()
-    # fewer rows than k: nothing rounded; more than one step's 2 x 2 x 64 rows, so RUN's layout and its programs
+    # fewer rows than k: nothing rounded; more than one step's 2 x 64 rows, so RUN's layout and its programs
     small = ss.run(WEIGHTED, (w[:200], x[:200]), **RUN)
     np.testing.assert_array_equal(small.quantiles, weighted_quantiles(x[:200], w[:200], QS))
     assert small.rank_error == 0 and small.count == np.count_nonzero(w[:200])
@@ -100,11 +103,13 @@ def test_per_key_sketches_are_pandas_groupby_within_their_bounds():
     keys, x, ids, w = data()
     q = ss.run(ss.GroupBy(ss.Quantiles(qs=QS, k=32, method="lower"), K), (keys, x), **RUN)
     t = ss.run(ss.GroupBy(ss.TopK(k=3, capacity=32), K), (keys, ids), **RUN)
-    d = ss.run(ss.GroupBy(ss.DistinctCount(precision=8), K), (keys, ids), **RUN)
-    e = ss.run(ss.GroupBy(ss.DistinctCount(precision=8, exact_up_to=0), K), (keys, ids), **RUN)
+    # One run for both answers: a key's column of at most 64 values is counted exactly, one of more estimated.
+    d = ss.run(ss.GroupBy(ss.DistinctCount(precision=8, exact_up_to=64), K), (keys, ids), **RUN)
     frame = pd.DataFrame({"key": keys, "a": ids[:, 0], "b": ids[:, 1]})
-    np.testing.assert_array_equal(d.count, frame.groupby("key")[["a", "b"]].nunique().to_numpy())
-    assert d.result.exact.all()
+    nunique = frame.groupby("key")[["a", "b"]].nunique().to_numpy()
+    np.testing.assert_array_equal(d.result.exact, nunique <= 64)
+    assert d.result.exact.any() and not d.result.exact.all()  # both: the exact counts and the estimates
+    np.testing.assert_array_equal(d.count[d.result.exact], nunique[d.result.exact])
     for k in range(K):
         mine = keys == k
         assert np.all(rank_errors(x[mine], q.quantiles[k]) <= q.rank_error[k]), k
@@ -115,7 +120,8 @@ def test_per_key_sketches_are_pandas_groupby_within_their_bounds():
             counts = pd.Series(ids[mine, j]).value_counts()
             truth = counts.reindex(t.values[k, j]).fillna(0).to_numpy()
             assert np.all(t.counts[k, j] <= truth) and np.all(truth <= t.counts[k, j] + t.errors[k, j])
-            assert abs(e.result.count[k, j] - counts.size) <= 4 * e.relative_error[k, j] * counts.size + 2
+            if not d.result.exact[k, j]:
+                assert abs(d.result.count[k, j] - counts.size) <= 4 * d.relative_error[k, j] * counts.size + 2
     weighted = ss.run(ss.GroupBy(WEIGHTED, K), (keys, (w, x)), **RUN)
     for k in range(K):
         mine = (keys == k) & (w > 0)

@@ -9,7 +9,11 @@ import scipy.stats
 import sharded_scan as ss
 from tests.helpers import CrashError, assert_usage_error, crash_at, f64, rel_err
 
-MESHES = ["data:1", "data:2", "data:8", "data:4,model:2"]
+# The module's two meshes: 8 devices (ragged shards, merges of 8 partials, most shards empty for 1 and 3 rows) and
+# a model axis (the co-moments split by columns). Moments and Covariance on 1, 2 and 3 devices: test_dtypes,
+# test_tabular, test_correlation_and_forms, test_float_extremes; the engine's every device count: test_engine.
+MESHES = ["data:8", "data:4,model:2"]
+KW = {"microbatch": 8, "steps_per_call": 2}  # every run of CASES' layout shares its compiled programs
 
 
 def rows(n, d=4, dtype=np.float32, seed=0, offset=0.0):
@@ -41,27 +45,28 @@ def check_moments(got, x, ddof, tol=1e-5):
     assert rel_err(got.norm_l2, np.linalg.norm(x, axis=0)) < 1e-6
 
 
-# 1009 rows on every mesh; 1 and 3 rows (empty shards merged in, one row, ddof=1 on 3) where
-# most shards are empty: 8 devices, and 4 with a model axis (on 1 and 2 devices: the same paths).
-# With a model axis 5 columns: the co-moments split by columns, padded to 6 (3 a device).
-CASES = [(1009, mesh) for mesh in MESHES] + [(n, mesh) for n in (1, 3) for mesh in ("data:8", "data:4,model:2")]
+# 1009 rows on both meshes; 1 and 3 rows (empty shards merged in, one row, ddof=1 on 3) where
+# most shards are empty. With a model axis 5 columns: the co-moments split by columns, padded to 6 (3 a device).
+CASES = [(n, mesh) for n in (1009, 1, 3) for mesh in MESHES]
 
 
 @pytest.mark.parametrize("n, mesh", CASES)
 def test_covariance_and_moments_match_numpy(mesh, n):
     x = rows(n, d=5 if "model" in mesh else 4)
     ddof = 1 if n > 1 else 0
-    check_covariance(ss.run(ss.Covariance(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
-    check_moments(ss.run(ss.Moments(ddof=ddof), x, mesh=mesh, microbatch=8, steps_per_call=2), x, ddof)
+    check_covariance(ss.run(ss.Covariance(ddof=ddof), x, mesh=mesh, **KW), x, ddof)
+    check_moments(ss.run(ss.Moments(ddof=ddof), x, mesh=mesh, **KW), x, ddof)
 
 
 @pytest.mark.parametrize("d", [3, 40])
 def test_moments_of_long_micro_batches_match_numpy(d):
     # 1536 rows a micro-batch: narrow rows fold 512-row groups in one pass and add 3 partials (a
     # ragged last one, padding never a minimum or a zero); from d = 32 the separate reductions.
+    # One device (3 micro-batches and a ragged fourth; its programs compile in about two thirds of eight's): the
+    # fold of a micro-batch is the subject, the merges of devices' partials CASES'.
     x = rows(5001, d, seed=4, offset=3.0)
     x[[7, 4000], 0] = 0.0
-    check_moments(ss.run(ss.Moments(), x, microbatch=1536, steps_per_call=1), x, 0)
+    check_moments(ss.run(ss.Moments(), x, mesh="data:1", microbatch=1536, steps_per_call=1), x, 0)
 
 
 def test_default_ddof_is_numpys():
@@ -83,19 +88,19 @@ def test_large_mean_offset_stays_accurate():
     assert rel_err(naive, f64(x).var(0)) > 1e-3
 
 
-@pytest.mark.parametrize("microbatch, steps_per_call", [(1, 1), (7, 3), (64, 2)])
+@pytest.mark.parametrize("microbatch, steps_per_call", [(1, 1), (7, 3), (8, 2)])  # (8, 2): CASES' programs
 def test_independent_of_microbatch_and_steps(microbatch, steps_per_call):
     x = rows(1009, offset=50.0, seed=1)
-    got = ss.run(ss.Covariance(), x, microbatch=microbatch, steps_per_call=steps_per_call)
+    got = ss.run(ss.Covariance(), x, mesh="data:8", microbatch=microbatch, steps_per_call=steps_per_call)
     check_covariance(got, x, 1)
 
 
 def test_bfloat16_rows_accumulate_in_float32():
-    x = rows(515).astype(ml_dtypes.bfloat16)
-    got = ss.run(ss.Covariance(), x, microbatch=16)
+    x = rows(515).astype(ml_dtypes.bfloat16)  # one device: the fold's accumulator dtype is the subject
+    got = ss.run(ss.Covariance(), x, mesh="data:1", microbatch=16)
     assert got.cov.dtype == np.float64 and got.count.dtype == np.int64
     check_covariance(got, x, 1)
-    check_moments(ss.run(ss.Moments(), x, microbatch=16), x, 0)
+    check_moments(ss.run(ss.Moments(), x, mesh="data:1", microbatch=16), x, 0)
 
 
 @pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments(), ss.PCA(2)])
@@ -170,14 +175,15 @@ def test_bad_input_is_one_clear_line(call, words):
 
 @pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments()])
 def test_padding_rows_never_become_the_reference_point(combiner):
-    # Padding first, holding huge values and NaN: the shift must come from real rows only.
+    # Padding first, holding huge values and NaN: the shift must come from real rows only. Micro-batches of
+    # 10 rows: test_merge_is_associative_with_init_as_identity's, whose operations these reuse.
     spec = jax.ShapeDtypeStruct((4,), np.float32)
-    x = rows(16, offset=1e4, seed=6)
-    batch = np.concatenate([np.full((5, 4), 3e38, np.float32), x[:8]])
+    x = rows(15, offset=1e4, seed=6)
+    batch = np.concatenate([np.full((5, 4), 3e38, np.float32), x[:5]])
     batch[1] = np.nan
-    mask = np.arange(13) >= 5
+    mask = np.arange(10) >= 5
     acc = combiner.add(combiner.init(spec), batch, mask)
-    acc = combiner.add(acc, x[8:], np.ones(8, bool))
+    acc = combiner.add(acc, x[5:], np.ones(10, bool))
     got = combiner.finalize(jax.device_get(acc))
     if isinstance(combiner, ss.Moments):
         check_moments(got, x, 0, tol=1e-6)
@@ -188,10 +194,10 @@ def test_padding_rows_never_become_the_reference_point(combiner):
 @pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments()])
 def test_a_micro_batch_without_real_rows_changes_nothing(combiner):
     spec = jax.ShapeDtypeStruct((4,), np.float32)
-    garbage = np.full((8, 4), np.nan, np.float32)
-    none = np.zeros(8, bool)
+    garbage = np.full((10, 4), np.nan, np.float32)  # the 10-row micro-batches of the tests above
+    none = np.zeros(10, bool)
     fresh = combiner.init(spec)
-    some = combiner.add(fresh, rows(8, offset=1e3), np.ones(8, bool))
+    some = combiner.add(fresh, rows(10, offset=1e3), np.ones(10, bool))
     for acc in (fresh, some):
         after = combiner.add(acc, garbage, none)
         for leaf_got, leaf_want in zip(jax.tree.leaves(after), jax.tree.leaves(acc), strict=True):
@@ -201,44 +207,45 @@ def test_a_micro_batch_without_real_rows_changes_nothing(combiner):
 def test_nan_in_a_real_row_propagates_to_its_column_like_numpy():
     x = rows(203, offset=1e4, seed=7)
     x[150, 2] = np.nan
-    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=8, steps_per_call=2)  # the programs of CASES
+    got = ss.run(ss.Moments(), x, mesh="data:8", **KW)  # the programs of CASES
     want = f64(x)
     for name, value in zip(("mean", "var", "min", "max"), got[1:5], strict=True):
         expected = getattr(np, name)(want, axis=0)
         assert np.isnan(value[2]) and np.isnan(expected[2])
         assert rel_err(np.delete(value, 2), np.delete(expected, 2)) < 1e-6
-    cov = ss.run(ss.Covariance(), x, mesh="data:2", microbatch=8, steps_per_call=2).cov
+    cov = ss.run(ss.Covariance(), x, mesh="data:8", **KW).cov
     np.testing.assert_array_equal(np.isnan(cov), np.isnan(np.cov(want, rowvar=False)))
 
 
 def test_drifting_rows_far_from_zero_stay_accurate():
     # Sorted rows: every micro-batch's mean is far from the first one's, and drifts.
-    x, kw = np.sort(rows(2003, offset=1e4, seed=8), axis=0), {"microbatch": 8, "steps_per_call": 2}  # CASES'
-    check_moments(ss.run(ss.Moments(), x, mesh="data:2", **kw), x, 0, tol=1e-6)
-    check_covariance(ss.run(ss.Covariance(), x, mesh="data:2", **kw), x, 1, tol=1e-6)
+    x = np.sort(rows(2003, offset=1e4, seed=8), axis=0)  # each device's rows drift too: CASES' programs
+    check_moments(ss.run(ss.Moments(), x, mesh="data:8", **KW), x, 0, tol=1e-6)
+    check_covariance(ss.run(ss.Covariance(), x, mesh="data:8", **KW), x, 1, tol=1e-6)
 
 
 @pytest.mark.parametrize("value", [1e12, 3e19, -7.1, 0.0])
 def test_a_constant_column_has_exactly_zero_variance(value):
     x = np.full((1000, 4), value, np.float32)  # 4 columns: test_covariance_and_moments_match_numpy's programs
     x[:, 1:] = np.linspace(-1, 1, 1000)[:, None]  # next to ordinary columns
-    for mesh in ("data:1", "data:2", "data:8"):  # and their micro-batch: 1000 rows are ragged on each
-        moments = ss.run(ss.Moments(), x, mesh=mesh, microbatch=8, steps_per_call=2)
-        cov = ss.run(ss.Covariance(), x, mesh=mesh, microbatch=8, steps_per_call=2).cov
-        assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (mesh, moments.var, cov)
-        assert moments.mean[0] == np.float32(value)
-        assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
+    # and their mesh and micro-batch: 125 rows a device, ragged; the adds of micro-batches and the merges of 8
+    # devices' constant partials alike
+    moments = ss.run(ss.Moments(), x, mesh="data:8", **KW)
+    cov = ss.run(ss.Covariance(), x, mesh="data:8", **KW).cov
+    assert moments.var[0] == 0.0 and cov[0, 0] == 0.0 and cov[0, 1] == 0.0, (moments.var, cov)
+    assert moments.mean[0] == np.float32(value)
+    assert rel_err(moments.var[1], f64(x[:, 1]).var()) < 1e-6
 
 
 def test_variances_are_never_negative():
     # Columns of two neighbouring float32 values far from zero: deviations of one ulp.
     base = np.float32(3e7)
     x = np.where(np.random.default_rng(9).random((4001, 4)) < 0.999, base, np.nextafter(base, np.float32(np.inf)))
-    for mesh in ("data:1", "data:8"):  # the shapes and steps of test_covariance_and_moments_match_numpy
-        var = ss.run(ss.Moments(), x.astype(np.float32), mesh=mesh, microbatch=8, steps_per_call=2).var
-        diag = np.diag(ss.run(ss.Covariance(), x.astype(np.float32), mesh=mesh, microbatch=8, steps_per_call=2).cov)
-        assert (var >= 0).all() and (diag >= 0).all()
-        assert rel_err(var, f64(x).var(0)) < 1e-3
+    # the shapes and steps of test_covariance_and_moments_match_numpy: adds and merges of 8 devices' partials
+    var = ss.run(ss.Moments(), x.astype(np.float32), mesh="data:8", **KW).var
+    diag = np.diag(ss.run(ss.Covariance(), x.astype(np.float32), mesh="data:8", **KW).cov)
+    assert (var >= 0).all() and (diag >= 0).all()
+    assert rel_err(var, f64(x).var(0)) < 1e-3
 
 
 def test_pca_keeps_small_components_of_ill_conditioned_data_like_scikit_learn():
@@ -267,7 +274,8 @@ def test_moments_count_nans_and_zeros_per_column_also_where_omitted(policy):
     x[::10, 1] = 0.0
     x[[5, 50, 150], 2] = np.nan
     x[7, 3] = np.inf
-    got = ss.run(ss.Moments(), x, mesh="data:2", microbatch=8, steps_per_call=2, nan_policy=policy)
+    # one device: per-column counts merged over 8 devices under "omit": test_nan_omit
+    got = ss.run(ss.Moments(), x, mesh="data:1" if policy == "omit" else "data:8", nan_policy=policy, **KW)
     np.testing.assert_array_equal(got.nan_count, [0, 0, 3, 0])  # the NaN rows, skipped or not
     if policy == "omit":  # each NaN or inf skipped where it stands: a count a column
         finite = np.isfinite(x)
@@ -322,7 +330,7 @@ def test_moments_fields_compute_only_what_is_asked_and_stay_numpys():
     w = np.random.default_rng(3).uniform(0.5, 2, 1009).astype(np.float32)
     keys = np.arange(1009) % 3
     both = ss.run(ss.GroupBy(ss.Weighted(ss.Moments(fields=("mean", "skewness", "norm_l1"))), 3),
-                  (keys, (w, x[:, :4])), mesh="data:2", microbatch=8, steps_per_call=2)
+                  (keys, (w, x[:, :4])), mesh="data:1", **KW)  # one device: cheaper programs
     assert both.var is None and both.min is None and both.kurtosis is None and both.norm_l2 is None
     for k in range(3):
         part, weight = want[keys == k, :4], w[keys == k]
@@ -337,8 +345,8 @@ def test_moments_of_other_fields_are_another_job(tmp_path):
     """The fields asked are part of the job: a checkpoint of a mean and variance does not resume as a job
     asking for the minimum too (the same state shapes), and resumes as itself; all fields is the job as
     it was before the option."""
-    x = rows(600, d=3)
-    kw = {"mesh": "data:2", "microbatch": 8, "steps_per_call": 2}
+    x = rows(600, d=5)  # test_moments_fields_compute_only_what_is_asked_and_stay_numpys' shapes: its programs
+    kw = {"mesh": "data:4,model:2", **KW}
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     mean_var = ss.Moments(fields=("mean", "var"))
     with pytest.raises(CrashError):
