@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -15,8 +16,8 @@ class ResumableBatches:
     """Deterministic ragged batches of ``(rows, features)`` with ``get_state``/``set_state``,
     like a grain iterator: ``iter()`` continues from the current state."""
 
-    def __init__(self, num_rows: int, features: int, seed: int = 0, delay: float = 0.0):
-        self.num_rows, self.features, self.seed, self.delay = num_rows, features, seed, delay
+    def __init__(self, num_rows: int, features: int, seed: int = 0, hold: str | None = None):
+        self.num_rows, self.features, self.seed, self.hold = num_rows, features, seed, hold
         self._batch, self._row = 0, 0
 
     def get_state(self) -> dict:
@@ -34,8 +35,8 @@ class ResumableBatches:
         n = min(BATCH_ROWS[self._batch % len(BATCH_ROWS)], self.num_rows - self._row)
         rows = np.random.default_rng([self.seed, self._batch]).normal(3.0, 2.0, size=(n, self.features))
         self._batch, self._row = self._batch + 1, self._row + n
-        if self.delay:
-            time.sleep(self.delay)
+        while self.hold and self._row > 3 * self.num_rows // 4 and not os.path.exists(self.hold):
+            time.sleep(0.01)  # a reader waiting for its data, as a slow store's would
         return rows.astype(np.float32)
 
     def all_rows(self) -> np.ndarray:
@@ -44,11 +45,15 @@ class ResumableBatches:
         return np.concatenate(list(fresh))
 
 
-def iterator_source(num_rows: int = 5000, features: int = 3, delay: float = 0.0) -> IteratorSource:
+def iterator_source(num_rows: int = 5000, features: int = 3, hold: str | None = None) -> IteratorSource:
     """An IteratorSource over fresh :class:`ResumableBatches`."""
-    return IteratorSource(ResumableBatches(num_rows, features, delay=delay), num_rows)
+    return IteratorSource(ResumableBatches(num_rows, features, hold=hold), num_rows)
 
 
-def slow_iterator_source() -> IteratorSource:
-    """40,000 rows of 4 features at about 2 ms a batch: long enough to be killed mid-run."""
-    return iterator_source(40_000, 4, delay=0.002)
+HOLD = "SHARDED_SCAN_TEST_HOLD"
+
+
+def held_iterator_source() -> IteratorSource:
+    """40,000 rows of 4 features; where ``$SHARDED_SCAN_TEST_HOLD`` names a file, the reader waits past row
+    30,000 until that file exists: a run to kill mid-way, on a machine of any speed."""
+    return iterator_source(40_000, 4, hold=os.environ.get(HOLD))
