@@ -291,7 +291,7 @@ class Program:
         on one device, else placed as the step takes them (:attr:`operands`)."""
         return self.host_operands if self.merger.whole_operands else self.operands
 
-    @property
+    @functools.cached_property
     def short(self) -> bool:
         """Whether each shard folds fewer than :data:`~sharded_scan.combiners.base.FEW_MICROBATCHES` micro-batches
         over the whole job (a resumed one's too) and the combiner compiles less for it

@@ -301,9 +301,10 @@ def states_of(block: PyTree, device: jax.Device | None = None) -> Iterator[PyTre
     compiles once for every device it runs on (eight programs a job on eight CPU devices)."""
     leaves = jax.tree.leaves(block)
     on_cpu = device is not None and all(d.platform == "cpu" for x in leaves for d in x.devices())
+    host = jax.tree.map(np.asarray, block) if on_cpu else None  # once, not once a shard
     for j in range(leaves[0].shape[0]):
         if on_cpu:
-            yield jax.device_put(jax.tree.map(lambda x, j=j: np.asarray(x)[j], block), device)
+            yield jax.device_put(jax.tree.map(lambda x, j=j: x[j], host), device)
             continue
         state = _index(block, j)
         yield state if device is None else jax.device_put(state, device)

@@ -749,7 +749,9 @@ def moments_result(acc: MomentsAcc, ddof: int, weight=None, dof=None, fields=Non
     nan = np.full(dims, np.nan)
     zeros = counts[..., 1, :] if parts.zeros else None
     empty = np.asarray(count == 0, bool)
-    if empty.any() and no_rows(0, "Moments") and empty.all():
+    if empty.any():
+        no_rows(0, "Moments")  # one warning, as a call of no rows gives
+    if empty.all():
         return asked(MomentsResult(count, nan, nan, nan, nan, nan, nan, counts[..., 0, :], zeros, np.zeros(dims),
                                    np.zeros(dims)), fields)
     if weight is None:
