@@ -10,12 +10,13 @@ same in every process), then either ``df.describe()`` or ``import sharded_scan``
 ``ss.run_with_report(ss.Describe(), df)`` with the default options. ``import ss`` is ``import
 ml_dtypes`` (JAX's dtypes; its own column), ``import jax`` (``of it jax``, ml_dtypes included) and
 ``import sharded_scan``; ``run CPU`` is the run's CPU seconds and ``compiling`` its report's
-``compile_seconds`` (tracing included). ``--with-path DIR`` adds a row with ``DIR`` first on the
-path (another ml_dtypes, say). ``cold``: the compilation cache is an empty directory
-(``XDG_CACHE_HOME`` points to a fresh one, so the default ``compilation_cache="auto"`` picks it);
-``warm``: a second process on the same directory. Best of ``--repeats`` each (a fresh directory per
-repeat); the ratios are over pandas' best of the same run. The target (issue 45, item 5): at most
-3x pandas warm and 5x cold.
+``compile_seconds`` (tracing included); ``programs``: compiled or loaded, ``cached``: of them from a cache,
+``by job``: of them from the job-keyed cache (:mod:`sharded_scan.executables`: neither traced nor compiled).
+``--with-path DIR`` adds a row with ``DIR`` first on the path (another ml_dtypes, say). ``cold``: the
+compilation cache is an empty directory (``XDG_CACHE_HOME`` points to a fresh one, so the default
+``compilation_cache="auto"`` picks it); ``warm``: a second process on the same directory. Best of
+``--repeats`` each (a fresh directory per repeat); the ratios are over pandas' best of the same run. The
+target (issue 45, item 5): at most 3x pandas warm and 5x cold.
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ from sharded_scan import compile_cache
 cpu = time.process_time()
 out, report = ss.run_with_report(ss.Describe(), df)
 seconds = time.perf_counter() - t0
-looked_up, from_cache = compile_cache.counts()
+looked_up, from_cache = compile_cache.counts()[:2]
+try:
+    from sharded_scan import executables
+    loaded = executables.counts().loaded
+except ImportError:  # a checkout before the job-keyed cache
+    loaded = "-"
 import json
 print("RESULT", json.dumps({{"seconds": seconds, "import": t2 - t1, "run": seconds - (t2 - t0),
                             "ml_dtypes": t_ml - t1, "jax": t_jax - t1, "run_cpu": time.process_time() - cpu,
                             "compile": report.compile_seconds, "version": ml_dtypes.__version__,
-                            "compiles": looked_up, "from_cache": from_cache}}))
+                            "compiles": looked_up, "from_cache": from_cache, "loaded": loaded}}))
 """
 
 
@@ -118,13 +124,14 @@ def main() -> None:
     base = best["pandas"]["seconds"]
     print(f"{args.rows:,} rows x {args.cols} float64 columns, a fresh process each, best of {args.repeats}")
     print(f"{'':<24}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'of it jax':>11}{'ml_dtypes':>11}{'run':>8}"
-          f"{'run CPU':>9}{'compiling':>11}{'programs':>10}{'cached':>8}")
+          f"{'run CPU':>9}{'compiling':>11}{'programs':>10}{'cached':>8}{'by job':>8}")
     print(f"{'pandas describe()':<24}{base:>9.2f}{1.0:>10.2f}")
     for key, got in best.items():
         if key != "pandas":
             print(f"{'sharded_scan ' + key:<24}{got['seconds']:>9.2f}{got['seconds'] / base:>10.2f}"
                   f"{got['import']:>11.2f}{got['jax']:>11.2f}{got['ml_dtypes']:>11.2f}{got['run']:>8.2f}"
-                  f"{got['run_cpu']:>9.2f}{got['compile']:>11.2f}{got['compiles']:>10}{got['from_cache']:>8}")
+                  f"{got['run_cpu']:>9.2f}{got['compile']:>11.2f}{got['compiles']:>10}{got['from_cache']:>8}"
+                  f"{got.get('loaded', '-'):>8}")
     versions = sorted({got["version"] for key, got in best.items() if key != "pandas"})
     print(f"target: warm <= 3x pandas, cold <= 5x pandas; ml_dtypes {', '.join(versions)} (its import, in 'of it jax', "
           "is the ml_dtypes column)")

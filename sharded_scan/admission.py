@@ -100,12 +100,26 @@ def _temporaries(program: Program) -> tuple[int, int]:
                *[(jax.tree.structure(t), tuple(jax.tree.leaves(t))) for t in (program.spec, operands)])
         hash(key)
     except TypeError:  # something unhashable in the combiner: traced every time
-        return _traced_temporaries(program, mb)
+        return _noted(program, _stored_temporaries(program) or _traced_temporaries(program, mb))
     add_key, merge_key = ("add", mb, *key), ("merge", *key)
     if add_key not in _TEMPORARIES or merge_key not in _TEMPORARIES:
-        add, merge = _traced_temporaries(program, mb, _TEMPORARIES.get(merge_key))
+        stored = _stored_temporaries(program)
+        add, merge = stored or _traced_temporaries(program, mb, _TEMPORARIES.get(merge_key))
         _TEMPORARIES[add_key], _TEMPORARIES[merge_key] = add, merge
-    return _TEMPORARIES[add_key], _TEMPORARIES[merge_key]
+    return _noted(program, (_TEMPORARIES[add_key], _TEMPORARIES[merge_key]))
+
+
+def _stored_temporaries(program: Program) -> tuple[int, int] | None:
+    """The figures kept beside the step's executable in the job-keyed cache (:mod:`sharded_scan.executables`),
+    which the step's trace would give: None where it holds none."""
+    entry = program.stored_step
+    return None if entry is None or len(entry.figures) != 2 else (entry.figures[0], entry.figures[1])
+
+
+def _noted(program: Program, figures: tuple[int, int]) -> tuple[int, int]:
+    """``figures``, noted on ``program`` to be kept beside its step's executable."""
+    program.step_figures[:] = figures
+    return figures
 
 
 def _traced_temporaries(program: Program, mb: int, merge: int | None = None) -> tuple[int, int]:

@@ -93,6 +93,14 @@ def counts() -> CacheCounts:
         return CacheCounts(_counts[_REQUESTS], _counts[_HITS])
 
 
+def note_loaded() -> None:
+    """Counts a program loaded from the job-keyed cache (:mod:`sharded_scan.executables`) as one looked up in
+    the cache and loaded from it: it compiled nothing."""
+    with _lock:
+        _counts[_REQUESTS] += 1
+        _counts[_HITS] += 1
+
+
 def in_use() -> str | None:
     """The directory of the process's persistent compilation cache; None when it has none."""
     return jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None

@@ -23,8 +23,11 @@ values reuse the compiled programs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,7 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan import executables
 from sharded_scan.combiners.base import (
     FEW_MICROBATCHES,
     Combiner,
@@ -59,6 +63,7 @@ from sharded_scan.sharding import (
 )
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 # The scope of the step's scans over micro-batches: the memory estimate finds their bodies (one
 # micro-batch's mask and add) in the step's trace by it.
 MICROBATCH_SCAN = "sharded_scan_microbatches"
@@ -198,6 +203,12 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     return jax.jit(step, donate_argnums=0)
 
 
+# Steps compiled or loaded through the job-keyed cache, by key, in this process (a rerun loads nothing again).
+_KEYED: collections.OrderedDict[str, jax.stages.Compiled] = collections.OrderedDict()
+_KEYED_SIZE = 32
+_keyed_lock = threading.Lock()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
     """Everything a run of one job on one mesh needs; see the module docstring.
@@ -211,6 +222,8 @@ class Program:
       layout: how rows map to steps, shards, devices and processes.
       options: the run's options.
       fingerprint: what names the job in a checkpoint.
+      step_figures: the memory estimate's figures of the step (``admission``'s temporaries), kept beside its
+        executable in the job-keyed cache (:mod:`sharded_scan.executables`).
     """
 
     combiner: Combiner
@@ -220,6 +233,7 @@ class Program:
     layout: Layout
     options: RunOptions
     fingerprint: dict[str, Any]
+    step_figures: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     @functools.cached_property
     def host_operands(self) -> PyTree:
@@ -263,10 +277,62 @@ class Program:
 
     def step(self, partials: PyTree, batch: PyTree, num_valid: int) -> PyTree:
         """Folds one step's rows (``num_valid`` of them real) into ``partials`` (donated)."""
-        compiled = compile_step(
+        return self._step(partials, batch, np.int32(num_valid), self.operands)
+
+    @functools.cached_property
+    def _step(self) -> Callable:
+        """The step's program: where the job has a key (:attr:`step_key`), loaded from the job-keyed cache, else
+        compiled from :meth:`trace_step` and kept there; else the jitted step."""
+        if self.step_key is None:
+            return self._jitted_step
+        with _keyed_lock:
+            if self.step_key in _KEYED:
+                _KEYED.move_to_end(self.step_key)
+                return _KEYED[self.step_key]
+        entry = self.stored_step
+        program = None if entry is None else executables.executable(entry, list(self.mesh.devices.flat))
+        if program is None:
+            program = self.trace_step().lower().compile()
+            if self.step_figures:  # a later process's memory estimate reads them instead of tracing
+                executables.store(self.step_key, program, tuple(self.step_figures))
+        with _keyed_lock:
+            _KEYED[self.step_key] = program
+            while len(_KEYED) > _KEYED_SIZE:
+                _KEYED.popitem(last=False)
+        return program
+
+    @property
+    def _jitted_step(self) -> Callable:
+        return compile_step(
             self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products, self.short
         )
-        return compiled(partials, batch, np.int32(num_valid), self.operands)
+
+    @functools.cached_property
+    def step_key(self) -> str | None:
+        """The step's key in the job-keyed cache (:func:`~sharded_scan.executables.key`): the combiner as it runs,
+        the step's layout, precision and forms, its arguments' shapes, dtypes and shardings, the mesh and, in it,
+        the process's environment; None where that cache is off or the job holds what it cannot spell exactly
+        (a user's function or class: :func:`~sharded_scan.executables.canonical`), and the step is traced."""
+        if executables.directory() is None:
+            return None
+        try:
+            like, batch, operands = self._step_shapes()
+            return executables.key({
+                "combiner": executables.canonical(self.combiner),
+                "layout": executables.canonical(self.layout.step_shape),
+                "precision": executables.canonical(self.options.precision),
+                "fixed": self.fixed_products, "short": self.short, "x64": bool(jax.config.jax_enable_x64),
+                "arguments": executables.abstract((like, batch, jax.ShapeDtypeStruct((), np.int32), operands)),
+                "mesh": executables.mesh_terms(self.mesh),
+            })
+        except executables.UnkeyableError as why:
+            _log.debug("the step is traced: the job-keyed cache cannot key %s.", why)
+            return None
+
+    @functools.cached_property
+    def stored_step(self) -> executables.Entry | None:
+        """This step's entry in the job-keyed cache, read and checked (not loaded yet); None where there is none."""
+        return None if self.step_key is None else executables.load(self.step_key)
 
     def merge(self, partials: PyTree) -> PyTree:
         """Every shard's partial merged into one accumulator, on every device (or split over
@@ -309,19 +375,21 @@ class Program:
         """
         return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
 
-    def trace_step(self) -> jax.stages.Traced:
-        """The step traced for this program's shapes; JAX keeps the trace, so the run's first step does
-        not trace it again (the memory estimate reads one micro-batch's ``add`` in it: :data:`MICROBATCH_SCAN`)."""
+    def _step_shapes(self) -> tuple[PyTree, PyTree, PyTree]:
+        """The step's partials, batch and operands as ``jax.ShapeDtypeStruct`` leaves, with their shardings."""
         rows, sharding = self.layout.rows_per_step, data_sharding(self.mesh)
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype, sharding=sharding), self.spec)
-        compiled = compile_step(
-            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products, self.short
-        )
-        # The operands' shapes only: the memory estimate traces this before they are placed.
+        # The operands' shapes only: the memory estimate traces the step before they are placed.
         operands = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
             np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype), sharding=s),
             self.host_operands, self.operand_shardings)
-        return compiled.trace(self.like, batch, np.int32(0), operands)
+        return self.like, batch, operands
+
+    def trace_step(self) -> jax.stages.Traced:
+        """The step traced for this program's shapes; JAX keeps the trace, so the run's first step does
+        not trace it again (the memory estimate reads one micro-batch's ``add`` in it: :data:`MICROBATCH_SCAN`)."""
+        like, batch, operands = self._step_shapes()
+        return self._jitted_step.trace(like, batch, np.int32(0), operands)
 
     def lower_step(self) -> jax.stages.Lowered:
         """The step lowered for this program's shapes (``.compile().as_text()`` shows its HLO)."""

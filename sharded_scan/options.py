@@ -77,7 +77,9 @@ class RunOptions:
       compilation_cache: where compiled programs are kept for the next process (JAX's
         persistent compilation cache, process-wide, set before the run compiles): "auto"
         (the directory the process gave JAX, else ``$XDG_CACHE_HOME/sharded_scan/jax``), a
-        directory, or None / "" for none (:mod:`sharded_scan.compile_cache`).
+        directory, or None / "" for none (:mod:`sharded_scan.compile_cache`); a job's step is also kept
+        there by the job, so the next process neither traces nor compiles it
+        (:mod:`sharded_scan.executables`).
     """
 
     mesh: Any = _plain(None, str)

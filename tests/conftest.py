@@ -14,6 +14,9 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # xdist workers inhe
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sharded_scan_tests_{_RUN}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Tests patch the library's code and constants at run time, which the job-keyed cache of steps cannot see
+# (sharded_scan/executables.py): off in the suite and the processes it starts; tests/test_executables.py turns it on.
+os.environ.setdefault("SHARDED_SCAN_EXECUTABLE_CACHE", "0")
 # XLA:CPU compiles the suite's programs with its legacy emitters and without LLVM's optimizations: 35-50% less
 # compile CPU than its defaults, and compiling is most of the suite's time. What the tests check does not depend
 # on the code generator: results within their bounds either way, and logical_shards' bits the same on every split
