@@ -55,13 +55,17 @@ from sharded_scan.sources.memory import ArraySource
 Columns = Any  # a name, a list of names, or a pytree of those
 
 
-def _pyarrow():
+def _pyarrow(files: bool = False):
+    """pyarrow, with ``compute`` and ``csv``; with ``files`` also ``dataset`` and ``fs``, which only files need (a
+    DataFrame's job does not pay their import, about 0.02 CPU-s)."""
     try:
         import pyarrow
         import pyarrow.compute
         import pyarrow.csv
-        import pyarrow.dataset  # noqa: F401 - loads the submodule
-        import pyarrow.fs  # noqa: F401
+
+        if files:
+            import pyarrow.dataset  # noqa: F401 - loads the submodule
+            import pyarrow.fs  # noqa: F401
     except ImportError:
         raise UsageError("reading Parquet, Arrow or CSV needs pyarrow: pip install 'sharded_scan[tabular]'.") from None
     return pyarrow
@@ -542,7 +546,7 @@ class ParquetSource(Source):
     def __init__(self, path: str | os.PathLike | Sequence, columns: Columns = None, dtype: Any = None,
                  format: str = "parquet", strings: str = "hash",  # noqa: A002 - pyarrow's word
                  decoder: str = "auto"):
-        pa = _pyarrow()
+        pa = _pyarrow(files=True)
         self._where = str(path)
         self._label = repr(self._where)
         if decoder not in DECODERS:
@@ -621,7 +625,7 @@ class ParquetSource(Source):
     def stamps(self) -> dict[str, str]:
         """Size and modification time of every file of the dataset (local: to the nanosecond)."""
         filesystem = self._dataset.filesystem
-        if isinstance(filesystem, _pyarrow().fs.LocalFileSystem):
+        if isinstance(filesystem, _pyarrow(files=True).fs.LocalFileSystem):
             return {os.path.abspath(p): file_stamp(os.stat(p)) for p in self._paths}
         return {
             info.path: f"{info.size} bytes, modified {info.mtime}" for info in filesystem.get_file_info(self._paths)
@@ -656,7 +660,7 @@ class ParquetSource(Source):
     def key_chunks(self) -> Iterator[Any]:
         """The Arrow chunks (nulls kept) of the one column this source reads, in order: a ``GroupBy`` key column,
         read once to find its keys (and a string column's strings)."""
-        scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
+        scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
         return (batch.column(0) for batch in scan.to_batches(columns=self._selection.names()[:1]))
 
@@ -673,7 +677,7 @@ class ParquetSource(Source):
         """``{id: {string: rows}}`` of the strings of ``column`` whose ids are ``ids``, the dataset (that
         column only) read to its end: the few values a ``TopK`` lists, found again after the run, and
         checked (two strings sharing an id are both found)."""
-        scan = _pyarrow().dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
+        scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
                                                     self._dataset.filesystem)
         batches = scan.to_batches(columns=[column])
         return find_strings((batch.column(0) for batch in batches), ids, self._selection.dtype)
@@ -745,8 +749,8 @@ class ParquetSource(Source):
         at a time on the :func:`decode_pool` (:class:`_Ahead`)."""
         if self._decoder == "polars" and not _polars_forked:
             return _Ahead(self._decode, unit, len(self._units), self._ahead, self._starts)
-        scan = _pyarrow().dataset.FileSystemDataset(self._units[unit:], self._dataset.schema, self._dataset.format,
-                                                    self._dataset.filesystem)
+        scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units[unit:], self._dataset.schema,
+                                                              self._dataset.format, self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
 
     def _decode(self, unit: int) -> _Rows:
@@ -867,7 +871,7 @@ def _arrow_state(filesystem: Any) -> Any:
 
     def state(path: str) -> tuple[tuple, str] | None:
         info = filesystem.get_file_info(path)
-        if info.type == _pyarrow().fs.FileType.NotFound:
+        if info.type == _pyarrow(files=True).fs.FileType.NotFound:
             return None
         return (info.size, info.mtime), f"{info.size} bytes, modified {info.mtime}"
 
@@ -1047,7 +1051,7 @@ class CsvSource(Source):
         """The selected columns' record batches in file order, with the types the counting pass
         inferred. pyarrow's dataset scan reads and splits blocks ahead on its own threads while
         this one converts: 1.4x the rate of ``pyarrow.csv.open_csv`` alone on 2 cores."""
-        pa = _pyarrow()
+        pa = _pyarrow(files=True)
         csv = pa.dataset.CsvFileFormat(read_options=pa.csv.ReadOptions(block_size=self._block_bytes),
                                        convert_options=pa.csv.ConvertOptions(column_types=self._schema))
         return iter(pa.dataset.dataset(self._path, format=csv).to_batches(columns=self._selection.names()))
