@@ -661,7 +661,7 @@ class ParquetSource(Source):
         """The Arrow chunks (nulls kept) of the one column this source reads, in order: a ``GroupBy`` key column,
         read once to find its keys (and a string column's strings)."""
         scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
-                                                    self._dataset.filesystem)
+                                                              self._dataset.filesystem)
         return (batch.column(0) for batch in scan.to_batches(columns=self._selection.names()[:1]))
 
     def read_missing_as(self, value: Any) -> None:
@@ -678,7 +678,7 @@ class ParquetSource(Source):
         column only) read to its end: the few values a ``TopK`` lists, found again after the run, and
         checked (two strings sharing an id are both found)."""
         scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units, self._dataset.schema, self._dataset.format,
-                                                    self._dataset.filesystem)
+                                                              self._dataset.filesystem)
         batches = scan.to_batches(columns=[column])
         return find_strings((batch.column(0) for batch in batches), ids, self._selection.dtype)
 
