@@ -344,10 +344,17 @@ def executable(entry: Entry, devices: Any = None) -> jax.stages.Compiled | None:
 
 def store(key_text: str, compiled: jax.stages.Compiled, figures: tuple[int, ...]) -> None:
     """Writes ``compiled`` under ``key_text`` with the memory estimate's ``figures``: a temporary file renamed into
-    place. A program that cannot be serialized, or a directory that cannot be written, stores nothing (logged)."""
+    place. A program holding host callbacks or effects (as JAX's own cache keeps none), one that cannot be
+    serialized, or a directory that cannot be written, stores nothing (logged)."""
     from jax.experimental import serialize_executable  # noqa: PLC0415 - only where an entry is written
 
     path = _path(key_text)
+    unloaded = getattr(getattr(compiled, "_executable", None), "_unloaded_executable", None)
+    held = [name for name in ("host_callbacks", "keepalive", "ordered_effects", "unordered_effects")
+            if unloaded is None or getattr(unloaded, name, None)]
+    if held:  # a callback is this process's Python object: another process would call what is not there
+        _log.info("did not keep the step's executable: it holds %s.", ", ".join(held))
+        return
     try:
         payload = io.BytesIO()
         pickle.dump(serialize_executable.serialize(compiled), payload, protocol=pickle.HIGHEST_PROTOCOL)

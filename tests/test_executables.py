@@ -139,5 +139,8 @@ def test_the_job_keyed_cache_keys_only_what_it_can_spell_and_is_off_where_jax_s_
     assert executables.canonical(np.arange(3.0)) != executables.canonical(np.arange(3.0) + 1)
     assert executables.canonical((1,)) != executables.canonical([1])
     assert executables.directory() == str(job_cache)
+    calls_back = jax.jit(lambda x: jax.pure_callback(np.negative, jax.ShapeDtypeStruct((2,), np.float32), x))
+    executables.store("a key", calls_back.lower(np.ones(2, np.float32)).compile(), (0, 0))
+    assert _entries(job_cache) == set()  # a callback is its process's own: nothing kept
     compile_cache.use(None)
     assert executables.directory() is None
