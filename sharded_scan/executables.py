@@ -254,6 +254,8 @@ def _machine() -> dict:
                     cpu.setdefault(name, value.strip())
     except OSError:
         pass
+    if "flags" not in cpu and "Features" not in cpu:  # no instruction set read: the machine itself, by name
+        cpu["node"] = platform.node()
     import jaxlib  # noqa: PLC0415 - its version only
     import ml_dtypes  # noqa: PLC0415 - its version only
     return {"python": sys.version, "machine": platform.machine(), "processor": platform.processor(), "cpu": cpu,

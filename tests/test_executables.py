@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -139,6 +140,16 @@ def test_the_job_keyed_cache_keys_only_what_it_can_spell_and_is_off_where_jax_s_
     assert executables.canonical(np.arange(3.0)) != executables.canonical(np.arange(3.0) + 1)
     assert executables.canonical((1,)) != executables.canonical([1])
     assert executables.directory() == str(job_cache)
+    # Writers at once (threads here, processes alike: a temporary file each, renamed): one whole entry, no leftovers.
+    program = jax.jit(lambda x: x + 1).lower(np.ones(2, np.float32)).compile()
+    writers = [threading.Thread(target=executables.store, args=("a key", program, (1, 2))) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert os.listdir(job_cache) == [os.path.basename(executables._path("a key"))]
+    assert executables.load("a key").figures == (1, 2)
+    os.remove(executables._path("a key"))
     calls_back = jax.jit(lambda x: jax.pure_callback(np.negative, jax.ShapeDtypeStruct((2,), np.float32), x))
     executables.store("a key", calls_back.lower(np.ones(2, np.float32)).compile(), (0, 0))
     assert _entries(job_cache) == set()  # a callback is its process's own: nothing kept
