@@ -322,6 +322,7 @@ class Program:
                 "layout": executables.canonical(self.layout.step_shape),
                 "precision": executables.canonical(self.options.precision),
                 "fixed": self.fixed_products, "short": self.short, "x64": bool(jax.config.jax_enable_x64),
+                "logical_shards": self.options.logical_shards,  # the merge route, whose figure the entry keeps
                 "arguments": executables.abstract((like, batch, jax.ShapeDtypeStruct((), np.int32), operands)),
                 "mesh": executables.mesh_terms(self.mesh),
             })

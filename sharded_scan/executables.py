@@ -9,9 +9,11 @@ figures, which trace the step too: :func:`~sharded_scan.admission.memory_estimat
 
 It is safe or it is off, never a wrong program:
 
-- the key is the whole of what the program depends on: the combiner as it runs (its class and every attribute,
-  recursively, :func:`canonical`; anything it cannot spell exactly, a user's function or class, an object of
-  another library: no key, the step is traced as before), the arguments' shapes, dtypes, shardings and tree, the
+- the key is the whole of what the program depends on: the combiner as it runs (its class and, recursively, what
+  its equality compares, which by the project's contract covers everything that changes its programs, the
+  process's memo of programs keys on it too: :func:`canonical`; anything it cannot spell exactly, a user's
+  function or class, an object of another library, a class with an equality of its own: no key, the step is
+  traced as before), the arguments' shapes, dtypes, shardings and tree, the
   layout of a step, the precision, the mesh's axes and devices, the process count and index, every JAX option,
   ``XLA_FLAGS`` and the other ``XLA_*``/``LIBTPU*``/``TPU_*`` variables, the backend and its version, the CPU's
   model and instruction set, the versions of Python, JAX, jaxlib, numpy and ml_dtypes, and a digest of this
@@ -116,7 +118,8 @@ def canonical(obj: Any, depth: int = 0) -> Any:
     """``obj`` spelled exactly as JSON: what a compiled program may depend on in a combiner.
 
     Numbers exactly (floats by their hex), strings, tuples and lists, dicts, enums, numpy dtypes and arrays (their
-    bytes' SHA-256), and objects of this library's classes by class and every attribute (recursively); functions
+    bytes' SHA-256), and objects of this library's classes by class and what their equality compares
+    (recursively, :func:`_attributes`); functions
     and classes of this library by module and name (their code is in the source digest), classes of numpy, JAX and
     ml_dtypes by module and name (versioned in the key).
 
@@ -126,6 +129,8 @@ def canonical(obj: Any, depth: int = 0) -> Any:
     if depth > 24:
         raise UnkeyableError("too deep")
     if isinstance(obj, enum.Enum):  # before str: an enum of str
+        if not (_ours(type(obj)) or type(obj).__module__.split(".")[0] in _VERSIONED):
+            raise UnkeyableError(f"the enum {type(obj).__qualname__}")
         return {"enum": _name(type(obj)), "name": obj.name}
     if obj is None or type(obj) in (bool, str):
         return obj
@@ -157,7 +162,7 @@ def canonical(obj: Any, depth: int = 0) -> Any:
             return {"class": _name(obj)}
         raise UnkeyableError(f"the class {obj.__qualname__}")
     if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
-        if _ours(obj) and "<locals>" not in obj.__qualname__ and "<lambda>" not in obj.__qualname__:
+        if _ours(obj) and "<lambda>" not in obj.__qualname__:
             return {"function": _name(obj)}
         raise UnkeyableError(f"the function {getattr(obj, '__qualname__', obj)}")
     cls = type(obj)
@@ -174,23 +179,40 @@ def canonical(obj: Any, depth: int = 0) -> Any:
 
 
 def _attributes(obj: Any) -> dict[str, Any]:
-    """Every attribute an object of ours holds: its ``__dict__`` (less the values its ``cached_property``s derived,
-    there or not as it happened), its slots and its dataclass fields."""
-    derived = {name for klass in type(obj).__mro__ for name, member in vars(klass).items()
+    """What an object of ours is, as its equality compares it: a dataclass's compared fields (the project's
+    contract, which the process's memo of programs keys on too: a combiner's equality covers everything that changes
+    its compiled programs, and leaves out only what the host alone reads, such as ``Quantiles.qs``, and operands);
+    another object's ``__dict__`` (less what its ``cached_property``s derived) and slots.
+
+    Raises:
+      UnkeyableError: a class with an equality of its own (operands among its attributes, their values in
+        neither the program nor its equality: ``Histogram``'s range, the exact quantiles' boundaries).
+    """
+    cls = type(obj)
+    for klass in cls.__mro__:
+        if klass is object:
+            break
+        own = "__eq__" in vars(klass) and not (dataclasses.is_dataclass(klass) and klass.__dataclass_params__.eq)
+        if own:
+            raise UnkeyableError(f"{cls.__qualname__}, whose equality is its own")
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.compare}
+    derived = {name for klass in cls.__mro__ for name, member in vars(klass).items()
                if isinstance(member, functools.cached_property)}
     attributes = {name: value for name, value in getattr(obj, "__dict__", {}).items() if name not in derived}
-    for klass in type(obj).__mro__:
+    for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
                 attributes[name] = getattr(obj, name)
-    if dataclasses.is_dataclass(obj):
-        attributes.update((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
     return attributes
 
 
 def _ours(thing: Any) -> bool:
-    return (getattr(thing, "__module__", None) or "").split(".")[0] == _PACKAGE
+    """Defined at the top level of a module of this library (a class or function made in a function may close over
+    values its name does not say)."""
+    return ((getattr(thing, "__module__", None) or "").split(".")[0] == _PACKAGE
+            and "<locals>" not in getattr(thing, "__qualname__", "<locals>"))
 
 
 def _name(thing: Any) -> str:

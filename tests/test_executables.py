@@ -136,6 +136,8 @@ def test_the_job_keyed_cache_keys_only_what_it_can_spell_and_is_off_where_jax_s_
         executables.canonical(ss.from_fn(lambda acc, rows: acc + rows.sum(0), np.zeros(3, np.float32)))
     with pytest.raises(executables.UnkeyableError):
         executables.canonical(object())
+    with pytest.raises(executables.UnkeyableError, match="equality is its own"):  # its range: operands
+        executables.canonical(ss.Histogram(bins=4, range=(0.0, 1.0)))
     assert executables.canonical(0.1) != executables.canonical(0.1 + 2 ** -56)
     assert executables.canonical(np.arange(3.0)) != executables.canonical(np.arange(3.0) + 1)
     assert executables.canonical((1,)) != executables.canonical([1])
