@@ -21,6 +21,7 @@ It is safe or it is off, never a wrong program:
   where it is equal, byte for byte;
 - an entry that is damaged, truncated, of another format, or fails to load is ignored, logged, and replaced;
 - writers write a temporary file and rename it (several processes at once: the last complete one stays);
+- at most :data:`MAX_ENTRIES` entries: the least recently stored or loaded go;
 - it is on only where JAX's cache is on, in a local directory: ``sharded_scan_executables/`` inside it (JAX
   keeps its own entries as ``*-cache`` files beside); ``SHARDED_SCAN_EXECUTABLE_CACHE=0`` turns it off alone.
 
@@ -57,6 +58,7 @@ FORMAT = 1
 MAGIC = b"sharded_scan executable\n"
 ENV = "SHARDED_SCAN_EXECUTABLE_CACHE"
 SUBDIRECTORY = "sharded_scan_executables"
+MAX_ENTRIES = 256  # about 0.6 MB each (a Describe of 8 columns): the least recently used go past it
 _PACKAGE = "sharded_scan"
 # JAX's options that say where and whether programs are cached or logged, not what they compute.
 _CACHE_OPTIONS = frozenset({
@@ -343,10 +345,13 @@ def load(key_text: str) -> Entry | None:
         key_bytes = header["key_bytes"]
         if body[:key_bytes].decode() != key_text:
             raise ValueError("another job's key")
-        return Entry(tuple(int(x) for x in header["figures"]), body[key_bytes:])
+        entry = Entry(tuple(int(x) for x in header["figures"]), body[key_bytes:])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         _log.info("ignored the damaged executable %s (%s); it is replaced.", path, error)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: the last the bound on entries sets aside (:func:`_evict`)
+    return entry
 
 
 def executable(entry: Entry, devices: Any = None) -> jax.stages.Compiled | None:
@@ -401,4 +406,20 @@ def store(key_text: str, compiled: jax.stages.Compiled, figures: tuple[int, ...]
         _log.info("did not keep the step's executable in %s (%s: %s).", path, type(error).__name__, error)
         return
     _count("stored")
+    _evict(os.path.dirname(path))
+
+
+def _evict(folder: str) -> None:
+    """Keeps at most :data:`MAX_ENTRIES` entries in ``folder``: the least recently used go (a reader that has one
+    open still reads it whole; one that finds it gone compiles)."""
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".exe") and not e.name.startswith(".")]
+        if len(entries) <= MAX_ENTRIES:
+            return
+        entries.sort(key=lambda e: e.stat().st_mtime)
+        for e in entries[:len(entries) - MAX_ENTRIES]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(e.path)
+    except OSError as error:
+        _log.info("did not bound the entries in %s (%s).", folder, error)
 

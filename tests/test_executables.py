@@ -131,7 +131,7 @@ def test_a_job_that_differs_in_config_shape_dtype_or_devices_keys_anew_and_a_dam
         assert path.read_bytes() != damaged
 
 
-def test_the_job_keyed_cache_keys_only_what_it_can_spell_and_is_off_where_jax_s_cache_is(job_cache):
+def test_the_job_keyed_cache_keys_what_it_can_spell_keeps_whole_bounded_entries_off_with_jax_s(job_cache, monkeypatch):
     with pytest.raises(executables.UnkeyableError):
         executables.canonical(ss.from_fn(lambda acc, rows: acc + rows.sum(0), np.zeros(3, np.float32)))
     with pytest.raises(executables.UnkeyableError):
@@ -152,6 +152,16 @@ def test_the_job_keyed_cache_keys_only_what_it_can_spell_and_is_off_where_jax_s_
     assert os.listdir(job_cache) == [os.path.basename(executables._path("a key"))]
     assert executables.load("a key").figures == (1, 2)
     os.remove(executables._path("a key"))
+    # At most MAX_ENTRIES: the least recently used (stored or loaded) goes.
+    monkeypatch.setattr(executables, "MAX_ENTRIES", 2)
+    for number, name in enumerate(("first", "second")):
+        executables.store(name, program, (0, 0))
+        os.utime(executables._path(name), (number, number))
+    assert executables.load("first") is not None  # used now: the newest
+    executables.store("third", program, (0, 0))
+    assert _entries(job_cache) == {os.path.basename(executables._path(n)) for n in ("first", "third")}
+    for name in ("first", "third"):
+        os.remove(executables._path(name))
     calls_back = jax.jit(lambda x: jax.pure_callback(np.negative, jax.ShapeDtypeStruct((2,), np.float32), x))
     executables.store("a key", calls_back.lower(np.ones(2, np.float32)).compile(), (0, 0))
     assert _entries(job_cache) == set()  # a callback is its process's own: nothing kept
