@@ -39,7 +39,7 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan import executables
+from sharded_scan import compile_cache, executables
 from sharded_scan.combiners.base import (
     FEW_MICROBATCHES,
     Combiner,
@@ -292,8 +292,13 @@ class Program:
         entry = self.stored_step
         program = None if entry is None else executables.executable(entry, list(self.mesh.devices.flat))
         if program is None:
+            hits = compile_cache.counts().from_cache
             program = self.trace_step().lower().compile()
-            if self.step_figures:  # a later process's memory estimate reads them instead of tracing
+            # Only a step XLA compiled here is kept: one JAX's cache loaded serializes without its kernels on
+            # XLA:CPU (the process loading that entry failed at its first step). Another thread's hit meanwhile
+            # only keeps nothing.
+            compiled_here = compile_cache.counts().from_cache == hits
+            if self.step_figures and compiled_here:  # a later process's memory estimate reads them, not a trace
                 executables.store(self.step_key, program, tuple(self.step_figures))
         with _keyed_lock:
             _KEYED[self.step_key] = program

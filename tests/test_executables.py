@@ -58,6 +58,13 @@ def test_a_second_process_of_a_small_job_runs_its_step_from_the_job_keyed_cache_
     assert "local_step" not in warm["traced"], warm["traced"]
     assert warm["jax"] == {"looked_up": 1, "from_cache": 1}
     assert warm["bits"] == cold["bits"]
+    # Without the entry, the step JAX's cache loads is not kept: XLA:CPU serializes such an executable without its
+    # kernels (a later process failed at its first step: "Function ... not found").
+    for entry in (tmp_path / executables.SUBDIRECTORY).iterdir():
+        entry.unlink()
+    from_jax = _child(tmp_path)
+    assert from_jax["executables"] == {"looked_up": 1, "loaded": 0, "stored": 0}
+    assert from_jax["jax"] == {"looked_up": 1, "from_cache": 1} and from_jax["bits"] == cold["bits"]
     x = np.linspace(-3.0, 5.0, 600).reshape(200, 3) ** 3
     np.testing.assert_allclose(warm["values"], pd.DataFrame(x).describe().to_numpy(), rtol=1e-12)
 
