@@ -165,10 +165,12 @@ def test_exact_quantiles_skip_each_value_split_over_model_and_refuse_an_old_omit
     x, _, df = frame()
     w = weights()
     for combiner, data, want in (
-            (ss.Quantiles(qs=QS, k=16, exact=True), x, df.quantile(QS).to_numpy().T),
-            (ss.Weighted(ss.Quantiles(qs=QS, k=16, exact=True, method="inverted_cdf")), (w, x),
+            (ss.Quantiles(qs=QS, k=16, exact=True, bits=6), x, df.quantile(QS).to_numpy().T),
+            (ss.Weighted(ss.Quantiles(qs=QS, k=16, exact=True, bits=6, method="inverted_cdf")), (w, x),
              weighted_quantiles(x, w))):
-        got = run(combiner, data, mesh="data:2,model:4")  # 25 rows a shard: compacted, so refined in passes
+        # 25 rows a shard: compacted, so refined in passes (of 65 boundaries a rank, bits=6: the default's 1025
+        # cost each refining step 16 times the counting)
+        got = run(combiner, data, mesh="data:2,model:4")
         assert got.passes > 1
         np.testing.assert_array_equal(got.quantiles, want)
         sketch = dataclasses.replace(combiner.inner if isinstance(combiner, ss.Weighted) else combiner, exact=False)
