@@ -42,17 +42,13 @@ def check_like_pandas(got, frame, percentiles=None, rtol=1e-5):
 # its own; 101 rows on 2 devices is test_integer_columns_and_infinities' program, 997 rows on 8 devices with the
 # describe config's percentiles that of the config tests and test_to_json.
 PERCENTILES = importlib.import_module("configs.describe").PERCENTILES
-# The data:2 jobs (at most 997 rows) with a sketch of k=1024: every row held, as the default 8192 holds them (the
-# percentiles exact either way); the default's levels cost each of their steps a pass over them whatever the rows.
-# The default k runs on data:8 (997 rows, the config's percentiles) and data:1 (the pytree).
-DESCRIBE = ss.Describe(k=1024)
 
 
 @pytest.mark.parametrize("mesh, n, percentiles", [("data:2", 1, None), ("data:2", 101, None),
                                                   ("data:8", 997, PERCENTILES)])
 def test_one_pass_is_pandas_describe_with_nans_on_any_device_count(mesh, n, percentiles):
     frame = data(n)
-    describe = DESCRIBE if percentiles is None else ss.Describe(percentiles=percentiles)
+    describe = ss.Describe() if percentiles is None else ss.Describe(percentiles=percentiles)
     got = ss.run(describe, frame, mesh=mesh, **KW)  # nothing compacted: the percentiles exactly
     check_like_pandas(got, frame, percentiles=percentiles)
     np.testing.assert_array_equal(got.nan_count, frame.isna().sum().to_numpy())
@@ -125,11 +121,11 @@ def test_to_json_writes_the_features_a_pipeline_normalizes_with(tmp_path):
 def test_integer_columns_and_infinities():
     r = np.random.default_rng(2)
     ints = pd.DataFrame({"a": r.integers(-50, 50, 400), "b": r.integers(0, 3, 400)}).astype(np.int32)
-    got = ss.run(DESCRIBE, ints, mesh="data:2", **KW)
+    got = ss.run(ss.Describe(), ints, mesh="data:2", **KW)
     pd.testing.assert_frame_equal(got.to_pandas(), ints.astype(np.float64).describe(), rtol=1e-6)
     x = r.normal(size=(400, 5)).astype(np.float32)  # data()'s five columns: the same compiled program
     x[3, 1] = np.inf
-    got = ss.run(DESCRIBE, x, mesh="data:2", **KW)
+    got = ss.run(ss.Describe(), x, mesh="data:2", **KW)
     assert got.max[1] == np.inf and got.count[1] == 400 and got.mean[1] == np.inf and np.isnan(got.std[1])  # pandas'
     np.testing.assert_array_equal(got.percentiles[1], np.quantile(x[:, 1].astype(np.float64), [0.25, 0.5, 0.75]))
 
@@ -196,11 +192,11 @@ def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
     # A resume on the same mesh is bitwise the uninterrupted run (DESIGN.md): no logical_shards needed, so the
     # programs of the data:2 case of test_one_pass_is_pandas_describe_... (five columns, KW's layout).
     frame, kw = data(997), KW
-    want = ss.run(DESCRIBE, frame, mesh="data:2", **kw)
+    want = ss.run(ss.Describe(), frame, mesh="data:2", **kw)
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     with pytest.raises(CrashError):
-        ss.run(DESCRIBE, frame, mesh="data:2", checkpoint=options, progress=crash_at(5), **kw)
-    got, report = ss.run_with_report(DESCRIBE, frame, mesh="data:2", checkpoint=options, **kw)
+        ss.run(ss.Describe(), frame, mesh="data:2", checkpoint=options, progress=crash_at(5), **kw)
+    got, report = ss.run_with_report(ss.Describe(), frame, mesh="data:2", checkpoint=options, **kw)
     assert report.resumed_from_step == 4
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -169,9 +169,7 @@ def test_small_jobs_of_other_row_counts_reuse_the_compiled_programs(compiles):
     rng = np.random.default_rng(3)
     data = rng.normal(size=(64, 3)).astype(np.float32) * 1e3
     data[rng.integers(0, 64, 12), rng.integers(0, 3, 12)] = [np.nan, np.inf, -np.inf, -0.0] * 3
-    # a sketch of k=128: every row held (at most 64; a level compacts at k), as the default 8192 holds them, without
-    # a pass over its levels at every step and merge
-    jobs = (ss.Moments(), ss.Quantiles(qs=[0.0, 0.5, 1.0], k=128, method="lower"))
+    jobs = (ss.Moments(), ss.Quantiles(qs=[0.0, 0.5, 1.0], method="lower"))
     first = None
     for n in (64, 1, 9, 17, 33, 50):  # 8, 1, 2, 3, 5 and 7 rows a device: each compiled its own step
         x = data[:n]

@@ -177,14 +177,13 @@ def test_moments_split_over_model_is_the_whole_ones():
 def test_describe_split_over_model_is_pandas_describe():
     # The covariance test's rows, shards and micro-batch, with NaNs: each model device folds the moments
     # and sketch of its 3 of the 6 padded columns (its data:4 run: test_describe's, on other shards; a
-    # pytree's split state: test_a_state_converts_between_whole_and_split). Nothing compacted: exact (a sketch of
-    # k=512 holds the 301 rows as the default 8192 does, without a pass over its levels at every step and merge).
-    x, run, describe = FIVE.copy(), FIVE_RUN, ss.Describe(k=512)
+    # pytree's split state: test_a_state_converts_between_whole_and_split). Nothing compacted: exact.
+    x, run = FIVE.copy(), FIVE_RUN
     x[::5, 2] = np.nan
-    like = build_program(describe, as_source(x), RunOptions(mesh="data:4,model:2", **run)).like
+    like = build_program(ss.Describe(), as_source(x), RunOptions(mesh="data:4,model:2", **run)).like
     m2 = like.moments.centered.m2  # (shards, padded columns, 1, 1)
     assert m2.shape[:2] == (4, 6) and m2.sharding.shard_shape(m2.shape)[:2] == (1, 3)
-    got = ss.run(describe, x, mesh="data:4,model:2", **run)
+    got = ss.run(ss.Describe(), x, mesh="data:4,model:2", **run)
     assert (got.nan_count == [0, 0, 61, 0, 0]).all() and (got.count == 301 - got.nan_count).all()
     np.testing.assert_array_equal(np.stack([got.min, got.max]), np.stack([np.nanmin(x, 0), np.nanmax(x, 0)]))
     np.testing.assert_array_equal(got.percentiles, np.nanquantile(x, [0.25, 0.5, 0.75], axis=0).T)
