@@ -27,6 +27,14 @@ def layouts(*arrays):
     return [arrays, tuple(np.repeat(a, 8, axis=0) for a in arrays)]
 
 
+# The sketches sized to hold every row of these cases (at most 136), as their defaults (a KLL of k=8192, 4096 TopK
+# slots, 2^14 DistinctCount registers) do: the same code, nothing compacted, evicted or estimated either way, but
+# every step (one a row) and each merge of eight partials passes over the whole state whatever its rows.
+TOPK = ss.TopK(k=3, capacity=64)
+DISTINCT = ss.DistinctCount(precision=8)  # 256 registers, exact up to 256 distinct values
+DESCRIBE = ss.Describe(k=256)
+
+
 def run(combiner, x):
     return ss.run(combiner, x, **SMALL)
 
@@ -35,7 +43,7 @@ def run(combiner, x):
 def test_uint64_values_come_back_as_uint64(layout):
     # finding 5: TopK of uint64 reported 2**64-1 as -1 and 2**63 as -2**63 (values read back as int64)
     (x,) = layouts(np.array([2**64 - 1] * 2 + [0, 1, 2**63, 2**63 + 5], np.uint64))[layout]
-    top = run(ss.TopK(k=3), x)
+    top = run(TOPK, x)
     assert top.values.dtype == np.uint64
     assert top.values.tolist() == [2**64 - 1, 0, 1]
     assert top.to_pandas()["values"].dtype == np.uint64
@@ -43,7 +51,7 @@ def test_uint64_values_come_back_as_uint64(layout):
     high = run(ss.Quantiles(qs=[0.0, 0.5, 0.9, 1.0], exact=True, method="higher"), x)
     assert high.quantiles.dtype == np.uint64
     assert high.quantiles.tolist() == np.quantile(x, [0.0, 0.5, 0.9, 1.0], method="higher").tolist()
-    assert run(ss.DistinctCount(), x).count == 5
+    assert run(DISTINCT, x).count == 5
 
 
 QS = [0.0, 0.25, 0.5, 0.7, 1.0]
@@ -62,7 +70,7 @@ def test_exact_quantiles_of_integers_are_the_datas_own_integers(layout):
     (first,) = layouts(INTS[:3])[layout]
     assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), first).quantiles.tolist() == [2**62 + 3]
     # per key too: a key that met no rows holds 0 (count 0), never turning the others to floats
-    grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], method="lower"), 3), (keys, x))
+    grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], k=64, method="lower"), 3), (keys, x))
     assert grouped.quantiles.dtype == np.int64 and grouped.count.tolist() == [(keys == k).sum() for k in range(3)]
     assert grouped.quantiles[:, 0].tolist() == [2**62 + 3, 0, -(2**63)]
     for method in ("linear", "midpoint"):  # these mix two values: float64, as numpy's
@@ -117,7 +125,7 @@ def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(layout):
         np.testing.assert_array_equal(run(ss.Covariance(), x).cov, np.zeros((2, 2)))
         np.testing.assert_array_equal(run(ss.Moments(), narrow).var, [0.0])
         if n in (2, 17):  # Describe's std: its one-column Moments, merged alike
-            described = run(ss.Describe(), x)
+            described = run(DESCRIBE, x)
             np.testing.assert_array_equal(described.std, [0.0, 0.0])
             np.testing.assert_array_equal(described.mean, x[0])
 
@@ -137,7 +145,7 @@ def test_infinities_propagate_and_finite_means_stay_finite(layout):
     assert got.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)  # numpy's own mean overflows here: inf
     assert got.var[3] == np.inf  # the true variance, 8.9e615, overflows: inf, not NaN
     assert got.mean[4] == 4.0 and got.var[4] == pytest.approx(2 / 3, rel=1e-15)
-    described = run(ss.Describe(), x)
+    described = run(DESCRIBE, x)
     np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
     assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
     assert run(ss.Covariance(), x[:, 3:]).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)

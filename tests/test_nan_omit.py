@@ -73,7 +73,7 @@ def test_omit_skips_each_value_where_it_stands_like_pandas():
     np.testing.assert_array_equal(g.min, grouped.min())
     np.testing.assert_array_equal(g.max, grouped.max())
     assert (g.var[:, 5] == 0).all()  # the constant column
-    d = run(ss.Describe(), x, mesh=mesh)
+    d = run(ss.Describe(k=256), x, mesh=mesh)  # every row in its sketch, as the default's: its std and counts
     np.testing.assert_array_equal(d.count, df.count())
     np.testing.assert_array_equal(d.nan_count, (~finite).sum(0))  # the values skipped
     np.testing.assert_allclose(d.std, df.std(), rtol=1e-12)
@@ -145,12 +145,15 @@ def test_quantiles_skip_each_value_where_it_stands_like_nanquantile():
     mesh = "data:8"  # each device's fold of 16 to 32 rows and the merge
     # Quantiles alone under "omit": test_quantiles.py (against np.nanquantile, on one device) and
     # tests/test_properties_sketches.py (eight devices, at the float extremes); here its keyed and weighted folds.
-    g = run(ss.GroupBy(ss.Quantiles(qs=QS), K), (keys, x), mesh=mesh).result  # at most k rows a shard: exact
+    # k=128 holds every key's rows (at most 72 of 203), as the default 8192 does: nothing compacted in the folds or
+    # the merges, so exact; the default's levels cost each step and each merge a pass over them whatever the rows
+    g = run(ss.GroupBy(ss.Quantiles(qs=QS, k=128), K), (keys, x), mesh=mesh).result
     want = df.groupby(keys).quantile(QS).to_numpy().reshape(K, len(QS), -1).transpose(0, 2, 1)
     np.testing.assert_allclose(g.quantiles, want, rtol=1e-15)
     np.testing.assert_array_equal(g.count, df.groupby(keys).count())
     w = weights()  # a row's weight counts for a column only where its value there is finite
-    g = run(ss.GroupBy(ss.Weighted(ss.Quantiles(qs=QS, method="inverted_cdf")), K), (keys, (w, x)), mesh=mesh).result
+    g = run(ss.GroupBy(ss.Weighted(ss.Quantiles(qs=QS, k=128, method="inverted_cdf")), K), (keys, (w, x)),
+            mesh=mesh).result
     np.testing.assert_array_equal(g.quantiles, [weighted_quantiles(x[keys == k], w[keys == k]) for k in range(K)])
     positive = np.isfinite(x) & (np.nan_to_num(w) > 0)[:, None]
     np.testing.assert_array_equal(g.count, [positive[keys == k].sum(0) for k in range(K)])
@@ -162,10 +165,12 @@ def test_exact_quantiles_skip_each_value_split_over_model_and_refuse_an_old_omit
     x, _, df = frame()
     w = weights()
     for combiner, data, want in (
-            (ss.Quantiles(qs=QS, k=16, exact=True), x, df.quantile(QS).to_numpy().T),
-            (ss.Weighted(ss.Quantiles(qs=QS, k=16, exact=True, method="inverted_cdf")), (w, x),
+            (ss.Quantiles(qs=QS, k=16, exact=True, bits=6), x, df.quantile(QS).to_numpy().T),
+            (ss.Weighted(ss.Quantiles(qs=QS, k=16, exact=True, bits=6, method="inverted_cdf")), (w, x),
              weighted_quantiles(x, w))):
-        got = run(combiner, data, mesh="data:2,model:4")  # 25 rows a shard: compacted, so refined in passes
+        # 25 rows a shard: compacted, so refined in passes (of 65 boundaries a rank, bits=6: the default's 1025
+        # cost each refining step 16 times the counting)
+        got = run(combiner, data, mesh="data:2,model:4")
         assert got.passes > 1
         np.testing.assert_array_equal(got.quantiles, want)
         sketch = dataclasses.replace(combiner.inner if isinstance(combiner, ss.Weighted) else combiner, exact=False)

@@ -22,6 +22,13 @@ from tests.test_properties import mesh_name, pad, runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 QS = (0.0, 0.1, 0.5, 0.9, 1.0)
+# The sketches sized to hold every row of these frames (at most 64; the rank-error property's k=16 is its own),
+# as their defaults (a KLL of k=8192, 4096 TopK slots, 2^14 DistinctCount registers) do: the same code, nothing
+# compacted, evicted or estimated either way, but a step and each merge of eight partials pass over the whole
+# state whatever its rows, and the defaults' made these tests 5 to 15 times dearer a run.
+K = 128
+DISTINCT = ss.DistinctCount(precision=8)  # 256 registers a column, exact up to 256 distinct values
+TOPK = ss.TopK(k=3, capacity=64)
 METHODS = ("lower", "higher", "nearest", "linear", "midpoint", "inverted_cdf")
 
 INT64 = np.iinfo(np.int64)
@@ -87,7 +94,7 @@ def next_to_infinity(got, numpy_answers, lower, higher) -> np.ndarray:
 
 @given(x=float_frames(), policy=st.sampled_from(["propagate", "omit"]), method=st.sampled_from(METHODS))
 def test_exact_quantiles_are_numpys(x, policy, method):
-    for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), exact=True, method=method), x, nan_policy=policy)):
+    for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), k=K, exact=True, method=method), x, nan_policy=policy)):
         for j in range(D):
             col = kept_values(x, j, policy)  # under "omit" the column's finite values
             at = f"{mesh_name(i)} {policy} {method} column {j} {col.tolist()!r}"
@@ -118,7 +125,7 @@ def test_exact_quantiles_are_numpys(x, policy, method):
 def test_exact_quantiles_of_64_bit_integers_are_the_datas_own(dtype, data):
     x = data.draw(int_frames(dtype))
     method = data.draw(st.sampled_from(METHODS))
-    for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), exact=True, method=method), x)):
+    for i, r in enumerate(runs(ss.Quantiles(qs=list(QS), k=K, exact=True, method=method), x)):
         want = np.stack([np.quantile(x[:, j], QS, method=method) for j in range(D)])
         at = f"{mesh_name(i)} {method} {x.tolist()!r}"
         if method in ("linear", "midpoint"):
@@ -175,8 +182,8 @@ def test_distinct_count_and_top_k_of_floats(x, policy):
     kept = kept_rows(x, policy)
     if policy == "omit":  # each NaN or inf skipped where it stands, the column's other values counted
         kept = [x[np.isfinite(x[:, j]), j] for j in range(D)]
-    for i, (dc, tk) in enumerate(zip(runs(ss.DistinctCount(), x, nan_policy=policy),
-                                     runs(ss.TopK(k=3), x, nan_policy=policy), strict=True)):
+    for i, (dc, tk) in enumerate(zip(runs(DISTINCT, x, nan_policy=policy),
+                                     runs(TOPK, x, nan_policy=policy), strict=True)):
         at = f"{mesh_name(i)} {policy}"
         assert dc.count.tolist() == [distinct(np.asarray(kept[j] if policy == "omit" else kept[:, j]))
                                      for j in range(D)], (at, dc.count)
@@ -192,7 +199,7 @@ def test_distinct_count_and_top_k_of_floats(x, policy):
 @given(data=st.data())
 def test_distinct_count_and_top_k_of_64_bit_integers(dtype, data):
     x = data.draw(int_frames(dtype))
-    for i, (dc, tk) in enumerate(zip(runs(ss.DistinctCount(), x), runs(ss.TopK(k=3), x), strict=True)):
+    for i, (dc, tk) in enumerate(zip(runs(DISTINCT, x), runs(TOPK, x), strict=True)):
         at = f"{mesh_name(i)} {x.tolist()!r}"
         assert dc.count.tolist() == [distinct(x[:, j]) for j in range(D)], at
         assert tk.values.dtype == dtype, at
@@ -211,7 +218,7 @@ def test_distinct_count_and_top_k_of_strings(words, seed, n):
     rng = np.random.default_rng(seed)
     cols = {name: [words[i] for i in rng.integers(0, len(words), n)] for name in ("s", "t")}
     df = pd.DataFrame(cols)
-    for i, (dc, tk) in enumerate(zip(runs(ss.DistinctCount(), df), runs(ss.TopK(k=3), df), strict=True)):
+    for i, (dc, tk) in enumerate(zip(runs(DISTINCT, df), runs(TOPK, df), strict=True)):
         at = f"{mesh_name(i)} {cols!r}"
         assert dc.count.tolist() == [len(set(c)) for c in cols.values()], at
         assert list(tk.columns) == ["s", "t"]
@@ -281,9 +288,9 @@ def test_weighted_quantiles_and_grouped_top_k(x, seed, policy):
     w[0] = 1.0
     keys = rng.integers(0, 4, len(x)).astype(np.int32)
     x = np.round(x, 1)
-    weighted = [ss.run(ss.Weighted(ss.Quantiles(qs=list(QS), method="inverted_cdf")), (w, x), nan_policy=policy,
+    weighted = [ss.run(ss.Weighted(ss.Quantiles(qs=list(QS), k=K, method="inverted_cdf")), (w, x), nan_policy=policy,
                        **RUN)]
-    grouped = [ss.run(ss.GroupBy(ss.TopK(k=3), 4), (keys, x), nan_policy=policy, **RUN)]
+    grouped = [ss.run(ss.GroupBy(TOPK, 4), (keys, x), nan_policy=policy, **RUN)]
     finite = kept_rows(np.c_[w, x], policy)
     for r, g in zip(weighted, grouped, strict=True):
         at = f"data:8 {policy}"
@@ -318,19 +325,19 @@ def test_weighted_quantiles_and_grouped_top_k(x, seed, policy):
 
 def test_finding6_exact_quantiles_of_int64_are_int64():
     x = np.array([[2**62 + 1] * D, [2**62 + 3] * D, [2**62 + 5] * D], np.int64)
-    for r in runs(ss.Quantiles(qs=list(QS), exact=True, method="lower"), x):
+    for r in runs(ss.Quantiles(qs=list(QS), k=K, exact=True, method="lower"), x):
         assert r.quantiles.dtype == np.int64 and r.quantiles[0, 2] == 2**62 + 3
 
 
 def test_finding5_top_k_of_uint64_is_uint64():
     x = np.array([[2**64 - 1] * D, [2**64 - 1] * D, [0] * D, [1] * D, [2**63] * D], np.uint64)
-    for r in runs(ss.TopK(k=3), x):
+    for r in runs(TOPK, x):
         assert r.values.dtype == np.uint64 and r.values[0, 0] == 2**64 - 1
 
 
 def test_finding10_trailing_nuls_survive_in_top_k():
     df = pd.DataFrame({"s": ["a", "a", "a\x00", "b"], "t": ["x"] * 4})
-    for r in runs(ss.TopK(k=3), df):
+    for r in runs(TOPK, df):
         assert sorted(r.values[0].tolist()) == ["a", "a\x00", "b"]
 
 
@@ -338,7 +345,7 @@ def test_finding14_lone_surrogate_is_one_line():
     # object columns: pandas' own string dtype refuses a lone surrogate before the run sees it
     df = pd.DataFrame({"s": pd.Series(["a\ud800", "b"], dtype=object), "t": pd.Series(["x", "y"], dtype=object)})
     try:
-        r = ss.run(ss.TopK(k=3), df, **RUN)
+        r = ss.run(TOPK, df, **RUN)
     except ss.UsageError as e:
         assert "\n" not in str(e)
     else:
@@ -357,7 +364,7 @@ def test_finding4_regression_and_pca_under_propagate_are_nan():
 def test_finding12_grouped_and_weighted_top_k_of_strings():
     df = pd.DataFrame({"s": ["a", "b", "a", "c"], "t": ["x"] * 4})
     keys, w = np.array([0, 0, 1, 1], np.int32), np.array([1.0, 2.0, 1.0, 0.5])
-    for g, r in zip(runs(ss.GroupBy(ss.TopK(k=3), 2), (keys, df)), runs(ss.Weighted(ss.TopK(k=3)), (w, df)),
+    for g, r in zip(runs(ss.GroupBy(TOPK, 2), (keys, df)), runs(ss.Weighted(TOPK), (w, df)),
                     strict=True):
         assert g.result.values[0, 0].tolist()[:2] == ["a", "b"] or sorted(g.result.values[0, 0][:2]) == ["a", "b"]
         assert r.values[0, 0] == "b" and r.counts[0, 0] == 2.0
@@ -367,5 +374,5 @@ def test_new_interpolated_quantile_whose_neighbours_differ_past_the_largest_floa
     # found by these properties (quantile_interp_overflow), fixed:
     # where b - a overflows, a (1 - t) + b t (numpy answers -inf here)
     col = [1.7976931348623157e308, -5.359575662188025e306]
-    for r in runs(ss.Quantiles(qs=list(QS), exact=True, method="midpoint"), pad(col)):
+    for r in runs(ss.Quantiles(qs=list(QS), k=K, exact=True, method="midpoint"), pad(col)):
         assert r.quantiles[0, 1:4].tolist() == [col[0] / 2 + col[1] / 2] * 3, r.quantiles[0]

@@ -23,6 +23,10 @@ EXACT_QS = np.array([0, 0.001, 0.01, 0.3, 0.5, 0.75, 0.999, 1])
 # Exact mode's runs on one device (24 steps a pass of 3001 rows): its programs compile in about two thirds of two
 # devices'; its refining passes over several devices: test_wide_model (data:2,model:4), test_float_extremes (data:8).
 EXACT_KW = {"microbatch": 64, "steps_per_call": 2, "mesh": "data:1"}
+# A refining pass counts each value against 2^bits + 1 boundaries a rank: the default bits=10's 1025 made every
+# refining step of these 3001 rows cost about 7 times bits=6's 65, in as many passes here (3). The default runs once
+# (test_exact_mode_...: its few passes); the resumes, other data and every method refine with FEW_BITS.
+FEW_BITS = 6
 SKETCH = ss.Quantiles(qs=QS, k=K, method="lower")  # numpy's default is "linear" (tested below)
 NAMES = ("normal", "lognormal", "poisson", "sorted", "reversed", "blocks")
 compiles = test_program.compiles  # the fixture: programs compiled or loaded from here on
@@ -116,20 +120,22 @@ def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     np.testing.assert_array_equal(got.quantiles, lower(x, qs))
     assert 2 <= got.passes <= 4 and got.rank_error == 0
     assert report.rows_this_run == got.passes * len(x)
+    exact = dataclasses.replace(exact, bits=FEW_BITS)  # killed and resumed: FEW_BITS' refining passes
     options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
     with pytest.raises(CrashError):  # killed in the second pass (24 steps a pass)
         ss.run(exact, x, checkpoint=options, progress=crash_at_call(29), **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pass1", "pass2"]
     again, report = ss.run_with_report(exact, x, checkpoint=options, **kw)
     np.testing.assert_array_equal(again.quantiles, got.quantiles)
-    assert again.passes == got.passes == report.passes and report.rows_this_run < got.passes * len(x)
-    np.testing.assert_array_equal(ss.run(exact, x, **kw).quantiles, got.quantiles)
+    whole = ss.run(exact, x, **kw)  # uninterrupted
+    np.testing.assert_array_equal(whole.quantiles, got.quantiles)
+    assert again.passes == whole.passes == report.passes and report.rows_this_run < whole.passes * len(x)
     sketch, report = ss.run_with_report(dataclasses.replace(exact, exact=False), x, **kw)  # one pass
     assert sketch.passes == 1 and report.rows_this_run == len(x)
 
 
 def test_other_data_reuses_the_refining_passes_compiled_programs(compiles):
-    exact = ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method="lower")  # the job test_exact_mode_... runs
+    exact = ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method="lower", bits=FEW_BITS)  # test_exact_mode_... resumes it
     ss.run(exact, shaped(3001), **EXACT_KW)
     first = len(compiles)
     x = shaped(3001, seed=1)  # other values: other boundaries in every refining pass
@@ -252,7 +258,7 @@ def test_every_numpy_method_one_pass_and_exact(method):
     np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
     x = shaped(3001)  # exact: compacted, then refined (the programs test_exact_mode_... compiled)
     want = np.quantile(x.astype(np.float64), EXACT_QS, axis=0, method=method).T
-    got = ss.run(ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method=method), x, **EXACT_KW)
+    got = ss.run(ss.Quantiles(qs=EXACT_QS, k=K, exact=True, method=method, bits=FEW_BITS), x, **EXACT_KW)
     np.testing.assert_allclose(got.quantiles, want, rtol=1e-12, atol=1e-300)
     assert got.passes > 1 and got.rank_error == 0
 

@@ -132,7 +132,7 @@ def test_strings_are_counted_by_their_hash_ids():
     words = np.random.default_rng(0).permutation([w for w, c in counts.items() for _ in range(c)])
     ids = ss.hash_strings(words)
     assert ids.dtype == np.int64 and np.array_equal(ss.hash_strings([words[0]]), ids[:1])  # stable
-    got = ss.run(ss.TopK(k=3), ids, mesh="data:2", **KW)
+    got = ss.run(ss.TopK(k=3, capacity=16), ids, mesh="data:2", **KW)  # slots for every word, as the default's 4096
     names = dict(zip(ids.tolist(), words.tolist(), strict=True))
     assert [names[int(v)] for v in got.values] == ["the", "of", "and"]
     np.testing.assert_array_equal(got.counts, [120, 80, 40])

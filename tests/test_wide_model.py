@@ -196,7 +196,9 @@ def test_exact_quantiles_split_over_model_are_numpy_s_and_the_whole_ones():
     # device, the last device's all padding, 2 shards a device. Compacted, so refining passes follow.
     # The whole run's answer is numpy's (test_quantiles, test_exact_counts): the split run's, numpy's exactly, is
     # bitwise it (one answer), with no run on data:4 compiling the refining passes once more.
-    job = ss.Quantiles(qs=EXACT_QS, k=SKETCH.k, exact=True)  # numpy's default method, linear
+    # numpy's default method, linear; bits=6 (65 boundaries a rank, not the default's 1025, whose operands' split
+    # the estimate below checks): each refining step counts a sixteenth as much, in as many passes
+    job = ss.Quantiles(qs=EXACT_QS, k=SKETCH.k, exact=True, bits=6)
     ranks = 2 * len(EXACT_QS)
     program = build_program(RefinePass(np.zeros((6, ranks, 1025), np.int64)), as_source(X),
                             RunOptions(mesh="data:2,model:4", **RUN))
