@@ -18,6 +18,9 @@ the best CPU of the calling thread, the serial part of a read, over the rounds):
   t threads``: pyarrow's CPU pool of ``t`` threads (``pyarrow.set_cpu_count``), t = 1, 2, 4, ... cores;
 - ``moments run``: ``ss.run(ss.Moments(), ParquetSource(..., decoder=...))``, decode to result.
 
+``--parts``: where ``ParquetSource``'s Polars decode stops scaling, its parts timed apart on pools of 1 to all
+cores' threads (``parts_main``). JSON: ``bench/results/decode_parts[_quick].json``.
+
 ``--csv``: a CSV file of the same rows with a string column (``python -m bench.decode --csv [--quick]``): each
 library's own whole-file read (pyarrow on 1 thread and on its pool, Polars on its pool, of the float columns and
 of the string column), and ``CsvSource(decoder=...)`` read step by step, floats and strings; MB: the file's bytes.
@@ -233,6 +236,65 @@ def csv_main(rows: int, repeats: int, quick: bool, out_dir: str, prefixes: list[
                {"rows": rows, "cores": cores, "load": load, "repeats": repeats}, seconds)
 
 
+def parts_main(rows: int, repeats: int, quick: bool, out_dir: str) -> None:
+    """``--parts``: where ``ParquetSource``'s Polars decode stops scaling. Every row group on a pool of ``t``
+    threads, t = 1, 2, 4, ... cores, through each part of ``ParquetSource._decode`` in turn (the query; then
+    ``to_arrow``; then ``_fill``'s cast into the rows' layout: the whole decode), pyarrow's ``read_row_group``
+    with the same cast, and two casts Polars makes itself (``DataFrame.to_numpy(order="c")``; each column's
+    ``Series.to_numpy`` into one row-major array)."""
+    if pl is None or pa is None:
+        raise SystemExit("--parts needs both polars and pyarrow")
+    cores = host_cores()
+    threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32, 64) if t < cores})
+    megabytes = rows * len(COLUMNS) * 4 / 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "decode.parquet")
+        write_file(path, rows)
+        source = ParquetSource(path, columns=COLUMNS, decoder="polars")
+        spans, selection = source._spans, source._selection
+
+        def query(g: int) -> object:
+            _, first, n = spans[g]
+            return pl.scan_parquet(path).select(COLUMNS).slice(first, n).collect()
+
+        def arrow(g: int) -> object:
+            return query(g).to_arrow(compat_level=pl.CompatLevel.oldest())
+
+        def cast(table: object) -> list[np.ndarray]:
+            out = selection.empty(table.num_rows)
+            tabular._fill(table, selection, 0, path, out, 0)
+            return out
+
+        def by_columns(g: int) -> np.ndarray:
+            frame = query(g)
+            out = np.empty((frame.height, len(COLUMNS)), np.float32)
+            for k, c in enumerate(COLUMNS):
+                out[:, k] = frame.get_column(c).to_numpy()
+            return out
+
+        parts = {"query": query, "query + to_arrow": arrow, "query + to_arrow + cast": lambda g: cast(arrow(g)),
+                 "ParquetSource._decode": source._decode,
+                 "pyarrow read_row_group + cast": lambda g: cast(pq.ParquetFile(path).read_row_group(
+                     g, columns=COLUMNS, use_threads=False)),
+                 "query + to_numpy(order='c')": lambda g: query(g).to_numpy(order="c"),
+                 "query + Series.to_numpy a column": by_columns}
+        calls = {}
+        for t in threads:
+            pool = ThreadPoolExecutor(t)
+            for name, part in parts.items():
+                calls[f"{name}, {t} threads"] = lambda p=pool, f=part: list(p.map(f, range(len(spans))))
+        for call in calls.values():
+            call()  # warm
+        load = os.getloadavg()[0]
+        seconds = timed(calls, repeats)
+    print(f"{rows:,} rows x {len(COLUMNS)} float32 ({megabytes:.0f} MB decoded), {cores} cores, load {load:.1f}, "
+          f"best of {repeats}, {versions()}")
+    print_table(dict(sorted(seconds.items(), key=lambda kv: list(parts).index(kv[0].rsplit(", ", 1)[0]))),
+                megabytes, 44)
+    write_json(out_dir, f"decode_parts{'_quick' if quick else ''}.json",
+               {"rows": rows, "cores": cores, "load": load, "repeats": repeats}, seconds)
+
+
 def print_table(seconds: dict, megabytes: float, width: int) -> None:
     """One line a call: wall, CPU and the calling thread's CPU seconds, MB/s, and MB/s a thread where the
     call's name says its threads (``"..., N thread(s)"``)."""
@@ -250,6 +312,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="rows of the file (default 4·10^6, CSV 10^6; quick 2^19)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 5; quick 3)")
     parser.add_argument("--out", default=RESULTS, help="the folder of the JSON (default bench/results)")
+    parser.add_argument("--parts", action="store_true", help="the parts of ParquetSource's Polars decode on a pool")
     parser.add_argument("--only", help="comma-separated prefixes of the rows to time (default: every row)")
     args = parser.parse_args()
     rows = args.rows or (1 << 19 if args.quick else 1_000_000 if args.csv else 4_000_000)
@@ -257,6 +320,8 @@ def main() -> None:
     prefixes = args.only.split(",") if args.only else None
     if args.csv:
         return csv_main(rows, repeats, args.quick, args.out, prefixes)
+    if args.parts:
+        return parts_main(rows, repeats, args.quick, args.out)
     cores = host_cores()
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32, 64) if t < cores})
     megabytes = rows * len(COLUMNS) * 4 / 1e6
