@@ -26,8 +26,10 @@ from tests import cli, multiprocess
 
 NUM_PROCESSES = 2
 DEVICES = 2
+# No checkpoints: a recipe forms the job (saves of several processes: test_dead_peer, test_compact_checkpoint);
+# each process imports no orbax and saves nothing.
 ARGS = ("--config=configs/gram.py:quick", f"--jax_num_cpu_devices={DEVICES}", "--jax_platforms=cpu",
-        "--heartbeat_timeout=10")
+        "--heartbeat_timeout=10", "--config.checkpoint.enabled=false")
 # Variables of launchers and clusters that JAX's detection (or the recipes) read: none leaks in.
 CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "PRTE_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JOB_COMPLETION_INDEX",
                     "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS", "JAX_PROCESS")
