@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from sharded_scan.sources import IteratorSource
+from sharded_scan.sources import IteratorSource, SyntheticSource
 
 BATCH_ROWS = (97, 131, 256)  # ragged against every step size
 
@@ -57,3 +57,25 @@ def held_iterator_source() -> IteratorSource:
     """40,000 rows of 4 features; where ``$SHARDED_SCAN_TEST_HOLD`` names a file, the reader waits past row
     30,000 until that file exists: a run to kill mid-way, on a machine of any speed."""
     return iterator_source(40_000, 4, hold=os.environ.get(HOLD))
+
+
+class HeldSynthetic(SyntheticSource):
+    """:class:`SyntheticSource`'s rows; a read past row ``hold_after`` waits while ``hold`` names a file that does
+    not exist (a reader waiting for its data, as a slow store's would)."""
+
+    def __init__(self, num_rows: int, features: int, hold: str | None, hold_after: int):
+        super().__init__(num_rows, features)
+        self.hold, self.hold_after = hold, hold_after
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        while self.hold and stop > self.hold_after and not os.path.exists(self.hold):
+            time.sleep(0.01)
+        return super().read(start, stop)
+
+
+def held_synthetic_source(num_rows: int, features: int, hold_after: int) -> HeldSynthetic:
+    """The synthetic kind's rows (``SyntheticSource(num_rows, features)``, the config's defaults); where
+    ``$SHARDED_SCAN_TEST_HOLD`` names a file, this process's reader waits past row ``hold_after`` until that file
+    exists: a multi-process run one of whose processes stops reading there, to kill mid-way on a machine of any
+    speed."""
+    return HeldSynthetic(num_rows, features, os.environ.get(HOLD), hold_after)

@@ -41,7 +41,7 @@ def test_crash_and_rerun_counts_every_row_once_bitwise(tmp_path):
 
 
 def test_elastic_resume_on_another_device_count(tmp_path):
-    x = rows(1500, d=3)
+    x = rows()  # test_crash_and_rerun's rows, and test_compact_checkpoint's shapes: their programs on data:8
     hist = ss.Histogram(bins=7, range=(-2.0, 2.0))
     for combiner in (ss.Gram(), hist):
         options = ss.CheckpointOptions(str(tmp_path / type(combiner).__name__), every_steps=1)

@@ -10,12 +10,11 @@ import time
 import numpy as np
 
 import sharded_scan as ss
-from configs import gram
-from launch.data import make_source
 from launch.processes import commands, free_port
 from sharded_scan import watchdog
+from sharded_scan.sources import SyntheticSource
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, PeerWatch, Watchdog
-from tests import cli
+from tests import cli, jobs
 
 ROWS = 38400  # 64 rows per step on 2 devices: 600 steps, a checkpoint every 50 (per_job: at most 12 saves)
 # Process 0 logs every step, so a test can wait for the run to reach a row instead of sleeping.
@@ -25,11 +24,13 @@ HEARTBEAT_S = 5
 
 
 @contextlib.contextmanager
-def two_processes(tmp_path, workdir, *extra, logs="log"):
-    """Both processes of the job (one CPU device each), killed on exit whatever happens."""
-    cmds = commands([*ARGS, f"--workdir={workdir}", *extra], 2, 1, free_port())
+def two_processes(tmp_path, workdir, *extra, logs="log", args=ARGS, hold=None):
+    """Both processes of the job (one CPU device each), killed on exit whatever happens; ``hold``: the file
+    process 1's reader waits for (``tests.jobs.HOLD``)."""
+    cmds = commands([*args, f"--workdir={workdir}", *extra], 2, 1, free_port())
+    envs = [None, hold and dict(cli.env(), **{jobs.HOLD: str(hold)})]
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(cli.started(cmd, tmp_path / f"{logs}{i}")) for i, cmd in enumerate(cmds)]
+        yield [stack.enter_context(cli.started(cmd, tmp_path / f"{logs}{i}", envs[i])) for i, cmd in enumerate(cmds)]
 
 
 def wait_for_row(log_path, proc, past):
@@ -54,14 +55,26 @@ def one_line(log_path, words):
     return errors[0]
 
 
+# The killed peer's job: 100 steps of 64 rows, saves at steps 40 and 80; process 1's reader stops past row 4,000
+# (step 63) until a file that never comes, so the kill lands after the first save and before the second on a
+# machine of any speed, without 500 steps of margin to pay for.
+KILLED_ROWS, SAVE_STEPS = 6400, 40
+HELD = ("--config=configs/gram.py:quick", "--config.data.kind=python",
+        "--config.data.factory=tests.jobs:held_synthetic_source",
+        f"--config.data.factory_kwargs.num_rows={KILLED_ROWS}", "--config.data.factory_kwargs.features=64",
+        "--config.data.factory_kwargs.hold_after=4000",
+        f"--config.checkpoint.every_steps={SAVE_STEPS}", "--config.log_every_seconds=0",
+        f"--heartbeat_timeout={HEARTBEAT_S}")
+
+
 def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path):
     workdir = tmp_path / "w"
-    # One save, at step 300, then 300 steps to the end (~1 s of steps): the kill lands while the survivor
-    # steps. A peer that dies during a save's barrier is JAX's heartbeat abort (WORKSPACE.md, "When a job hangs").
-    sparse = (f"--heartbeat_timeout={HEARTBEAT_S}", "--config.checkpoint.every_steps=300")
-    with two_processes(tmp_path, workdir, *sparse) as (survivor, victim):
+    with two_processes(tmp_path, workdir, args=HELD, hold=tmp_path / "never") as (survivor, victim):
         saved = max(cli.wait_for_checkpoint(workdir, survivor))
-        wait_for_row(tmp_path / "log0", survivor, saved)  # between saves: the survivor steps again
+        assert saved == SAVE_STEPS * 64
+        # Past the save: the survivor steps again (a peer that dies during a save's barrier is JAX's heartbeat
+        # abort, WORKSPACE.md, "When a job hangs"), and cannot pass the victim's held reader.
+        wait_for_row(tmp_path / "log0", survivor, saved)
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         survivor.wait(timeout=cli.TIMEOUT)
@@ -69,14 +82,13 @@ def test_a_killed_peer_stops_the_other_in_one_line_and_a_rerun_resumes(tmp_path)
     assert survivor.returncode == EXIT_PEER_LOST, (tmp_path / "log0").read_text()[-3000:]
     print(f"survivor exited {took:.2f} s after its peer was killed")
     one_line(tmp_path / "log0", ["process 0 of 2", "lost a peer", "rerun the same command"])
-    # The same command on both processes resumes from the last checkpoint and finishes.
-    with two_processes(tmp_path, workdir, *sparse, logs="rerun") as procs:
-        config = gram.get_config("quick")  # meanwhile, the uninterrupted result here
-        config.data.num_rows = ROWS
-        want = ss.run(ss.Gram(), make_source(config.data), mesh="data:2", microbatch=16, steps_per_call=2)
+    # The same command on both processes (the reader no longer held) resumes from the last checkpoint and finishes.
+    with two_processes(tmp_path, workdir, args=HELD, logs="rerun") as procs:
+        # meanwhile, the uninterrupted result here: the same rows, mesh and steps
+        want = ss.run(ss.Gram(), SyntheticSource(KILLED_ROWS, 64), mesh="data:2", microbatch=16, steps_per_call=2)
         assert [p.wait(timeout=cli.TIMEOUT) for p in procs] == [0, 0]
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["resumed_from_cursor"] is not None and summary["rows_this_run"] < ROWS
+    assert summary["resumed_from_cursor"] == saved and summary["rows_this_run"] == KILLED_ROWS - saved
     np.testing.assert_array_equal(cli.result(workdir)["result"], want)  # every row once
 
 

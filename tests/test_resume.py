@@ -1,8 +1,10 @@
 """Kill, preempt and resume through the CLI: exactly-once, bitwise, on other device counts."""
 
 import concurrent.futures
+import re
 import shutil
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -14,10 +16,15 @@ from sharded_scan.workdir import named_arrays
 from tests import cli, jobs
 from tests.jobs import iterator_source
 
-# ~150 steps of 512 rows on 4 devices, a checkpoint every 10 steps.
+# 40 steps of 512 rows on 4 devices, a checkpoint every 5 steps; where the environment names a hold file, the
+# reader stops past row 14,000 (step 28) until that file exists: a run killed mid-stream on a machine of any speed.
+ROWS = 20480
 ARGS = (
-    "--config=configs/histogram.py:quick", "--config.data.num_rows=80000", "--config.microbatch=64",
-    "--config.checkpoint.every_steps=10", "--config.checkpoint.keep=3",
+    "--config=configs/histogram.py:quick", "--config.data.kind=python",
+    "--config.data.factory=tests.jobs:held_synthetic_source", f"--config.data.factory_kwargs.num_rows={ROWS}",
+    "--config.data.factory_kwargs.features=16", "--config.data.factory_kwargs.hold_after=14000",
+    "--config.microbatch=64", "--config.checkpoint.every_steps=5", "--config.checkpoint.keep=3",
+    "--config.log_every_seconds=0",
 )
 
 
@@ -29,9 +36,10 @@ def whole_run(config, source=None) -> dict[str, np.ndarray]:
 
 
 def uninterrupted_run() -> dict[str, np.ndarray]:
-    """ARGS' job, whole (histogram counts are integers, the same on any split)."""
+    """ARGS' job, whole: the synthetic kind's rows, which its factory reads (histogram counts are integers, the
+    same on any split)."""
     config = histogram.get_config("quick")
-    config.data.num_rows, config.microbatch = 80000, 64
+    config.data.num_rows, config.microbatch = ROWS, 64
     return whole_run(config)
 
 
@@ -43,37 +51,49 @@ def uninterrupted():
         yield run.result
 
 
-def test_sigkill_mid_stream_then_rerun_is_bitwise_and_elastic(tmp_path, uninterrupted):
-    killed = tmp_path / "killed"
-    with cli.started(cli.main_cmd(*ARGS, f"--workdir={killed}"), tmp_path / "log") as proc:
+def held(hold_file) -> dict[str, str]:
+    """The launcher's environment with the reader held past row 14,000 until ``hold_file`` exists."""
+    return dict(cli.env(), **{jobs.HOLD: str(hold_file)})
+
+
+def wait_for_a_step(log_path, proc) -> None:
+    """Waits until the run logged a finished step (fails when it ends first or after ``cli.TIMEOUT`` s)."""
+    deadline = time.monotonic() + cli.TIMEOUT
+    while not re.search(r"\] step \d+/\d+  rows ", log_path.read_text()):
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before a step"
+        assert time.monotonic() < deadline, f"no step after {cli.TIMEOUT} s"
+        time.sleep(0.05)
+
+
+def test_sigkill_then_sigterm_mid_stream_then_rerun_is_bitwise_and_elastic(tmp_path, uninterrupted):
+    killed, release = tmp_path / "killed", tmp_path / "release"
+    with cli.started(cli.main_cmd(*ARGS, f"--workdir={killed}"), tmp_path / "log", held(release)) as proc:
         found = cli.wait_for_checkpoint(killed, proc, at_least=2)
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)  # before row 14,000: the reader holds there
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert found[-1] < 80000
+    assert found[-1] < ROWS
     elastic = tmp_path / "elastic"
     shutil.copytree(killed, elastic)
-    # The rerun, and the same checkpoint resumed on 3 devices (4 partials folded, laid out over 3).
+    # The rerun resumes, steps, and is preempted: SIGTERM saves and exits 0 (the reader let go only after the
+    # signal, so the job cannot end before it).
+    with cli.started(cli.main_cmd(*ARGS, f"--workdir={killed}"), tmp_path / "log2", held(release)) as proc:
+        wait_for_a_step(tmp_path / "log2", proc)
+        proc.send_signal(signal.SIGTERM)
+        release.touch()
+        assert proc.wait(timeout=60) == 0
+    out = (tmp_path / "log2").read_text()
+    assert "rerun the same command to resume" in out, out
+    assert not (killed / "result.npz").exists()
+    # The rerun after the SIGTERM, and the killed run's checkpoint resumed on 3 devices (4 partials folded, laid
+    # out over 3).
     again, other = cli.run_all([cli.main_cmd(*ARGS, f"--workdir={killed}"),
                                 cli.main_cmd(*ARGS, f"--workdir={elastic}", devices=3)])
     assert again.returncode == 0, again.stderr
+    assert cli.summary(killed)["resumed_from_cursor"] > found[-1]  # from the SIGTERM's save
     cli.assert_same(cli.result(killed), uninterrupted())  # bitwise: every row counted once
     assert other.returncode == 0, other.stderr
     cli.assert_same(cli.result(elastic), uninterrupted())  # histogram counts are integers: exact
-
-
-def test_sigterm_saves_exits_zero_and_resume_is_bitwise(tmp_path, uninterrupted):
-    workdir = tmp_path / "w"
-    with cli.started(cli.main_cmd(*ARGS, f"--workdir={workdir}"), tmp_path / "log") as proc:
-        cli.wait_for_checkpoint(workdir, proc, at_least=1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    out = (tmp_path / "log").read_text()
-    assert "rerun the same command to resume" in out, out
-    assert not (workdir / "result.npz").exists()
-    again = cli.run(cli.main_cmd(*ARGS, f"--workdir={workdir}"))
-    assert again.returncode == 0, again.stderr
-    cli.assert_same(cli.result(workdir), uninterrupted())
 
 
 ITERATOR_ARGS = (
