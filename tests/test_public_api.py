@@ -23,7 +23,8 @@ CONTRACT = [
 ROOT = pathlib.Path(ss.__file__).parent.parent
 PACKAGES = ("sharded_scan", "launch", "configs")  # what setup.cfg installs
 # Exceptions the library raises but catches itself, never reaching a user.
-CAUGHT_INSIDE = {"Damaged"}  # checkpoint_store: a damaged checkpoint, set aside by the restore
+CAUGHT_INSIDE = {"Damaged", "UnkeyableError"}  # checkpoint_store: a damaged checkpoint, set aside by the restore;
+# executables: a job the job-keyed cache cannot key (its step is traced)
 # Standard-library names the code may use, and the Python that brought them (3, minor).
 NEWER_STDLIB = {"StrEnum": 11, "tomllib": 11, "Self": 11, "ExceptionGroup": 11, "TaskGroup": 11,
                 "batched": 12, "override": 12, "TypeAliasType": 12}
