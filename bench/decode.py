@@ -238,8 +238,9 @@ def csv_main(rows: int, repeats: int, quick: bool, out_dir: str, prefixes: list[
 
 def parts_main(rows: int, repeats: int, quick: bool, out_dir: str) -> None:
     """``--parts``: where ``ParquetSource``'s Polars decode stops scaling. Every row group on a pool of ``t``
-    threads, t = 1, 2, 4, ... cores, through each part of ``ParquetSource._decode`` in turn (the query; then
-    ``to_arrow``; then ``_fill``'s cast into the rows' layout: the whole decode), pyarrow's ``read_row_group``
+    threads, t = 1, 2, 4, ... cores, through each part of ``ParquetSource._decode``'s Arrow route in turn (the
+    query; then ``to_arrow``; then ``_fill``'s cast into the rows' layout), the whole ``_decode`` (numbers: the
+    query, then ``_fill_arrays``'s cast of Polars' own arrays), pyarrow's ``read_row_group``
     with the same cast, and two casts Polars makes itself (``DataFrame.to_numpy(order="c")``; each column's
     ``Series.to_numpy`` into one row-major array)."""
     if pl is None or pa is None:

@@ -54,6 +54,11 @@ def same_rows(a, b):
     (["f32", "nan_or_null", "int_null"], "float32"),  # integer nulls as NaN
     ((["f64", "i64"], "f32"), "float64"),  # a pytree of selections
     ("text", None), (["text", "big_text"], None), ("big_text", "int32"),  # string ids
+    # numpy's unsafe casts from Polars' own arrays: NaN and inf into int32, int64/uint64 wrapped into int8,
+    # nulls into float16, integer nulls into float64, a column twice in one leaf and again in another
+    pytest.param(["f64", "f32"], "int32", marks=pytest.mark.filterwarnings("ignore:invalid value encountered")),
+    (["i64", "u64"], "int8"), (["nan_or_null", "f32"], "float16"),
+    ((["f32", "f32"], "int_null", ["i8", "f64", "i8"]), "float64"),
 ])
 def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns, dtype):
     path = tmp_path / "edges.parquet"
@@ -74,6 +79,25 @@ def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns,
     for start in range(100, 1000, 100):  # one process's part of each step: the others' rows skipped, in one scan
         same_rows(polars.read(start, start + 30, 40), arrow.read(start, start + 30, 40))
     assert polars._stream is scan
+
+
+def test_polars_numbers_are_cast_from_polars_arrays_not_through_arrow(tmp_path, monkeypatch):
+    """Numbers decoded by Polars are cast from its own arrays (the GIL released: the pool scales), not converted
+    to Arrow and cast by ``_fill``; integer nulls into float32 (pyarrow's chunks round them through float64 or
+    not: the row groups holding one) and strings still go through Arrow."""
+    path = tmp_path / "edges.parquet"
+    pq.write_table(edge_table(), path, row_group_size=128)
+    numbers = (["f64", "f32", "i64", "u64", "flag", "nan_or_null"], "float32")
+    want = ParquetSource(path, columns=numbers[0], dtype=numbers[1], decoder="pyarrow").read(0, ROWS)
+    via_arrow = []
+    fill = tabular._fill
+    monkeypatch.setattr(tabular, "_fill", lambda table, *args: via_arrow.append(table.num_rows) or fill(table, *args))
+    same_rows(ParquetSource(path, columns=numbers[0], dtype=numbers[1], decoder="polars").read(0, ROWS), want)
+    assert via_arrow == []
+    for columns, dtype, rows in [(["f32", "int_null"], "float32", [128, 128, 104]), ("text", None, [128] * 7 + [104])]:
+        ParquetSource(path, columns=columns, dtype=dtype, decoder="polars").read(0, ROWS)
+        assert via_arrow == rows  # int_null's nulls: in row groups 0, 1 and the last
+        via_arrow.clear()
 
 
 def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):

@@ -405,16 +405,32 @@ def _fill_block(table: Any, selection: Selection, first_row: int, where: str, ou
                 _fill_chunk(chunk, name, selection, place, first_row + at, where)
             at += len(chunk)
 
-    rows = slice(offset, offset + table.num_rows)
+    for name, place in _places(selection, out, slice(offset, offset + table.num_rows)):
+        column(name, place)
+
+
+def _places(selection: Selection, out: list[np.ndarray], rows: slice) -> Iterator[tuple[str, np.ndarray]]:
+    """Each selected column's name and its place in ``out``'s ``rows``: a scalar leaf, or its columns in a
+    vector leaf, in the selection's order (a column named twice: twice)."""
     for chosen, leaf in zip(_leaves(selection.columns)[0], out, strict=True):
         if isinstance(chosen, str):
-            column(chosen, leaf[rows])
+            yield chosen, leaf[rows]
             continue
         at = 0
         for name in chosen:
             k = selection.widths.get(name)
-            column(name, leaf[rows, at] if k is None else leaf[rows, at : at + k])
+            yield name, (leaf[rows, at] if k is None else leaf[rows, at : at + k])
             at += k or 1
+
+
+def _fill_arrays(columns: dict[str, np.ndarray], selection: Selection, out: list[np.ndarray]) -> None:
+    """Writes whole numpy columns (``{name: values}``, every row of ``out``) into ``out`` in blocks of
+    ``FILL_BLOCK_ROWS`` rows, as :func:`_fill` writes Arrow chunks: ``np.copyto`` (``casting="unsafe"``), one
+    call a column a block, each releasing the GIL while it casts (so a pool of threads casts in parallel)."""
+    for lo in range(0, len(out[0]) if out else 0, FILL_BLOCK_ROWS):
+        block = slice(lo, lo + FILL_BLOCK_ROWS)
+        for name, place in _places(selection, out, block):
+            np.copyto(place, columns[name][block], casting="unsafe")
 
 
 def _fill_chunk(chunk: Any, name: str, selection: Selection, place: np.ndarray, first_row: int, where: str) -> None:
@@ -755,14 +771,23 @@ class ParquetSource(Source):
 
     def _decode(self, unit: int) -> _Rows:
         """Row group ``unit``'s rows in the layout a read returns (one aligned array a leaf), decoded by Polars
-        (its rows by their place in the file) into the Arrow types pyarrow gives (strings as ``large_string``)
-        and cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
+        (its rows by their place in the file). Numbers are cast from Polars' own arrays (:meth:`_polars_columns`,
+        :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key column's nulls, integer
+        nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives (strings as ``large_string``),
+        and are cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
         for this row group."""
         pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
         path, first, rows = self._spans[unit]
+        table = None
         try:
             frame = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names).slice(first, rows)
-            table = frame.collect().to_arrow(compat_level=pl.CompatLevel.oldest())
+            frame = frame.collect()
+            columns = self._polars_columns(frame, rows)
+            if columns is not None:
+                out = self._selection.empty(rows)
+                _fill_arrays(columns, self._selection, out)
+                return _Rows(out)
+            table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
         except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -773,6 +798,34 @@ class ParquetSource(Source):
         out = self._selection.empty(rows)
         _fill(table, self._selection, int(self._starts[unit]), path, out, 0)
         return _Rows(out)
+
+    def _polars_columns(self, frame: Any, rows: int) -> dict[str, np.ndarray] | None:
+        """The selected columns of a Polars ``frame`` as numpy arrays (``Series.to_numpy``: no copy where a column
+        has no null) that :func:`_fill_arrays` casts into exactly the values :func:`_fill` casts pyarrow's chunks
+        of them into: the same numpy dtype, the same ``np.copyto``. None where that is not certain: strings (ids),
+        a key column's nulls, a type Polars read otherwise, and nulls but those a float dtype reads as NaN from a
+        float column or, into float64, from an integer one (pyarrow makes a chunk of integers with nulls float64
+        first, one without none: the same values only in float64); an integer dtype's nulls go to ``_fill``,
+        which refuses them in one line."""
+        selection, schema, pl = self._selection, self._dataset.schema, _polars()
+        if selection.strings or selection.widths or selection.null_as is not None or frame.height != rows:
+            return None
+        columns = {}
+        for name in selection.names():
+            series = frame.get_column(name)
+            want = np.dtype(schema.field(name).type.to_pandas_dtype())
+            if series.dtype != pl.Series(values=np.empty(0, want)).dtype:
+                return None
+            if series.null_count():
+                if not (np.issubdtype(selection.dtype, np.floating) and (
+                        want.kind == "f" or (want.kind in "iu" and selection.dtype == np.float64))):
+                    return None
+                want = want if want.kind == "f" else np.dtype(np.float64)
+            values = series.to_numpy()
+            if values.dtype != want or len(values) != rows:
+                return None
+            columns[name] = values
+        return columns
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": self._where, "columns": repr(self._selection.columns),
