@@ -5,7 +5,10 @@ fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs wit
     python bench/fixed_order.py --only "d=96" --scale 0.25   # the d=96 jobs on a quarter of the rows
 
 Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
-runs of a job interleaved so that machine noise hits them alike.
+runs of a job interleaved so that machine noise hits them alike; and the ratio of the process's CPU
+seconds (all threads; best of the repeats), which a machine shared with other work moves less.
+
+    PYTHONPATH=/path/to/other/checkout python bench/fixed_order.py   # the same jobs on other code
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="times each job's rows")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'job':24s} {'rows/s':>12s} {'rows/s logical_shards=8':>24s} {'ratio':>7s}")
+    print(f"{'job':24s} {'rows/s':>12s} {'rows/s logical_shards=8':>24s} {'ratio':>7s} {'cpu ratio':>9s}")
     for name, (combiner, d, n, target) in JOBS.items():
         if args.only not in name:
             continue
@@ -48,14 +51,17 @@ def main() -> None:
         x = (3 + rng.normal(size=(n, d))).astype(np.float32)
         data = (x, x[:, 0] + 1) if target else x
         best = {None: float("inf"), 8: float("inf")}
+        cpu = dict(best)
         for shards in best:  # warm-up: compiles
             ss.run(combiner, data, logical_shards=shards)
         for _ in range(args.repeats):
             for shards in best:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 ss.run(combiner, data, logical_shards=shards)
                 best[shards] = min(best[shards], time.perf_counter() - start)
-        print(f"{name:24s} {n / best[None]:12.3g} {n / best[8]:24.3g} {best[None] / best[8]:7.2f}", flush=True)
+                cpu[shards] = min(cpu[shards], time.process_time() - start_cpu)
+        print(f"{name:24s} {n / best[None]:12.3g} {n / best[8]:24.3g} {best[None] / best[8]:7.2f} "
+              f"{cpu[None] / cpu[8]:9.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,19 @@ row (column) of a block rounded to a grid of 22 bits below its largest magnitude
 float64 matmul sums integers below 2^53, exact in whatever order the kernel adds them (threads,
 caches, FMA or not); the blocks added in index order, rounded once (:func:`exact_block_dot`). The
 hardware's matmul does the work, so it costs about what a float64 matmul costs; the engine uses it
-only where it promises bitwise results (``logical_shards`` on CPU). float64 products are added
-one contraction index after another instead (slower: elementwise loops).
+only where it promises bitwise results (``logical_shards`` on CPU). A Gram ``xᵀ x`` rounds each
+column once and computes three of its four column-half blocks (:func:`ordered_gram`, the same bits).
+float64 products are added one contraction index after another instead (slower: elementwise loops).
+A float32 sum is a fixed pairwise tree of float64 adds (:func:`tree_sum64`); QR's R a blocked
+Householder QR whose updates are such products (:func:`ordered_qr_r`).
+
+Not float32 matmuls: a block's products summed exactly in float32 need ``2 b + log2(BLOCK) <= 24``
+for operands of ``b`` bits (integers below ``2^b``: each product below ``2^(2b)``, a block's ``BLOCK`` of
+them below ``2^(2b + log2 BLOCK)``, and float32 holds every integer below ``2^24`` exactly, none above
+for certain), so ``b = 8`` at ``BLOCK = 256`` (a relative rounding of ``2^-8`` per operand), and
+still ``b = 10`` at ``BLOCK = 16`` (then 16 partial matrices to add a micro-batch). The 22 bits kept
+here would take operands cut into 8-bit slices: 6 float32 matmuls to keep every term above ``2^-22``,
+against one float64 matmul at 1.5-2x the cost of one float32 matmul (measured on XLA:CPU, AVX-512).
 
 It fails closed: every primitive of ``fn`` (inside loops, branches and calls) is one it
 rewrites with roundings the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
@@ -107,7 +118,6 @@ EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloa
 # exact_block_dot: contraction indices a block (one float64 matmul), and the bits each operand keeps below its
 # block's largest magnitude: BITS + BITS + log2(BLOCK) <= 53, so every partial sum of a block is exact.
 BLOCK, BITS = 256, 22
-SUM_BITS = 53 - (BLOCK.bit_length() - 1)  # exact_block_sum: no products, the values keep 45 bits
 
 
 def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
@@ -142,6 +152,49 @@ def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
     for block in range(1, blocks):  # in block order: the program's own adds, which XLA keeps
         acc = acc + sums[:, block]
     return jnp.where(acc == 0, 0.0, acc).astype(dtype)  # +0 whatever the matmul's zero sign; rounded once
+
+
+def ordered_gram(x: jax.Array) -> jax.Array:
+    """``xᵀ x`` (``x``: ``(k, d)``, float32 or narrower), bitwise :func:`exact_block_dot`'s ``(xᵀ, x)``: each
+    column of a block rounded to its grid once (the product's left rows are its right columns, on the same
+    grids), and each block's sums (integers, exact) computed for the blocks of columns on and above the diagonal
+    (:data:`GRAM_HALVES`), the rest their transposes: every entry is the same exact sum, computed once."""
+    k, d = x.shape
+    if k == 0:
+        return jnp.zeros((d, d), x.dtype)
+    with jax.enable_x64(True):
+        blocks = max(1, -(-k // BLOCK))
+        pad = blocks * BLOCK - k if blocks > 1 else 0
+        values = jnp.pad(x.astype(np.float64), ((0, pad), (0, 0))).reshape(blocks, (k + pad) // blocks, d)
+        scale, unit = _grid(_largest_finite(values, axis=1), BITS)  # (blocks, d)
+        q = jax.lax.round(values * scale[:, None, :], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        sums = _symmetric_products(q, 2 if d >= GRAM_HALVES else 1)  # (blocks, d, d): exact
+        sums = sums * unit[:, :, None] * unit[:, None, :]  # as exact_block_dot's, in its order: the same bits
+        acc = sums[0]
+        for block in range(1, blocks):  # in block order
+            acc = acc + sums[block]
+        return jnp.where(acc == 0, 0.0, acc).astype(x.dtype)
+
+
+# ordered_gram splits a Gram at least this wide into two halves of columns and computes three of the four
+# blocks (the float64 matmul is most of its time): d=96 0.107-0.111 CPU-ms a 256-row block against 0.132-0.147
+# whole; at d=256 no faster (0.84-0.88 against 0.86-0.89).
+GRAM_HALVES = 64
+
+
+def _symmetric_products(q: jax.Array, parts: int) -> jax.Array:
+    """``qᵀ q`` per leading block (exact sums of integers below 2^53, so each block of the result is the same
+    whichever matmul computes it): the blocks on and above the diagonal of ``parts`` column groups computed."""
+    d = q.shape[2]
+    if parts == 1:
+        return jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,))))
+    edges = [d * i // parts for i in range(parts + 1)]
+    cols = [q[:, :, edges[i] : edges[i + 1]] for i in range(parts)]
+    product = {(i, j): jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,))))
+               for i in range(parts) for j in range(i, parts)}
+    rows = [jnp.concatenate([product[i, j] if j >= i else jnp.swapaxes(product[j, i], 1, 2) for j in range(parts)],
+                            axis=2) for i in range(parts)]
+    return jnp.concatenate(rows, axis=1)
 
 
 def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
@@ -294,10 +347,25 @@ def _evaluate(closed: ClosedJaxpr, args: list) -> list:
 
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    transposed = {}  # a matrix's transpose's variable: the matrix's (xᵀ x, a Gram: ordered_gram)
     for eqn in jaxpr.eqns:
-        outs = _apply(eqn, [read(v) for v in eqn.invars])
+        gram = _gram_of(eqn, transposed)
+        outs = [ordered_gram(env[gram])] if gram is not None else _apply(eqn, [read(v) for v in eqn.invars])
+        if eqn.primitive.name == "transpose" and eqn.params["permutation"] == (1, 0):
+            transposed[eqn.outvars[0]] = eqn.invars[0]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _gram_of(eqn, transposed: dict):
+    """The variable ``x`` when ``eqn`` is the float32 (or narrower) ``xᵀ x`` of a matrix ``x``, else None."""
+    if eqn.primitive.name != "dot_general" or eqn.params["dimension_numbers"] != (((1,), (0,)), ((), ())):
+        return None
+    left, right = eqn.invars
+    dtype = np.dtype(eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype)
+    if isinstance(left, Literal) or transposed.get(left) is not right or dtype not in EXACT_IN_FLOAT64:
+        return None
+    return right if right.aval.dtype == eqn.outvars[0].aval.dtype else None
 
 
 def _as_fn(closed: ClosedJaxpr) -> Callable:
@@ -338,7 +406,7 @@ def _apply(eqn, invals: list) -> list:
 
 
 def ordered_sum(x: jax.Array, axes) -> jax.Array:
-    """``x`` summed over ``axes`` with every rounding fixed by the code (:func:`exact_block_sum`)."""
+    """``x`` summed over ``axes`` with every rounding fixed by the code (:func:`tree_sum64`)."""
     axes = tuple(axes)
     keep = [d for d in range(x.ndim) if d not in axes]
     k = math.prod(x.shape[a] for a in axes)
@@ -349,9 +417,9 @@ def ordered_sum(x: jax.Array, axes) -> jax.Array:
         return ordered_dot_general(x, ones, ((axes, tuple(range(len(axes)))), ((), ())))
     if k == 0:
         return jnp.zeros(out_shape, dtype)
-    with jax.enable_x64(True):
-        rows = jnp.transpose(x, (*keep, *axes)).reshape(math.prod(out_shape), k).astype(np.float64)
-        return exact_block_sum(rows).astype(dtype).reshape(out_shape)
+    with jax.enable_x64(True):  # the summed axes first: no transpose for a column sum, reduced along rows
+        columns = jnp.transpose(x, (*axes, *keep)).reshape(k, math.prod(out_shape)).astype(np.float64)
+        return tree_sum64(columns).astype(dtype).reshape(out_shape)
 
 
 def _reduce(params: dict, invals: list) -> list:
@@ -406,21 +474,17 @@ def _scatter_add_in_order(params: dict, operand: jax.Array, indices: jax.Array, 
     return jax.lax.scan(add_one, _varying_like(operand, indices, updates), (indices, updates), unroll=8)[0]
 
 
-def exact_block_sum(rows: jax.Array) -> jax.Array:
-    """The sums of ``rows`` ``(m, k)`` (float64 holding float32 or narrower values) as :func:`exact_block_dot`
-    sums products: in blocks of :data:`BLOCK` values, each row's values of a block rounded to
-    :data:`SUM_BITS` bits below their largest magnitude's power of two (so the block's sum is exact in any
-    order), blocks added in index order. Non-finite values as IEEE's sum; an exact zero is +0."""
-    m, k = rows.shape
-    blocks = max(1, -(-k // BLOCK))
-    pad = blocks * BLOCK - k if blocks > 1 else 0
-    values = jnp.pad(rows, ((0, 0), (0, pad))).reshape(m, blocks, (k + pad) // blocks)
-    scale, unit = _grid(_largest_finite(values, axis=2), SUM_BITS)
-    # exact in any order; a NaN or inf stays one, and IEEE's NaN or +-inf comes out of any order alike
-    sums = jnp.sum(jax.lax.round(values * scale[..., None], jax.lax.RoundingMethod.TO_NEAREST_EVEN), axis=2) * unit
-    acc = sums[:, 0]
-    for block in range(1, blocks):  # in block order
-        acc = acc + sums[:, block]
+def tree_sum64(columns: jax.Array) -> jax.Array:
+    """The sums of ``columns`` ``(k, m)`` over their first axis (float64 holding float32 or narrower values):
+    :func:`_tree_sum`'s fixed pairwise tree of float64 adds, the program's own, which XLA keeps (no product
+    reaches them: a float32 product is converted first, so nothing is contracted into an FMA). Each of the
+    ``ceil(log2 k)`` levels rounds by at most 2^-53 of what it adds, so the error is at most
+    ``ceil(log2 k) 2^-53 sum|x|``: below exact blocks rounded to 45 bits under their largest (the
+    formulation before, ``256 * 2^-46 max|x|`` a block) and below float32's half ulp unless the terms cancel to
+    2^-20 of ``sum|x|``. Non-finite values as IEEE's sum (any order gives it); an exact zero is +0. One pass,
+    where the blocks rounded to a grid cost a pass for the largest, one to round, and the sum: a Covariance
+    ``add`` at d=96 0.277 -> 0.20 CPU-ms a 256-row micro-batch."""
+    acc = _tree_sum(columns)
     return jnp.where(acc == 0, 0.0, acc)
 
 
@@ -436,35 +500,101 @@ def _tree_sum(terms: jax.Array) -> jax.Array:
     return terms[0]
 
 
-def ordered_qr_r(a: jax.Array, full_matrices: bool = False) -> jax.Array:
-    """The R of ``a``'s QR decomposition by Householder reflections (LAPACK's ``geqr2`` and its signs:
-    ``R[j, j] = -sign(alpha) ‖x‖``), every sum in :func:`_tree_sum`'s fixed order: the R XLA:CPU's
-    LAPACK call computes to rounding, the same on every split and machine. Batched over leading axes."""
+# ordered_qr_r: columns a panel of Householder reflections holds (factored one column after another), whose
+# product then updates the columns to its right in three matrix products (LAPACK's geqrf, compact WY). One column
+# at a time over the whole matrix cost about 290 CPU-ms for a (514, 258) float32 R, a young LinearRegression shard's
+# micro-batch at d=256 (each of its 258 reflections passes over every column); panels of 8, 20-30 ms. The panels
+# are one loop, not one program each (unrolled, 17 panels of 16 compiled in 18.6 CPU-s, the loop in 1.4).
+QR_PANEL = 8
+
+
+def ordered_qr_r(a: jax.Array, full_matrices: bool = False, panel: int = QR_PANEL) -> jax.Array:
+    """The R of ``a``'s QR decomposition by Householder reflections (LAPACK's ``geqrf`` and its signs:
+    ``R[j, j] = -sign(alpha) ‖x‖``), every rounding fixed by the code: the R XLA:CPU's LAPACK call computes to
+    rounding, the same on every split and machine. Blocked as LAPACK's: ``panel`` columns at a time factored by
+    :func:`_householder_panel` (sums in :func:`_tree_sum`'s order), their reflections ``I - V T Vᵀ`` applied to the
+    columns to their right by :func:`ordered_dot_general`'s products. Batched over leading axes."""
     if a.ndim > 2:
-        return jax.vmap(lambda x: ordered_qr_r(x, full_matrices))(a)
+        return jax.vmap(lambda x: ordered_qr_r(x, full_matrices, panel))(a)
+    m, n = a.shape
+    k = min(m, n)
+    width = min(panel, k) if k else 1
+    panels = -(-k // width)
+    padded = jnp.pad(a, ((0, 0), (0, panels * width - n))) if panels * width > n else a  # zero columns: no act
+    cols = jnp.arange(padded.shape[1])[None, :]
+
+    def one(i, a):
+        p = i * width
+        factored, v, tau = _householder_panel(jax.lax.dynamic_slice_in_dim(a, p, width, axis=1), p)
+        a = jax.lax.dynamic_update_slice_in_dim(a, factored, p, axis=1)
+        # Hw..H1 C = (I - V Tᵀ Vᵀ) C for the columns right of the panel (V is 0 above row p, so rows above
+        # stay; the columns left of it are 0 from row p down, so VᵀC is 0 there)
+        update = _ordered_matmul(v, _small_matmul(_wy_factor(v, tau).T, _ordered_matmul(v.T, a)))
+        return jnp.where(cols >= p + width, a - update, a)
+
+    r = jnp.triu(jax.lax.fori_loop(0, panels, one, padded)[:, :n])
+    return r if full_matrices else r[:k]
+
+
+def _ordered_matmul(left: jax.Array, right: jax.Array) -> jax.Array:
+    return ordered_dot_general(left, right, (((1,), (0,)), ((), ())))
+
+
+def _small_matmul(left: jax.Array, right: jax.Array) -> jax.Array:
+    """``left @ right`` as elementwise products summed in :func:`_tree_sum`'s order (few products: less to
+    compile than :func:`exact_block_dot`'s)."""
+    return _tree_sum(left.T[:, :, None] * right[:, None, :])
+
+
+def _householder_panel(a: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``a`` (m, w), the columns from ``offset`` on of a matrix whose rows above ``offset`` are done, reduced by
+    its Householder reflections one column after another (LAPACK's ``geqr2``), each sum in :func:`_tree_sum`'s
+    order: ``(a reduced, V, tau)``, ``H_j = I - tau_j v_j v_jᵀ``, ``v_j`` ``V``'s column ``j`` (1 at row
+    ``offset + j``, 0 above)."""
     m, n = a.shape
     rows, cols = jnp.arange(m)[:, None], jnp.arange(n)[None, :]
 
-    def reflect(j, a):
+    def reflect(j, carry):
+        a, vs, taus = carry
+        row = offset + j
         column = jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False)
-        alpha = jax.lax.dynamic_index_in_dim(column, j, keepdims=False)
-        x = jnp.where(rows[:, 0] > j, column, 0)
+        alpha = jax.lax.dynamic_index_in_dim(column, row, keepdims=False)
+        x = jnp.where(rows[:, 0] > row, column, 0)
         scale = jnp.max(jnp.abs(x))
         scaled = x / jnp.where(scale > 0, scale, 1)
         norm = scale * jnp.sqrt(_tree_sum(scaled * scaled))  # no overflow for large entries, as LAPACK's snrm2
-        acts = norm != 0  # NaN too: it propagates as LAPACK's does
+        acts = (norm != 0) & (row < m)  # NaN too: it propagates as LAPACK's does
         beta = jnp.where(acts, -jnp.copysign(jnp.hypot(alpha, norm), alpha), alpha)
-        tau = (beta - alpha) / jnp.where(acts, beta, 1)
-        v = jnp.where(rows[:, 0] == j, 1, jnp.where(acts & (rows[:, 0] > j), x / jnp.where(acts, alpha - beta, 1), 0))
-        below = jnp.where(rows >= j, a, 0)
+        tau = jnp.where(acts, (beta - alpha) / jnp.where(acts, beta, 1), 0)
+        v = jnp.where(rows[:, 0] == row, 1,
+                      jnp.where(acts & (rows[:, 0] > row), x / jnp.where(acts, alpha - beta, 1), 0)).astype(a.dtype)
+        below = jnp.where(rows >= row, a, 0)
         w = _tree_sum(v[:, None] * below)
         updated = a - tau * (v[:, None] * w[None, :])
-        a = jnp.where(acts & (rows >= j) & (cols > j), updated, a)
-        new_column = jnp.where(rows[:, 0] == j, beta, jnp.where(rows[:, 0] > j, 0, column))
-        return jax.lax.dynamic_update_index_in_dim(a, new_column[:, None], j, axis=1)
+        a = jnp.where(acts & (rows >= row) & (cols > j), updated, a)
+        new_column = jnp.where(rows[:, 0] == row, beta, jnp.where(rows[:, 0] > row, 0, column))
+        a = jax.lax.dynamic_update_index_in_dim(a, new_column[:, None], j, axis=1)
+        vs = jax.lax.dynamic_update_index_in_dim(vs, v[:, None], j, axis=1)
+        return a, vs, jax.lax.dynamic_update_index_in_dim(taus, tau.astype(a.dtype), j, axis=0)
 
-    r = jnp.triu(jax.lax.fori_loop(0, min(m, n), reflect, a))
-    return r if full_matrices else r[: min(m, n)]
+    zeros = jnp.zeros_like(a)  # varies as a does inside shard_map
+    return jax.lax.fori_loop(0, min(m, n), reflect, (a, zeros, zeros[0]))
+
+
+def _wy_factor(v: jax.Array, tau: jax.Array) -> jax.Array:
+    """The upper triangular ``T`` with ``H_1 H_2 .. H_w = I - V T Vᵀ`` (LAPACK's ``larft``, forward, columnwise):
+    ``T[:j, j] = -tau_j T[:j, :j] (V[:, :j]ᵀ v_j)``, ``T[j, j] = tau_j``; ``VᵀV`` by one ordered product."""
+    w = tau.shape[0]
+    s = _small_matmul(v.T, v)
+    index = jnp.arange(w)
+
+    def column(j, t):
+        sj = jnp.where(index < j, jax.lax.dynamic_index_in_dim(s, j, axis=1, keepdims=False), 0)
+        tj = jax.lax.dynamic_index_in_dim(tau, j, keepdims=False)
+        new = jnp.where(index == j, tj, jnp.where(index < j, -tj * _tree_sum((t * sj[None, :]).T), 0))
+        return jax.lax.dynamic_update_index_in_dim(t, new[:, None], j, axis=1)
+
+    return jax.lax.fori_loop(0, w, column, jnp.zeros_like(s))
 
 
 def _scan(params: dict, invals: list) -> list:

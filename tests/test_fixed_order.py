@@ -17,7 +17,6 @@ from sharded_scan.fixed_order import (
     BLOCK,
     FOLLOWED,
     ORDER_FREE,
-    SUM_BITS,
     fixed_order,
     ordered_dot_general,
     ordered_qr_r,
@@ -90,6 +89,15 @@ def test_a_gram_block_is_the_same_function_of_its_columns_as_the_whole(k):
     exact = x.astype(np.float64).T @ x.astype(np.float64)  # within the bound exact_block_dot's docstring says
     bound = 2.0 ** -BITS * 2 * np.abs(x).max(0)[:, None] * np.abs(x).sum(0)[None, :] * 2 + np.abs(exact) * 2.0**-24
     assert (np.abs(whole - exact) <= bound + bound.T).all()
+    if k == 600:  # xᵀx in a program: each column rounded once, three of four column-half blocks: the same bits
+        y = rows(k, 70, seed=1)
+        y[::5, 60] *= 2.0**-30
+        y[7, 2], y[9, 65] = np.inf, np.nan
+        gram = np.asarray(jax.jit(fixed_order(lambda y: y.T @ y))(y))
+        np.testing.assert_array_equal(gram, np.asarray(jax.jit(lambda y: ordered_dot_general(y, y, dims))(y)))
+        sums = np.asarray(jax.jit(fixed_order(lambda y: y.sum(0)))(y))  # the float64 tree, column by column
+        np.testing.assert_array_equal(sums, tree_sum(y))
+        np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(lambda y: y.sum(0)))(y[:, 3:5])), sums[3:5])
     if k == 256:
         # float64: no product reaches an add in one computation, where XLA:CPU could contract them (as an
         # unrolled loop would let it)
@@ -263,11 +271,21 @@ def test_the_jaxpr_facts_fixed_order_matches_are_this_jaxs():
     with jax.enable_x64(True):
         bits = jax.lax.bitcast_convert_type(jnp.array([1.0, 0.75, 2.0**-140]), jnp.int64) >> 52
         assert (np.asarray(bits) - 1022).tolist() == [1, 0, -139]  # largest < 2^exponent
-    folds = lambda x: (fn(x)[1], x.sum(0))  # noqa: E731 - the rewritten reductions, each in index order
+    folds = lambda x: (fn(x)[1], x.sum(0))  # noqa: E731 - the rewritten reductions, each in a fixed order
     got = jax.jit(fixed_order(folds))(x)
-    np.testing.assert_array_equal(got[0][0], pinned(x, np.ones_like(x), (SUM_BITS, 1)))
-    np.testing.assert_array_equal(got[1], pinned(x, np.ones_like(x), (SUM_BITS, 1)))
+    np.testing.assert_array_equal(got[0][0], tree_sum(x))
+    np.testing.assert_array_equal(got[1], tree_sum(x))
     np.testing.assert_allclose(got[0][1], np.prod(x, axis=0), rtol=1e-6)
+
+
+def tree_sum(x):
+    """Sums over the first axis as fixed_order computes a float32 sum, in numpy: the values in float64 added in a
+    pairwise tree (halves added, an odd one carried), rounded once to float32, an exact zero +0."""
+    terms = x.astype(np.float64)
+    while len(terms) > 1:
+        half = len(terms) // 2
+        terms = np.concatenate([terms[:half] + terms[half : 2 * half], terms[2 * half :]])
+    return np.where(terms[0] == 0, 0.0, terms[0]).astype(np.float32)
 
 
 def builtins():
@@ -339,10 +357,10 @@ def test_every_builtins_add_and_merge_is_pinned_and_an_unpinnable_sum_is_one_lin
 
 def test_the_r_of_a_qr_is_lapacks_to_rounding_and_the_same_in_any_batch():
     rng = np.random.default_rng(4)
-    tall = rng.normal(size=(40, 7)).astype(np.float32)
+    tall = rng.normal(size=(40, 19)).astype(np.float32)  # 19 columns: panels of QR_PANEL (8), the last padded
     tall[5:9] = 0  # masked rows (zero rows change no R)
-    tall[:, 3] = 0  # a zero column: its reflection is the identity
-    for a in (tall, tall[:5], rng.normal(size=(1, 4)).astype(np.float32), tall[:, :1]):
+    tall[:, [3, 12]] = 0  # zero columns: their reflections are the identity
+    for a in (tall, tall[:5], tall[:13], rng.normal(size=(1, 4)).astype(np.float32), tall[:, :1]):
         want = np.linalg.qr(a.astype(np.float64), mode="r")  # LAPACK's signs: R[j, j] = -sign(alpha) |x|
         got = np.asarray(jax.jit(fixed_order(lambda a: jnp.linalg.qr(a, mode="r")))(a))
         assert got.shape == want.shape
