@@ -30,7 +30,8 @@ EXIT_STALLED = 3    # the watchdog fired: no step finished in time
 EXIT_PEER_LOST = 4  # another process of the job died or became unreachable
 EXIT_STORAGE = 5    # the storage refused a write (no space, read-only, permission, quota)
 
-RESUME_HINT = "rerun the same command (on every process) to resume from the last checkpoint"
+RESUME_HINT = ("rerun the same command (on every process) to resume from the last checkpoint (a job without "
+               "checkpoints starts over)")
 
 
 _ENDING = threading.Lock()  # held by the thread that ends the process: one line, whichever comes first
