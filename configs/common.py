@@ -13,8 +13,8 @@ from sharded_scan.options import config_fields
 VARIANTS = ("full", "quick")
 # What the fields below mean where neither RunOptions nor CheckpointOptions documents them (``--help`` prints them).
 FIELD_HELP = {
-    "x64": "jax_enable_x64 for the whole process: 32-bit integer columns then accumulate in float64 (float32 without "
-           "it); 64-bit data (float64, int64) needs no flag: it is reduced in 64 bits either way",
+    "x64": "jax_enable_x64 for the whole process; data needs no flag: 64-bit data (float64, int64) and 32-bit "
+           "integers are reduced in 64 bits either way where the backend has float64",
     "checkpoint.enabled": "save checkpoints in DIR/checkpoints and resume from them (false: a rerun starts afresh)",
     "log_every_seconds": "seconds between progress lines in the log",
 }

@@ -7,6 +7,8 @@ sketches check theirs with :func:`check_keyable`.
 64-bit data (float64, int64, uint64: pandas' and Parquet's defaults) needs no flag: a run
 of it is scoped under ``jax.enable_x64(True)`` (:func:`x64_scope`) where the backend has
 float64 (CPU, GPU), so it reduces in 64 bits; ``jax_enable_x64`` set globally still works.
+So does 32-bit integer data (int32, uint32), which float32 would round (2^24 + 1 is not a
+float32): it accumulates in float64 there.
 On a backend without float64 (TPU) such data is refused in one line
 (:func:`check_placeable`) naming the explicit opt-in, ``dtype="float32"``: never a silent
 narrowing.
@@ -25,6 +27,8 @@ import numpy as np
 from sharded_scan.errors import UsageError
 
 WIDE_DTYPES = tuple(np.dtype(t) for t in ("float64", "int64", "uint64", "complex128"))
+# Integers that JAX places as they are but float32 accumulators would round: a run of them takes 64 bits too.
+ROUNDED_IN_FLOAT32 = tuple(np.dtype(t) for t in ("int32", "uint32"))
 NO_FLOAT64 = ("tpu",)  # backends whose devices have no float64
 
 
@@ -99,13 +103,14 @@ def holds_subnormals(rows: Any) -> bool:
 def x64_scope(spec: Any) -> contextlib.AbstractContextManager:
     """Where a run over rows of ``spec`` traces, places, compiles, runs and finalizes.
 
-    Rows holding 64-bit values on a backend with float64 run under
+    Rows holding 64-bit values, or 32-bit integers, on a backend with float64 run under
     ``jax.enable_x64(True)`` (a thread-local scope: the reader thread enters it too, see
     :mod:`sharded_scan.prefetch`), so that no value is narrowed on its way to the devices
     and they accumulate in 64 bits. Anything else runs as the global ``jax_enable_x64``
     says, unchanged.
     """
-    if jax.config.jax_enable_x64 or not wide_dtypes(spec) or not has_float64():
+    rounded = [leaf for leaf in jax.tree.leaves(spec) if np.dtype(leaf.dtype) in ROUNDED_IN_FLOAT32]
+    if jax.config.jax_enable_x64 or not (wide_dtypes(spec) or rounded) or not has_float64():
         return contextlib.nullcontext()
     return jax.enable_x64(True)
 

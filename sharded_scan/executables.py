@@ -354,6 +354,25 @@ def load(key_text: str) -> Entry | None:
     return entry
 
 
+# XLA:CPU's LAPACK calls (QR, Cholesky, triangular solves, eigh: LinearRegression's and PCA's steps) are custom
+# calls to targets named so; their kernels are scipy's LAPACK, which jaxlib binds only when it lowers such a call.
+LAPACK_TARGET = b"lapack_"
+
+
+def _bind_lapack() -> None:
+    """Binds jaxlib's LAPACK kernels as lowering a LAPACK call does: a process that loads a step holding one
+    without having lowered any ran it through unbound kernels (a segmentation fault at the first step). Only
+    where needed: it imports scipy's LAPACK (about 0.4 s)."""
+    try:
+        from jaxlib import lapack  # noqa: PLC0415 - only where an entry holds a LAPACK call
+
+        lapack._lapack.initialize()  # what jax._src.lax.linalg's lowerings call (lapack.prepare_lapack_call)
+    except (ImportError, AttributeError):  # another jaxlib: lowering one such call binds them all
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        jax.jit(jnp.linalg.cholesky).lower(np.eye(2, dtype=np.float32))
+
+
 def executable(entry: Entry, devices: Any = None) -> jax.stages.Compiled | None:
     """The entry's executable loaded (on ``devices``: the mesh's, in order); None where it fails to load
     (logged)."""
@@ -361,6 +380,8 @@ def executable(entry: Entry, devices: Any = None) -> jax.stages.Compiled | None:
 
     try:
         serialized, in_tree, out_tree = pickle.loads(entry.payload)  # noqa: S301 - the cache is trusted, as JAX's
+        if LAPACK_TARGET in serialized:
+            _bind_lapack()
         loaded = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
                                                            execution_devices=devices)
     except Exception as error:  # noqa: BLE001 - a damaged or foreign entry is ignored, never a crash

@@ -131,7 +131,7 @@ def test_the_x64_help_line_says_what_a_job_does_with_and_without_the_flag(tmp_pa
     config = importlib.import_module("configs.covariance").get_config("quick")
     meaning = {field: text for field, _, text in config_fields(config)}["x64"]
     assert "refused" not in meaning
-    assert "64-bit data (float64, int64) needs no flag: it is reduced in 64 bits either way" in meaning
+    assert "64-bit data (float64, int64) and 32-bit integers are reduced in 64 bits either way" in meaning
     config.data.dtype = "float64"
     assert config.x64 is False
     got, _ = run_job(config, str(tmp_path / "w"))
@@ -139,13 +139,13 @@ def test_the_x64_help_line_says_what_a_job_does_with_and_without_the_flag(tmp_pa
     x = SyntheticSource(data.num_rows, data.features, dtype="float64", seed=data.seed).read(0, data.num_rows)
     assert got.cov.dtype == np.float64 and rel_err(got.cov, np.cov(x, rowvar=False)) < 1e-12
 
-    assert "32-bit integer columns then accumulate in float64 (float32 without it)" in meaning
-    ints = (np.arange(64, dtype=np.int32) * 7 + 2**24 + 1).reshape(32, 2)  # products past float32's 2^24
+    # 32-bit integers past float32's 2^24: reduced in float64 with the flag or without it (float32 rounded them)
+    ints = (np.arange(64, dtype=np.int32) * 7 + 2**24 + 1).reshape(32, 2)
     want = f64(ints).T @ f64(ints)
     plain = ss.run(ss.Gram(), ints, microbatch=8)
     with jax.enable_x64(True):  # what --config.x64=True sets for the whole process
         wide = ss.run(ss.Gram(), ints, microbatch=8)
-    assert plain.dtype == np.float32 and np.abs(plain - want).max() > 0
+    assert plain.dtype == np.float64 and np.array_equal(plain, want)
     assert wide.dtype == np.float64 and np.array_equal(wide, want)
 
 

@@ -174,3 +174,30 @@ def test_the_job_keyed_cache_keys_what_it_can_spell_keeps_whole_bounded_entries_
     assert _entries(job_cache) == set()  # a callback is its process's own: nothing kept
     compile_cache.use(None)
     assert executables.directory() is None
+
+
+# An entry loaded and run in a process that lowered no LAPACK call of its own.
+LAPACK_CHILD = """
+import sys
+import numpy as np
+from sharded_scan import executables
+loaded = executables.executable(executables.load(sys.argv[1]))
+print("RESULT", np.asarray(loaded(np.array([[4.0, 2.0], [2.0, 3.0]], np.float32))).tolist())
+"""
+
+
+def test_a_step_holding_a_lapack_call_runs_from_the_job_keyed_cache_in_a_fresh_process(job_cache):
+    # LinearRegression's and PCA's steps call LAPACK (Cholesky, QR, triangular solves), whose kernels jaxlib binds
+    # only when it lowers such a call: loaded in a fresh process, such a step ended the process with a
+    # segmentation fault at its first call.
+    import jax.numpy as jnp
+
+    spd = np.array([[4.0, 2.0], [2.0, 3.0]], np.float32)
+    executables.store("a cholesky", jax.jit(jnp.linalg.cholesky).lower(spd).compile(), (0,))
+    assert len(_entries(job_cache)) == 1
+    env = dict(cli.env(), JAX_COMPILATION_CACHE_DIR=str(job_cache.parent), SHARDED_SCAN_EXECUTABLE_CACHE="1")
+    done = subprocess.run([sys.executable, "-c", LAPACK_CHILD, "a cholesky"], cwd=cli.ROOT, env=env,
+                          capture_output=True, text=True, timeout=cli.TIMEOUT, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (done.returncode, done.stderr[-2000:])
+    np.testing.assert_allclose(json.loads(lines[-1].removeprefix("RESULT ")), np.linalg.cholesky(spd), rtol=1e-6)
