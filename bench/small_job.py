@@ -12,8 +12,9 @@ ml_dtypes`` (JAX's dtypes; its own column), ``import jax`` (``of it jax``, ml_dt
 ``import sharded_scan``; ``run CPU`` is the run's CPU seconds and ``compiling`` its report's
 ``compile_seconds`` (tracing included); ``programs``: compiled or loaded, ``cached``: of them from a cache,
 ``by job``: of them from the job-keyed cache (:mod:`sharded_scan.executables`: neither traced nor compiled).
-``--with-path DIR`` adds a row with ``DIR`` first on the path (another ml_dtypes, say). ``cold``: the
-compilation cache is an empty directory (``XDG_CACHE_HOME`` points to a fresh one, so the default
+``--with-path DIR`` adds a row with ``DIR`` first on the path (another ml_dtypes, say); ``--codegen VALUE`` a row of
+this checkout run with ``codegen=VALUE`` (``optimized``: the step on XLA's defaults, as before ``codegen``).
+``cold``: the compilation cache is an empty directory (``XDG_CACHE_HOME`` points to a fresh one, so the default
 ``compilation_cache="auto"`` picks it); ``warm``: a second process on the same directory. Best of
 ``--repeats`` each (a fresh directory per repeat); the ratios are over pandas' best of the same run. The
 target (issue 45, item 5): at most 3x pandas warm and 5x cold.
@@ -56,7 +57,7 @@ import sharded_scan as ss
 t2 = time.perf_counter()
 from sharded_scan import compile_cache
 cpu = time.process_time()
-out, report = ss.run_with_report(ss.Describe(), df)
+out, report = ss.run_with_report(ss.Describe(), df{options})
 seconds = time.perf_counter() - t0
 looked_up, from_cache = compile_cache.counts()[:2]
 try:
@@ -94,18 +95,21 @@ def main() -> None:
                         help="another checkout's root: its sharded_scan measured in the same run (repeatable)")
     parser.add_argument("--with-path", action="append", default=[],
                         help="a row of this checkout with DIR first on PYTHONPATH (e.g. another ml_dtypes)")
+    parser.add_argument("--codegen", action="append", default=[],
+                        help="a row of this checkout run with codegen=VALUE (auto, optimized, fast_compile)")
     args = parser.parse_args()
     import numpy as np
 
-    checkouts = [("this", ROOT)] + [(os.path.basename(os.path.abspath(p)) or p, os.path.abspath(p))
-                                    for p in args.against]
-    checkouts += [(f"+{os.path.basename(os.path.abspath(p))}", f"{os.path.abspath(p)}{os.pathsep}{ROOT}")
+    checkouts = [("this", ROOT, "")] + [(os.path.basename(os.path.abspath(p)) or p, os.path.abspath(p), "")
+                                        for p in args.against]
+    checkouts += [(f"+{os.path.basename(os.path.abspath(p))}", f"{os.path.abspath(p)}{os.pathsep}{ROOT}", "")
                   for p in args.with_path]
+    checkouts += [(value, ROOT, f", codegen={value!r}") for value in args.codegen]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.npy")
         rng = np.random.default_rng(0)
         np.save(path, rng.standard_normal((args.rows, args.cols)) * 10 + 3)
-        pandas_code, sharded_code = _PANDAS.format(path=path), _SHARDED.format(path=path)
+        pandas_code = _PANDAS.format(path=path)
         best: dict[str, dict] = {}
         for repeat in range(args.repeats):  # interleaved, so load drifts hit every row alike
             home = os.path.join(tmp, f"pandas{repeat}")
@@ -113,22 +117,22 @@ def main() -> None:
             got = _child(pandas_code, None, home)
             if got["seconds"] < best.get("pandas", {"seconds": float("inf")})["seconds"]:
                 best["pandas"] = got
-            for name, root in checkouts:
+            for name, root, options in checkouts:
                 home = os.path.join(tmp, f"{name}{repeat}")
                 os.makedirs(home)
                 for temperature in ("cold", "warm"):
-                    got = _child(sharded_code, root, home)
+                    got = _child(_SHARDED.format(path=path, options=options), root, home)
                     key = f"{name} {temperature}"
                     if got["seconds"] < best.get(key, {"seconds": float("inf")})["seconds"]:
                         best[key] = got
     base = best["pandas"]["seconds"]
     print(f"{args.rows:,} rows x {args.cols} float64 columns, a fresh process each, best of {args.repeats}")
-    print(f"{'':<24}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'of it jax':>11}{'ml_dtypes':>11}{'run':>8}"
+    print(f"{'':<30}{'seconds':>9}{'x pandas':>10}{'import ss':>11}{'of it jax':>11}{'ml_dtypes':>11}{'run':>8}"
           f"{'run CPU':>9}{'compiling':>11}{'programs':>10}{'cached':>8}{'by job':>8}")
-    print(f"{'pandas describe()':<24}{base:>9.2f}{1.0:>10.2f}")
+    print(f"{'pandas describe()':<30}{base:>9.2f}{1.0:>10.2f}")
     for key, got in best.items():
         if key != "pandas":
-            print(f"{'sharded_scan ' + key:<24}{got['seconds']:>9.2f}{got['seconds'] / base:>10.2f}"
+            print(f"{'sharded_scan ' + key:<30}{got['seconds']:>9.2f}{got['seconds'] / base:>10.2f}"
                   f"{got['import']:>11.2f}{got['jax']:>11.2f}{got['ml_dtypes']:>11.2f}{got['run']:>8.2f}"
                   f"{got['run_cpu']:>9.2f}{got['compile']:>11.2f}{got['compiles']:>10}{got['from_cache']:>8}"
                   f"{got.get('loaded', '-'):>8}")

@@ -39,7 +39,7 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sharded_scan import compile_cache, executables
+from sharded_scan import codegen, compile_cache, executables
 from sharded_scan.combiners.base import (
     FEW_MICROBATCHES,
     Combiner,
@@ -138,17 +138,20 @@ def _evaluate_on_host(jaxpr: Any, consts: list, args: list = ()) -> list[np.ndar
 
 
 @cached
-def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int) -> Callable:
-    """The jitted maker of ``num_shards`` identity accumulators, laid out on ``mesh``."""
+def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int,
+                 compiler_options: codegen.Options = ()) -> Callable:
+    """The jitted maker of ``num_shards`` identity accumulators, laid out on ``mesh`` (``compiler_options``:
+    :mod:`~sharded_scan.codegen`'s)."""
     return jax.jit(
         lambda: stacked(combiner, spec, num_shards),
         out_shardings=named(mesh, accumulator_specs(combiner, mesh, DATA_AXIS)),
+        compiler_options=codegen.jit_options(compiler_options),
     )
 
 
 @cached
 def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False,
-                 few: bool = False) -> Callable:
+                 few: bool = False, compiler_options: codegen.Options = ()) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
@@ -158,6 +161,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     folds away (except where :func:`one_scan`: ``combiner.one_scan_per_step``, or small blocks). ``fixed``: every float
     product of ``add`` rounds as the code fixes (:func:`~sharded_scan.fixed_order.fixed_order`). ``few``: a short
     job's step (:func:`~sharded_scan.combiners.base.folds_few_microbatches` while it is traced).
+    ``compiler_options``: XLA's code generation (:func:`~sharded_scan.codegen.step_options`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
     per_device, rows_per_shard = layout.shards_per_device, layout.rows_per_shard
@@ -200,7 +204,7 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
     step = jax.shard_map(local_step, mesh=mesh, out_specs=partial_specs,
                          in_specs=(partial_specs, P(DATA_AXIS), P(), operand_specs(combiner, mesh)))
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, compiler_options=codegen.jit_options(compiler_options))
 
 
 # Steps compiled or loaded through the job-keyed cache, by key, in this process (a rerun loads nothing again).
@@ -269,7 +273,8 @@ class Program:
         (:func:`host_identity`; nothing to compile), else by a jitted program."""
         host = host_identity(self.combiner, self.spec)
         if host is None:
-            return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards)()
+            return compile_init(self.combiner, self.spec, self.mesh, self.layout.num_shards,
+                                codegen.host_options(self.platform))()
         # Each device's block a fresh copy: a CPU device may hold it without copying, and the step donates it.
         return jax.tree.map(lambda x, like: jax.make_array_from_callback(
             like.shape, like.sharding, lambda idx, x=x: np.array(np.broadcast_to(x[None], like.shape)[idx])),
@@ -308,9 +313,27 @@ class Program:
 
     @property
     def _jitted_step(self) -> Callable:
-        return compile_step(
-            self.combiner, self.mesh, self.layout.step_shape, self.options.precision, self.fixed_products, self.short
-        )
+        return compile_step(self.combiner, self.mesh, self.layout.step_shape, self.options.precision,
+                            self.fixed_products, self.short, self.step_options)
+
+    @property
+    def platform(self) -> str:
+        """The devices' platform (``"cpu"``, ``"tpu"``, ``"gpu"``...)."""
+        return self.mesh.devices.flat[0].platform
+
+    @functools.cached_property
+    def step_options(self) -> codegen.Options:
+        """XLA's code generation for the step (:func:`~sharded_scan.codegen.step_options`): a function of the job
+        (its rows, the values of a row, the ``codegen`` option) and the process's ``XLA_FLAGS``, the same on every
+        split and resume of it."""
+        values = sum(int(np.prod(s.shape, dtype=np.int64)) for s in jax.tree.leaves(self.spec))
+        return codegen.step_options(self.options.codegen, self.platform, self.layout.num_rows * max(values, 1))
+
+    @functools.cached_property
+    def merge_options(self) -> codegen.Options:
+        """XLA's code generation for the merges (:func:`~sharded_scan.codegen.merge_options`): by the job's shard
+        count (``logical_shards``' where set), the same on every split of it."""
+        return codegen.merge_options(self.platform, self.layout.num_shards)
 
     @functools.cached_property
     def step_key(self) -> str | None:
@@ -328,6 +351,7 @@ class Program:
                 "precision": executables.canonical(self.options.precision),
                 "fixed": self.fixed_products, "short": self.short, "x64": bool(jax.config.jax_enable_x64),
                 "logical_shards": self.options.logical_shards,  # the merge route, whose figure the entry keeps
+                "compiler_options": executables.canonical(self.step_options),
                 "arguments": executables.abstract((like, batch, jax.ShapeDtypeStruct((), np.int32), operands)),
                 "mesh": executables.mesh_terms(self.mesh),
             })
@@ -350,7 +374,7 @@ class Program:
         """How :meth:`merge` merges the shards' partials: the route's object, decided once
         (:func:`~sharded_scan.merging.choose_merge` says which route when)."""
         return choose_merge(self.combiner, self.mesh, self.layout, self.like, self.options.logical_shards is not None,
-                            self.options.precision, self.fixed_products)
+                            self.options.precision, self.fixed_products, self.merge_options)
 
     @property
     def merge_route(self) -> MergeRoute:
@@ -379,7 +403,7 @@ class Program:
         picks its summation order by the process's thread pool, the CPU's caches and the
         output's width. TPUs and GPUs (deterministic mode) run one order per program.
         """
-        return self.options.logical_shards is not None and self.mesh.devices.flat[0].platform == "cpu"
+        return self.options.logical_shards is not None and self.platform == "cpu"
 
     def _step_shapes(self) -> tuple[PyTree, PyTree, PyTree]:
         """The step's partials, batch and operands as ``jax.ShapeDtypeStruct`` leaves, with their shardings."""
@@ -408,7 +432,7 @@ class Program:
 
     def lower_gather(self) -> jax.stages.Lowered:
         """The all-gather of the partials that a merge by :class:`~sharded_scan.merging.LocalFold` starts with."""
-        return compile_gather(self.combiner, self.mesh).lower(self.like)
+        return compile_gather(self.combiner, self.mesh, self.merge_options).lower(self.like)
 
     def finalize(self, merged: PyTree) -> Any:
         """The result from the merged accumulator (host numpy).

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sharded_scan import compile_cache
+from sharded_scan import codegen, compile_cache
 from sharded_scan.checkpoint import (
     Checkpointer,
     CheckpointJob,
@@ -497,7 +497,8 @@ def identity_on_host(combiner: Combiner, spec: PyTree) -> PyTree:
 
 @compile_cache.cached
 def _compile_identity(combiner: Combiner, spec: PyTree):
-    return jax.jit(lambda: combiner.init(spec))
+    return jax.jit(lambda: combiner.init(spec), compiler_options=codegen.jit_options(
+        codegen.host_options(jax.default_backend())))
 
 
 def overflow_words(merged: PyTree) -> tuple[str, str]:

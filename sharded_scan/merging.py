@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan import codegen
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner
 from sharded_scan.combiners.wrappers.policies import innermost
@@ -65,9 +66,11 @@ def tree_fold(merge: Callable, items: Iterable) -> Any:
 
 
 @cached
-def compile_gather(combiner: Combiner, mesh: Mesh) -> Callable:
-    """``gather(partials) -> partials`` whole on every device: one all-gather over ``data``."""
-    return jax.jit(lambda partials: partials, out_shardings=named(mesh, accumulator_specs(combiner, mesh, None)))
+def compile_gather(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Options = ()) -> Callable:
+    """``gather(partials) -> partials`` whole on every device: one all-gather over ``data``. Every merge program's
+    ``compiler_options``: :func:`~sharded_scan.codegen.merge_options`."""
+    return jax.jit(lambda partials: partials, out_shardings=named(mesh, accumulator_specs(combiner, mesh, None)),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
@@ -83,10 +86,11 @@ def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
 
 
 @cached
-def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False) -> Callable:
+def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False,
+                       compiler_options: codegen.Options = ()) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
     float products with fixed roundings)."""
-    return jax.jit(pair_merge(combiner, precision, fixed))
+    return jax.jit(pair_merge(combiner, precision, fixed), compiler_options=codegen.jit_options(compiler_options))
 
 
 def tree_strides(size: int) -> list[int]:
@@ -119,22 +123,25 @@ def broadcast_first(states: PyTree, size: int) -> PyTree:
 
 
 @cached
-def compile_exchange(combiner: Combiner, mesh: Mesh, stride: int) -> Callable:
+def compile_exchange(combiner: Combiner, mesh: Mesh, stride: int, compiler_options: codegen.Options = ()) -> Callable:
     """``exchange(states) -> partners``: :func:`exchanged` on ``mesh``'s ``data`` axis, one state a member."""
     specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
-    return jax.jit(jax.shard_map(lambda s: exchanged(s, stride, size), mesh=mesh, in_specs=specs, out_specs=specs))
+    return jax.jit(jax.shard_map(lambda s: exchanged(s, stride, size), mesh=mesh, in_specs=specs, out_specs=specs),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 @cached
-def compile_broadcast(combiner: Combiner, mesh: Mesh) -> Callable:
+def compile_broadcast(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Options = ()) -> Callable:
     """``broadcast(states) -> acc``: :func:`broadcast_first` on ``mesh``, laid out as a merge's result."""
     specs, size = accumulator_specs(combiner, mesh, DATA_AXIS), mesh.shape[DATA_AXIS]
     return jax.jit(jax.shard_map(lambda s: broadcast_first(s, size), mesh=mesh, in_specs=specs,
-                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False))  # all alike now
+                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False),  # all alike now
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 @cached
-def compile_tree_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+def compile_tree_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False,
+                       compiler_options: codegen.Options = ()) -> Callable:
     """``merge(partials, operands) -> acc`` by the device tree, one program: each device merges
     its own shards level by level in :func:`tree_fold`'s tree (neighbours, vectorized, an odd one
     out carried up), then the tree's rounds over the devices (``ppermute``), then the broadcast;
@@ -159,11 +166,12 @@ def compile_tree_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bo
         return broadcast_first(states, size)
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, operand_specs(combiner, mesh)),
-                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False))
+                                 out_specs=accumulator_specs(combiner, mesh), check_vma=False),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 @cached
-def compile_psum_merge(combiner: Combiner, mesh: Mesh) -> Callable:
+def compile_psum_merge(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Options = ()) -> Callable:
     """``merge(partials, operands) -> acc`` of an additive combiner: one ``psum`` over ``data``.
 
     The result is on every device, or split over the axes ``combiner.partition`` names (a wide
@@ -178,12 +186,14 @@ def compile_psum_merge(combiner: Combiner, mesh: Mesh) -> Callable:
 
     return jax.jit(
         jax.shard_map(local_psum, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
-                      out_specs=merged_specs)
+                      out_specs=merged_specs),
+        compiler_options=codegen.jit_options(compiler_options),
     )
 
 
 @cached
-def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False) -> Callable:
+def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: bool = False,
+                         compiler_options: codegen.Options = ()) -> Callable:
     """``merge(partials, operands) -> acc``: one collective over ``data``, then one program's fold.
 
     The partials are all-gathered once and folded with ``combiner.merge`` in a fixed tree
@@ -203,7 +213,8 @@ def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: 
                 return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
         return jax.jit(jax.shard_map(fold_own_block, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
-                                     out_specs=merged_specs, check_vma=False))
+                                     out_specs=merged_specs, check_vma=False),
+                       compiler_options=codegen.jit_options(compiler_options))
 
     def gather_and_fold(partials, operands):
         everywhere = jax.lax.with_sharding_constraint(partials, named(mesh, accumulator_specs(combiner, mesh, None)))
@@ -211,7 +222,8 @@ def compile_gather_merge(combiner: Combiner, mesh: Mesh, precision: str, fixed: 
             bound = combiner.bind(operands)
             return tree_fold(pinned(combiner, bound.merge) if fixed else bound.merge, shards_of(everywhere))
 
-    return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs))
+    return jax.jit(gather_and_fold, out_shardings=named(mesh, merged_specs),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 #: The :meth:`Combiner.merge_collectives` kinds exact in any order (a ``"sum_exact"`` of integers).
@@ -231,7 +243,7 @@ def collective_parts(combiner: Combiner, like: PyTree) -> list[tuple[str, PyTree
 
 
 @cached
-def compile_collective_merge(combiner: Combiner, mesh: Mesh) -> Callable:
+def compile_collective_merge(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Options = ()) -> Callable:
     """``merge(partials, operands) -> acc`` by :meth:`Combiner.merge_collectives`: each leaf reduced
     over the device's own shards, then one ``psum`` / ``pmin`` / ``pmax`` over ``data`` (a
     :class:`~.wide.Wide` sum normalised after); O(state) a device, no all-gather. The result is
@@ -253,7 +265,8 @@ def compile_collective_merge(combiner: Combiner, mesh: Mesh) -> Callable:
         return jax.tree.map(reduce, combiner.merge_collectives(), partials, is_leaf=lambda x: isinstance(x, str))
 
     return jax.jit(jax.shard_map(local_collectives, mesh=mesh, in_specs=(partial_specs, operand_specs(combiner, mesh)),
-                                 out_specs=merged_specs))
+                                 out_specs=merged_specs),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 def power_of_two_or_alone(per_member: int, members: int) -> bool:
@@ -323,7 +336,7 @@ def local_state(states: PyTree) -> PyTree:
 
 
 def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, host_operands: PyTree,
-                      precision: str, fixed: bool) -> PyTree:
+                      precision: str, fixed: bool, compiler_options: codegen.Options = ()) -> PyTree:
     """The stacked ``partials`` (some shards a device, leading axis over ``mesh``'s ``data``)
     merged in :func:`tree_fold`'s tree, one state on each process's leader device (:class:`ProcessTree`'s
     process tree; also :func:`sharded_scan.relayout.relayout`'s fold of a checkpoint's partials).
@@ -336,17 +349,18 @@ def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, host_ope
     leaders = process_leaders(mesh)
     me, count = leader_index(mesh), leaders.size
     device = leaders.devices.flat[me]
-    merge = compile_pair_merge(combiner, precision, fixed)
+    merge = compile_pair_merge(combiner, precision, fixed, compiler_options)
     operands = jax.device_put(host_operands, device)
     state = tree_fold(lambda a, b: merge(a, b, operands),
                       (s for block in own_blocks(partials) for s in states_of(block, device)))
     for stride in tree_strides(count):
-        partner = local_state(compile_exchange(combiner, leaders, stride)(global_state(state, leaders)))
+        exchange = compile_exchange(combiner, leaders, stride, compiler_options)
+        partner = local_state(exchange(global_state(state, leaders)))
         if receives(stride, count)(me):
             state = merge(state, partner, operands)
     if count == 1:
         return state
-    broadcast = compile_broadcast(combiner, leaders)(global_state(state, leaders))
+    broadcast = compile_broadcast(combiner, leaders, compiler_options)(global_state(state, leaders))
     return jax.tree.map(lambda x: x.addressable_data(0), broadcast)
 
 
@@ -375,6 +389,8 @@ class Merge(abc.ABC):
       layout: how the shards lie on them.
       precision: the matmul precision the merge traces under.
       fixed: float products with fixed roundings (:mod:`sharded_scan.fixed_order`).
+      compiler_options: XLA's code generation of every program of the route
+        (:func:`~sharded_scan.codegen.merge_options`).
     """
 
     route: ClassVar[MergeRoute]
@@ -387,6 +403,7 @@ class Merge(abc.ABC):
     layout: Layout
     precision: str
     fixed: bool
+    compiler_options: codegen.Options = ()
 
     @abc.abstractmethod
     def run(self, partials: PyTree, operands: PyTree) -> PyTree:
@@ -429,7 +446,7 @@ class Psum(InPlace):
     route = MergeRoute.PSUM
 
     def program(self) -> Callable:
-        return compile_psum_merge(self.combiner, self.mesh)
+        return compile_psum_merge(self.combiner, self.mesh, self.compiler_options)
 
 
 class Collective(InPlace):
@@ -438,7 +455,7 @@ class Collective(InPlace):
     route = MergeRoute.COLLECTIVE
 
     def program(self) -> Callable:
-        return compile_collective_merge(self.combiner, self.mesh)
+        return compile_collective_merge(self.combiner, self.mesh, self.compiler_options)
 
 
 class DeviceTree(OneProgram):
@@ -447,7 +464,7 @@ class DeviceTree(OneProgram):
     route = MergeRoute.DEVICE_TREE
 
     def program(self) -> Callable:
-        return compile_tree_merge(self.combiner, self.mesh, self.precision, self.fixed)
+        return compile_tree_merge(self.combiner, self.mesh, self.precision, self.fixed, self.compiler_options)
 
     def peak_bytes(self, per_shard: int, merge: int) -> int:
         # A device's own shards by levels (its first merges half of them at once), then a partner's a round.
@@ -461,7 +478,7 @@ class GatherFold(OneProgram):
     route = MergeRoute.GATHER_FOLD
 
     def program(self) -> Callable:
-        return compile_gather_merge(self.combiner, self.mesh, self.precision, self.fixed)
+        return compile_gather_merge(self.combiner, self.mesh, self.precision, self.fixed, self.compiler_options)
 
     def peak_bytes(self, per_shard: int, merge: int) -> int:
         return per_shard * self.layout.num_shards + merge  # every shard's partial, merged two at a time
@@ -474,7 +491,7 @@ class Pairwise(Merge):
 
     def pair(self) -> Callable:
         """``merge(a, b, operands) -> acc`` of two states, compiled (memoized)."""
-        return compile_pair_merge(self.combiner, self.precision, self.fixed)
+        return compile_pair_merge(self.combiner, self.precision, self.fixed, self.compiler_options)
 
     def lower(self, like: PyTree, operands: PyTree) -> jax.stages.Lowered:
         one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), like)
@@ -487,7 +504,8 @@ class ProcessTree(Pairwise):
     route = MergeRoute.PROCESS_TREE
 
     def run(self, partials: PyTree, operands: PyTree) -> PyTree:
-        return process_tree_fold(self.combiner, self.mesh, partials, operands, self.precision, self.fixed)
+        return process_tree_fold(self.combiner, self.mesh, partials, operands, self.precision, self.fixed,
+                                 self.compiler_options)
 
     def peak_bytes(self, per_shard: int, merge: int) -> int:
         # On a process's first device: tree_fold's stack of its own shards, one taken in, a partner's.
@@ -501,7 +519,7 @@ class LocalFold(Pairwise):
     route = MergeRoute.LOCAL_FOLD
 
     def run(self, partials: PyTree, operands: PyTree) -> PyTree:
-        gathered = compile_gather(self.combiner, self.mesh)(partials)
+        gathered = compile_gather(self.combiner, self.mesh, self.compiler_options)(partials)
         local = jax.tree.map(lambda x: x.addressable_data(0), gathered)
         merge = self.pair()
         operands = jax.device_put(operands, jax.tree.leaves(local)[0].device)
@@ -512,9 +530,9 @@ class LocalFold(Pairwise):
 
 
 def choose_merge(combiner: Combiner, mesh: Mesh, layout: Layout, like: PyTree, ordered: bool, precision: str,
-                 fixed: bool) -> Merge:
+                 fixed: bool, compiler_options: codegen.Options = ()) -> Merge:
     """How a program merges its shards' partials (``like``: their shapes; ``ordered``: under
-    ``logical_shards``), decided once:
+    ``logical_shards``; ``compiler_options``: XLA's code generation of its programs), decided once:
 
     - a sum without ``logical_shards``: one ``psum`` (:class:`Psum`);
     - a merge that names its leafwise order-free reductions (:meth:`Combiner.merge_collectives`):
@@ -547,7 +565,7 @@ def choose_merge(combiner: Combiner, mesh: Mesh, layout: Layout, like: PyTree, o
         tree = leaders is not None and (
             not ordered or power_of_two_or_alone(layout.num_shards // leaders.size, leaders.size))
         route = ProcessTree if tree else LocalFold
-    return route(combiner, mesh, layout, precision, fixed)
+    return route(combiner, mesh, layout, precision, fixed, compiler_options)
 
 
 def collectives_apply(combiner: Combiner, like: PyTree, num_shards: int, exact_only: bool) -> bool:

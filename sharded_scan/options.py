@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from sharded_scan import codegen as codegens
 from sharded_scan import compile_cache
 from sharded_scan.errors import UsageError
 from sharded_scan.progress import check_progress
@@ -80,6 +81,11 @@ class RunOptions:
         directory, or None / "" for none (:mod:`sharded_scan.compile_cache`); a job's step is also kept
         there by the job, so the next process neither traces nor compiles it
         (:mod:`sharded_scan.executables`).
+      codegen: how XLA compiles the step on CPU: ``"auto"`` (the default) with its legacy emitters and
+        without LLVM's optimizations where the job is small (fewer than 2^21 values: rows x values a row),
+        which compiles several times faster and runs slower, else XLA's defaults; ``"optimized"``: XLA's
+        defaults; ``"fast_compile"``: the cheap setting whatever the size. The same for every split and
+        resume of one job; a flag ``XLA_FLAGS`` names wins (:mod:`sharded_scan.codegen`).
     """
 
     mesh: Any = _plain(None, str)
@@ -94,6 +100,7 @@ class RunOptions:
     progress: Callable[[Any], None] | bool | str | tuple | None = None
     step_timeout: float | None = None
     compilation_cache: str | None = _plain(compile_cache.AUTO, str)
+    codegen: str = _plain(codegens.AUTO, str)
 
     def __post_init__(self):
         for name in ("microbatch", "steps_per_call", "logical_shards"):
@@ -112,6 +119,7 @@ class RunOptions:
         object.__setattr__(self, "progress", check_progress(self.progress))  # frozen: set once, checked
         object.__setattr__(self, "step_timeout", check_timeout(self.step_timeout))
         object.__setattr__(self, "compilation_cache", compile_cache.check_setting(self.compilation_cache))
+        codegens.check_codegen(self.codegen)
 
     @classmethod
     def make(cls, options: RunOptions | None = None, **overrides: Any) -> RunOptions:
