@@ -100,6 +100,34 @@ def test_polars_numbers_are_cast_from_polars_arrays_not_through_arrow(tmp_path, 
         via_arrow.clear()
 
 
+def test_one_polars_query_decodes_several_row_groups_of_one_file_in_order(tmp_path, monkeypatch):
+    """Polars decodes consecutive row groups of one file in one query (up to ``POLARS_QUERY_BYTES``), never across
+    files: the rows are pyarrow's bit for bit across the queries' edges, the ragged last row group, a one-row
+    file, and a read that starts a scan in the middle of a query's row groups (a resume)."""
+    table = edge_table()
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=128)  # 8 row groups, the last of 104 rows
+    pq.write_table(table.slice(5, 1), tmp_path / "b.parquet")  # one row: inf
+    paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    monkeypatch.setattr(tabular, "POLARS_QUERY_BYTES", 3 * 128 * 4 * 8)  # 3 row groups of 4 float64 columns
+    queries = []
+    decode = ParquetSource._decode_query
+    monkeypatch.setattr(ParquetSource, "_decode_query", lambda self, u, end: queries.append((u, end)) or decode(
+        self, u, end))
+    for columns, dtype, want_queries in [(["f64", "nan_or_null", "i64", "f32"], "float64",
+                                          [(0, 3), (3, 6), (6, 8), (8, 9)]),  # Polars' arrays
+                                         (["text", "big_text"], None, [(0, 6), (6, 8), (8, 9)])]:  # strings: Arrow
+        polars = ParquetSource(paths, columns=columns, dtype=dtype, decoder="polars")
+        arrow = ParquetSource(paths, columns=columns, dtype=dtype, decoder="pyarrow")
+        for start in range(0, ROWS + 1, 100):
+            same_rows(polars.read(start, min(start + 100, ROWS + 1)), arrow.read(start, min(start + 100, ROWS + 1)))
+        assert queries == want_queries
+        queries.clear()
+        resumed = ParquetSource(paths, columns=columns, dtype=dtype, decoder="polars")
+        same_rows(resumed.read(450, ROWS + 1, 560), arrow.read(450, ROWS + 1, 560))  # row group 3 on
+        assert queries == ([(3, 6), (6, 8), (8, 9)] if len(want_queries) == 4 else [(3, 8), (8, 9)])
+        queries.clear()
+
+
 def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
     pl = pytest.importorskip("polars")
     path = tmp_path / "edges.parquet"

@@ -471,6 +471,10 @@ AHEAD_BYTES = 512 << 20
 # Polars query 0.2-0.4 ms CPU more than pyarrow's scan (its footer, its plan), and its decode saves about
 # 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
 POLARS_MIN_GROUP_BYTES = 1 << 20
+# Polars decodes consecutive row groups of one file in one query, up to this many bytes read (at least one row
+# group): a query's fixed cost (plan, footer) is paid once for them (4·10^6 rows x 8 float32 in 2^17-row groups:
+# the queries' CPU 0.097 s a row group a query, 0.067-0.070 s four, 0.062 s the whole file in one).
+POLARS_QUERY_BYTES = 16 << 20
 # decoder="auto" reads a CSV file of at least this many bytes with Polars (where it reads the selection faster).
 POLARS_MIN_CSV_BYTES = 1 << 20
 CSV_BATCH_ROWS = 1 << 16  # rows of a batch Polars' CSV reader hands over
@@ -555,7 +559,8 @@ class ParquetSource(Source):
         where it is installed and reads the selection (local Parquet files of integer, float32/64, boolean and
         string columns, row groups of 1 MiB read or more: :data:`POLARS_MIN_GROUP_BYTES`), else pyarrow.
         Either way the rows are the same values (``tests/test_decoders.py``).
-        Polars' row groups are decoded and cast into the rows' layout on a pool of :func:`host_cores` threads,
+        Polars' row groups are decoded (consecutive ones of a file in one query, up to
+        :data:`POLARS_QUERY_BYTES` read) and cast into the rows' layout on a pool of :func:`host_cores` threads,
         ahead of the reads (a row group Polars fails on is read by pyarrow).
     """
 
@@ -604,8 +609,25 @@ class ParquetSource(Source):
         row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
         self._decoder = self._choose_decoder(self._args["decoder"], self._local,
                                              self.num_rows * row_bytes / max(len(self._units), 1))
-        largest = max((int(n) for n in np.diff(self._starts)), default=1) * row_bytes
-        self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest, 1)))
+        self._queries = self._query_ends(row_bytes)
+        largest = max((int(self._starts[e] - self._starts[u]) for u, e in enumerate(self._queries)), default=1)
+        self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest * row_bytes, 1)))
+        self._lazy: dict[str, Any] = {}  # a file's Polars scan of the selection, made once (plan, schema)
+        self._polars_types: dict[str, Any] | None = None
+
+    def _query_ends(self, row_bytes: int) -> list[int]:
+        """For each row group ``u``, the end of the run of row groups one Polars query decodes from it: those of
+        its file from it on while they hold at most :data:`POLARS_QUERY_BYTES` read (at least ``u`` itself)."""
+        units = len(self._units)
+        if self._decoder != "polars" or not units:
+            return list(range(1, units + 1))
+        paths = [span[0] for span in self._spans]
+        file_end = np.empty(units, np.int64)  # the row group after each one's file's last
+        for u in range(units - 1, -1, -1):
+            file_end[u] = file_end[u + 1] if u + 1 < units and paths[u + 1] == paths[u] else u + 1
+        read = self._starts * row_bytes  # the bytes read before each row group
+        ends = np.searchsorted(read, read[:-1] + POLARS_QUERY_BYTES, side="right") - 1
+        return np.clip(ends, np.arange(1, units + 1), file_end).tolist()
 
     def _selecting(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> ParquetSource:
         """This dataset (not opened again) with other ``columns``: a part of :func:`grouped_by` (``keys``: the key
@@ -761,37 +783,64 @@ class ParquetSource(Source):
     def _scan(self, unit: int) -> Iterator[Any]:
         """The record batches of the selected columns from row group ``unit`` on, in order, never across row
         groups; decoding about one row group ahead measured faster on 2 cores than pyarrow's default
-        (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` row groups
-        at a time on the :func:`decode_pool` (:class:`_Ahead`)."""
+        (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` queries (each of
+        row groups up to :data:`POLARS_QUERY_BYTES` read) at a time on the :func:`decode_pool` (:class:`_Ahead`):
+        at most ``self._ahead + 1`` queries' rows are held, decoded or decoding, ahead of the read."""
         if self._decoder == "polars" and not _polars_forked:
-            return _Ahead(self._decode, unit, len(self._units), self._ahead, self._starts)
+            return _Ahead(self._decode_query, unit, self._queries, self._ahead, self._starts)
         scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units[unit:], self._dataset.schema,
                                                               self._dataset.format, self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
 
     def _decode(self, unit: int) -> _Rows:
-        """Row group ``unit``'s rows in the layout a read returns (one aligned array a leaf), decoded by Polars
-        (its rows by their place in the file). Numbers are cast from Polars' own arrays (:meth:`_polars_columns`,
-        :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key column's nulls, integer
-        nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives (strings as ``large_string``),
-        and are cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
-        for this row group."""
-        pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
-        path, first, rows = self._spans[unit]
-        table = None
+        """Row group ``unit``'s rows in the layout a read returns, decoded by Polars (:meth:`_decode_query`)."""
+        return self._decode_query(unit, unit + 1)[0]
+
+    def _decode_query(self, first: int, end: int) -> list[_Rows]:
+        """The rows of row groups ``first .. end - 1`` (consecutive, of one file) in the layout a read returns
+        (one aligned array a leaf, a row group each), decoded by Polars in one query (its rows by their place in
+        the file; the file's scan made once, :attr:`_lazy`). Numbers are cast from Polars' own arrays
+        (:meth:`_polars_columns`, :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key
+        column's nulls, integer nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives
+        (strings as ``large_string``), and are cast by :func:`_fill`, as pyarrow's batches are; a row group
+        Polars reads otherwise (or a query that fails) goes to pyarrow."""
+        pl, names = _polars(), self._selection.names()
+        path, at = self._spans[first][0], self._spans[first][1]
+        sizes = [int(n) for n in np.diff(self._starts[first : end + 1])]
+        frame = None
         try:
-            frame = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names).slice(first, rows)
-            frame = frame.collect()
-            columns = self._polars_columns(frame, rows)
-            if columns is not None:
-                out = self._selection.empty(rows)
-                _fill_arrays(columns, self._selection, out)
-                return _Rows(out)
-            table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            lazy = self._lazy.get(path)
+            if lazy is None:
+                lazy = self._lazy[path] = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names)
+            frame = lazy.slice(at, sum(sizes)).collect()
+            if frame.height != sum(sizes):
+                frame = None
         except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            table = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+            frame = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+        out, offset = [], 0
+        for unit, rows in zip(range(first, end), sizes, strict=True):
+            out.append(self._rows(unit, None if frame is None else frame.slice(offset, rows)))
+            offset += rows
+        return out
+
+    def _rows(self, unit: int, frame: Any) -> _Rows:
+        """Row group ``unit``'s rows from its Polars ``frame`` (None: Polars failed on it), or pyarrow's."""
+        pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
+        path, _, rows = self._spans[unit]
+        table = None
+        if frame is not None:
+            try:
+                columns = self._polars_columns(frame, rows)
+                if columns is not None:
+                    out = self._selection.empty(rows)
+                    _fill_arrays(columns, self._selection, out)
+                    return _Rows(out)
+                table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
         if table is None or table.num_rows != rows or any(
                 not _same_values(table.schema.field(n).type, schema.field(n).type) for n in names):
             table = self._units[unit].to_table(columns=names, use_threads=False)
@@ -810,11 +859,14 @@ class ParquetSource(Source):
         selection, schema, pl = self._selection, self._dataset.schema, _polars()
         if selection.strings or selection.widths or selection.null_as is not None or frame.height != rows:
             return None
+        if self._polars_types is None:  # what Polars reads each column as, when it reads it as pyarrow does
+            self._polars_types = {name: pl.Series(values=np.empty(0, schema.field(name).type.to_pandas_dtype())).dtype
+                                  for name in selection.names()}
         columns = {}
         for name in selection.names():
             series = frame.get_column(name)
             want = np.dtype(schema.field(name).type.to_pandas_dtype())
-            if series.dtype != pl.Series(values=np.empty(0, want)).dtype:
+            if series.dtype != self._polars_types[name]:
                 return None
             if series.null_count():
                 if not (np.issubdtype(selection.dtype, np.floating) and (
@@ -843,13 +895,16 @@ class _Rows(NamedTuple):
 
 
 class _Ahead:
-    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, each row
-    group decoded by ``decode`` on the :func:`decode_pool`, ``ahead`` of them submitted ahead of the one read.
-    Those still waiting when it is dropped (a seek, a failed read) are cancelled."""
+    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... to the last in order, decoded by
+    ``decode(u, ends[u])`` (the rows of row groups ``u .. ends[u] - 1``, one query) on the :func:`decode_pool`,
+    ``ahead`` queries submitted ahead of the one being read. Those still waiting when it is dropped (a seek, a
+    failed read) are cancelled."""
 
-    def __init__(self, decode: Callable[[int], Any], first: int, units: int, ahead: int, starts: np.ndarray):
-        self._decode, self._next, self._units, self._ahead, self._starts = decode, first, units, ahead, starts
+    def __init__(self, decode: Callable[[int, int], list], first: int, ends: list[int], ahead: int,
+                 starts: np.ndarray):
+        self._decode, self._next, self._ends, self._ahead, self._starts = decode, first, ends, ahead, starts
         self._pending: collections.deque = collections.deque()
+        self._ready: collections.deque = collections.deque()  # the decoded row groups of the query being read
 
     def horizon(self) -> int:
         """The first row of the row groups not yet submitted: the rows before it are decoded or decoding."""
@@ -860,12 +915,15 @@ class _Ahead:
 
     def __next__(self) -> _Rows:
         pool = decode_pool()
-        while self._next < self._units and len(self._pending) < self._ahead:
-            self._pending.append(pool.submit(self._decode, self._next))
-            self._next += 1
-        if not self._pending:
-            raise StopIteration
-        return self._pending.popleft().result()
+        while self._next < len(self._ends) and len(self._pending) < self._ahead:
+            end = self._ends[self._next]
+            self._pending.append(pool.submit(self._decode, self._next, end))
+            self._next = end
+        if not self._ready:
+            if not self._pending:
+                raise StopIteration
+            self._ready.extend(self._pending.popleft().result())
+        return self._ready.popleft()
 
     def __del__(self) -> None:
         for future in self._pending:
