@@ -472,9 +472,11 @@ AHEAD_BYTES = 512 << 20
 # 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
 POLARS_MIN_GROUP_BYTES = 1 << 20
 # Polars decodes consecutive row groups of one file in one query, up to this many bytes read (at least one row
-# group): a query's fixed cost (plan, footer) is paid once for them (4·10^6 rows x 8 float32 in 2^17-row groups:
-# the queries' CPU 0.097 s a row group a query, 0.067-0.070 s four, 0.062 s the whole file in one).
-POLARS_QUERY_BYTES = 16 << 20
+# group): a query's fixed cost (plan, footer) is paid once for them. 4·10^6 rows x 8 float32 in 4 MiB row groups,
+# the queries alone: 0.097 CPU-s a row group a query, 0.075 two, 0.067-0.070 four, 0.062 the whole file in one;
+# ParquetSource's reads: 0.124 CPU-s a row group a query, 0.109 up to 8 MiB, 0.105 up to 16 MiB (40-60 MiB more
+# held ahead on 2 cores).
+POLARS_QUERY_BYTES = 8 << 20
 # decoder="auto" reads a CSV file of at least this many bytes with Polars (where it reads the selection faster).
 POLARS_MIN_CSV_BYTES = 1 << 20
 CSV_BATCH_ROWS = 1 << 16  # rows of a batch Polars' CSV reader hands over
@@ -609,25 +611,33 @@ class ParquetSource(Source):
         row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
         self._decoder = self._choose_decoder(self._args["decoder"], self._local,
                                              self.num_rows * row_bytes / max(len(self._units), 1))
-        self._queries = self._query_ends(row_bytes)
-        largest = max((int(self._starts[e] - self._starts[u]) for u, e in enumerate(self._queries)), default=1)
-        self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest * row_bytes, 1)))
+        self._read_before = self._starts * row_bytes  # the bytes read before each row group (and after the last)
+        self._file_end = self._file_ends() if self._decoder == "polars" else None
+        largest = max((int(n) for n in np.diff(self._starts)), default=1) * row_bytes
+        largest = max(largest, POLARS_QUERY_BYTES) if self._decoder == "polars" else largest
+        self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest, 1)))
         self._lazy: dict[str, Any] = {}  # a file's Polars scan of the selection, made once (plan, schema)
         self._polars_types: dict[str, Any] | None = None
 
-    def _query_ends(self, row_bytes: int) -> list[int]:
-        """For each row group ``u``, the end of the run of row groups one Polars query decodes from it: those of
-        its file from it on while they hold at most :data:`POLARS_QUERY_BYTES` read (at least ``u`` itself)."""
+    def _file_ends(self) -> np.ndarray:
+        """For each row group, the row group after the last of its file."""
         units = len(self._units)
-        if self._decoder != "polars" or not units:
-            return list(range(1, units + 1))
-        paths = [span[0] for span in self._spans]
-        file_end = np.empty(units, np.int64)  # the row group after each one's file's last
-        for u in range(units - 1, -1, -1):
-            file_end[u] = file_end[u + 1] if u + 1 < units and paths[u + 1] == paths[u] else u + 1
-        read = self._starts * row_bytes  # the bytes read before each row group
-        ends = np.searchsorted(read, read[:-1] + POLARS_QUERY_BYTES, side="right") - 1
-        return np.clip(ends, np.arange(1, units + 1), file_end).tolist()
+        ends = np.arange(1, units + 1)
+        for u in range(units - 2, -1, -1):
+            if self._spans[u] is not None and self._spans[u + 1] is not None and self._spans[u][0] == self._spans[
+                    u + 1][0]:
+                ends[u] = ends[u + 1]
+        return ends
+
+    def _query_end(self, unit: int, k: int) -> int:
+        """The end of the row groups that the ``k``-th Polars query of a scan (0: its first) decodes from row group
+        ``unit`` on: those of its file while they hold at most the bytes read of ``unit`` times ``2**k``, and
+        at most :data:`POLARS_QUERY_BYTES` (at least ``unit`` itself). A scan's first rows come after one row
+        group's decode; the queries' fixed cost is paid for several row groups from its third or so on."""
+        read = self._read_before
+        budget = min(POLARS_QUERY_BYTES, int(read[unit + 1] - read[unit]) << min(k, 32))
+        end = int(np.searchsorted(read, read[unit] + budget, side="right")) - 1
+        return min(max(end, unit + 1), int(self._file_end[unit]))
 
     def _selecting(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> ParquetSource:
         """This dataset (not opened again) with other ``columns``: a part of :func:`grouped_by` (``keys``: the key
@@ -784,10 +794,11 @@ class ParquetSource(Source):
         """The record batches of the selected columns from row group ``unit`` on, in order, never across row
         groups; decoding about one row group ahead measured faster on 2 cores than pyarrow's default
         (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` queries (each of
-        row groups up to :data:`POLARS_QUERY_BYTES` read) at a time on the :func:`decode_pool` (:class:`_Ahead`):
-        at most ``self._ahead + 1`` queries' rows are held, decoded or decoding, ahead of the read."""
+        row groups up to :data:`POLARS_QUERY_BYTES` read, :meth:`_query_end`) at a time on the
+        :func:`decode_pool` (:class:`_Ahead`): at most ``self._ahead + 1`` queries' rows are held, decoded or
+        decoding, ahead of the read."""
         if self._decoder == "polars" and not _polars_forked:
-            return _Ahead(self._decode_query, unit, self._queries, self._ahead, self._starts)
+            return _Ahead(self._decode_query, unit, self._query_end, len(self._units), self._ahead, self._starts)
         scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units[unit:], self._dataset.schema,
                                                               self._dataset.format, self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
@@ -895,14 +906,15 @@ class _Rows(NamedTuple):
 
 
 class _Ahead:
-    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... to the last in order, decoded by
-    ``decode(u, ends[u])`` (the rows of row groups ``u .. ends[u] - 1``, one query) on the :func:`decode_pool`,
-    ``ahead`` queries submitted ahead of the one being read. Those still waiting when it is dropped (a seek, a
-    failed read) are cancelled."""
+    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, decoded by
+    ``decode(u, end)`` (the rows of row groups ``u .. end - 1``, one query; ``end = query_end(u, k)`` for the
+    ``k``-th query) on the :func:`decode_pool`, ``ahead`` queries submitted ahead of the one being read. Those
+    still waiting when it is dropped (a seek, a failed read) are cancelled."""
 
-    def __init__(self, decode: Callable[[int, int], list], first: int, ends: list[int], ahead: int,
-                 starts: np.ndarray):
-        self._decode, self._next, self._ends, self._ahead, self._starts = decode, first, ends, ahead, starts
+    def __init__(self, decode: Callable[[int, int], list], first: int, query_end: Callable[[int, int], int],
+                 units: int, ahead: int, starts: np.ndarray):
+        self._decode, self._next, self._query_end, self._units = decode, first, query_end, units
+        self._ahead, self._starts, self._queries = ahead, starts, 0
         self._pending: collections.deque = collections.deque()
         self._ready: collections.deque = collections.deque()  # the decoded row groups of the query being read
 
@@ -915,10 +927,10 @@ class _Ahead:
 
     def __next__(self) -> _Rows:
         pool = decode_pool()
-        while self._next < len(self._ends) and len(self._pending) < self._ahead:
-            end = self._ends[self._next]
+        while self._next < self._units and len(self._pending) < self._ahead:
+            end = self._query_end(self._next, self._queries)
             self._pending.append(pool.submit(self._decode, self._next, end))
-            self._next = end
+            self._next, self._queries = end, self._queries + 1
         if not self._ready:
             if not self._pending:
                 raise StopIteration
