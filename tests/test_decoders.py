@@ -65,8 +65,8 @@ def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns,
     pq.write_table(edge_table(), path, row_group_size=128)
     polars = ParquetSource(path, columns=columns, dtype=dtype, decoder="polars")
     arrow = ParquetSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
-    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # row groups of a few KB: pyarrow's
-    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)
+    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # a file of a few KB: pyarrow's
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", 0)
     assert (polars.decoder, arrow.decoder, auto, ParquetSource(path, columns=columns, dtype=dtype).decoder) == (
         "polars", "pyarrow", "pyarrow", "polars")
     assert polars.spec == arrow.spec
@@ -145,8 +145,19 @@ def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
     same_rows(ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars").read(0, ROWS), want)
 
 
+def test_auto_takes_polars_by_the_bytes_a_file_holds_not_by_its_row_groups(tmp_path, monkeypatch):
+    """Polars' queries of several row groups make small row groups cheap, while each file costs it a scan of its
+    own: ``decoder="auto"`` weighs the bytes a file holds on average (``POLARS_MIN_FILE_BYTES``)."""
+    table = edge_table()
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=128)  # 1000 rows x 16 bytes read, 2 KB a group
+    pq.write_table(table.slice(0, 100), tmp_path / "b.parquet")
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", ROWS * 16)
+    assert ParquetSource(tmp_path / "a.parquet", columns=["f64", "f32"], dtype="float64").decoder == "polars"
+    assert ParquetSource(tmp_path, columns=["f64", "f32"], dtype="float64").decoder == "pyarrow"  # 8,800 a file
+
+
 def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path, monkeypatch):
-    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)  # auto would take Polars where it reads the columns
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", 0)  # auto would take Polars where it reads the columns
     path = tmp_path / "vec.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, 2.0]] * 4, pa.list_(pa.float64(), 2)), "h": pa.array(
         np.ones(4, np.float16))}), path)
@@ -171,7 +182,7 @@ def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would
         ok = False
         try:
             want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(300, 600)
-            tabular.POLARS_MIN_GROUP_BYTES = 0  # auto would take Polars, but for the fork
+            tabular.POLARS_MIN_FILE_BYTES = 0  # auto would take Polars, but for the fork
             fresh = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
             ok = fresh.decoder == "pyarrow" and all(
                 got.tobytes() == want.tobytes() for got in (fresh.read(300, 600), parents.read(300, 600)))

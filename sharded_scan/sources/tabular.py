@@ -467,10 +467,12 @@ DECODERS = ("auto", "polars", "pyarrow")
 # Decoded row groups held ahead of the reads at most (with at least one row group ahead): a pool's worth of row
 # groups while they are small, fewer when they are large.
 AHEAD_BYTES = 512 << 20
-# decoder="auto" takes Polars for row groups of at least this many bytes read on average: a row group costs a
-# Polars query 0.2-0.4 ms CPU more than pyarrow's scan (its footer, its plan), and its decode saves about
-# 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
-POLARS_MIN_GROUP_BYTES = 1 << 20
+# decoder="auto" takes Polars for files of at least this many bytes read on average, whatever their row groups: its
+# queries (several row groups each, POLARS_QUERY_BYTES) decode a file's row groups with less CPU than pyarrow's scan,
+# but each file costs it a scan and a first query of its own. Files of 4 float32 columns, CPU of the reads (load 7):
+# 8 MiB in 128 KiB or 1 MiB row groups 19.4 and 10.8 ms against pyarrow's 28.0 and 12.1; 2^20 rows in 4-256 KiB row
+# groups 1.3-3.4x less; 1-4 MiB in 1 MiB row groups the same; 64 files of 256 KiB 63.5 against 41.4 ms.
+POLARS_MIN_FILE_BYTES = 8 << 20
 # Polars decodes consecutive row groups of one file in one query, up to this many bytes read (at least one row
 # group): a query's fixed cost (plan, footer) is paid once for them. 4·10^6 rows x 8 float32 in 4 MiB row groups,
 # the queries alone: 0.097 CPU-s a row group a query, 0.075 two, 0.067-0.070 four, 0.062 the whole file in one;
@@ -559,7 +561,7 @@ class ParquetSource(Source):
       decoder: what decodes the row groups: ``"polars"`` (Polars' Parquet reader: 1.2-1.4x less CPU a row
         group than pyarrow's on 2 cores, ``bench/decode.py``), ``"pyarrow"``, or ``"auto"`` (default): Polars
         where it is installed and reads the selection (local Parquet files of integer, float32/64, boolean and
-        string columns, row groups of 1 MiB read or more: :data:`POLARS_MIN_GROUP_BYTES`), else pyarrow.
+        string columns, files of 8 MiB read or more on average: :data:`POLARS_MIN_FILE_BYTES`), else pyarrow.
         Either way the rows are the same values (``tests/test_decoders.py``).
         Polars' row groups are decoded (consecutive ones of a file in one query, up to
         :data:`POLARS_QUERY_BYTES` read) and cast into the rows' layout on a pool of :func:`host_cores` threads,
@@ -610,7 +612,7 @@ class ParquetSource(Source):
         self._tensor_columns = _tensor_columns(self._dataset.schema, self._selection)
         row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
         self._decoder = self._choose_decoder(self._args["decoder"], self._local,
-                                             self.num_rows * row_bytes / max(len(self._units), 1))
+                                             self.num_rows * row_bytes / max(len(self._paths), 1))
         self._read_before = self._starts * row_bytes  # the bytes read before each row group (and after the last)
         self._file_end = self._file_ends() if self._decoder == "polars" else None
         largest = max((int(n) for n in np.diff(self._starts)), default=1) * row_bytes
@@ -646,10 +648,10 @@ class ParquetSource(Source):
         part._select(columns, dtype, strings, keys)
         return part
 
-    def _choose_decoder(self, decoder: str, local: bool, group_bytes: float) -> str:
-        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset (``group_bytes``: the
-        rows of a row group, read, on average); one line for ``"polars"`` where Polars cannot read it."""
-        if decoder == "pyarrow" or (decoder == "auto" and group_bytes < POLARS_MIN_GROUP_BYTES):
+    def _choose_decoder(self, decoder: str, local: bool, file_bytes: float) -> str:
+        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset (``file_bytes``: the
+        rows of a file, read, on average); one line for ``"polars"`` where Polars cannot read it."""
+        if decoder == "pyarrow" or (decoder == "auto" and file_bytes < POLARS_MIN_FILE_BYTES):
             return "pyarrow"
         schema, names = self._dataset.schema, self._selection.names()
         odd = [f"{n!r} ({schema.field(n).type})" for n in names if not _polars_reads(schema.field(n).type)]
