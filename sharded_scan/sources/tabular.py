@@ -623,11 +623,10 @@ class ParquetSource(Source):
 
     def _file_ends(self) -> np.ndarray:
         """For each row group, the row group after the last of its file."""
-        units = len(self._units)
-        ends = np.arange(1, units + 1)
-        for u in range(units - 2, -1, -1):
-            if self._spans[u] is not None and self._spans[u + 1] is not None and self._spans[u][0] == self._spans[
-                    u + 1][0]:
+        files = [None if span is None else span[0] for span in self._spans]
+        ends = np.arange(1, len(files) + 1)
+        for u in range(len(files) - 2, -1, -1):
+            if files[u] is not None and files[u] == files[u + 1]:
                 ends[u] = ends[u + 1]
         return ends
 
