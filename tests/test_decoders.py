@@ -100,11 +100,15 @@ def test_polars_numbers_are_cast_from_polars_arrays_not_through_arrow(tmp_path, 
         via_arrow.clear()
 
 
-def test_one_polars_query_decodes_several_row_groups_of_one_file_in_order(tmp_path, monkeypatch):
+@pytest.mark.parametrize("block_rows", [None, 64])
+def test_one_polars_query_decodes_several_row_groups_of_one_file_in_order(tmp_path, monkeypatch, block_rows):
     """Polars decodes consecutive row groups of one file in one query (a scan's first one row group, then twice as
     many each, up to ``POLARS_QUERY_BYTES``), never across files: the rows are pyarrow's bit for bit across the
     queries' edges, the ragged last row group, a one-row file, and a read that starts a scan in the middle of a
-    query's row groups (a resume)."""
+    query's row groups (a resume); cast a query at once (row groups under ``FILL_BLOCK_ROWS``) or a row group
+    at a time (``block_rows=64``)."""
+    if block_rows:
+        monkeypatch.setattr(tabular, "FILL_BLOCK_ROWS", block_rows)
     table = edge_table()
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=128)  # 8 row groups, the last of 104 rows
     pq.write_table(table.slice(5, 1), tmp_path / "b.parquet")  # one row: inf

@@ -810,8 +810,9 @@ class ParquetSource(Source):
 
     def _decode_query(self, first: int, end: int) -> list[_Rows]:
         """The rows of row groups ``first .. end - 1`` (consecutive, of one file) in the layout a read returns
-        (one aligned array a leaf, a row group each), decoded by Polars in one query (its rows by their place in
-        the file; the file's scan made once, :attr:`_lazy`). Numbers are cast from Polars' own arrays
+        (one aligned array a leaf, a row group each; the whole query's in one where its row groups average fewer
+        than ``FILL_BLOCK_ROWS`` rows), decoded by Polars in one query (its rows by their place in the file; the
+        file's scan made once, :attr:`_lazy`). Numbers are cast from Polars' own arrays
         (:meth:`_polars_columns`, :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key
         column's nulls, integer nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives
         (strings as ``large_string``), and are cast by :func:`_fill`, as pyarrow's batches are; a row group
@@ -831,6 +832,17 @@ class ParquetSource(Source):
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             frame = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+        if frame is not None and sum(sizes) < len(sizes) * FILL_BLOCK_ROWS:  # row groups smaller than a cast's block
+            try:  # one cast for the query (Polars' columns made contiguous), not a Python round a row group
+                columns = self._polars_columns(frame, sum(sizes))
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                columns = None
+            if columns is not None:
+                out = self._selection.empty(sum(sizes))
+                _fill_arrays(columns, self._selection, out)
+                return [_Rows(out)]
         out, offset = [], 0
         for unit, rows in zip(range(first, end), sizes, strict=True):
             out.append(self._rows(unit, None if frame is None else frame.slice(offset, rows)))
