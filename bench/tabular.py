@@ -349,9 +349,10 @@ def measure(name: str, calls: dict[str, Callable[[], Any]], error: Callable[[Any
             parts: Callable[[], dict] | None = None) -> dict:
     """The row's seconds, ratios and errors; ``parts``: sharded_scan's :func:`profile`, when asked."""
     errors = {caller: error(call()) for caller, call in calls.items()}  # warm: compiled, file cached
-    seconds = interleaved_best(calls, repeats)
+    cpu: dict[str, float] = {}
+    seconds = interleaved_best(calls, repeats, cpu)
     ours = seconds["sharded_scan"]
-    out = {"row": name, "seconds": seconds, "error": errors,
+    out = {"row": name, "seconds": seconds, "cpu": cpu, "error": errors,
            "ratio": {c: t / ours for c, t in seconds.items() if c != "sharded_scan"}}
     return out if parts is None else {**out, "profile": parts()}
 
@@ -378,6 +379,7 @@ def profile(path: str, row: str, repeats: int) -> dict[str, float]:
         return jax.block_until_ready(partials)
 
     partials = steps()
+    cpu: dict[str, float] = {}
     seconds = interleaved_best({
         "run": lambda: run_program(program, source),
         "build": lambda: build_program(combiner, source, options),
@@ -385,8 +387,8 @@ def profile(path: str, row: str, repeats: int) -> dict[str, float]:
         "place": lambda: jax.block_until_ready([place(h, layout, program.mesh) for h in host]),
         "steps": steps,
         "merge": lambda: program.finalize(to_host(program.merge(partials))),
-    }, repeats)
-    return {**seconds, "num_steps": len(cursors), "microbatch": layout.microbatch,
+    }, repeats, cpu)
+    return {**seconds, "cpu": cpu, "num_steps": len(cursors), "microbatch": layout.microbatch,
             "steps_per_call": layout.steps_per_call}
 
 
@@ -394,11 +396,13 @@ def print_row(r: dict) -> None:
     print(f"\n{r['row']}  (ratio: peer seconds / sharded_scan seconds; > 1: sharded_scan faster)")
     for caller, t in r["seconds"].items():
         ratio = "" if caller == "sharded_scan" else f"{r['ratio'][caller]:7.2f}x"
-        print(f"  {caller:<24}{t:9.3f} s  {ratio:>8}   error {r['error'][caller]:.2g}")
+        print(f"  {caller:<24}{t:9.3f} s  {ratio:>8}   CPU {r['cpu'][caller]:6.3f} s   error {r['error'][caller]:.2g}")
     if "profile" in r:
         p = r["profile"]
         print(f"  sharded_scan's parts: {p['num_steps']} steps of {p['steps_per_call']} x {p['microbatch']} rows a "
               "shard; " + ", ".join(f"{k} {p[k]:.3f} s" for k in ("run", "read", "place", "steps", "merge", "build")))
+        print("  their CPU seconds (every thread's): " + ", ".join(f"{k} {p['cpu'][k]:.3f}" for k in (
+            "run", "read", "place", "steps", "merge", "build")))
 
 
 def main() -> None:

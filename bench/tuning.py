@@ -27,14 +27,19 @@ from sharded_scan.sources import Source
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
-def interleaved_best(calls: dict, repeats: int) -> dict[str, float]:
-    """Best wall time of each call over ``repeats`` rounds, one call of each per round."""
+def interleaved_best(calls: dict, repeats: int, cpu: dict | None = None) -> dict[str, float]:
+    """Best wall time of each call over ``repeats`` rounds, one call of each per round; ``cpu``: a dict given
+    also gets each call's best process CPU seconds (every thread's: on a shared machine they hold better)."""
     best = dict.fromkeys(calls, float("inf"))
+    if cpu is not None:
+        cpu.update(dict.fromkeys(calls, float("inf")))
     for _ in range(repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             call()
             best[name] = min(best[name], time.perf_counter() - start)
+            if cpu is not None:
+                cpu[name] = min(cpu[name], time.process_time() - start_cpu)
     return best
 
 

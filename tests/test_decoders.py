@@ -65,8 +65,8 @@ def test_polars_and_pyarrow_decode_the_same_rows(tmp_path, monkeypatch, columns,
     pq.write_table(edge_table(), path, row_group_size=128)
     polars = ParquetSource(path, columns=columns, dtype=dtype, decoder="polars")
     arrow = ParquetSource(path, columns=columns, dtype=dtype, decoder="pyarrow")
-    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # row groups of a few KB: pyarrow's
-    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)
+    auto = ParquetSource(path, columns=columns, dtype=dtype).decoder  # a file of a few KB: pyarrow's
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", 0)
     assert (polars.decoder, arrow.decoder, auto, ParquetSource(path, columns=columns, dtype=dtype).decoder) == (
         "polars", "pyarrow", "pyarrow", "polars")
     assert polars.spec == arrow.spec
@@ -96,8 +96,44 @@ def test_polars_numbers_are_cast_from_polars_arrays_not_through_arrow(tmp_path, 
     assert via_arrow == []
     for columns, dtype, rows in [(["f32", "int_null"], "float32", [128, 128, 104]), ("text", None, [128] * 7 + [104])]:
         ParquetSource(path, columns=columns, dtype=dtype, decoder="polars").read(0, ROWS)
-        assert via_arrow == rows  # int_null's nulls: in row groups 0, 1 and the last
+        assert sorted(via_arrow) == sorted(rows)  # int_null's nulls: row groups 0, 1 and the last (on a pool)
         via_arrow.clear()
+
+
+@pytest.mark.parametrize("block_rows", [None, 64])
+def test_one_polars_query_decodes_several_row_groups_of_one_file_in_order(tmp_path, monkeypatch, block_rows):
+    """Polars decodes consecutive row groups of one file in one query (a scan's first one row group, then twice as
+    many each, up to ``POLARS_QUERY_BYTES``), never across files: the rows are pyarrow's bit for bit across the
+    queries' edges, the ragged last row group, a one-row file, and a read that starts a scan in the middle of a
+    query's row groups (a resume); cast a query at once (row groups under ``FILL_BLOCK_ROWS``) or a row group
+    at a time (``block_rows=64``)."""
+    if block_rows:
+        monkeypatch.setattr(tabular, "FILL_BLOCK_ROWS", block_rows)
+    table = edge_table()
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=128)  # 8 row groups, the last of 104 rows
+    pq.write_table(table.slice(5, 1), tmp_path / "b.parquet")  # one row: inf
+    paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    monkeypatch.setattr(tabular, "POLARS_QUERY_BYTES", 3 * 128 * 4 * 8)  # 3 row groups of 4 float64 columns
+    queries = []
+    decode = ParquetSource._decode_query
+    monkeypatch.setattr(ParquetSource, "_decode_query", lambda self, u, end: queries.append((u, end)) or decode(
+        self, u, end))
+    # a scan's queries grow from one row group: 1, 2, 4, ... up to POLARS_QUERY_BYTES
+    for columns, dtype, want_queries, resumed_queries in [
+            (["f64", "nan_or_null", "i64", "f32"], "float64", [(0, 1), (1, 3), (3, 6), (6, 8), (8, 9)],
+             [(3, 4), (4, 6), (6, 8), (8, 9)]),  # Polars' arrays
+            (["text", "big_text"], None, [(0, 1), (1, 3), (3, 7), (7, 8), (8, 9)],
+             [(3, 4), (4, 6), (6, 8), (8, 9)])]:  # strings: through Arrow
+        polars = ParquetSource(paths, columns=columns, dtype=dtype, decoder="polars")
+        arrow = ParquetSource(paths, columns=columns, dtype=dtype, decoder="pyarrow")
+        for start in range(0, ROWS + 1, 100):
+            same_rows(polars.read(start, min(start + 100, ROWS + 1)), arrow.read(start, min(start + 100, ROWS + 1)))
+        assert sorted(queries) == want_queries  # submitted in order, run on a pool
+        queries.clear()
+        resumed = ParquetSource(paths, columns=columns, dtype=dtype, decoder="polars")
+        same_rows(resumed.read(450, ROWS + 1, 560), arrow.read(450, ROWS + 1, 560))  # row group 3 on
+        assert sorted(queries) == resumed_queries
+        queries.clear()
 
 
 def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
@@ -113,8 +149,19 @@ def test_a_row_group_polars_fails_on_is_read_by_pyarrow(tmp_path, monkeypatch):
     same_rows(ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="polars").read(0, ROWS), want)
 
 
+def test_auto_takes_polars_by_the_bytes_a_file_holds_not_by_its_row_groups(tmp_path, monkeypatch):
+    """Polars' queries of several row groups make small row groups cheap, while each file costs it a scan of its
+    own: ``decoder="auto"`` weighs the bytes a file holds on average (``POLARS_MIN_FILE_BYTES``)."""
+    table = edge_table()
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=128)  # 1000 rows x 16 bytes read, 2 KB a group
+    pq.write_table(table.slice(0, 100), tmp_path / "b.parquet")
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", ROWS * 16)
+    assert ParquetSource(tmp_path / "a.parquet", columns=["f64", "f32"], dtype="float64").decoder == "polars"
+    assert ParquetSource(tmp_path, columns=["f64", "f32"], dtype="float64").decoder == "pyarrow"  # 8,800 a file
+
+
 def test_a_dataset_polars_cannot_read_is_one_line_or_pyarrows_under_auto(tmp_path, monkeypatch):
-    monkeypatch.setattr(tabular, "POLARS_MIN_GROUP_BYTES", 0)  # auto would take Polars where it reads the columns
+    monkeypatch.setattr(tabular, "POLARS_MIN_FILE_BYTES", 0)  # auto would take Polars where it reads the columns
     path = tmp_path / "vec.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, 2.0]] * 4, pa.list_(pa.float64(), 2)), "h": pa.array(
         np.ones(4, np.float16))}), path)
@@ -139,7 +186,7 @@ def test_a_child_forked_after_polars_ran_decodes_with_pyarrow_where_polars_would
         ok = False
         try:
             want = ParquetSource(path, columns=["f64", "i64"], dtype="float64", decoder="pyarrow").read(300, 600)
-            tabular.POLARS_MIN_GROUP_BYTES = 0  # auto would take Polars, but for the fork
+            tabular.POLARS_MIN_FILE_BYTES = 0  # auto would take Polars, but for the fork
             fresh = ParquetSource(path, columns=["f64", "i64"], dtype="float64")
             ok = fresh.decoder == "pyarrow" and all(
                 got.tobytes() == want.tobytes() for got in (fresh.read(300, 600), parents.read(300, 600)))

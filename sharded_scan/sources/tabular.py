@@ -467,10 +467,18 @@ DECODERS = ("auto", "polars", "pyarrow")
 # Decoded row groups held ahead of the reads at most (with at least one row group ahead): a pool's worth of row
 # groups while they are small, fewer when they are large.
 AHEAD_BYTES = 512 << 20
-# decoder="auto" takes Polars for row groups of at least this many bytes read on average: a row group costs a
-# Polars query 0.2-0.4 ms CPU more than pyarrow's scan (its footer, its plan), and its decode saves about
-# 0.3 ms a MB (4 float32 columns: 2^16-row groups 29 against 37 ms CPU for 2^20 rows, 2^14-row groups 12 against 9).
-POLARS_MIN_GROUP_BYTES = 1 << 20
+# decoder="auto" takes Polars for files of at least this many bytes read on average, whatever their row groups: its
+# queries (several row groups each, POLARS_QUERY_BYTES) decode a file's row groups with less CPU than pyarrow's scan,
+# but each file costs it a scan and a first query of its own. Files of 4 float32 columns, CPU of the reads (load 7):
+# 8 MiB in 128 KiB or 1 MiB row groups 19.4 and 10.8 ms against pyarrow's 28.0 and 12.1; 2^20 rows in 4-256 KiB row
+# groups 1.3-3.4x less; 1-4 MiB in 1 MiB row groups the same; 64 files of 256 KiB 63.5 against 41.4 ms.
+POLARS_MIN_FILE_BYTES = 8 << 20
+# Polars decodes consecutive row groups of one file in one query, up to this many bytes read (at least one row
+# group): a query's fixed cost (plan, footer) is paid once for them. 4·10^6 rows x 8 float32 in 4 MiB row groups,
+# the queries alone: 0.097 CPU-s a row group a query, 0.075 two, 0.067-0.070 four, 0.062 the whole file in one;
+# ParquetSource's reads: 0.124 CPU-s a row group a query, 0.109 up to 8 MiB, 0.105 up to 16 MiB (40-60 MiB more
+# held ahead on 2 cores).
+POLARS_QUERY_BYTES = 8 << 20
 # decoder="auto" reads a CSV file of at least this many bytes with Polars (where it reads the selection faster).
 POLARS_MIN_CSV_BYTES = 1 << 20
 CSV_BATCH_ROWS = 1 << 16  # rows of a batch Polars' CSV reader hands over
@@ -553,9 +561,10 @@ class ParquetSource(Source):
       decoder: what decodes the row groups: ``"polars"`` (Polars' Parquet reader: 1.2-1.4x less CPU a row
         group than pyarrow's on 2 cores, ``bench/decode.py``), ``"pyarrow"``, or ``"auto"`` (default): Polars
         where it is installed and reads the selection (local Parquet files of integer, float32/64, boolean and
-        string columns, row groups of 1 MiB read or more: :data:`POLARS_MIN_GROUP_BYTES`), else pyarrow.
+        string columns, files of 8 MiB read or more on average: :data:`POLARS_MIN_FILE_BYTES`), else pyarrow.
         Either way the rows are the same values (``tests/test_decoders.py``).
-        Polars' row groups are decoded and cast into the rows' layout on a pool of :func:`host_cores` threads,
+        Polars' row groups are decoded (consecutive ones of a file in one query, up to
+        :data:`POLARS_QUERY_BYTES` read) and cast into the rows' layout on a pool of :func:`host_cores` threads,
         ahead of the reads (a row group Polars fails on is read by pyarrow).
     """
 
@@ -603,9 +612,33 @@ class ParquetSource(Source):
         self._tensor_columns = _tensor_columns(self._dataset.schema, self._selection)
         row_bytes = max(len(self._selection.names()) * self._selection.dtype.itemsize, 1)
         self._decoder = self._choose_decoder(self._args["decoder"], self._local,
-                                             self.num_rows * row_bytes / max(len(self._units), 1))
+                                             self.num_rows * row_bytes / max(len(self._paths), 1))
+        self._read_before = self._starts * row_bytes  # the bytes read before each row group (and after the last)
+        self._file_end = self._file_ends() if self._decoder == "polars" else None
         largest = max((int(n) for n in np.diff(self._starts)), default=1) * row_bytes
+        largest = max(largest, POLARS_QUERY_BYTES) if self._decoder == "polars" else largest
         self._ahead = max(1, min(host_cores() + 1, AHEAD_BYTES // max(largest, 1)))
+        self._lazy: dict[str, Any] = {}  # a file's Polars scan of the selection, made once (plan, schema)
+        self._polars_types: dict[str, Any] | None = None
+
+    def _file_ends(self) -> np.ndarray:
+        """For each row group, the row group after the last of its file."""
+        files = [None if span is None else span[0] for span in self._spans]
+        ends = np.arange(1, len(files) + 1)
+        for u in range(len(files) - 2, -1, -1):
+            if files[u] is not None and files[u] == files[u + 1]:
+                ends[u] = ends[u + 1]
+        return ends
+
+    def _query_end(self, unit: int, k: int) -> int:
+        """The end of the row groups that the ``k``-th Polars query of a scan (0: its first) decodes from row group
+        ``unit`` on: those of its file while they hold at most the bytes read of ``unit`` times ``2**k``, and
+        at most :data:`POLARS_QUERY_BYTES` (at least ``unit`` itself). A scan's first rows come after one row
+        group's decode; the queries' fixed cost is paid for several row groups from its third or so on."""
+        read = self._read_before
+        budget = min(POLARS_QUERY_BYTES, int(read[unit + 1] - read[unit]) << min(k, 32))
+        end = int(np.searchsorted(read, read[unit] + budget, side="right")) - 1
+        return min(max(end, unit + 1), int(self._file_end[unit]))
 
     def _selecting(self, columns: Columns, dtype: Any, strings: str, keys: bool = False) -> ParquetSource:
         """This dataset (not opened again) with other ``columns``: a part of :func:`grouped_by` (``keys``: the key
@@ -614,10 +647,10 @@ class ParquetSource(Source):
         part._select(columns, dtype, strings, keys)
         return part
 
-    def _choose_decoder(self, decoder: str, local: bool, group_bytes: float) -> str:
-        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset (``group_bytes``: the
-        rows of a row group, read, on average); one line for ``"polars"`` where Polars cannot read it."""
-        if decoder == "pyarrow" or (decoder == "auto" and group_bytes < POLARS_MIN_GROUP_BYTES):
+    def _choose_decoder(self, decoder: str, local: bool, file_bytes: float) -> str:
+        """``"polars"`` or ``"pyarrow"``: what ``decoder`` resolves to for this dataset (``file_bytes``: the
+        rows of a file, read, on average); one line for ``"polars"`` where Polars cannot read it."""
+        if decoder == "pyarrow" or (decoder == "auto" and file_bytes < POLARS_MIN_FILE_BYTES):
             return "pyarrow"
         schema, names = self._dataset.schema, self._selection.names()
         odd = [f"{n!r} ({schema.field(n).type})" for n in names if not _polars_reads(schema.field(n).type)]
@@ -761,37 +794,77 @@ class ParquetSource(Source):
     def _scan(self, unit: int) -> Iterator[Any]:
         """The record batches of the selected columns from row group ``unit`` on, in order, never across row
         groups; decoding about one row group ahead measured faster on 2 cores than pyarrow's default
-        (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` row groups
-        at a time on the :func:`decode_pool` (:class:`_Ahead`)."""
+        (4 fragments, 16 batches ahead), and holds less memory. Polars decodes ``self._ahead`` queries (each of
+        row groups up to :data:`POLARS_QUERY_BYTES` read, :meth:`_query_end`) at a time on the
+        :func:`decode_pool` (:class:`_Ahead`): at most ``self._ahead + 1`` queries' rows are held, decoded or
+        decoding, ahead of the read."""
         if self._decoder == "polars" and not _polars_forked:
-            return _Ahead(self._decode, unit, len(self._units), self._ahead, self._starts)
+            return _Ahead(self._decode_query, unit, self._query_end, len(self._units), self._ahead, self._starts)
         scan = _pyarrow(files=True).dataset.FileSystemDataset(self._units[unit:], self._dataset.schema,
                                                               self._dataset.format, self._dataset.filesystem)
         return iter(scan.to_batches(columns=self._selection.names(), fragment_readahead=1, batch_readahead=4))
 
     def _decode(self, unit: int) -> _Rows:
-        """Row group ``unit``'s rows in the layout a read returns (one aligned array a leaf), decoded by Polars
-        (its rows by their place in the file). Numbers are cast from Polars' own arrays (:meth:`_polars_columns`,
-        :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key column's nulls, integer
-        nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives (strings as ``large_string``),
-        and are cast by :func:`_fill`, as pyarrow's batches are; a column Polars reads otherwise goes to pyarrow
-        for this row group."""
-        pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
-        path, first, rows = self._spans[unit]
-        table = None
+        """Row group ``unit``'s rows in the layout a read returns, decoded by Polars (:meth:`_decode_query`)."""
+        return self._decode_query(unit, unit + 1)[0]
+
+    def _decode_query(self, first: int, end: int) -> list[_Rows]:
+        """The rows of row groups ``first .. end - 1`` (consecutive, of one file) in the layout a read returns
+        (one aligned array a leaf, a row group each; the whole query's in one where its row groups average fewer
+        than ``FILL_BLOCK_ROWS`` rows), decoded by Polars in one query (its rows by their place in the file; the
+        file's scan made once, :attr:`_lazy`). Numbers are cast from Polars' own arrays
+        (:meth:`_polars_columns`, :func:`_fill_arrays`: the GIL released while they cast); else (strings, a key
+        column's nulls, integer nulls read as float32) Polars' rows go to Arrow, in the types pyarrow gives
+        (strings as ``large_string``), and are cast by :func:`_fill`, as pyarrow's batches are; a row group
+        Polars reads otherwise (or a query that fails) goes to pyarrow."""
+        pl, names = _polars(), self._selection.names()
+        path, at = self._spans[first][0], self._spans[first][1]
+        sizes = [int(n) for n in np.diff(self._starts[first : end + 1])]
+        frame = None
         try:
-            frame = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names).slice(first, rows)
-            frame = frame.collect()
-            columns = self._polars_columns(frame, rows)
-            if columns is not None:
-                out = self._selection.empty(rows)
-                _fill_arrays(columns, self._selection, out)
-                return _Rows(out)
-            table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            lazy = self._lazy.get(path)
+            if lazy is None:
+                lazy = self._lazy[path] = pl.scan_parquet(path, glob=False, hive_partitioning=False).select(names)
+            frame = lazy.slice(at, sum(sizes)).collect()
+            if frame.height != sum(sizes):
+                frame = None
         except BaseException as e:  # Polars' Rust panics (pyo3's PanicException) are no Exception
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            table = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+            frame = None  # pyarrow reads it, or says what is wrong (a file cut short: the read's FileWatch says so)
+        if frame is not None and sum(sizes) < len(sizes) * FILL_BLOCK_ROWS:  # row groups smaller than a cast's block
+            try:  # one cast for the query (Polars' columns made contiguous), not a Python round a row group
+                columns = self._polars_columns(frame, sum(sizes))
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                columns = None
+            if columns is not None:
+                out = self._selection.empty(sum(sizes))
+                _fill_arrays(columns, self._selection, out)
+                return [_Rows(out)]
+        out, offset = [], 0
+        for unit, rows in zip(range(first, end), sizes, strict=True):
+            out.append(self._rows(unit, None if frame is None else frame.slice(offset, rows)))
+            offset += rows
+        return out
+
+    def _rows(self, unit: int, frame: Any) -> _Rows:
+        """Row group ``unit``'s rows from its Polars ``frame`` (None: Polars failed on it), or pyarrow's."""
+        pl, names, schema = _polars(), self._selection.names(), self._dataset.schema
+        path, _, rows = self._spans[unit]
+        table = None
+        if frame is not None:
+            try:
+                columns = self._polars_columns(frame, rows)
+                if columns is not None:
+                    out = self._selection.empty(rows)
+                    _fill_arrays(columns, self._selection, out)
+                    return _Rows(out)
+                table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
         if table is None or table.num_rows != rows or any(
                 not _same_values(table.schema.field(n).type, schema.field(n).type) for n in names):
             table = self._units[unit].to_table(columns=names, use_threads=False)
@@ -810,11 +883,14 @@ class ParquetSource(Source):
         selection, schema, pl = self._selection, self._dataset.schema, _polars()
         if selection.strings or selection.widths or selection.null_as is not None or frame.height != rows:
             return None
+        if self._polars_types is None:  # what Polars reads each column as, when it reads it as pyarrow does
+            self._polars_types = {name: pl.Series(values=np.empty(0, schema.field(name).type.to_pandas_dtype())).dtype
+                                  for name in selection.names()}
         columns = {}
         for name in selection.names():
             series = frame.get_column(name)
             want = np.dtype(schema.field(name).type.to_pandas_dtype())
-            if series.dtype != pl.Series(values=np.empty(0, want)).dtype:
+            if series.dtype != self._polars_types[name]:
                 return None
             if series.null_count():
                 if not (np.issubdtype(selection.dtype, np.floating) and (
@@ -843,13 +919,17 @@ class _Rows(NamedTuple):
 
 
 class _Ahead:
-    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, each row
-    group decoded by ``decode`` on the :func:`decode_pool`, ``ahead`` of them submitted ahead of the one read.
-    Those still waiting when it is dropped (a seek, a failed read) are cancelled."""
+    """The rows (:class:`_Rows`) of row groups ``first``, ``first + 1``, ... ``units - 1`` in order, decoded by
+    ``decode(u, end)`` (the rows of row groups ``u .. end - 1``, one query; ``end = query_end(u, k)`` for the
+    ``k``-th query) on the :func:`decode_pool`, ``ahead`` queries submitted ahead of the one being read. Those
+    still waiting when it is dropped (a seek, a failed read) are cancelled."""
 
-    def __init__(self, decode: Callable[[int], Any], first: int, units: int, ahead: int, starts: np.ndarray):
-        self._decode, self._next, self._units, self._ahead, self._starts = decode, first, units, ahead, starts
+    def __init__(self, decode: Callable[[int, int], list], first: int, query_end: Callable[[int, int], int],
+                 units: int, ahead: int, starts: np.ndarray):
+        self._decode, self._next, self._query_end, self._units = decode, first, query_end, units
+        self._ahead, self._starts, self._queries = ahead, starts, 0
         self._pending: collections.deque = collections.deque()
+        self._ready: collections.deque = collections.deque()  # the decoded row groups of the query being read
 
     def horizon(self) -> int:
         """The first row of the row groups not yet submitted: the rows before it are decoded or decoding."""
@@ -861,11 +941,14 @@ class _Ahead:
     def __next__(self) -> _Rows:
         pool = decode_pool()
         while self._next < self._units and len(self._pending) < self._ahead:
-            self._pending.append(pool.submit(self._decode, self._next))
-            self._next += 1
-        if not self._pending:
-            raise StopIteration
-        return self._pending.popleft().result()
+            end = self._query_end(self._next, self._queries)
+            self._pending.append(pool.submit(self._decode, self._next, end))
+            self._next, self._queries = end, self._queries + 1
+        if not self._ready:
+            if not self._pending:
+                raise StopIteration
+            self._ready.extend(self._pending.popleft().result())
+        return self._ready.popleft()
 
     def __del__(self) -> None:
         for future in self._pending:
