@@ -21,7 +21,8 @@ with every child's exit code and output tail when one fails or the timeout passe
 ``finally`` whatever happens. ``running`` starts them and hands back a ``Group`` whose
 ``results`` waits for them, for a test that works while they run (they are killed when
 its ``with`` block ends). For tests that kill or restart processes themselves, ``spawn``
-starts them and ``kill_all`` ends them (call it in a ``finally``).
+starts them and ``kill_all`` ends them (call it in a ``finally``). ``share_compiles=True``:
+the first process compiles each program for all (:func:`share_compiled_programs`).
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def spawn(
     kwargs: dict[str, Any] | None = None,
     port: int | None = None,
     env: dict[str, str] | None = None,
+    share_compiles: bool = False,
 ) -> list[subprocess.Popen]:
     """Starts the processes; process ``i`` pickles its result to ``outdir/result-i.pkl``.
 
-    Output goes to ``outdir/log-i.txt``. The caller must end them (``kill_all``).
+    Output goes to ``outdir/log-i.txt``. The caller must end them (``kill_all``). ``share_compiles``:
+    see :func:`share_compiled_programs`.
     """
     port = port or free_port()
     with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
@@ -69,7 +72,8 @@ def spawn(
     for i in range(num_processes):
         cmd = [sys.executable, "-m", "tests.multiprocess", f"--target={target}", f"--outdir={outdir}",
                f"--num_processes={num_processes}", f"--process_id={i}",
-               f"--devices_per_process={devices_per_process}", f"--port={port}"]
+               f"--devices_per_process={devices_per_process}", f"--port={port}",
+               *(["--share_compiles"] if share_compiles else [])]
         log = open(os.path.join(outdir, f"log-{i}.txt"), "wb")  # noqa: SIM115 - lives as long as the child
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
@@ -138,6 +142,7 @@ def running(
     *,
     kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    share_compiles: bool = False,
 ) -> Iterator[Group]:
     """Starts ``module:function(**kwargs)`` in every process; every one is killed on exit.
 
@@ -147,7 +152,8 @@ def running(
     with tempfile.TemporaryDirectory(prefix="multiprocess-") as outdir:
         procs = []
         try:
-            procs = spawn(target, num_processes, devices_per_process, outdir, kwargs, env=env)
+            procs = spawn(target, num_processes, devices_per_process, outdir, kwargs, env=env,
+                          share_compiles=share_compiles)
             yield Group(target, procs, outdir)
         finally:
             kill_all(procs)
@@ -161,6 +167,7 @@ def run_processes(
     kwargs: dict[str, Any] | None = None,
     timeout: float = 120,
     env: dict[str, str] | None = None,
+    share_compiles: bool = False,
 ) -> list[Any]:
     """Runs ``module:function(**kwargs)`` in every process and returns their results.
 
@@ -171,6 +178,8 @@ def run_processes(
       kwargs: keyword arguments for the function (picklable).
       timeout: seconds for all of them together.
       env: extra environment variables.
+      share_compiles: the first process compiles each program for all (:func:`share_compiled_programs`);
+        not for tests that kill or stop processes (the others would wait on a dead one's programs).
 
     Returns:
       The return values, indexed by process id.
@@ -179,8 +188,32 @@ def run_processes(
       AssertionError: a process failed or the timeout passed; the message holds each
         process's exit code and output tail.
     """
-    with running(target, num_processes, devices_per_process, kwargs=kwargs, env=env) as group:
+    with running(target, num_processes, devices_per_process, kwargs=kwargs, env=env,
+                 share_compiles=share_compiles) as group:
         return group.results(timeout)
+
+
+def share_compiled_programs():
+    """The first process compiles each program the processes run together and hands its executable to the
+    others (JAX's ``jax_share_binary_between_hosts``), instead of every process compiling it at the same time
+    (test_reproducible's 2x1: 88 -> 55 CPU-s). JAX keys a program differently on each CPU process (the
+    topology's fingerprint; the mode of XLA's GPU autotuning cache), which would leave the others waiting for
+    a key never sent: here the key holds the devices' kinds and global ids instead, the same on every process
+    of one job and apart between layouts, and XLA's GPU caches are off. The processes then run one executable,
+    the one each would have compiled (the same program, options, flags and machine). Test code reaching into
+    ``jax._src``: under a JAX without the function replaced, each process compiles its own."""
+    from jax._src import cache_key, config
+
+    if not hasattr(cache_key, "_hash_accelerator_config"):  # another JAX: each process compiles its own
+        return
+
+    def same_on_every_process(hash_obj, devices):
+        for device in devices.flat:
+            hash_obj.update(f"{device.device_kind}:{device.id}".encode())
+
+    cache_key._hash_accelerator_config = same_on_every_process
+    config.update("jax_persistent_cache_enable_xla_caches", "none")
+    config.update("jax_share_binary_between_hosts", True)
 
 
 def _child() -> None:
@@ -189,6 +222,7 @@ def _child() -> None:
         parser.add_argument(f"--{name}", required=True)
     for name in ("num_processes", "process_id", "devices_per_process", "port"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--share_compiles", action="store_true")
     a = parser.parse_args()
 
     import jax
@@ -199,6 +233,8 @@ def _child() -> None:
         initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_S,
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
     )
+    if a.share_compiles:
+        share_compiled_programs()
     module, function = a.target.split(":")
     with open(os.path.join(a.outdir, "kwargs.pkl"), "rb") as f:
         kwargs = pickle.load(f)

@@ -10,9 +10,10 @@ environment, with ``sharded-scan`` / ``sharded-scan-local`` standing for ``pytho
 ``launch.local`` from this checkout. Blocks that name the same ``/tmp`` path run in order in one
 chain (consecutive python blocks of a chain in one process, each with its own names: a name one
 block leaves to another is an error), and the chains side by side, to stay within a minute. The
-chains of python blocks alone that leave JAX's settings as they find them (no ``jax.config``) run
-one after another in one process, as one chain: an interpreter and JAX's imports (~1.7 s of CPU)
-each, not one per example.
+python blocks that leave JAX's settings as they find them (no ``jax.config``) and come first in their
+chains (python-only chains, the block writing the files a chain's commands read) run one after another
+in one process, each chain's other blocks after it: an interpreter and JAX's imports (~1.7 s of CPU)
+in all, not one per example.
 """
 
 from __future__ import annotations
@@ -171,11 +172,25 @@ def chains() -> list[list[Block]]:
     return [[b for b, c in zip(every, chain, strict=True) if c == first] for first in dict.fromkeys(chain)]
 
 
+def shareable(b: Block) -> bool:
+    """A python block that sets nothing of JAX's (no ``jax.config``): it runs alike in a fresh interpreter."""
+    return b.lang == "python" and "jax.config" not in b.body
+
+
+def lead(chain: list[Block]) -> int:
+    """How many of the chain's first blocks are shareable python blocks."""
+    return next((i for i, b in enumerate(chain) if not shareable(b)), len(chain))
+
+
 def processes(found: list[list[Block]]) -> list[list[Block]]:
-    """The chains as they run: those of python blocks alone that set nothing of JAX's (no
-    ``jax.config``: each would run alike in a fresh interpreter) joined into one, in the docs' order."""
-    alone = [chain for chain in found if all(b.lang == "python" and "jax.config" not in b.body for b in chain)]
-    return [chain for chain in found if chain not in alone] + ([sum(alone, [])] if alone else [])
+    """The chains as they run: the shareable python blocks that lead their chains (every block of a
+    python-only chain, the python that writes the files a chain's commands then read) joined into one
+    process, in the docs' order, each chain's other blocks after them in the order they came."""
+    led = [chain for chain in found if lead(chain)]
+    if not led:
+        return found
+    joined = [b for chain in led for b in chain[:lead(chain)]] + [b for chain in led for b in chain[lead(chain):]]
+    return [chain for chain in found if chain not in led] + [joined]
 
 
 def script(chain: list[Block], tmp: Path) -> str:
@@ -234,11 +249,17 @@ def test_blocks_in_chains():
     together = next(chain for chain in found if writer in [b.name for b in chain])  # writes the files the CLI reads
     assert any(b.lang == "bash" and "/tmp/ss_data/sales.parquet" in b.body for b in together), names
     assert sum(len(chain) for chain in found) == sum(len(runnable(doc)) for doc in DOCS)
-    joined = processes(found)  # the python-only chains that set nothing of JAX's share one process
+    joined = processes(found)  # the python blocks leading their chains, setting nothing of JAX's, share one process
     assert sorted(b.name for chain in joined for b in chain) == sorted(b.name for chain in found for b in chain)
     shared = [chain for chain in joined if chain not in found]
-    assert len(shared) == 1 and len(shared[0]) >= 2 and writer not in [b.name for b in shared[0]], names
-    assert not any("jax.config" in b.body for b in shared[0]), shared
+    assert len(shared) == 1 and sum(b.lang == "python" for b in shared[0]) >= 3, names
+    order = [b.name for b in shared[0]]
+    for chain in found:  # each chain's blocks in its order, its python first (one run of python blocks: one process)
+        assert [name for name in order if name in [b.name for b in chain]] in ([b.name for b in chain], []), names
+    python = [b.lang == "python" for b in shared[0]]
+    assert python == sorted(python, reverse=True) and all(shareable(b) for b in shared[0] if b.lang == "python")
+    reader = [b for b in shared[0] if b.lang == "bash" and "/tmp/ss_data/sales.parquet" in b.body]
+    assert writer in order and reader, order  # the file's writer in the shared process, its reader after it
 
 
 @pytest.mark.parametrize("doc", DOCS)

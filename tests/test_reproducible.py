@@ -135,8 +135,10 @@ def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str
 @contextlib.contextmanager
 def split_running(split, **kwargs):
     """``reduce_builtins(**kwargs)`` on ``split``'s processes; yields a function that waits for
-    them and returns their result, checked to be the same on every process."""
-    with multiprocess.running("tests.test_reproducible:reduce_builtins", *split, kwargs=kwargs) as group:
+    them and returns their result, checked to be the same on every process. The first process compiles
+    each program for the others (they would each compile the same at once: 2x1's pair 88 -> 55 CPU-s)."""
+    with multiprocess.running("tests.test_reproducible:reduce_builtins", *split, kwargs=kwargs,
+                              share_compiles=True) as group:
 
         def result():
             per_process = group.results(timeout=240)
