@@ -214,6 +214,8 @@ def share_compiled_programs():
     cache_key._hash_accelerator_config = same_on_every_process
     config.update("jax_persistent_cache_enable_xla_caches", "none")
     config.update("jax_share_binary_between_hosts", True)
+    # a key never sent fails the wait in minutes (JAX's default: 20), before the test's own timeout
+    config.update("jax_share_binary_between_hosts_timeout_ms", 300_000)
 
 
 def _child() -> None:
