@@ -3,6 +3,7 @@ devices, for every built-in, also after an elastic resume from one split onto an
 
 import contextlib
 import os
+import pathlib
 import sys
 
 import jax
@@ -13,35 +14,35 @@ from tests import cli, multiprocess
 
 # (processes, devices per process); 8x1 was dropped for the suite's time (8 processes: ~30 s of CPU): 4x2
 # runs the process tree's rounds at depth 2 and 2x1 processes of one device; 1x2 (one process of two
-# devices: Covariance and Histogram, each also on 1x1 and on a split of several processes) too, 4x2's
-# processes have two devices each
+# devices: Covariance and Histogram, each also on processes of one device and on a split of several
+# processes) too, 4x2's processes have two devices each
 SPLITS = [(1, 1), (1, 8), (2, 1), (2, 4), (4, 2)]
 N, D = 4 * 8 * 512 + 37, 96  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
 # codegen="optimized": the job (16,421 x 96 values) is small, whose steps codegen="auto" compiles cheaply; the steps
 # compile on XLA's defaults, as a larger job's (its merges, of 8 shards, cheaply as every such job's).
 OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1", codegen="optimized")
-# With their matrix products left to XLA:CPU's matmul library, Gram, Covariance, PCA,
-# LinearRegression and from_fn differ bitwise between processes of 1-3 and of 4 or more devices
-# (at d=96 even with 256-row micro-batches; at d=32 the library does not split the sums). Every
-# built-in runs on 1x8 (the test's own 8-device process) and on processes of one device, and
-# resumes on 1x8 from their checkpoints: those on 2x1 (a split of several processes too) from 2x1's,
-# the others from 1x1's. Each other split runs a few, at least one of those five among them, and
-# each built-in runs on a split of several processes, but PCA: its accumulator and merge are
-# LinearRegression's (the same solver's add and merge, whitened.py's, of X where LinearRegression's
-# are of [X | y]; the rest of both runs on the host), which runs on 2x1. PCA and LinearRegression
-# are the costliest to compile (~9 s of CPU a process each), so PCA runs in one process (1x1), not
-# two. A built-in compiles in each process of each split it runs on: on 2x1 rather than on both 1x1
-# and 2x4, 2 processes compile it, not 3.
+# With their matrix products left to XLA:CPU's matmul library, Gram, Covariance, PCA, LinearRegression and from_fn
+# differ bitwise between processes of 1-3 and of 4 or more devices (at d=96 even with 256-row micro-batches; at d=32
+# the library does not split the sums). Every built-in runs on 1x8 (the test's own 8-device process) and on processes
+# of one device, and resumes on 1x8 from their checkpoints: those on 2x1 (a split of several processes too) from
+# 2x1's, the others (Gram, Covariance, PCA, on 1x1) from 1x1's. Each other split runs a few, at least one of those
+# five among them, and each built-in runs on a split of several processes, but PCA: its accumulator and merge are
+# LinearRegression's (the same solver's add and merge, whitened.py's, of X where LinearRegression's are of [X | y];
+# the rest of both runs on the host), which runs on 2x1. PCA and LinearRegression are the costliest to compile (~9 s
+# of CPU a process each), so PCA runs in one process (1x1), not two. A built-in compiles in each process of each split
+# it runs on: on 2x1 rather than on both 1x1 and 2x4, 2 processes compile it, not 3.
 # "LinearRegression tsqr": Householder QR (jnp.linalg.qr, LAPACK's on CPU) in every add and merge, which
 # fixed_order computes itself in a fixed order; of 32 columns (its QR's order is the code's at any width).
 EVERY = ("Sum", "Gram", "Gram blocked", "Covariance", "Moments", "PCA", "LinearRegression", "Histogram",
          "Gradient", "from_fn", "LinearRegression tsqr")
-ON_2X1 = ("LinearRegression", "Gram blocked", "Moments", "Gradient", "from_fn", "LinearRegression tsqr")
+# Sum and Histogram, cheap: on 2x1 only (processes of one device, several of them), not also on 1x1.
+ON_2X1 = ("LinearRegression", "Gram blocked", "Moments", "Gradient", "from_fn", "LinearRegression tsqr", "Sum",
+          "Histogram")
 ON_1X1 = tuple(name for name in EVERY if name not in ON_2X1)
 SAME_ACCUMULATOR = {"PCA": "LinearRegression"}  # PCA's split of several processes: LinearRegression's
 SOME = {
     (2, 4): ("Gram",),  # crashed here, resumed on 4x2
-    (2, 1): (*ON_2X1, "Sum", "Histogram"),  # those of ON_2X1 resumed on 1x8 from here
+    (2, 1): ON_2X1,  # resumed on 1x8 from here
     (4, 2): ("Covariance", "Gram"),  # resumed: Covariance from 1x8's checkpoints, Gram from 2x4's
 }
 # The elastic chain 2x4 -> 4x2 -> 1x8: Gram crashed on 2x4, resumed on 4x2 and crashed again, finished on 1x8
@@ -96,14 +97,15 @@ def crash_at_step(steps):
 
 
 def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str | None = None, checkpointed=None,
-                    relay=(), relayed=()):
+                    relay=(), relayed=(), plain=True):
     """The result leaves of the built-ins ``names``, by name (runs in each process of a split).
 
     ``crash_into``: also run each one (of ``checkpointed``, default all) with checkpoints in
     ``crash_into/NAME`` and crash it after 2 steps; ``resume_from``: also finish each from the
     checkpoints there (another split's), as ``"NAME resumed"``, but those in ``relay``: resumed and
     crashed again, for another split to finish; those in ``relayed`` resume past step 1 (a crash
-    in step 2 saved step 1; a relay's, step 2).
+    in step 2 saved step 1; a relay's, step 2). ``plain=False``: no uninterrupted run (a process that
+    ran them already).
     """
     import sharded_scan as ss
 
@@ -113,7 +115,8 @@ def reduce_builtins(names=EVERY, crash_into: str | None = None, resume_from: str
     for name in names:
         combiner, kind = every[name]
         rows = {"x": x, "xy": (x, y), "xy32": (x[:, :32], y)}[kind]
-        out[name] = [np.asarray(leaf) for leaf in jax.tree.leaves(ss.run(combiner, rows, **OPTIONS))]
+        if plain:
+            out[name] = [np.asarray(leaf) for leaf in jax.tree.leaves(ss.run(combiner, rows, **OPTIONS))]
         if checkpointed is not None and name not in checkpointed:
             continue
         if crash_into:
@@ -155,13 +158,13 @@ def split_running(split, **kwargs):
 def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp_path):
     # The suite compiles with XLA:CPU's legacy emitters (tests/conftest.py); users' programs compile with
     # its default ones, whose fusions and multiply-adds the bits must not depend on either: this test runs
-    # in a fresh pytest of 8 devices on the default emitters (its processes too).
+    # in a fresh python process of 8 devices on the default emitters (its processes too; this module's main).
     if cli.LEGACY_EMITTERS in os.environ.get("XLA_FLAGS", ""):
         env = {k: v for k, v in cli.env().items() if k != "SHARDED_SCAN_TEST_CPU"}
         env["XLA_FLAGS"] = ""
-        node = f"{__file__}::test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split"
         log = tmp_path / "default_emitters.log"
-        with cli.started([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], log, env) as proc:
+        (tmp_path / "run").mkdir()
+        with cli.started([sys.executable, "-m", "tests.test_reproducible", str(tmp_path / "run")], log, env) as proc:
             code = proc.wait(timeout=600)
         assert code == 0, log.read_text()[-4000:]
         return
@@ -170,8 +173,8 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
 
 def every_builtin_bitwise(tmp_path):
     assert sorted([(1, 8), (1, 1), *SOME]) == sorted(SPLITS) and set(EVERY) == set(combiners())
-    assert set(ON_1X1) | set(ON_2X1) == set(EVERY) and SOME[(2, 1)][:len(ON_2X1)] == ON_2X1
-    assert (jax.process_count(), jax.local_device_count()) == (1, 8)  # conftest: this process is 1x8
+    assert set(ON_1X1) | set(ON_2X1) == set(EVERY) and SOME[(2, 1)] == ON_2X1
+    assert (jax.process_count(), jax.local_device_count()) == (1, 8)  # conftest or __main__: this process is 1x8
     on_several = {name for (processes, _), names in SOME.items() if processes > 1 for name in names}
     assert set(EVERY) == on_several | set(SAME_ACCUMULATOR) and set(SAME_ACCUMULATOR.values()) <= on_several
     for name, twin in SAME_ACCUMULATOR.items():  # one solver's add and merge: their states fold and merge alike
@@ -183,34 +186,33 @@ def every_builtin_bitwise(tmp_path):
     with contextlib.ExitStack() as stack:
         waits = {
             (1, 1): stack.enter_context(split_running((1, 1), names=ON_1X1, crash_into=from_1x1)),
-            (2, 1): stack.enter_context(
-                split_running((2, 1), names=SOME[(2, 1)], crash_into=from_2x1, checkpointed=ON_2X1)
-            ),
+            (2, 1): stack.enter_context(split_running((2, 1), names=ON_2X1, crash_into=from_2x1)),
             (2, 4): stack.enter_context(
                 split_running((2, 4), names=SOME[(2, 4)], crash_into=relay, checkpointed=RELAYED)
             ),
         }
-        results[(1, 8)] = reduce_builtins()
         resumed_on_4x2 = tuple(name for name in SOME[(4, 2)] if name not in RELAYED)
-        reduce_builtins(resumed_on_4x2, crash_into=relay)
+        results[(1, 8)] = reduce_builtins(crash_into=relay, checkpointed=resumed_on_4x2)
+        # the resumes here: their uninterrupted runs are (1, 8)'s, in this process
         results[(1, 1)] = waits.pop((1, 1))()
-        results["1x1 resumed on 1x8"] = reduce_builtins(ON_1X1, resume_from=from_1x1)
+        results["1x1 resumed on 1x8"] = reduce_builtins(ON_1X1, resume_from=from_1x1, plain=False)
         results[(2, 1)] = waits.pop((2, 1))()
-        results["2x1 resumed on 1x8"] = reduce_builtins(ON_2X1, resume_from=from_2x1)
+        results["2x1 resumed on 1x8"] = reduce_builtins(ON_2X1, resume_from=from_2x1, plain=False)
         results[(2, 4)] = waits.pop((2, 4))()
         with split_running((4, 2), names=SOME[(4, 2)], resume_from=relay, relay=RELAYED) as wait:
             results[(4, 2)] = wait()
-        results["2x4, 4x2 resumed on 1x8"] = reduce_builtins(RELAYED, resume_from=relay, relayed=RELAYED)
+        results["2x4, 4x2 resumed on 1x8"] = reduce_builtins(RELAYED, resume_from=relay, relayed=RELAYED,
+                                                             plain=False)
         results.update({split: wait() for split, wait in waits.items()})
 
-    def names(combiners, resumed=False):
-        return {*combiners, *(f"{name} resumed" for name in combiners if resumed)}
+    def names(combiners, resumed=False, plain=True):
+        return {*(combiners if plain else ()), *(f"{name} resumed" for name in combiners if resumed)}
 
     assert {split: set(got) for split, got in results.items()} == {
-        (1, 8): names(EVERY), (1, 1): names(ON_1X1), "1x1 resumed on 1x8": names(ON_1X1, resumed=True),
-        "2x1 resumed on 1x8": names(ON_2X1, resumed=True),
+        (1, 8): names(EVERY), (1, 1): names(ON_1X1), "1x1 resumed on 1x8": names(ON_1X1, True, plain=False),
+        "2x1 resumed on 1x8": names(ON_2X1, True, plain=False),
         (4, 2): names(SOME[(4, 2)]) | names(resumed_on_4x2, resumed=True),
-        "2x4, 4x2 resumed on 1x8": names(RELAYED, resumed=True),
+        "2x4, 4x2 resumed on 1x8": names(RELAYED, True, plain=False),
         **{split: names(SOME[split]) for split in ((2, 4), (2, 1))},
     }
     want = results[(1, 8)]
@@ -233,3 +235,8 @@ def test_gpus_are_told_once_how_to_get_bitwise_results(caplog):
     warn_if_not_reproducible("cpu", "")
     warnings = [r.getMessage() for r in caplog.records if "bitwise" in r.getMessage()]
     assert len(warnings) == 1 and DETERMINISTIC_GPU_FLAG in warnings[0]
+
+
+if __name__ == "__main__":  # the test above, in a process of its own: python -m tests.test_reproducible DIR
+    jax.config.update("jax_num_cpu_devices", 8)
+    every_builtin_bitwise(pathlib.Path(sys.argv[1]))
