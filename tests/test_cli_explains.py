@@ -122,15 +122,16 @@ def test_launch_local_refuses_the_flags_it_sets(helps):
 
 def test_result_json_and_csv_hold_the_result(tmp_path):
     config = quantiles.get_config("quick")
-    config.combiner.kwargs = {"qs": (0.0, 0.5, 1.0), "method": "lower"}  # 1000 rows: the sketch holds them all
-    config.mesh = "data:4"  # the job test_launch runs of this config (qs, method: finalize's): its compiled programs
+    config.combiner.kwargs = {"qs": (0.0, 0.5, 1.0), "method": "lower"}  # 300 rows: the sketch holds them all
+    # the job test_launch runs of this config (qs, method: finalize's; its rows): its compiled programs
+    config.mesh, config.data.num_rows = "data:4", 300
     run_job(config, str(tmp_path))
     x = make_source(config.data).read(0, config.data.num_rows)
     want = np.quantile(x, [0.0, 0.5, 1.0], axis=0, method="lower").T
     got = json.loads((tmp_path / "result.json").read_text())
     assert sorted(got) == sorted(set(cli.result(tmp_path)) - {"sketch"})  # the sketch's records: result.npz only
     np.testing.assert_array_equal(got["quantiles"], want)
-    assert got["count"] == 1000 and got["columns"] == list(range(config.data.features))
+    assert got["count"] == 300 and got["columns"] == list(range(config.data.features))
     table = pd.read_csv(tmp_path / "result.csv")
     assert list(table.columns) == ["column", "q0", "q50", "q100", "count", "rank_error", "passes"]  # issue 43
     np.testing.assert_array_equal(table.iloc[:, 1:4].to_numpy(), want)
