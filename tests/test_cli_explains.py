@@ -26,16 +26,19 @@ pytest.importorskip("pyarrow")
 
 @pytest.fixture(scope="module")
 def helps(tmp_path_factory):
-    """``--help`` without a config, with one (and an override), with a config that does not exist."""
+    """``--help`` without a config, with one (and an override), with a config that does not exist (processes
+    forked from one that imported the launcher: tests/cli.py's run_forked); launch.local refusing a flag."""
     cwd = tmp_path_factory.mktemp("help")
-    cmds = [
+    helps = [
         cli.main_cmd("--help"),
         cli.main_cmd("--config=quantiles:quick", "--help", "--config.combiner.kwargs.k=64", "--config.microbatch=8"),
         cli.main_cmd("--help", "--config=ridge"),
         cli.main_cmd("--help", "--config=nope"),
-        cli.local_cmd(2, 1, "--config=gram:quick", f"--workdir={cwd}/w", "--jax_num_cpu_devices=8"),
     ]
-    return cli.run_all(cmds), cwd
+    local = cli.local_cmd(2, 1, "--config=gram:quick", f"--workdir={cwd}/w", "--jax_num_cpu_devices=8")
+    with cli.concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(cli.run, local)
+        return [*cli.run_forked(helps), refused.result()], cwd
 
 
 def test_help_lists_flags_and_configs_and_exits_0(helps):

@@ -67,7 +67,12 @@ def cli_runs(tmp_path_factory):
     for i, (args, _) in enumerate(BAD_ARGS):
         workdir = base / f"bad{i}"
         cases[f"bad {i}"] = (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={workdir}", *args), workdir)
-    procs = cli.run_all([cmd for cmd, _ in cases.values()])
+    # the job a process of its own (python -m launch.main as users start it); the three command lines that end
+    # before a job runs: processes forked from one that imported the launcher (tests/cli.py's run_forked)
+    with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:
+        job = pool.submit(cli.run, cases["overrides"][0])
+        ended = cli.run_forked([cmd for name, (cmd, _) in cases.items() if name != "overrides"])
+        procs = [job.result(), *ended]
     return {name: (proc, workdir) for (name, (_, workdir)), proc in zip(cases.items(), procs, strict=True)}
 
 
