@@ -55,12 +55,14 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
 
 
 # One interpreter imports the launcher (JAX, absl, the library: ~1.1 s of CPU a process) and forks a child per
-# command line: each a process of its own with fresh flags, JAX unstarted, its own stdout, stderr and exit status,
-# running what ``python -m launch.main ARGS`` runs (``launch.main.cli``) from the same modules. For command lines
-# that end before a job runs (usage errors, --help, --list_configs); ``python -m launch.main`` itself starts
-# in tests/test_launch.py's run, tests/test_cli_config.py's runs and tests/test_docs.py's blocks.
+# command line: each a process of its own with fresh flags, JAX unstarted (no backend, no thread in the parent),
+# its own directory, sys.path[0], stdout, stderr and exit status, running what ``python -m launch.main ARGS``
+# runs (``launch.main.cli``) from the same modules, then the exit handlers (but no interpreter teardown). For
+# single-process command lines: usage errors, --help, --list_configs, jobs whose claims are the launcher's
+# (tests/test_cli_config.py's file kinds); ``python -m launch.main`` itself starts in tests/test_launch.py's run,
+# the parquet and own-combiner runs of tests/test_cli_config.py, the multi-process tests and tests/test_docs.py.
 FORKED = """
-import json, os, sys
+import atexit, json, os, sys
 import launch.main
 jobs = json.load(sys.stdin)
 pids = []
@@ -71,6 +73,7 @@ for args, cwd, out, err in jobs:
         code = 1
         try:
             os.chdir(cwd)
+            sys.path[0] = cwd  # as python -m puts it
             for fd, path in ((1, out), (2, err)):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
             sys.argv = [launch.main.__file__, *args]
@@ -83,6 +86,7 @@ for args, cwd, out, err in jobs:
             import traceback
             traceback.print_exc()
         finally:
+            atexit._run_exitfuncs()
             sys.stdout.flush(); sys.stderr.flush()
             os._exit(code)
     pids.append(pid)
@@ -91,7 +95,7 @@ print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pi
 
 
 def run_forked(cmds: list[list[str]], cwd: Path = ROOT, timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess]:
-    """Runs :func:`main_cmd` command lines that end before a job runs, each in a process forked from one
+    """Runs single-process :func:`main_cmd` command lines side by side, each in a process forked from one
     that imported the launcher (:data:`FORKED`), started in ``cwd`` (all killed at ``timeout``); their
     results in order, as :func:`run`'s."""
     import tempfile
