@@ -54,6 +54,70 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
         return list(pool.map(lambda cmd: run(cmd, timeout), cmds))
 
 
+# One interpreter imports the launcher (JAX, absl, the library: ~1.1 s of CPU a process) and forks a child per
+# command line: each a process of its own with fresh flags, JAX unstarted (no backend, no thread in the parent),
+# its own directory, sys.path[0], stdout, stderr and exit status, running what ``python -m launch.main ARGS``
+# runs (``launch.main.cli``) from the same modules, then the exit handlers (but no interpreter teardown). For
+# single-process command lines: usage errors, --help, --list_configs, jobs whose claims are the launcher's
+# (tests/test_cli_config.py's file kinds); ``python -m launch.main`` itself starts in tests/test_launch.py's run,
+# the parquet and own-combiner runs of tests/test_cli_config.py, the multi-process tests and tests/test_docs.py.
+FORKED = """
+import atexit, json, os, sys
+import launch.main
+jobs = json.load(sys.stdin)
+pids = []
+for args, cwd, out, err in jobs:
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(cwd)
+            sys.path[0] = cwd  # as python -m puts it
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.argv = [launch.main.__file__, *args]
+            try:
+                launch.main.cli()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            atexit._run_exitfuncs()
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    pids.append(pid)
+print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]))
+"""
+
+
+def run_forked(cmds: list[list[str]], cwd: Path = ROOT, timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess]:
+    """Runs single-process :func:`main_cmd` command lines side by side, each in a process forked from one
+    that imported the launcher (:data:`FORKED`), started in ``cwd`` (all killed at ``timeout``); their
+    results in order, as :func:`run`'s."""
+    import tempfile
+
+    prefix = [sys.executable, "-m", "launch.main"]
+    assert all(cmd[:3] == prefix for cmd in cmds), cmds
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [(cmd[3:], str(cwd), f"{tmp}/{i}.out", f"{tmp}/{i}.err") for i, cmd in enumerate(cmds)]
+        parent = subprocess.Popen([sys.executable, "-c", FORKED], cwd=ROOT, env=env(), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = parent.communicate(json.dumps(jobs), timeout=timeout)  # it waits for its children
+        except BaseException:  # the parent and its children: one process group, ended here
+            os.killpg(parent.pid, signal.SIGKILL)
+            parent.wait(timeout=30)
+            raise
+        assert parent.returncode == 0, stdout + stderr
+        codes = json.loads(stdout.splitlines()[-1])
+        return [subprocess.CompletedProcess(cmd, code, Path(out).read_text(), Path(err).read_text())
+                for cmd, code, (*_, out, err) in zip(cmds, codes, jobs, strict=True)]
+
+
 @contextlib.contextmanager
 def started(cmd: list[str], log_path: Path, environment: dict[str, str] | None = None):
     """A running ``cmd`` in its own process group (with ``environment``, by default :func:`env`),

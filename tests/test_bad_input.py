@@ -82,8 +82,9 @@ JOB_CASES = [
 
 @pytest.fixture(scope="module")
 def cli_runs(job):
-    """Every case's command, all started at once, each on its own copy of the finished job:
-    ``{name: (CompletedProcess, args, workdir, its files before)}``."""
+    """Every case's command, each on its own copy of the finished job, each a process forked from one that
+    imported the launcher (tests/cli.py's ``run_forked``): ``{name: (CompletedProcess, args, workdir, its files
+    before)}``."""
     workdir, files, base = job
     cases, cmds = {}, []
     for i, (name, args, _) in enumerate(CLI_CASES):
@@ -94,7 +95,7 @@ def cli_runs(job):
             args.append(f"--workdir={copy}")
         cases[name] = (args, copy, snapshot(copy))
         cmds.append(cli.main_cmd(GRAM, *args))
-    return {name: (proc, *case) for (name, case), proc in zip(cases.items(), cli.run_all(cmds), strict=True)}
+    return {name: (proc, *case) for (name, case), proc in zip(cases.items(), cli.run_forked(cmds), strict=True)}
 
 
 @pytest.mark.parametrize("name, words", [(c[0], c[2]) for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])

@@ -111,10 +111,15 @@ def runs(user_files):
     # parquet, csv and npy are the same job's programs (float64 x and y, 64-bit with or without config.x64;
     # ridge's quick layout): parquet first, then csv and npy load its compiled programs from the compilation
     # cache instead of compiling them too (measured: all 6 programs from the cache, ~4 s of CPU less each)
-    procs = {}
-    for names in (["parquet", "mine"], ["csv", "npy", "nan"]):
-        with cli.concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-            procs.update(zip(names, pool.map(lambda name: launch(root, *cases[name]), names), strict=True))
+    # parquet's and mine's: python -m launch.main started in the user's directory; csv's, npy's and nan's (claims on
+    # the launcher's reading of files and its done: line): processes forked from one that imported the launcher
+    # (tests/cli.py's run_forked), ~1.1 s of CPU of imports less each
+    with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(["parquet", "mine"], pool.map(lambda name: launch(root, *cases[name]), ["parquet", "mine"]),
+                         strict=True))
+    names = ["csv", "npy", "nan"]
+    procs.update(zip(names, cli.run_forked([cli.main_cmd(*cases[name], devices=2) for name in names], cwd=root),
+                     strict=True))
     return procs
 
 
@@ -159,19 +164,34 @@ def test_the_users_own_combiner_with_its_arguments(user_files, runs):
     np.testing.assert_array_equal(cli.result(root / "runs" / "mine")["result"], want)
 
 
-def test_list_and_print_config_from_anywhere(tmp_path):
-    with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent: side by side
-        listed, printed = pool.map(lambda args: launch(tmp_path, *args), [
-            ("--list_configs",),
-            ("--config=ridge:quick", "--print_config", "--config.combiner.kwargs.solver=tsqr",
-             "--config.microbatch=32"),
-        ])
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory):
+    """The module's command lines that end before a job runs, started in an empty directory (not the
+    repository), each a process forked from one that imported the launcher (tests/cli.py's run_forked):
+    ``({name: CompletedProcess}, that directory, the config file that does not parse)``."""
+    anywhere = tmp_path_factory.mktemp("anywhere")
+    broken = tmp_path_factory.mktemp("config") / "broken.py"
+    broken.write_text("def get_config(arg=None):\n    return (\n")
+    cases = {
+        "list": ("--list_configs",),
+        "print": ("--config=ridge:quick", "--print_config", "--config.combiner.kwargs.solver=tsqr",
+                  "--config.microbatch=32"),
+        "typo": ("--config=gram:quick", f"--workdir={anywhere}/a", "--config.microbtch=5"),
+        "broken": (f"--config={broken}", f"--workdir={anywhere}/work"),
+    }
+    procs = cli.run_forked([cli.main_cmd(*args, devices=2) for args in cases.values()], cwd=anywhere)
+    return dict(zip(cases, procs, strict=True)), anywhere, broken
+
+
+def test_list_and_print_config_from_anywhere(ended):
+    (procs, anywhere, _) = ended
+    listed, printed = procs["list"], procs["print"]
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert {"gram", "ridge", "pca", "quantiles"} <= set(names) and "common" not in names
     assert printed.returncode == 0, printed.stderr
     assert "solver: tsqr" in printed.stdout and "microbatch: 32" in printed.stdout
-    assert not list(tmp_path.iterdir())  # printing writes nothing
+    assert not list(anywhere.iterdir())  # printing writes nothing (nor do the mistakes of the tests below)
 
 
 def parse_flags_line(capsys, *args):
@@ -184,18 +204,18 @@ def parse_flags_line(capsys, *args):
     return line
 
 
-def test_typos_and_unknown_names_are_one_readable_line(tmp_path, capsys):
+def test_typos_and_unknown_names_are_one_readable_line(ended, tmp_path, capsys):
     # A field's typo is absl's and ml_collections' to find: the launcher's command line; the two mistakes
     # split_args finds go through the launcher's parse_flags in this process (~1.8 s of imports each saved)
-    proc = cli.run(cli.main_cmd("--config=gram:quick", f"--workdir={tmp_path}/a", "--config.microbtch=5"))
-    line = cli.one_error_line(proc)
+    procs, anywhere, _ = ended
+    line = cli.one_error_line(procs["typo"])
     assert line == "error: bad --config override: 'microbtch' is not a field of this config; did you mean " \
                    '"microbatch"?', line
     line = parse_flags_line(capsys, "--config=gramm", f"--workdir={tmp_path}/b")
     assert line.startswith("error: ") and "'gramm'" in line and "ridge" in line, line
     line = parse_flags_line(capsys, "--config=gram:quick", f"--workdir={tmp_path}/c", "--config.combiner.kwargs.block")
     assert line.startswith("error: ") and "NAME=VALUE" in line, line
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir()) and not (anywhere / "a").exists()
 
 
 def test_not_a_field_without_a_suggestion():
@@ -262,13 +282,11 @@ def test_file_kinds_name_x_and_y_or_say_what_is_missing(user_files):
 
 
 
-def test_a_config_file_that_does_not_parse_is_one_line_with_its_file_and_line(tmp_path):
-    path = tmp_path / "broken.py"
-    path.write_text("def get_config(arg=None):\n    return (\n")
-    proc = cli.run(cli.main_cmd(f"--config={path}", f"--workdir={tmp_path / 'work'}"))
-    assert proc.returncode == 2, proc.stderr
-    assert cli.one_error_line(proc) == f"error: bad --config: {path}, line 2: SyntaxError: '(' was never closed"
-    assert not (tmp_path / "work").exists()
+def test_a_config_file_that_does_not_parse_is_one_line_with_its_file_and_line(ended):
+    procs, anywhere, path = ended
+    line = cli.one_error_line(procs["broken"])  # status 2, one line, no traceback
+    assert line == f"error: bad --config: {path}, line 2: SyntaxError: '(' was never closed"
+    assert not (anywhere / "work").exists()
 
 
 @pytest.mark.parametrize("ddof", [None, -1, 0.5, True])

@@ -26,16 +26,19 @@ pytest.importorskip("pyarrow")
 
 @pytest.fixture(scope="module")
 def helps(tmp_path_factory):
-    """``--help`` without a config, with one (and an override), with a config that does not exist."""
+    """``--help`` without a config, with one (and an override), with a config that does not exist (processes
+    forked from one that imported the launcher: tests/cli.py's run_forked); launch.local refusing a flag."""
     cwd = tmp_path_factory.mktemp("help")
-    cmds = [
+    helps = [
         cli.main_cmd("--help"),
         cli.main_cmd("--config=quantiles:quick", "--help", "--config.combiner.kwargs.k=64", "--config.microbatch=8"),
         cli.main_cmd("--help", "--config=ridge"),
         cli.main_cmd("--help", "--config=nope"),
-        cli.local_cmd(2, 1, "--config=gram:quick", f"--workdir={cwd}/w", "--jax_num_cpu_devices=8"),
     ]
-    return cli.run_all(cmds), cwd
+    local = cli.local_cmd(2, 1, "--config=gram:quick", f"--workdir={cwd}/w", "--jax_num_cpu_devices=8")
+    with cli.concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(cli.run, local)
+        return [*cli.run_forked(helps), refused.result()], cwd
 
 
 def test_help_lists_flags_and_configs_and_exits_0(helps):
@@ -122,15 +125,16 @@ def test_launch_local_refuses_the_flags_it_sets(helps):
 
 def test_result_json_and_csv_hold_the_result(tmp_path):
     config = quantiles.get_config("quick")
-    config.combiner.kwargs = {"qs": (0.0, 0.5, 1.0), "method": "lower"}  # 1000 rows: the sketch holds them all
-    config.mesh = "data:4"  # the job test_launch runs of this config (qs, method: finalize's): its compiled programs
+    config.combiner.kwargs = {"qs": (0.0, 0.5, 1.0), "method": "lower"}  # 300 rows: the sketch holds them all
+    # the job test_launch runs of this config (qs, method: finalize's; its rows): its compiled programs
+    config.mesh, config.data.num_rows = "data:4", 300
     run_job(config, str(tmp_path))
     x = make_source(config.data).read(0, config.data.num_rows)
     want = np.quantile(x, [0.0, 0.5, 1.0], axis=0, method="lower").T
     got = json.loads((tmp_path / "result.json").read_text())
     assert sorted(got) == sorted(set(cli.result(tmp_path)) - {"sketch"})  # the sketch's records: result.npz only
     np.testing.assert_array_equal(got["quantiles"], want)
-    assert got["count"] == 1000 and got["columns"] == list(range(config.data.features))
+    assert got["count"] == 300 and got["columns"] == list(range(config.data.features))
     table = pd.read_csv(tmp_path / "result.csv")
     assert list(table.columns) == ["column", "q0", "q50", "q100", "count", "rank_error", "passes"]  # issue 43
     np.testing.assert_array_equal(table.iloc[:, 1:4].to_numpy(), want)
