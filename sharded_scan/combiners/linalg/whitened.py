@@ -74,6 +74,17 @@ def init(p: int, dtype) -> WhitenedAcc:
     )
 
 
+def _times_basis(b: jax.Array, basis: jax.Array) -> jax.Array:
+    """``b @ basis`` with each of b's columns and basis's rows moved by the power of two at or below the row's
+    largest magnitude (exact: the same products), so that a product whose order is fixed by rounding each row of
+    ``b`` below its largest value (``fixed_order.exact_block_dot``, under ``logical_shards``) rounds it below its
+    largest contribution instead: a column of data small beside another, which the basis scales back up, keeps
+    its bits. A function of ``basis`` alone: each output row still depends on its own row of ``b`` only."""
+    largest = jnp.max(jnp.where(jnp.isfinite(basis), jnp.abs(basis), 0.0), axis=1)
+    power = jnp.where(largest > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(largest > 0, largest, 1.0)))), 1.0)
+    return (b * power) @ (basis / power[:, None])
+
+
 def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
     """``b W``: a column scaling plus the ones column times W's first row when ``diagonal``."""
 
@@ -81,7 +92,7 @@ def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
         first = basis[0].at[0].set(0.0)
         return b * jnp.diagonal(basis) + b[:, :1] * first
 
-    return jax.lax.cond(diagonal, scaled, lambda: b @ basis)
+    return jax.lax.cond(diagonal, scaled, lambda: _times_basis(b, basis))
 
 
 def _noise(m: jax.Array) -> jax.Array:
@@ -220,7 +231,7 @@ def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, de
         norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
         v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
         basis = state.basis @ v
-        batch = rows.gram(lambda part: part @ basis)
+        batch = rows.gram(lambda part: _times_basis(part, basis))
         floor = jnp.full_like(smallest, 0.5)
         return _Whitening(basis, v.T @ state.gram @ v, batch, floor, jnp.zeros_like(state.diagonal))
 
@@ -295,7 +306,7 @@ def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[Whitened
     mean = sums[0, 1:] / count
     variance = jnp.maximum(sums[1, 1:] / count - mean * mean, 0.0)
     delta = jnp.where(mean * mean > RECENTRE**2 * variance, mean, 0.0)
-    basis = acc.basis.at[0].add(delta @ acc.basis[1:])
+    basis = acc.basis.at[0].add(_times_basis(delta[None], acc.basis[1:])[0])
     move = _after_ones(delta)
     total, squares = sums[0], sums[1]
     sums = jnp.stack([total - sums[0, 0] * move, squares - 2 * move * total + sums[0, 0] * move * move])
