@@ -143,6 +143,14 @@ def test_data_rows_times_a_whitening_basis_keep_the_bits_of_their_small_columns(
     got = np.asarray(jax.jit(fixed_order(_times_basis))(data, basis), np.float64)
     assert (np.abs(got - exact) <= 2.0**-12 * terms).all(), np.max(np.abs(got - exact) / terms)  # 7.9e-5 here
     np.testing.assert_array_equal(got[:7], np.asarray(jax.jit(fixed_order(_times_basis))(data[:7], basis)))
+    # the moves are powers of two exactly (XLA:CPU's exp2(floor(log2 x)) is not: the products would change)
+    from sharded_scan.combiners.linalg.whitened import _power_at_or_below
+
+    values = np.float32(2.0) ** np.arange(-126, 128).astype(np.float32) * np.float32(1.5)
+    want = np.exp2(np.floor(np.log2(values.astype(np.float64)))).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_power_at_or_below)(values)), want)
+    basis[3] = np.float32(1e-39)  # a row whose largest is subnormal (flushed on CPU) moves by nothing: no 0 / 0
+    assert np.isfinite(np.asarray(jax.jit(fixed_order(_times_basis))(data, basis))).all()
 
 
 def test_products_inside_loops_branches_and_gradients_are_fixed_too():

@@ -80,9 +80,16 @@ def _times_basis(b: jax.Array, basis: jax.Array) -> jax.Array:
     ``b`` below its largest value (``fixed_order.exact_block_dot``, under ``logical_shards``) rounds it below its
     largest contribution instead: a column of data small beside another, which the basis scales back up, keeps
     its bits. A function of ``basis`` alone: each output row still depends on its own row of ``b`` only."""
-    largest = jnp.max(jnp.where(jnp.isfinite(basis), jnp.abs(basis), 0.0), axis=1)
-    power = jnp.where(largest > 0, jnp.exp2(jnp.floor(jnp.log2(jnp.where(largest > 0, largest, 1.0)))), 1.0)
+    power = _power_at_or_below(jnp.max(jnp.where(jnp.isfinite(basis), jnp.abs(basis), 0.0), axis=1))
     return (b * power) @ (basis / power[:, None])
+
+
+def _power_at_or_below(x: jax.Array) -> jax.Array:
+    """The power of two at or below each of ``x`` (finite, >= 0; float32 or float64): its exponent bits alone,
+    exact (``exp2(floor(log2))`` is neither on XLA:CPU); 1 for zero and subnormals, which move nothing."""
+    uint, mantissa = {4: (jnp.uint32, 23), 8: (jnp.uint64, 52)}[x.dtype.itemsize]
+    power = jax.lax.bitcast_convert_type((jax.lax.bitcast_convert_type(x, uint) >> mantissa) << mantissa, x.dtype)
+    return jnp.where(power >= jnp.finfo(x.dtype).tiny, power, jnp.ones_like(power))
 
 
 def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
