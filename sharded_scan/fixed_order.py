@@ -14,7 +14,9 @@ float64 matmul sums integers below 2^53, exact in whatever order the kernel adds
 caches, FMA or not); the blocks added in index order, rounded once (:func:`exact_block_dot`). The
 hardware's matmul does the work, so it costs about what a float64 matmul costs; the engine uses it
 only where it promises bitwise results (``logical_shards`` on CPU). A Gram ``xᵀ x`` rounds each
-column once and computes three of its four column-half blocks (:func:`ordered_gram`, the same bits).
+column once and computes, of column groups at least 128 wide, the blocks on and above the diagonal
+(:func:`ordered_gram`, the same bits); its column sums beside it, where a program asks for both by name
+(:data:`TOGETHER`: Covariance's), come from the same pass (:func:`ordered_column_sums_and_gram`).
 float64 products are added one contraction index after another instead (slower: elementwise loops).
 A float32 sum is a fixed pairwise tree of float64 adds (:func:`tree_sum64`); QR's R a blocked
 Householder QR whose updates are such products (:func:`ordered_qr_r`).
@@ -118,6 +120,8 @@ EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloa
 # exact_block_dot: contraction indices a block (one float64 matmul), and the bits each operand keeps below its
 # block's largest magnitude: BITS + BITS + log2(BLOCK) <= 53, so every partial sum of a block is exact.
 BLOCK, BITS = 256, 22
+# ordered_column_sums_and_gram: the bits a column sum keeps below its block's largest: SUM_BITS + log2(BLOCK) <= 52.
+SUM_BITS = 44
 
 
 def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
@@ -158,28 +162,79 @@ def ordered_gram(x: jax.Array) -> jax.Array:
     """``xᵀ x`` (``x``: ``(k, d)``, float32 or narrower), bitwise :func:`exact_block_dot`'s ``(xᵀ, x)``: each
     column of a block rounded to its grid once (the product's left rows are its right columns, on the same
     grids), and each block's sums (integers, exact) computed for the blocks of columns on and above the diagonal
-    (:data:`GRAM_HALVES`), the rest their transposes: every entry is the same exact sum, computed once."""
+    (:func:`gram_parts`), the rest their transposes: every entry is the same exact sum, computed once."""
+    return ordered_column_sums_and_gram(x)[1]
+
+
+def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(x.sum(0), xᵀ x)`` from one pass for each column's largest (``x``: ``(k, d)``, float32 or narrower): the Gram
+    :func:`ordered_gram`'s, and each column's sum per block of :data:`BLOCK` rows that of its values rounded to
+    :data:`SUM_BITS` bits below the block's largest (integers below 2^44 times a power of two: summed exactly in
+    any order), blocks added in order, rounded once: a function of the column alone, within ``2^-45`` of the
+    block's largest per value (:func:`tree_sum64`'s bound is ``8 2^-53 sum|x|`` a block of 256), so the residual
+    digits a Covariance keeps of its mean stay. Where a program needs both (:data:`TOGETHER`) the sums take one
+    rounding and a sum beside the Gram's, not the tree's passes. Non-finite values as IEEE's sum, an exact zero +0.
+    ``parts``: column groups, :func:`gram_parts`'s if None (any gives the same bits)."""
     k, d = x.shape
     if k == 0:
-        return jnp.zeros((d, d), x.dtype)
+        return jnp.zeros((d,), x.dtype), jnp.zeros((d, d), x.dtype)
     with jax.enable_x64(True):
         blocks = max(1, -(-k // BLOCK))
         pad = blocks * BLOCK - k if blocks > 1 else 0
         values = jnp.pad(x.astype(np.float64), ((0, pad), (0, 0))).reshape(blocks, (k + pad) // blocks, d)
         scale, unit = _grid(_largest_finite(values, axis=1), BITS)  # (blocks, d)
-        q = jax.lax.round(values * scale[:, None, :], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
-        sums = _symmetric_products(q, 2 if d >= GRAM_HALVES else 1)  # (blocks, d, d): exact
-        sums = sums * unit[:, :, None] * unit[:, None, :]  # as exact_block_dot's, in its order: the same bits
-        acc = sums[0]
-        for block in range(1, blocks):  # in block order
-            acc = acc + sums[block]
-        return jnp.where(acc == 0, 0.0, acc).astype(x.dtype)
+        # each value on its column's grid: an integer below 2^22 times the column's power of two, so a block's
+        # products for one entry of the Gram are integers times one power of two, their sums exact (as
+        # exact_block_dot's, its powers multiplied in before the matmul, not after: the same bits; the d x d
+        # fusions after it then scale nothing, where XLA recomputed each power from its column's largest for
+        # each entry)
+        on_grid = _rounded(values, scale[:, None, :]) * unit[:, None, :]
+        products = _symmetric_products(on_grid, parts or gram_parts(d))  # (blocks, d, d): exact
+        fine = _rounded(values, (scale * 2.0 ** (SUM_BITS - BITS))[:, None, :])
+        sums = jnp.sum(fine * (unit * 2.0 ** (BITS - SUM_BITS))[:, None, :], axis=1)  # integers below 2^52: exact
+        sums = _in_block_order(sums).astype(x.dtype)
+        return sums, _in_block_order(products).astype(x.dtype)
 
 
-# ordered_gram splits a Gram at least this wide into two halves of columns and computes three of the four
-# blocks (the float64 matmul is most of its time): d=96 0.107-0.111 CPU-ms a 256-row block against 0.132-0.147
-# whole; at d=256 no faster (0.84-0.88 against 0.86-0.89).
-GRAM_HALVES = 64
+def _rounded(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """``values`` times ``scale`` (powers of two: exact) rounded half to even: integers."""
+    return jax.lax.round(values * scale, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+
+
+def _in_block_order(blocks: jax.Array) -> jax.Array:
+    """The exact per-block results ``blocks`` (leading axis) added in block order, an exact zero +0."""
+    acc = blocks[0]
+    for block in range(1, blocks.shape[0]):  # the program's own adds, which XLA keeps
+        acc = acc + blocks[block]
+    return jnp.where(acc == 0, 0.0, acc)
+
+
+# Calls fixed_order computes by a rule of its own rather than primitive by primitive, known by their ``jit``'s name:
+# the statistics family's ``column_sums_and_gram`` (``(column sums of v, vᵀv)``: Covariance's, Correlation's
+# co-moments) gets both from one rounding of ``v``'s columns. Its arguments and results as the call's; a rule
+# returns None for operands it does not take (a vmapped call), whose body is then followed.
+def _column_sums_and_gram(v, *rest):
+    if rest or v.ndim != 2 or np.dtype(v.dtype) not in EXACT_IN_FLOAT64:
+        return None
+    return ordered_column_sums_and_gram(v)
+
+
+TOGETHER: dict[str, Callable] = {"column_sums_and_gram": _column_sums_and_gram}
+
+
+# ordered_gram cuts a Gram's columns into groups at least this wide (at most GRAM_MAX_PARTS) and computes the
+# blocks on and above the diagonal. Narrower blocks lose more than they save where the process has an Eigen thread
+# pool (XLA:CPU's default; 8 simulated devices on 2 cores, CPU-ms a 256-row block): Eigen splits a small block's
+# 256-row sum between threads and packs each part (d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=128 0.28
+# against 0.25; d=192 0.48 against 0.49), where wide blocks save their share (d=256 in halves 0.79 against 0.88,
+# d=512 in quarters 2.92 against 3.17 in halves). Without the pool (xla_cpu_multi_thread_eigen=false) d=96 halves
+# were faster (0.107-0.111 against 0.132-0.147).
+GRAM_PART_WIDTH, GRAM_MAX_PARTS = 128, 4
+
+
+def gram_parts(d: int) -> int:
+    """How many column groups :func:`ordered_gram` cuts a ``d``-wide Gram into."""
+    return max(1, min(GRAM_MAX_PARTS, d // GRAM_PART_WIDTH))
 
 
 def _symmetric_products(q: jax.Array, parts: int) -> jax.Array:
@@ -388,6 +443,10 @@ def _apply(eqn, invals: list) -> list:
         return [_scatter_add_in_order(params, *invals)]
     if name in CUMULATIVE and _floats(eqn):
         return [jax.lax.associative_scan(CUMULATIVE[name], invals[0], params["reverse"], params["axis"])]
+    if name == "jit" and params["name"] in TOGETHER:
+        out = TOGETHER[params["name"]](*invals)
+        if out is not None:
+            return [_varying_like(o, *invals) for o in out]
     if name in ("jit", "closed_call", "remat2", "custom_jvp_call", "custom_vjp_call"):
         # Evaluated for their value: the derivative rules were applied when ``fn`` was traced.
         return _evaluate(_bodies(eqn)[0], invals)

@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from sharded_scan.combiners.statistics.moments import column_sums_and_gram
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import (
     BITS,
     BLOCK,
     FOLLOWED,
     ORDER_FREE,
+    SUM_BITS,
     fixed_order,
+    ordered_column_sums_and_gram,
     ordered_dot_general,
     ordered_qr_r,
     unpinned,
@@ -89,12 +92,26 @@ def test_a_gram_block_is_the_same_function_of_its_columns_as_the_whole(k):
     exact = x.astype(np.float64).T @ x.astype(np.float64)  # within the bound exact_block_dot's docstring says
     bound = 2.0 ** -BITS * 2 * np.abs(x).max(0)[:, None] * np.abs(x).sum(0)[None, :] * 2 + np.abs(exact) * 2.0**-24
     assert (np.abs(whole - exact) <= bound + bound.T).all()
-    if k == 600:  # xᵀx in a program: each column rounded once, three of four column-half blocks: the same bits
+    if k == 600:  # xᵀx in a program: each column rounded once, the blocks on and above the diagonal: the same bits
         y = rows(k, 70, seed=1)
         y[::5, 60] *= 2.0**-30
+        # a sum of a half ulp of 1 and values below its column's grid for sums (SUM_BITS): it rounds to 1 (a
+        # tie, to even), where the tree's sum of them all rounds up
+        y[:, 50], y[:3, 50], y[3:256, 50] = 0, (1, 2.0**-24, 2.0**-50), 2.0**-50
         y[7, 2], y[9, 65] = np.inf, np.nan
         gram = np.asarray(jax.jit(fixed_order(lambda y: y.T @ y))(y))
         np.testing.assert_array_equal(gram, np.asarray(jax.jit(lambda y: ordered_dot_general(y, y, dims))(y)))
+        # in column groups (as wide Grams are cut): the same exact sums
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda y: ordered_column_sums_and_gram(y, parts=3)[1])(y)),
+                                      gram)
+        # Covariance's column sums beside its Gram: each column's values rounded below its largest (the pass the
+        # Gram's grid takes), SUM_BITS bits, summed exactly
+        sums, same = jax.jit(fixed_order(column_sums_and_gram))(y)
+        np.testing.assert_array_equal(same, gram)
+        finite = np.isfinite(y).all(0)
+        grid = pinned(np.ones((k, 1), np.float32), np.where(np.isfinite(y), y, 0), bits=(BITS, SUM_BITS))
+        np.testing.assert_array_equal(sums[finite], grid[finite])
+        assert sums[2] == np.inf and np.isnan(sums[65]) and sums[50] == 1 and tree_sum(y)[50] > 1
         sums = np.asarray(jax.jit(fixed_order(lambda y: y.sum(0)))(y))  # the float64 tree, column by column
         np.testing.assert_array_equal(sums, tree_sum(y))
         np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(lambda y: y.sum(0)))(y[:, 3:5])), sums[3:5])

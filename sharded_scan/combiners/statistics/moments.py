@@ -124,11 +124,13 @@ def centered_fold(acc: CenteredAcc, x: jax.Array, mask: jax.Array, full: bool, w
     """
     shift, dev, nb = deviations(acc, x, mask)
     wdev = dev if weights is None else dev * weights[:, None]
-    s1 = column_sum(wdev)
-    if full:
+    if full and weights is None and acc.m2.shape[-1] == dev.shape[-1]:
+        s1, s2 = column_sums_and_gram(dev)
+    elif full:
+        s1 = column_sum(wdev)
         s2 = jnp.matmul(wdev.T, own_columns(dev, acc.m2.shape[-1], shards), preferred_element_type=dev.dtype)
     else:
-        s2 = column_sum(wdev * dev)
+        s1, s2 = column_sum(wdev), column_sum(wdev * dev)
     weight = nb.astype(dev.dtype) if weights is None else jnp.sum(weights)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
     mean = batch_mean(x.astype(dev.dtype), mask, nb, weights)
@@ -150,6 +152,15 @@ def column_sum(v: jax.Array) -> jax.Array:
     if g == 1:
         return jnp.sum(v, axis=0)
     return jnp.sum(jnp.sum(v.reshape(rows // g, g * d), axis=0).reshape(g, d), axis=0)
+
+
+@jax.jit
+def column_sums_and_gram(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(column_sum(v), vᵀv)``: a call of its own, which ``fixed_order`` knows by its name (``TOGETHER``) and, under
+    ``logical_shards`` on CPU, computes from one rounding of ``v``'s columns (the sums exact sums of the values the
+    Gram multiplies: no pass of their own; a Covariance ``add`` at d=256 0.99 -> 0.92 CPU-ms a 256-row
+    micro-batch); XLA inlines it elsewhere."""
+    return column_sum(v), jnp.matmul(v.T, v, preferred_element_type=v.dtype)
 
 
 def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int):
