@@ -215,7 +215,7 @@ def _in_block_order(blocks: jax.Array) -> jax.Array:
 
 # Calls fixed_order computes by a rule of its own rather than primitive by primitive, known by their ``jit``'s name:
 # the statistics family's ``column_sums_and_gram`` (``(column sums of v, vᵀv)``: Covariance's, Correlation's
-# co-moments) gets both from one rounding of ``v``'s columns. Its arguments and results as the call's; a rule
+# co-moments) gets both from one pass for each column's largest. Its arguments and results as the call's; a rule
 # returns None for operands it does not take (a vmapped call), whose body is then followed.
 def _column_sums_and_gram(v, *rest):
     if rest or v.ndim != 2 or np.dtype(v.dtype) not in EXACT_IN_FLOAT64:
