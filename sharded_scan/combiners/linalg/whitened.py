@@ -13,10 +13,12 @@ them as the square of the condition number). A micro-batch costs one matmul
 uncorrelated ``W`` stays diagonal (plus its first row, the shift) and the first
 matmul is a column scaling: then it costs what centred co-moments cost.
 
-A young shard, one that has seen fewer than ``2 n`` rows, keeps the exact R of its rows
-instead (Householder QR of ``[R; rows]``, as TSQR): a few rows cannot tell a weak
-direction from an empty one. It whitens once those rows and the micro-batch after them
-are enough.
+A young shard, one that has seen fewer than ``2 n`` rows, keeps those rows themselves
+instead (in ``gram`` and ``compensation``, ``2 n`` rows of room; a merge of two young shards
+appends one's rows to the other's): a few rows cannot tell a weak direction from an empty one.
+It whitens once those rows and the micro-batch after them are enough. No QR: a Householder
+QR of ``[R; rows]`` a young micro-batch (as TSQR) was most of a small-micro-batch job's time
+(``logical_shards``: 256 rows, two QRs of 514 x 258 a shard at d=256) and of its compiles.
 
 ``W`` is re-chosen ("re-whitened") only when a micro-batch is large against what ``M``
 holds: on the first micro-batch, when the data drifts, while a shard has seen few
@@ -24,7 +26,7 @@ rows, and when merging. Re-whitening factors ``M`` (with :mod:`.dense`, no LAPAC
 moves the shift to the running mean, moves ``M`` to the new basis and redoes the
 micro-batch in it, twice when the basis is not diagonal (CholeskyQR2: the first pass
 shifts the correlations to see weak directions, the second leaves directions without
-data alone). Merging adds the other shard's R factor as rows, as TSQR stacks R's.
+data alone). Merging adds the other shard's rows (``chol(M) W⁻¹``, or a young shard's own rows).
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ class WhitenedAcc(NamedTuple):
     sums: jax.Array          # (2, n) Σ b and Σ b² (n = p + 1): the running mean is shift + sums[0, 1:] / sums[0, 0]
     start: jax.Array         # (n,) 1 / column norms of the first micro-batch: the columns' natural units
     basis: jax.Array         # (n, n) upper triangular W, columns of unit norm in `start` units
-    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`
-    compensation: jax.Array  # (n, n) Kahan compensation of `gram`
+    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`; young: the first n rows b
+    compensation: jax.Array  # (n, n) Kahan compensation of `gram`; young: the rows b after those
     floor: jax.Array         # () smallest eigenvalue of M's correlations right after the last re-whitening
     diagonal: jax.Array      # () bool: W is diagonal but for its first row (c = b W is a column scaling)
-    young: jax.Array         # () bool: fewer than 2n rows so far; `gram` holds the R of the rows
+    young: jax.Array         # () bool: fewer than 2n rows so far, held as they are: (gram; compensation)'s
+                             # first `count` rows, zero after them (_young_rows)
 
 
 def init(p: int, dtype) -> WhitenedAcc:
@@ -155,6 +158,26 @@ def _power_estimate(apply, v: jax.Array) -> jax.Array:
 
     v = v / jnp.linalg.norm(v)
     return jax.lax.fori_loop(0, POWER_STEPS + 1, step, (v, jnp.zeros_like(v[0])))[1]
+
+
+# _exceeds' margin on its bound: far above the relative rounding of a power estimate or a row sum (n eps)
+BOUND_MARGIN = 2.0**-10
+
+
+def _exceeds(scaled: jax.Array, limit: jax.Array) -> jax.Array:
+    """Whether the largest eigenvalue of the symmetric PSD ``scaled``, by its power estimate (and
+    at least its largest diagonal), exceeds ``limit``. Where ‖scaled‖∞ (which bounds every eigenvalue)
+    does not reach ``limit``, false without the power steps: the same answer (a NaN bound runs them),
+    at the cost of one pass over ``scaled`` where the steps took 13 (most micro-batches of a shard,
+    once it holds many of them)."""
+
+    def estimate():
+        largest = _power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0]))
+        return jnp.maximum(largest, jnp.max(jnp.diag(scaled))) > limit
+
+    bound = jnp.max(jnp.sum(jnp.abs(scaled), axis=1))
+    never = jax.lax.full_like(bound, False, bool)  # varies as bound does inside shard_map
+    return jax.lax.cond(bound * (1 + BOUND_MARGIN) <= limit, lambda: never, estimate)
 
 
 def _power_of_two_below(x: jax.Array) -> jax.Array:
@@ -329,8 +352,7 @@ def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, target
     gram = acc.gram - acc.compensation
     scale = _scales(gram)
     scaled = batch / jnp.outer(scale, scale)
-    largest = jnp.maximum(_power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0])), jnp.max(jnp.diag(scaled)))
-    big = (largest > GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
+    big = _exceeds(scaled, GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
 
     def rewhiten(acc):
         acc, moved_rows = _recentred(acc, rows, sums)  # moved @ new basis == rows @ old: batch and gram stand
@@ -365,10 +387,21 @@ def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
     )
 
 
-def _grown(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array) -> WhitenedAcc:
-    """A young accumulator with ``rows`` added to its R (``sums`` the data's sums of them)."""
-    r = jnp.linalg.qr(jnp.concatenate([acc.gram, rows]), mode="r")
-    return acc._replace(gram=r, sums=acc.sums + sums)
+def _young_rows(acc: WhitenedAcc) -> jax.Array:
+    """A young accumulator's rows ``b`` (``2 n`` of room: its first ``count`` rows, zero after them)."""
+    return jnp.concatenate([acc.gram, acc.compensation])
+
+
+def _grown(acc: WhitenedAcc, rows: jax.Array, keep: jax.Array, sums: jax.Array) -> WhitenedAcc:
+    """A young accumulator with the ``rows`` where ``keep`` appended to its own, in order (``sums`` the
+    data's sums of them); the caller knows they fit (fewer than ``2 n`` rows in all). Each row is moved
+    whole (a scatter of unique places; the others dropped), so the rows stay exactly what they were."""
+    n = acc.gram.shape[0]
+    kept = jnp.cumsum(keep.astype(jnp.int32)) - 1  # integers: the same on every split
+    here = wide.to_float(acc.count, jnp.float32).astype(jnp.int32)  # below 2 n
+    place = jnp.where(keep, here + kept, 2 * n + jnp.arange(keep.shape[0]))  # out of range: dropped
+    out = _young_rows(acc).at[place].set(rows, mode="drop", unique_indices=True)
+    return acc._replace(gram=out[:n], compensation=out[n:], sums=acc.sums + sums)
 
 
 def _young_enough(acc: WhitenedAcc, more) -> jax.Array:
@@ -389,22 +422,27 @@ def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0, weigh
     b = scaled(augmented(z, shift, mask), weights)
     sums = row_sums(b)
 
-    def whiten(acc):  # an adult folds b; a young shard with enough rows becomes one with its R and b
-        grows_up = acc.young
-        rows = _Rows(b, jnp.where(grows_up, acc.gram, 0.0), grows_up)
-        rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
-        acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
-        return fold(acc, rows, rows_sums, targets)
-
     stays_young = acc.young & ~_young_enough(acc, nb.astype(z.dtype))
-    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, sums), whiten, acc)
+    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, mask, sums),
+                          lambda acc: _whiten(acc, b, sums, targets), acc)
     return folded._replace(count=wide.add_int32(acc.count, nb))
 
 
+def _whiten(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int) -> WhitenedAcc:
+    """``acc`` with the rows ``b`` folded in (``sums``: the data's sums of them): an adult folds them; a
+    young accumulator, which then has enough rows, becomes one with its own rows and ``b``."""
+    grows_up = acc.young
+    rows = _Rows(b, jnp.where(grows_up, _young_rows(acc), 0.0), grows_up)
+    rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
+    acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
+    return fold(acc, rows, rows_sums, targets)
+
+
 def _rows(acc: WhitenedAcc) -> jax.Array:
-    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's R, else ``chol(M) W⁻¹``."""
+    """Rows ``F`` (2n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's own rows, else ``chol(M) W⁻¹``
+    and n zero rows."""
     adult = _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
-    return jnp.where(acc.young, acc.gram, adult)
+    return jnp.where(acc.young, _young_rows(acc), jnp.concatenate([adult, jnp.zeros_like(adult)]))
 
 
 def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
@@ -415,15 +453,16 @@ def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
 
 
 def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
-    """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
+    """Adds ``b``'s rows to ``a``; into ``b`` instead when only ``a`` is young. Two young accumulators'
+    rows are appended while they fit (fewer than ``2 n`` in all), else whitened, as ``add`` does."""
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     into_b = a.young & ~b.young
     host, guest = jax.lax.cond(into_b, lambda: (b, a), lambda: (a, b))  # copies, not a select kernel a leaf
     rows = moved(_rows(guest), guest.shift, host.shift)
     sums = _moved_sums(guest.sums, guest.shift, host.shift)
-    merged = jax.lax.cond(
-        host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
-    )
+    stays_young = host.young & ~_young_enough(host, wide.to_float(guest.count, rows.dtype))  # then both young
+    merged = jax.lax.cond(stays_young, lambda h: _grown(h, rows, jnp.ones(rows.shape[:1], bool), sums),
+                          lambda h: _whiten(h, rows, sums, targets), host)
     out = jax.lax.switch(jnp.where(a_empty, 0, jnp.where(b_empty, 1, 2)), [lambda: b, lambda: a, lambda: merged])
     return out._replace(count=wide.add(a.count, b.count))
 
@@ -458,11 +497,13 @@ def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def factor(acc: WhitenedAcc) -> Factor:
-    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or a young shard's R), its
+    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or of a young shard's rows), its
     first row giving the mean."""
-    m = np.asarray(acc.gram, np.float64) - np.asarray(acc.compensation, np.float64)
-    young = bool(np.asarray(acc.young))
-    rows = m if young else _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
+    gram, compensation = np.asarray(acc.gram, np.float64), np.asarray(acc.compensation, np.float64)
+    if bool(np.asarray(acc.young)):
+        rows = np.concatenate([gram, compensation])
+    else:
+        rows = _right_divide_upper(_host_root(gram - compensation), np.asarray(acc.basis, np.float64))
     r = np.linalg.qr(rows, mode="r")
     count = int(wide.to_int(acc.count))
     head = r[0, 0] if count and r[0, 0] else 1.0
