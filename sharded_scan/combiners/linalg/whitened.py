@@ -275,18 +275,25 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
     A column the data does not span (``b w_j = 0`` exactly) adds nothing to ``b w_k`` in
     exact arithmetic whatever its multiple in ``w_k``, but its rounding does: taking it
     out keeps a later column (a regression's ``y``) free of that noise.
-    """
-    index = jnp.arange(w.shape[0])
 
-    def one(j, carry):
-        w, t = carry
+    Only the ``null`` columns, in order, take a turn: another column's turn took out nothing
+    (and each turn is a product with ``w``, under ``logical_shards`` 0.2 ms at n = 258).
+    """
+    n = w.shape[0]
+
+    def after(j):  # the first null column after j; n where none is
+        later = null & (jnp.arange(n) > j)
+        return jnp.where(jnp.any(later), jnp.argmax(later), n)
+
+    def one(carry):
+        j, w, t = carry
         wj = w[:, j]
         beta = (wj @ w) / jnp.maximum(wj @ wj, jnp.finfo(w.dtype).tiny)
-        beta = jnp.where(null[j] & (index > j), beta, 0.0)
-        return w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
+        beta = jnp.where(jnp.arange(n) > j, beta, 0.0)
+        return after(j), w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
 
-    eye = jnp.eye(w.shape[0], dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
-    return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
+    eye = jnp.eye(n, dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
+    return jax.lax.while_loop(lambda carry: carry[0] < n, one, (after(-1), w, eye))[2]
 
 
 # The most rows one reduction of the fold sums at once; as many as a micro-batch of a job with
