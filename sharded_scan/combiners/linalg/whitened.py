@@ -306,7 +306,7 @@ def _blocked(reduce, rows: jax.Array) -> jax.Array:
     ``BLOCK_ROWS`` rows in a fixed order.
 
     XLA:CPU splits a longer reduction between threads by how many devices the process has;
-    a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold depend
+    a young shard's rows stacked on a micro-batch (``2n + m`` rows) would make the fold depend
     on the device count, and ``logical_shards`` promises it does not. More than one block is a loop
     (the last padded with zero rows, which add exactly nothing): ``reduce`` traced once, where each
     block unrolled was another copy of its program to compile (under ``logical_shards`` a Gram's
