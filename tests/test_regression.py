@@ -302,3 +302,32 @@ def test_the_whitened_power_estimate_traces_its_operator_once_and_estimates_the_
     jax.make_jaxpr(lambda v: whitened._power_estimate(apply, v))(np.ones(8, np.float32))
     assert len(traced) == 1
     assert abs(float(whitened._power_estimate(lambda v: m @ v, np.ones(8, np.float32))) - 8) < 0.2
+
+
+def test_a_young_whitened_shard_keeps_its_rows_as_they_are_and_neither_add_nor_merge_runs_a_qr():
+    # Issue 45 item 4: a young shard (fewer than 2n rows) kept the R of its rows, a Householder QR of [R; rows]
+    # a micro-batch, and a merge of two young shards ran another: under logical_shards (micro-batches of 256
+    # rows) two QRs of 514 x 258 a shard at d=256, most of the job's time and a large part of its compiles. Now
+    # it keeps the rows themselves (2n rows of room), in order, masked rows left out; a merge appends.
+    import jax
+
+    from sharded_scan.combiners import wide
+    from sharded_scan.combiners.linalg import tsqr, whitened
+
+    p, n = 3, 4
+    z = np.arange(15, dtype=np.float32).reshape(5, p) / 7
+    mask = np.array([True, False, True, True, False])
+    fresh = whitened.init(p, np.float32)
+    b = tsqr.augmented(z, np.zeros(p, np.float32), mask)
+    young = whitened._grown(fresh, b, mask, whitened.row_sums(b))._replace(count=wide.of_int32(3))
+    rows = np.zeros((2 * n, n), np.float32)
+    rows[:3] = np.c_[np.ones(3), z[mask]]
+    np.testing.assert_array_equal(whitened._young_rows(young), rows)
+    both = whitened._grown(young, rows, np.ones(2 * n, bool), whitened.row_sums(rows))  # a merge's: they fit
+    np.testing.assert_array_equal(whitened._young_rows(both), np.r_[rows[:3], rows[:5]])
+    # the host's factor of a young accumulator: the mean of its rows and their centred co-moments
+    factor, kept = whitened.factor(young), f64(z[mask]) - f64(z[mask]).mean(axis=0)
+    assert rel_err(factor.mean, f64(z[mask]).mean(axis=0)) < 1e-12
+    assert rel_err(factor.centred.T @ factor.centred, kept.T @ kept) < 1e-12
+    for program in (jax.make_jaxpr(whitened.add)(fresh, z, mask), jax.make_jaxpr(whitened.merge)(fresh, fresh)):
+        assert "= qr[" not in str(program)

@@ -13,10 +13,12 @@ them as the square of the condition number). A micro-batch costs one matmul
 uncorrelated ``W`` stays diagonal (plus its first row, the shift) and the first
 matmul is a column scaling: then it costs what centred co-moments cost.
 
-A young shard, one that has seen fewer than ``2 n`` rows, keeps the exact R of its rows
-instead (Householder QR of ``[R; rows]``, as TSQR): a few rows cannot tell a weak
-direction from an empty one. It whitens once those rows and the micro-batch after them
-are enough.
+A young shard, one that has seen fewer than ``2 n`` rows, keeps those rows themselves
+instead (in ``gram`` and ``compensation``, ``2 n`` rows of room; a merge of two young shards
+appends one's rows to the other's): a few rows cannot tell a weak direction from an empty one.
+It whitens once those rows and the micro-batch after them are enough. No QR: a Householder
+QR of ``[R; rows]`` a young micro-batch (as TSQR) was most of a small-micro-batch job's time
+(``logical_shards``: 256 rows, two QRs of 514 x 258 a shard at d=256) and of its compiles.
 
 ``W`` is re-chosen ("re-whitened") only when a micro-batch is large against what ``M``
 holds: on the first micro-batch, when the data drifts, while a shard has seen few
@@ -24,7 +26,7 @@ rows, and when merging. Re-whitening factors ``M`` (with :mod:`.dense`, no LAPAC
 moves the shift to the running mean, moves ``M`` to the new basis and redoes the
 micro-batch in it, twice when the basis is not diagonal (CholeskyQR2: the first pass
 shifts the correlations to see weak directions, the second leaves directions without
-data alone). Merging adds the other shard's R factor as rows, as TSQR stacks R's.
+data alone). Merging adds the other shard's rows (``chol(M) W⁻¹``, or a young shard's own rows).
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ class WhitenedAcc(NamedTuple):
     sums: jax.Array          # (2, n) Σ b and Σ b² (n = p + 1): the running mean is shift + sums[0, 1:] / sums[0, 0]
     start: jax.Array         # (n,) 1 / column norms of the first micro-batch: the columns' natural units
     basis: jax.Array         # (n, n) upper triangular W, columns of unit norm in `start` units
-    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`
-    compensation: jax.Array  # (n, n) Kahan compensation of `gram`
+    gram: jax.Array          # (n, n) M = Σ (b W)ᵀ (b W), less `compensation`; young: the first n rows b
+    compensation: jax.Array  # (n, n) Kahan compensation of `gram`; young: the rows b after those
     floor: jax.Array         # () smallest eigenvalue of M's correlations right after the last re-whitening
     diagonal: jax.Array      # () bool: W is diagonal but for its first row (c = b W is a column scaling)
-    young: jax.Array         # () bool: fewer than 2n rows so far; `gram` holds the R of the rows
+    young: jax.Array         # () bool: fewer than 2n rows so far, held as they are: (gram; compensation)'s
+                             # first `count` rows, zero after them (_young_rows)
 
 
 def init(p: int, dtype) -> WhitenedAcc:
@@ -155,6 +158,26 @@ def _power_estimate(apply, v: jax.Array) -> jax.Array:
 
     v = v / jnp.linalg.norm(v)
     return jax.lax.fori_loop(0, POWER_STEPS + 1, step, (v, jnp.zeros_like(v[0])))[1]
+
+
+# _exceeds' margin on its bound: far above the relative rounding of a power estimate or a row sum (n eps)
+BOUND_MARGIN = 2.0**-10
+
+
+def _exceeds(scaled: jax.Array, limit: jax.Array) -> jax.Array:
+    """Whether the largest eigenvalue of the symmetric PSD ``scaled``, by its power estimate (and
+    at least its largest diagonal), exceeds ``limit``. Where ‖scaled‖∞ (which bounds every eigenvalue)
+    does not reach ``limit``, false without the power steps: the same answer (a NaN bound runs them),
+    at the cost of one pass over ``scaled`` where the steps took 13 (most micro-batches of a shard,
+    once it holds many of them)."""
+
+    def estimate():
+        largest = _power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0]))
+        return jnp.maximum(largest, jnp.max(jnp.diag(scaled))) > limit
+
+    bound = jnp.max(jnp.sum(jnp.abs(scaled), axis=1))
+    never = jax.lax.full_like(bound, False, bool)  # varies as bound does inside shard_map
+    return jax.lax.cond(bound * (1 + BOUND_MARGIN) <= limit, lambda: never, estimate)
 
 
 def _power_of_two_below(x: jax.Array) -> jax.Array:
@@ -252,18 +275,25 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
     A column the data does not span (``b w_j = 0`` exactly) adds nothing to ``b w_k`` in
     exact arithmetic whatever its multiple in ``w_k``, but its rounding does: taking it
     out keeps a later column (a regression's ``y``) free of that noise.
-    """
-    index = jnp.arange(w.shape[0])
 
-    def one(j, carry):
-        w, t = carry
+    Only the ``null`` columns, in order, take a turn: another column's turn took out nothing
+    (and each turn is a product with ``w``, under ``logical_shards`` 0.2 ms at n = 258).
+    """
+    n = w.shape[0]
+
+    def after(j):  # the first null column after j; n where none is
+        later = null & (jnp.arange(n) > j)
+        return jnp.where(jnp.any(later), jnp.argmax(later), n)
+
+    def one(carry):
+        j, w, t = carry
         wj = w[:, j]
         beta = (wj @ w) / jnp.maximum(wj @ wj, jnp.finfo(w.dtype).tiny)
-        beta = jnp.where(null[j] & (index > j), beta, 0.0)
-        return w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
+        beta = jnp.where(jnp.arange(n) > j, beta, 0.0)
+        return after(j), w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
 
-    eye = jnp.eye(w.shape[0], dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
-    return jax.lax.fori_loop(0, w.shape[0], one, (w, eye))[1]
+    eye = jnp.eye(n, dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
+    return jax.lax.while_loop(lambda carry: carry[0] < n, one, (after(-1), w, eye))[2]
 
 
 # The most rows one reduction of the fold sums at once; as many as a micro-batch of a job with
@@ -276,14 +306,20 @@ def _blocked(reduce, rows: jax.Array) -> jax.Array:
     ``BLOCK_ROWS`` rows in a fixed order.
 
     XLA:CPU splits a longer reduction between threads by how many devices the process has;
-    a young shard's R stacked on a micro-batch (``n + m`` rows) would make the fold depend
-    on the device count, and ``logical_shards`` promises it does not.
+    a young shard's rows stacked on a micro-batch (``2n + m`` rows) would make the fold depend
+    on the device count, and ``logical_shards`` promises it does not. More than one block is a loop
+    (the last padded with zero rows, which add exactly nothing): ``reduce`` traced once, where each
+    block unrolled was another copy of its program to compile (under ``logical_shards`` a Gram's
+    exact products: d=256's 2n = 516 rows of a young shard were three).
     """
-    out = None
-    for start in range(0, rows.shape[0], BLOCK_ROWS):
-        part = reduce(rows[start : start + BLOCK_ROWS])
-        out = part if out is None else out + part
-    return out
+    k = rows.shape[0]
+    if k <= BLOCK_ROWS:
+        return reduce(rows)
+    blocks = -(-k // BLOCK_ROWS)
+    parts = jnp.pad(rows, ((0, blocks * BLOCK_ROWS - k), (0, 0))).reshape(blocks, BLOCK_ROWS, *rows.shape[1:])
+    out = jax.eval_shape(reduce, parts[0])
+    zero = jnp.zeros(out.shape, out.dtype) + jnp.zeros_like(rows[0, 0])  # varying like rows inside shard_map
+    return jax.lax.scan(lambda total, part: (total + reduce(part), None), zero, parts)[0]
 
 
 def _gram(c: jax.Array) -> jax.Array:
@@ -329,8 +365,7 @@ def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, target
     gram = acc.gram - acc.compensation
     scale = _scales(gram)
     scaled = batch / jnp.outer(scale, scale)
-    largest = jnp.maximum(_power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0])), jnp.max(jnp.diag(scaled)))
-    big = (largest > GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
+    big = _exceeds(scaled, GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
 
     def rewhiten(acc):
         acc, moved_rows = _recentred(acc, rows, sums)  # moved @ new basis == rows @ old: batch and gram stand
@@ -365,10 +400,21 @@ def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
     )
 
 
-def _grown(acc: WhitenedAcc, rows: jax.Array, sums: jax.Array) -> WhitenedAcc:
-    """A young accumulator with ``rows`` added to its R (``sums`` the data's sums of them)."""
-    r = jnp.linalg.qr(jnp.concatenate([acc.gram, rows]), mode="r")
-    return acc._replace(gram=r, sums=acc.sums + sums)
+def _young_rows(acc: WhitenedAcc) -> jax.Array:
+    """A young accumulator's rows ``b`` (``2 n`` of room: its first ``count`` rows, zero after them)."""
+    return jnp.concatenate([acc.gram, acc.compensation])
+
+
+def _grown(acc: WhitenedAcc, rows: jax.Array, keep: jax.Array, sums: jax.Array) -> WhitenedAcc:
+    """A young accumulator with the ``rows`` where ``keep`` appended to its own, in order (``sums`` the
+    data's sums of them); the caller knows they fit (fewer than ``2 n`` rows in all). Each row is moved
+    whole (a scatter of unique places; the others dropped), so the rows stay exactly what they were."""
+    n = acc.gram.shape[0]
+    kept = jnp.cumsum(keep.astype(jnp.int32)) - 1  # integers: the same on every split
+    here = wide.to_float(acc.count, jnp.float32).astype(jnp.int32)  # below 2 n
+    place = jnp.where(keep, here + kept, 2 * n + jnp.arange(keep.shape[0]))  # out of range: dropped
+    out = _young_rows(acc).at[place].set(rows, mode="drop", unique_indices=True)
+    return acc._replace(gram=out[:n], compensation=out[n:], sums=acc.sums + sums)
 
 
 def _young_enough(acc: WhitenedAcc, more) -> jax.Array:
@@ -389,22 +435,36 @@ def add(acc: WhitenedAcc, z: jax.Array, mask: jax.Array, targets: int = 0, weigh
     b = scaled(augmented(z, shift, mask), weights)
     sums = row_sums(b)
 
-    def whiten(acc):  # an adult folds b; a young shard with enough rows becomes one with its R and b
-        grows_up = acc.young
-        rows = _Rows(b, jnp.where(grows_up, acc.gram, 0.0), grows_up)
-        rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
-        acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
-        return fold(acc, rows, rows_sums, targets)
-
     stays_young = acc.young & ~_young_enough(acc, nb.astype(z.dtype))
-    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, sums), whiten, acc)
+    folded = jax.lax.cond(stays_young, lambda acc: _grown(acc, b, mask, sums),
+                          lambda acc: _whiten(acc, b, sums, targets), acc)
     return folded._replace(count=wide.add_int32(acc.count, nb))
 
 
+def _whiten(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int) -> WhitenedAcc:
+    """``acc`` with the rows ``b`` folded in (``sums``: the data's sums of them): an adult folds them; a
+    young accumulator, which then has enough rows, becomes one with its own rows and ``b``."""
+    grows_up = acc.young
+    rows = _Rows(b, jnp.where(grows_up, _young_rows(acc), 0.0), grows_up)
+    rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
+    acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
+    return fold(acc, rows, rows_sums, targets)
+
+
 def _rows(acc: WhitenedAcc) -> jax.Array:
-    """Rows ``F`` (n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's R, else ``chol(M) W⁻¹``."""
-    adult = _root(acc.gram - acc.compensation) @ dense.triangular_inverse(acc.basis)
-    return jnp.where(acc.young, acc.gram, adult)
+    """Rows ``F`` (2n x n) with ``FᵀF = Σ bᵀb``: a young accumulator's own rows, else ``chol(M) W⁻¹``
+    and n zero rows. A diagonal ``W`` (but for its first row ``u``: ``W = D + e₀uᵀ``, ``u₀ = 0``) has
+    ``W⁻¹ = D⁻¹ - D⁻¹e₀uᵀD⁻¹``, so ``chol(M) W⁻¹`` is a column scaling and a rank-one term, elementwise: no
+    triangular inverse and product (under ``logical_shards``, compiled cheaply: about 25 ms of a 60 ms merge)."""
+    root = _root(acc.gram - acc.compensation)
+
+    def diagonal():
+        scale = jnp.diagonal(acc.basis)
+        first = acc.basis[0].at[0].set(0.0) / scale
+        return root / scale[None, :] - (root[:, :1] / scale[0]) * first[None, :]
+
+    adult = jax.lax.cond(acc.diagonal, diagonal, lambda: root @ dense.triangular_inverse(acc.basis))
+    return jnp.where(acc.young, _young_rows(acc), jnp.concatenate([adult, jnp.zeros_like(adult)]))
 
 
 def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
@@ -415,15 +475,16 @@ def _moved_sums(sums: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
 
 
 def merge(a: WhitenedAcc, b: WhitenedAcc, targets: int = 0) -> WhitenedAcc:
-    """Adds ``b``'s rows (its R) to ``a``; into ``b`` instead when only ``a`` is young."""
+    """Adds ``b``'s rows to ``a``; into ``b`` instead when only ``a`` is young. Two young accumulators'
+    rows are appended while they fit (fewer than ``2 n`` in all), else whitened, as ``add`` does."""
     a_empty, b_empty = wide.is_zero(a.count), wide.is_zero(b.count)
     into_b = a.young & ~b.young
     host, guest = jax.lax.cond(into_b, lambda: (b, a), lambda: (a, b))  # copies, not a select kernel a leaf
     rows = moved(_rows(guest), guest.shift, host.shift)
     sums = _moved_sums(guest.sums, guest.shift, host.shift)
-    merged = jax.lax.cond(
-        host.young, lambda h: _grown(h, rows, sums), lambda h: fold(h, rows, sums, targets), host
-    )
+    stays_young = host.young & ~_young_enough(host, wide.to_float(guest.count, rows.dtype))  # then both young
+    merged = jax.lax.cond(stays_young, lambda h: _grown(h, rows, jnp.ones(rows.shape[:1], bool), sums),
+                          lambda h: _whiten(h, rows, sums, targets), host)
     out = jax.lax.switch(jnp.where(a_empty, 0, jnp.where(b_empty, 1, 2)), [lambda: b, lambda: a, lambda: merged])
     return out._replace(count=wide.add(a.count, b.count))
 
@@ -458,11 +519,13 @@ def _right_divide_upper(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def factor(acc: WhitenedAcc) -> Factor:
-    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or a young shard's R), its
+    """The host :class:`Factor`, in float64: R of ``chol(M) W⁻¹`` (or of a young shard's rows), its
     first row giving the mean."""
-    m = np.asarray(acc.gram, np.float64) - np.asarray(acc.compensation, np.float64)
-    young = bool(np.asarray(acc.young))
-    rows = m if young else _right_divide_upper(_host_root(m), np.asarray(acc.basis, np.float64))
+    gram, compensation = np.asarray(acc.gram, np.float64), np.asarray(acc.compensation, np.float64)
+    if bool(np.asarray(acc.young)):
+        rows = np.concatenate([gram, compensation])
+    else:
+        rows = _right_divide_upper(_host_root(gram - compensation), np.asarray(acc.basis, np.float64))
     r = np.linalg.qr(rows, mode="r")
     count = int(wide.to_int(acc.count))
     head = r[0, 0] if count and r[0, 0] else 1.0
