@@ -8,17 +8,20 @@ the setting that costs the job less, passed per compile (``jax.jit(compiler_opti
 persistent cache and of the job-keyed one, :mod:`sharded_scan.executables`):
 
 - the step (:func:`step_options`): ``codegen="auto"`` (the default) compiles it cheaply where the job is small,
-  fewer than :data:`SMALL_JOB_VALUES` values (rows x values a row, known before compile); ``"optimized"``: XLA's
-  defaults whatever the size; ``"fast_compile"``: cheaply whatever the size;
+  fewer than :data:`SMALL_JOB_VALUES` values (rows x values a row, known before compile), and not under
+  ``logical_shards``; ``"optimized"``: XLA's defaults whatever the size; ``"fast_compile"``: cheaply whatever the
+  size, refused under ``logical_shards``;
 - the merges (:func:`merge_options`): cheaply where the job has at most :data:`CHEAP_MERGE_SHARDS` shards (a pair
   merge runs ``shards - 1`` times, each slower at O0), else XLA's defaults;
 - the identity's program (:func:`host_options`): cheaply (it runs once).
 
 Each choice is a function of the job alone (its rows, its row's values, its shard count: ``logical_shards`` where
 set), never of a cache or of the split, so every device and process split of a job, and its resume, compiles each
-program under one setting (the bitwise promise of ``logical_shards`` holds within one setting: the two contract
-other multiply-adds into FMAs). Only on CPU: other platforms keep XLA's defaults. A flag the process's
-``XLA_FLAGS`` names is the user's and never overridden.
+program under one setting. Under ``logical_shards`` the step is XLA's defaults': the cheap setting contracts a
+step's multiply-adds into FMAs by how a device holds its shards (one, or a loop over several), so its bits differed
+between splits (``GroupBy(Moments())``, 2 devices against 1); the merges run one program on every split. Only on
+CPU: other platforms keep XLA's defaults. A flag the process's ``XLA_FLAGS`` names is the user's and never
+overridden.
 """
 
 from __future__ import annotations
@@ -70,11 +73,22 @@ def cheap(platform: str) -> Options:
     return tuple((name, value) for name, value in FAST_COMPILE if not user_names(name))
 
 
-def step_options(codegen: str, platform: str, values: int) -> Options:
-    """The step's compiler options for a job of ``values`` values (rows x values a row) under ``codegen``."""
-    if codegen == OPTIMIZED or (codegen == AUTO and values >= SMALL_JOB_VALUES):
+def step_options(codegen: str, platform: str, values: int, ordered: bool = False) -> Options:
+    """The step's compiler options for a job of ``values`` values (rows x values a row) under ``codegen``;
+    ``ordered``: under ``logical_shards``, whose steps compile on XLA's defaults (:func:`check_ordered`)."""
+    if codegen == OPTIMIZED or (codegen == AUTO and (ordered or values >= SMALL_JOB_VALUES)):
         return ()
     return cheap(platform)
+
+
+def check_ordered(codegen: str, logical_shards: int | None) -> None:
+    """Refuses ``codegen="fast_compile"`` under ``logical_shards``: the legacy emitters at O0 contract a step's
+    multiply-adds by how a device's shards are laid out (one shard or a loop over several), so a
+    ``GroupBy(Moments())`` differed in its last bits between 2 devices and 1; XLA's defaults keep the bits."""
+    if codegen == FAST and logical_shards is not None:
+        raise UsageError("codegen='fast_compile' cannot keep logical_shards' results bitwise on every split (the "
+                         "cheap code generation rounds by how the devices hold the shards); leave codegen unset "
+                         "('auto' compiles a logical_shards job's steps on XLA's defaults) or drop logical_shards.")
 
 
 def merge_options(platform: str, shards: int) -> Options:

@@ -327,7 +327,8 @@ class Program:
         (its rows, the values of a row, the ``codegen`` option) and the process's ``XLA_FLAGS``, the same on every
         split and resume of it."""
         values = sum(int(np.prod(s.shape, dtype=np.int64)) for s in jax.tree.leaves(self.spec))
-        return codegen.step_options(self.options.codegen, self.platform, self.layout.num_rows * max(values, 1))
+        return codegen.step_options(self.options.codegen, self.platform, self.layout.num_rows * max(values, 1),
+                                    ordered=self.options.logical_shards is not None)
 
     @functools.cached_property
     def merge_options(self) -> codegen.Options:

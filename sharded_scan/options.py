@@ -83,9 +83,10 @@ class RunOptions:
         (:mod:`sharded_scan.executables`).
       codegen: how XLA compiles the step on CPU: ``"auto"`` (the default) with its legacy emitters and
         without LLVM's optimizations where the job is small (fewer than 2^21 values: rows x values a row),
-        which compiles several times faster and runs slower, else XLA's defaults; ``"optimized"``: XLA's
-        defaults; ``"fast_compile"``: the cheap setting whatever the size. The same for every split and
-        resume of one job; a flag ``XLA_FLAGS`` names wins (:mod:`sharded_scan.codegen`).
+        which compiles several times faster and runs slower, else (and under ``logical_shards``) XLA's
+        defaults; ``"optimized"``: XLA's defaults; ``"fast_compile"``: the cheap setting whatever the size
+        (refused under ``logical_shards``: not bitwise on every split). The same for every split and resume of
+        one job; a flag ``XLA_FLAGS`` names wins (:mod:`sharded_scan.codegen`).
     """
 
     mesh: Any = _plain(None, str)
@@ -120,6 +121,7 @@ class RunOptions:
         object.__setattr__(self, "step_timeout", check_timeout(self.step_timeout))
         object.__setattr__(self, "compilation_cache", compile_cache.check_setting(self.compilation_cache))
         codegens.check_codegen(self.codegen)
+        codegens.check_ordered(self.codegen, self.logical_shards)
 
     @classmethod
     def make(cls, options: RunOptions | None = None, **overrides: Any) -> RunOptions:
