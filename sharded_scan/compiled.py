@@ -24,6 +24,7 @@ values reuse the compiled programs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -298,7 +299,10 @@ class Program:
         program = None if entry is None else executables.executable(entry, list(self.mesh.devices.flat))
         if program is None:
             hits = compile_cache.counts().from_cache
-            program = self.trace_step().lower().compile()
+            lowered = self.trace_step().lower()
+            # Kept by the job (below) where the memory estimate's figures are there to keep: not in JAX's cache too.
+            with executables.not_in_jax_cache() if self.step_figures else contextlib.nullcontext():
+                program = lowered.compile()
             # Only a step XLA compiled here is kept: one JAX's cache loaded serializes without its kernels on
             # XLA:CPU (the process loading that entry failed at its first step). Another thread's hit meanwhile
             # only keeps nothing.

@@ -40,6 +40,24 @@ def test_the_default_steps_depend_on_the_job_alone_and_divide_the_measured_ones(
     assert (four.rows_per_step, four.num_steps()) == (eight.rows_per_step, eight.num_steps())
 
 
+def test_a_small_job_runs_one_micro_batch_a_shard_of_its_rows_rounded_up():
+    """Below codegen.SMALL_JOB_VALUES values (rows x values a row) the default micro-batch is all of a shard's rows,
+    rounded up to an eighth of a power of two: one step of one micro-batch, not 13 of 16,384 rows (a 200,000 x 8
+    Describe); a micro-batch asked for is kept, and a job at the bound keeps the measured default."""
+    from sharded_scan.codegen import SMALL_JOB_VALUES
+    from sharded_scan.layout import eighth_octave
+    assert [eighth_octave(n) for n in (1, 8, 9, 17, 16_384, 16_385, 200_000)] == [1, 8, 10, 20, 16_384, 20_480, 229_376]
+    eight = jax.ShapeDtypeStruct((8,), np.float64)
+    assert resolve_chunking(eight, num_rows=200_000) == (229_376, 1)  # 1/8 more rows at most
+    assert resolve_chunking(eight, num_rows=200_000, shards=8) == (28_672, 1)  # 25,000 rows a shard
+    layout = make_layout(200_000, make_mesh("data:1"), *resolve_chunking(eight, num_rows=200_000))
+    assert (layout.num_steps(), layout.microbatch, layout.steps_per_call) == (1, 229_376, 1)
+    small = make_layout(20_000, make_mesh("data:8"), *resolve_chunking(eight, num_rows=20_000, shards=8))
+    assert small.microbatch == 4096  # 2,500 rows a shard, below the default micro-batch: a power of two, as before
+    assert resolve_chunking(eight, 4096, num_rows=200_000) == (4096, 2)  # asked for: kept
+    assert resolve_chunking(eight, num_rows=SMALL_JOB_VALUES // 8) == (16_384, 1)  # at the bound: the default
+
+
 def test_explicit_steps_per_call_is_kept():
     assert resolve_chunking(ROW, steps_per_call=8, num_rows=512 << 10, shards=8) == (4096, 8)
 

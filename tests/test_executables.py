@@ -39,8 +39,8 @@ print("RESULT", json.dumps({"traced": traced, "executables": executables.counts(
 """
 
 
-def _child(cache) -> dict:
-    env = dict(cli.env(), JAX_COMPILATION_CACHE_DIR=str(cache), SHARDED_SCAN_EXECUTABLE_CACHE="1")
+def _child(cache, keyed: str = "1") -> dict:
+    env = dict(cli.env(), JAX_COMPILATION_CACHE_DIR=str(cache), SHARDED_SCAN_EXECUTABLE_CACHE=keyed)
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=cli.ROOT, env=env, capture_output=True, text=True,
                           timeout=cli.TIMEOUT, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -52,16 +52,20 @@ def test_a_second_process_of_a_small_job_runs_its_step_from_the_job_keyed_cache_
     cold, warm = _child(tmp_path), _child(tmp_path)
     assert cold["executables"] == {"looked_up": 1, "loaded": 0, "stored": 1}
     assert "local_step" in cold["traced"]
+    assert not list(tmp_path.glob("jit_local_step*"))  # kept by the job alone: serialized and written once
     # The second: the step neither traced nor compiled (one program, loaded from the job-keyed cache), and its
     # memory estimate read from the entry instead of the step's trace.
     assert warm["executables"] == {"looked_up": 1, "loaded": 1, "stored": 0}
     assert "local_step" not in warm["traced"], warm["traced"]
     assert warm["jax"] == {"looked_up": 1, "from_cache": 1}
     assert warm["bits"] == cold["bits"]
-    # Without the entry, the step JAX's cache loads is not kept: XLA:CPU serializes such an executable without its
-    # kernels (a later process failed at its first step: "Function ... not found").
+    # Without the entry, the step JAX's cache loads (written where the job-keyed cache was off) is not kept: XLA:CPU
+    # serializes such an executable without its kernels (a later process failed at its first step: "Function ...
+    # not found").
     for entry in (tmp_path / executables.SUBDIRECTORY).iterdir():
         entry.unlink()
+    assert _child(tmp_path, keyed="0")["executables"] == {"looked_up": 0, "loaded": 0, "stored": 0}
+    assert list(tmp_path.glob("jit_local_step*"))
     from_jax = _child(tmp_path)
     assert from_jax["executables"] == {"looked_up": 1, "loaded": 0, "stored": 0}
     assert from_jax["jax"] == {"looked_up": 1, "from_cache": 1} and from_jax["bits"] == cold["bits"]
