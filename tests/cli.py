@@ -63,7 +63,10 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
 # the parquet and own-combiner runs of tests/test_cli_config.py, the multi-process tests and tests/test_docs.py.
 FORKED = """
 import atexit, json, os, sys
+from tests import collector
+collector.fewer_collections()
 import launch.main
+collector.freeze()
 jobs = json.load(sys.stdin)
 pids = []
 for args, cwd, out, err in jobs:

@@ -238,5 +238,9 @@ def test_gpus_are_told_once_how_to_get_bitwise_results(caplog):
 
 
 if __name__ == "__main__":  # the test above, in a process of its own: python -m tests.test_reproducible DIR
+    from tests import collector
+
+    collector.fewer_collections()
+    collector.freeze()
     jax.config.update("jax_num_cpu_devices", 8)
     every_builtin_bitwise(pathlib.Path(sys.argv[1]))
