@@ -37,7 +37,8 @@ def local_cmd(num_processes: int, devices: int, *args: str) -> list[str]:
 
 def env() -> dict[str, str]:
     e = dict(os.environ, PYTHONUNBUFFERED="1")
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    # tests/site: a sitecustomize setting the cycle collector as in the suite's own processes (tests/collector.py)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "site"), e.get("PYTHONPATH", "")])
     e.pop("JAX_NUM_CPU_DEVICES", None)
     return e
 
