@@ -37,7 +37,8 @@ def local_cmd(num_processes: int, devices: int, *args: str) -> list[str]:
 
 def env() -> dict[str, str]:
     e = dict(os.environ, PYTHONUNBUFFERED="1")
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    # tests/site: a sitecustomize setting the cycle collector as in the suite's own processes (tests/collector.py)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "site"), e.get("PYTHONPATH", "")])
     e.pop("JAX_NUM_CPU_DEVICES", None)
     return e
 
@@ -63,7 +64,10 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
 # the parquet and own-combiner runs of tests/test_cli_config.py, the multi-process tests and tests/test_docs.py.
 FORKED = """
 import atexit, json, os, sys
+from tests import collector
+collector.fewer_collections()
 import launch.main
+collector.freeze()
 jobs = json.load(sys.stdin)
 pids = []
 for args, cwd, out, err in jobs:

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from launch.processes import free_port
+from tests import collector
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 18 processes of test_reproducible on 2 loaded cores missed a 5 s heartbeat (a live process aborted);
@@ -226,6 +227,7 @@ def _child() -> None:
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--share_compiles", action="store_true")
     a = parser.parse_args()
+    collector.fewer_collections()
 
     import jax
 
@@ -240,7 +242,9 @@ def _child() -> None:
     module, function = a.target.split(":")
     with open(os.path.join(a.outdir, "kwargs.pkl"), "rb") as f:
         kwargs = pickle.load(f)
-    result = getattr(importlib.import_module(module), function)(**kwargs)
+    target = getattr(importlib.import_module(module), function)
+    collector.freeze()
+    result = target(**kwargs)
     with open(os.path.join(a.outdir, f"result-{a.process_id}.pkl.tmp"), "wb") as f:
         pickle.dump(result, f)
     os.replace(os.path.join(a.outdir, f"result-{a.process_id}.pkl.tmp"),

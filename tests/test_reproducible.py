@@ -18,9 +18,9 @@ from tests import cli, multiprocess
 # processes) too, 4x2's processes have two devices each
 SPLITS = [(1, 1), (1, 8), (2, 1), (2, 4), (4, 2)]
 N, D = 4 * 8 * 512 + 37, 96  # ragged; micro-batches of 512 rows asked for (dots the threads could split)
-# codegen="optimized": the job (16,421 x 96 values) is small, whose steps codegen="auto" compiles cheaply; the steps
-# compile on XLA's defaults, as a larger job's (its merges, of 8 shards, cheaply as every such job's).
-OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1", codegen="optimized")
+# codegen left "auto": a logical_shards job's steps compile on XLA's defaults at any size (this one, 16,421 x 96
+# values, is small); its merges, of 8 shards, cheaply as every such job's.
+OPTIONS = dict(logical_shards=8, microbatch=512, steps_per_call=2, mesh="data:-1")
 # With their matrix products left to XLA:CPU's matmul library, Gram, Covariance, PCA, LinearRegression and from_fn
 # differ bitwise between processes of 1-3 and of 4 or more devices (at d=96 even with 256-row micro-batches; at d=32
 # the library does not split the sums). Every built-in runs on 1x8 (the test's own 8-device process) and on processes
@@ -238,5 +238,9 @@ def test_gpus_are_told_once_how_to_get_bitwise_results(caplog):
 
 
 if __name__ == "__main__":  # the test above, in a process of its own: python -m tests.test_reproducible DIR
+    from tests import collector
+
+    collector.fewer_collections()
+    collector.freeze()
     jax.config.update("jax_num_cpu_devices", 8)
     every_builtin_bitwise(pathlib.Path(sys.argv[1]))
