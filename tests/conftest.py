@@ -19,9 +19,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("SHARDED_SCAN_EXECUTABLE_CACHE", "0")
 # XLA:CPU compiles the suite's programs with its legacy emitters and without LLVM's optimizations: 35-50% less
 # compile CPU than its defaults, and compiling is most of the suite's time. What the tests check does not depend
-# on the code generator: results within their bounds either way, and logical_shards' bits the same on every split
-# under any one setting (not across settings: they contract multiply-adds differently); tests/test_reproducible.py
-# checks the defaults users get in a process of its own. Run with XLA_FLAGS set (even empty) for your own flags.
+# on the code generator: results within their bounds either way, and logical_shards' bits compared within one
+# setting (across splits bitwise only on XLA's defaults, which tests/test_codegen.py gives one test explicitly);
+# tests/test_reproducible.py checks the defaults users get in a process of its own. Run with XLA_FLAGS set (even
+# empty) for your own flags.
 # And each program's code in one LLVM module rather than split into parts compiled on threads: the same code (the
 # same bits), 15-20% less compile CPU (tests/test_statistics.py: 11.7 -> 9.7 CPU-s), no gain in wall on 2 cores.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 "

@@ -100,7 +100,7 @@ def test_a_small_logical_shards_job_compiles_its_steps_on_xlas_defaults_and_is_b
     real = compiled.compile_step
     monkeypatch.setattr(compiled, "compile_step", lambda *a: steps.append(a[-1]) or real(*a[:-1], a[-1] or DEFAULTS))
     rng = np.random.default_rng(0)
-    keys, x = rng.integers(0, 3, 1000).astype(np.int32), (3 + rng.normal(size=(1000, 8))).astype(np.float32)
+    keys, x = rng.integers(0, 3, 1000).astype(np.int32), (3 + rng.normal(size=(1000, 2))).astype(np.float32)
     kw = dict(logical_shards=2, microbatch=256)
     split, whole = (ss.run(ss.GroupBy(ss.Moments(), 3), (keys, x), mesh=mesh, **kw) for mesh in ("data:2", "data:1"))
     for field in ("mean", "var", "skewness", "kurtosis", "min", "max"):

@@ -161,7 +161,8 @@ def test_every_builtin_is_bitwise_the_same_on_every_process_and_device_split(tmp
     # in a fresh python process of 8 devices on the default emitters (its processes too; this module's main).
     if cli.LEGACY_EMITTERS in os.environ.get("XLA_FLAGS", ""):
         env = {k: v for k, v in cli.env().items() if k != "SHARDED_SCAN_TEST_CPU"}
-        env["XLA_FLAGS"] = ""
+        # XLA's defaults, each program's code in one LLVM module (the same code, less compile CPU: tests/conftest.py)
+        env["XLA_FLAGS"] = "--xla_cpu_parallel_codegen_split_count=1"
         log = tmp_path / "default_emitters.log"
         (tmp_path / "run").mkdir()
         with cli.started([sys.executable, "-m", "tests.test_reproducible", str(tmp_path / "run")], log, env) as proc:
