@@ -48,7 +48,7 @@ from sharded_scan.combiners.base import (
     reads_few_microbatches,
 )
 from sharded_scan.compile_cache import cached
-from sharded_scan.layout import Layout, data_sharding
+from sharded_scan.layout import Layout, data_sharding, row_values
 from sharded_scan.merging import Merge, MergeRoute, choose_merge, compile_gather, pinned
 from sharded_scan.mesh import DATA_AXIS
 from sharded_scan.options import RunOptions
@@ -330,8 +330,8 @@ class Program:
         """XLA's code generation for the step (:func:`~sharded_scan.codegen.step_options`): a function of the job
         (its rows, the values of a row, the ``codegen`` option) and the process's ``XLA_FLAGS``, the same on every
         split and resume of it."""
-        values = sum(int(np.prod(s.shape, dtype=np.int64)) for s in jax.tree.leaves(self.spec))
-        return codegen.step_options(self.options.codegen, self.platform, self.layout.num_rows * max(values, 1),
+        values = self.layout.num_rows * max(row_values(self.spec), 1)
+        return codegen.step_options(self.options.codegen, self.platform, values,
                                     ordered=self.options.logical_shards is not None)
 
     @functools.cached_property

@@ -139,23 +139,29 @@ def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
     """
     b, m, k = left.shape
     n = right.shape[2]
-    blocks = max(1, -(-k // BLOCK))
-    pad = blocks * BLOCK - k if blocks > 1 else 0
-    width = k + pad
-    left = jnp.pad(left.astype(np.float64), ((0, 0), (0, 0), (0, pad))).reshape(b, m, blocks, width // blocks)
-    right = jnp.pad(right.astype(np.float64), ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, width // blocks, n)
+    left, right = left.astype(np.float64), right.astype(np.float64)
+    # Blocks of BLOCK indices, then a ragged last one, not padded to BLOCK (zeros add nothing and move no block's
+    # largest: the same sums; k = 258 cost a matmul of 512 indices).
+    whole = k // BLOCK if k > BLOCK else 0
+    cut = whole * BLOCK
+    parts = [] if not whole else [_block_sums(left[:, :, :cut].reshape(b, m, whole, BLOCK),
+                                              right[:, :cut].reshape(b, whole, BLOCK, n))]
+    if k > cut or not whole:
+        parts.append(_block_sums(left[:, :, cut:].reshape(b, m, 1, k - cut), right[:, cut:].reshape(b, 1, k - cut, n)))
+    sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)  # (b, blocks, m, n)
+    return _in_block_order(jnp.moveaxis(sums, 1, 0)).astype(dtype)  # rounded once
+
+
+def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
+    """Each block's exact products for :func:`exact_block_dot`: ``(b, m, blocks, w) @ (b, blocks, w, n)`` (float64)
+    -> ``(b, blocks, m, n)``, each row of a block (column of ``right``) rounded to its grid, one matmul of integers."""
     scale_left, unit_left = _grid(_largest_finite(left, axis=3), BITS)  # (b, m, blocks)
     scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
-    q_left = jax.lax.round(left * scale_left[..., None], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
-    q_right = jax.lax.round(right * scale_right[:, :, None, :], jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    q_left, q_right = _rounded(left, scale_left[..., None]), _rounded(right, scale_right[:, :, None, :])
     # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
     # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
     sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 2), (0, 1))))
-    sums = sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
-    acc = sums[:, 0]
-    for block in range(1, blocks):  # in block order: the program's own adds, which XLA keeps
-        acc = acc + sums[:, block]
-    return jnp.where(acc == 0, 0.0, acc).astype(dtype)  # +0 whatever the matmul's zero sign; rounded once
+    return sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
 
 
 def ordered_gram(x: jax.Array) -> jax.Array:
@@ -213,9 +219,10 @@ def _in_block_order(blocks: jax.Array) -> jax.Array:
     return jnp.where(acc == 0, 0.0, acc)
 
 
-# Calls fixed_order computes by a rule of its own rather than primitive by primitive, known by their ``jit``'s name:
-# the statistics family's ``column_sums_and_gram`` (``(column sums of v, vᵀv)``: Covariance's, Correlation's
-# co-moments) gets both from one pass for each column's largest. Its arguments and results as the call's; a rule
+# Calls fixed_order computes by a rule of its own rather than primitive by primitive, known by their ``jit``'s name
+# (a dotted one, which no ``def`` of a user's can take): the statistics family's ``column_sums_and_gram``
+# (``(column sums of v, vᵀv)``: Covariance's, Correlation's co-moments) gets both from one pass for each column's
+# largest. Its arguments and results as the call's; a rule
 # returns None for operands it does not take (a vmapped call), whose body is then followed.
 def _column_sums_and_gram(v, *rest):
     if rest or v.ndim != 2 or np.dtype(v.dtype) not in EXACT_IN_FLOAT64:
@@ -223,7 +230,7 @@ def _column_sums_and_gram(v, *rest):
     return ordered_column_sums_and_gram(v)
 
 
-TOGETHER: dict[str, Callable] = {"column_sums_and_gram": _column_sums_and_gram}
+TOGETHER: dict[str, Callable] = {"sharded_scan.column_sums_and_gram": _column_sums_and_gram}
 
 
 # ordered_gram cuts a Gram's columns into groups at least this wide (at most GRAM_MAX_PARTS) and computes the

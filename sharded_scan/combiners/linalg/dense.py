@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 
 BLOCK = 32
-# Contraction indices of one exact block of fixed_order.exact_block_dot (its BLOCK; linalg does not import it).
-PRODUCT_CHUNK = 256
 
 
 def _padded(a: jax.Array, block: int) -> jax.Array:
@@ -83,20 +81,8 @@ def _column_block(x: jax.Array, u: jax.Array, start, block: int, ukk_inv: jax.Ar
     and the inverse of ``U``'s diagonal block there (``ukk_inv``)."""
     size = u.shape[0]
     above = jnp.where(jnp.arange(size)[:, None] < start, jax.lax.dynamic_slice(u, (0, start), (size, block)), 0.0)
-    column = -_chunked_matmul(x, above) @ ukk_inv
+    column = -(x @ above) @ ukk_inv
     return jax.lax.dynamic_update_slice(column, ukk_inv, (start, 0))
-
-
-def _chunked_matmul(x: jax.Array, y: jax.Array) -> jax.Array:
-    """``x @ y`` as the products of contraction chunks of :data:`PRODUCT_CHUNK` indices added in order: under
-    ``logical_shards`` each is one exact block, where one product of ``k`` a little above a block pads its
-    contraction to two (n = 258: a 288-wide block loop's product padded to 512, most of a Cholesky's time)."""
-    k = x.shape[1]
-    out = None
-    for start in range(0, k, PRODUCT_CHUNK):
-        part = x[:, start : start + PRODUCT_CHUNK] @ y[start : start + PRODUCT_CHUNK]
-        out = part if out is None else out + part
-    return out
 
 
 def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -154,13 +154,16 @@ def column_sum(v: jax.Array) -> jax.Array:
     return jnp.sum(jnp.sum(v.reshape(rows // g, g * d), axis=0).reshape(g, d), axis=0)
 
 
-@jax.jit
-def column_sums_and_gram(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _column_sums_and_gram(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(column_sum(v), vᵀv)``: a call of its own, which ``fixed_order`` knows by its name (``TOGETHER``) and, under
     ``logical_shards`` on CPU, computes from the Gram's pass for each column's largest (the sums of the values
     rounded to 44 bits below it, exact), not a pairwise tree of its own: a Covariance ``add`` 0.99-1.05 -> 0.87
     CPU-ms a 256-row micro-batch at d=256, 0.20-0.21 -> 0.17 at d=96; XLA inlines it elsewhere."""
     return column_sum(v), jnp.matmul(v.T, v, preferred_element_type=v.dtype)
+
+
+_column_sums_and_gram.__name__ = "sharded_scan.column_sums_and_gram"  # the name fixed_order.TOGETHER knows
+column_sums_and_gram = jax.jit(_column_sums_and_gram)
 
 
 def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int):
