@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test in this process; one compilation cache for the run."""
 
 import compileall
+import contextlib
 import os
 import shutil
 import tempfile
@@ -91,6 +92,14 @@ SLOW = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a module of many processes, launcher runs, generated cases or programs")
+    # pytest's unraisable-exception plugin runs five full collections of the cycle collector as a session ends, to
+    # report objects whose finalizers raised: 0.6 s of CPU each over a test process's heap (JAX's caches of
+    # programs, every module), 3-8 s a worker at the end of a run. Each test's unraisable exceptions are still
+    # reported after it; a finalizer that raises only when the last cycles are collected goes to stderr instead.
+    with contextlib.suppress(ImportError):
+        from _pytest.unraisableexception import gc_collect_iterations_key
+
+        config.stash[gc_collect_iterations_key] = 0
 
 
 def pytest_collection_modifyitems(items):
