@@ -47,11 +47,9 @@ def check_moments(got, x, ddof, tol=1e-5):
     assert rel_err(got.norm_l2, np.linalg.norm(x, axis=0)) < 1e-6
 
 
-# 1009 rows on both meshes; 1 and 3 rows where most shards are empty (empty shards merged in), each on one mesh
-# (a shrunk step and ddof each compile programs of their own): one row on 8 devices (7 empty partials), ddof=1 on 3
-# rows over the model axis (one of 4 shards empty). With a model axis 5 columns: the co-moments split by columns,
-# padded to 6 (3 a device).
-CASES = [(1009, MESHES[0]), (1009, MESHES[1]), (1, MESHES[0]), (3, MESHES[1])]
+# 1009 rows on both meshes; 1 and 3 rows (empty shards merged in, one row, ddof=1 on 3) where
+# most shards are empty. With a model axis 5 columns: the co-moments split by columns, padded to 6 (3 a device).
+CASES = [(n, mesh) for n in (1009, 1, 3) for mesh in MESHES]
 
 
 @pytest.mark.parametrize("n, mesh", CASES)
@@ -153,7 +151,7 @@ def test_pca_matches_scikit_learn():
     mesh, n = "data:8", 1009  # ragged: 126 or 127 rows a device
     sklearn = pytest.importorskip("sklearn.decomposition")
     x = rows(n, d=5, seed=4, offset=10.0)
-    got = ss.run(ss.PCA(3), x, mesh=mesh, microbatch=8, steps_per_call=1)  # the other PCA tests' programs
+    got = ss.run(ss.PCA(3), x, mesh=mesh, microbatch=8)
     want = sklearn.PCA(3, svd_solver="full").fit(f64(x))
     assert rel_err(got.components, want.components_) < 1e-4
     assert rel_err(got.explained_variance, want.explained_variance_) < 1e-5
@@ -163,8 +161,7 @@ def test_pca_matches_scikit_learn():
 
 
 def test_pca_components_are_orthonormal_rows_sorted_by_variance():
-    got = ss.run(ss.PCA(5), rows(200, d=5, seed=5), mesh="data:8", microbatch=8,
-                 steps_per_call=1)  # test_pca_matches_...'s step
+    got = ss.run(ss.PCA(5), rows(200, d=5, seed=5), mesh="data:8", microbatch=8)  # test_pca_matches_...'s step
     np.testing.assert_allclose(got.components @ got.components.T, np.eye(5), atol=1e-10)
     assert np.all(np.diff(got.explained_variance) <= 0)
     assert abs(got.explained_variance_ratio.sum() - 1) < 1e-10
