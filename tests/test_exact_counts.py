@@ -169,6 +169,6 @@ def test_regression_and_pca_factors_merge_counts_near_two_to_the_31():
     mask = np.ones(16, bool)
     for name, make in SOLVERS.items():
         solver = make(1)
-        acc = solver.add(solver.init(3, jnp.float32), jnp.asarray(z), mask)
+        acc = jax.jit(solver.add)(solver.init(3, jnp.float32), jnp.asarray(z), mask)  # one program, not op by op
         acc = acc._replace(count=_count(NEAR))
-        assert solver.factor(jax.device_get(solver.merge(acc, acc))).count == 2 * NEAR, name
+        assert solver.factor(jax.device_get(jax.jit(solver.merge)(acc, acc))).count == 2 * NEAR, name

@@ -11,6 +11,10 @@ from sharded_scan.sources import IteratorSource
 
 X = np.ones((5000, 2), np.float32)
 KW = {"mesh": "data:2", "microbatch": 64, "steps_per_call": 2}
+# The fits' checks (NaN, overflow, no rows) on one device: no merge program to compile, the local steps cheaper
+# (LinearRegression's and PCA's are the module's dearest programs). The same checks over merged partials of several
+# devices: test_regression's every solver on data:3, the properties' fits on data:8.
+FIT = {**KW, "mesh": "data:1"}
 
 
 def batches(x, size=1000):
@@ -59,17 +63,17 @@ def test_rows_holding_nan_make_the_fit_nan_not_a_lower_rank_and_zeros():
     rows = rng.permutation(512)
     x[rows[:3], 0], x[rows[3:6], 1] = np.nan, np.nan
     x = x.astype(np.float32)
-    fit = ss.run(ss.LinearRegression(), (x, y), **KW)
+    fit = ss.run(ss.LinearRegression(), (x, y), **FIT)
     for field in ("coef", "intercept", "cond", "r2", "residual_std", "coef_stderr", "intercept_stderr"):
         assert np.isnan(getattr(fit, field)).all(), (field, getattr(fit, field))
     assert fit.rank == -1 and fit.coef.shape == (3,)
-    pca = ss.run(ss.PCA(2), x, **KW)
+    pca = ss.run(ss.PCA(2), x, **FIT)
     for field in ("components", "explained_variance", "explained_variance_ratio", "mean", "singular_values"):
         assert np.isnan(getattr(pca, field)).all(), (field, getattr(pca, field))
     assert pca.components.shape == (2, 3)
     # nan_policy="omit" fits the 506 rows without NaN, as before.
     keep = np.isfinite(x).all(axis=1)
-    fit = ss.run(ss.LinearRegression(), (x, y), nan_policy="omit", **KW)
+    fit = ss.run(ss.LinearRegression(), (x, y), nan_policy="omit", **FIT)
     want = np.linalg.lstsq(np.column_stack([x[keep], np.ones(keep.sum())]).astype(np.float64), y[keep], rcond=None)[0]
     np.testing.assert_allclose(fit.coef, want[:3], rtol=1e-4)
     assert fit.rank == 3 and fit.r2 > 0.99
@@ -81,12 +85,12 @@ def test_a_solve_on_finite_rows_that_overflowed_says_so():
     assert np.isfinite(x).all()
     overflowed = r"the rows overflowed the float32 accumulator \(it holds at most 3.4e\+38\); scale the data down"
     with pytest.raises(ss.UsageError, match=r"every row it folded is finite: " + overflowed) as err:
-        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), nan_policy="omit", **KW)
+        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), nan_policy="omit", **FIT)
     assert "rows hold NaN" not in str(err.value)
     # Under "propagate" NaN/inf rows would reach the accumulator too: both causes, and how to tell.
     with pytest.raises(ss.UsageError, match=r"rows hold NaN/inf \(nan_policy='omit' skips them\), or finite rows "
                                             r"overflowed the float32 accumulator .*nan_policy='raise' tells which"):
-        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), **KW)
+        ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), **FIT)
 
 
 def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
@@ -108,10 +112,10 @@ def test_statistics_of_no_rows_are_nan_with_a_warning_as_numpys():
     (ss.LinearRegression(), "xy"), (ss.LinearRegression(solver="tsqr"), "xy"), (ss.PCA(2), "x"),
 ])
 def test_a_fit_on_no_rows_is_one_line(combiner, data):
-    x = np.random.default_rng(1).normal(size=(200, 3)).astype(np.float32)  # and KW: the programs above
+    x = np.random.default_rng(1).normal(size=(200, 3)).astype(np.float32)  # and FIT: the programs above
     x[:, 0] = np.inf
     rows = (x, x[:, 1].copy()) if data == "xy" else x
     with pytest.raises(ss.UsageError) as err:
-        ss.run(combiner, rows, nan_policy="omit", **KW)
+        ss.run(combiner, rows, nan_policy="omit", **FIT)
     message = str(err.value)
     assert "\n" not in message and "no rows to fit" in message and type(combiner).__name__ in message

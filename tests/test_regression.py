@@ -166,13 +166,15 @@ def test_merge_is_associative_with_init_as_identity():
     x, y = problem(30, seed=5)
     x += 1e3
     mask = np.ones(10, bool)
-    a, b, c = (combiner.add(combiner.init(spec), (x[i : i + 10], y[i : i + 10]), mask) for i in (0, 10, 20))
+    # add and merge each one program, as the engine runs them (called op by op, each operation compiled its own)
+    add, merge = jax.jit(combiner.add), jax.jit(combiner.merge)
+    a, b, c = (add(combiner.init(spec), (x[i : i + 10], y[i : i + 10]), mask) for i in (0, 10, 20))
     empty = combiner.init(spec)
-    for merged in (combiner.merge(empty, a), combiner.merge(a, empty)):
+    for merged in (merge(empty, a), merge(a, empty)):
         for leaf_got, leaf_want in zip(jax.tree.leaves(merged), jax.tree.leaves(a), strict=True):
             np.testing.assert_array_equal(leaf_got, leaf_want)
-    left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
-    right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
+    left = combiner.finalize(jax.device_get(merge(merge(a, b), c)))
+    right = combiner.finalize(jax.device_get(merge(a, merge(b, c))))
     coef, intercept = lstsq(x, y)
     for got in (left, right):
         assert rel_err(got.coef, coef) < 1e-4 and rel_err(got.intercept, intercept) < 1e-4
@@ -194,8 +196,9 @@ def test_resumes_from_a_checkpoint_on_another_device_count(tmp_path):
         # Meshes, micro-batch and rows of test_least_squares_matches_lstsq: its compiled steps.
         ss.run(ss.LinearRegression(), (x, y), mesh="data:8", microbatch=8, steps_per_call=2, checkpoint=options,
                progress=stop_after_three)
+    # Resumed with the directory's default options (no save a step: 28 steps of orbax saves were most of the test)
     got, report = ss.run_with_report(
-        ss.LinearRegression(), (x, y), mesh="data:2", microbatch=8, steps_per_call=2, checkpoint=options
+        ss.LinearRegression(), (x, y), mesh="data:2", microbatch=8, steps_per_call=2, checkpoint=str(tmp_path)
     )
     assert report.resumed_from_cursor and 0 < report.rows_this_run < 1009  # the saved partials were folded
     coef, intercept = lstsq(x, y)
@@ -240,8 +243,9 @@ def test_diagnostics_are_statsmodels_ols_in_float64_per_target():
     x, y = problem(1009, t=2, seed=8)
     x, y = f64(x), f64(y)
     x[:, 0] += 100
-    with jax.enable_x64(True):
-        fits = {b: ss.run(ss.LinearRegression(fit_intercept=b), (x, y), mesh="data:8", microbatch=8, steps_per_call=2)
+    with jax.enable_x64(True):  # one device: the diagnostics are the host's, of the merged state; float64 merges of
+        # 8 devices' partials: test_certified.py's (to 9 certified digits)
+        fits = {b: ss.run(ss.LinearRegression(fit_intercept=b), (x, y), mesh="data:1", microbatch=8, steps_per_call=2)
                 for b in (True, False)}
     for fit_intercept, got in fits.items():
         assert got.r2.shape == got.residual_std.shape == got.intercept_stderr.shape == (2,)

@@ -1,5 +1,7 @@
 """Covariance, Moments and PCA against numpy/scikit-learn float64, stable far from zero."""
 
+import functools
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -103,19 +105,27 @@ def test_bfloat16_rows_accumulate_in_float32():
     check_moments(ss.run(ss.Moments(), x, mesh="data:1", microbatch=16), x, 0)
 
 
+@functools.cache
+def jitted(combiner):
+    """``combiner``'s add and merge, each one program as the engine runs them, shared by the tests below (called
+    op by op, each of their operations compiled a program of its own: 50 for Moments)."""
+    return jax.jit(combiner.add), jax.jit(combiner.merge)
+
+
 @pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments(), ss.PCA(2)])
 def test_merge_is_associative_with_init_as_identity(combiner):
     spec = jax.ShapeDtypeStruct((4,), np.float32)
     x = rows(30, offset=1e3, seed=2)
     mask = np.ones(10, bool)
-    a, b, c = (combiner.add(combiner.init(spec), x[i : i + 10], mask) for i in (0, 10, 20))
+    add, merge = jitted(combiner)
+    a, b, c = (add(combiner.init(spec), x[i : i + 10], mask) for i in (0, 10, 20))
     empty = combiner.init(spec)
-    for leaf_got, leaf_want in zip(jax.tree.leaves(combiner.merge(empty, a)), jax.tree.leaves(a), strict=True):
+    for leaf_got, leaf_want in zip(jax.tree.leaves(merge(empty, a)), jax.tree.leaves(a), strict=True):
         np.testing.assert_array_equal(leaf_got, leaf_want)
-    for leaf_got, leaf_want in zip(jax.tree.leaves(combiner.merge(a, empty)), jax.tree.leaves(a), strict=True):
+    for leaf_got, leaf_want in zip(jax.tree.leaves(merge(a, empty)), jax.tree.leaves(a), strict=True):
         np.testing.assert_array_equal(leaf_got, leaf_want)
-    left = combiner.finalize(jax.device_get(combiner.merge(combiner.merge(a, b), c)))
-    right = combiner.finalize(jax.device_get(combiner.merge(a, combiner.merge(b, c))))
+    left = combiner.finalize(jax.device_get(merge(merge(a, b), c)))
+    right = combiner.finalize(jax.device_get(merge(a, merge(b, c))))
     assert left.columns is right.columns is None  # set by the engine, not by finalize
     for name, got, want in zip(left._fields, left, right, strict=True):
         if got is None or want is None:  # columns, and pair_count but under nan_policy="omit"
@@ -128,11 +138,12 @@ def test_merge_is_associative_with_init_as_identity(combiner):
 
 def test_masked_rows_never_count():
     combiner, spec = ss.Moments(), jax.ShapeDtypeStruct((4,), np.float32)
+    add = jitted(combiner)[0]
     x = rows(10)
     mask = np.arange(10) < 6
-    got = combiner.finalize(jax.device_get(combiner.add(combiner.init(spec), x * 1e6, np.zeros(10, bool))))
+    got = combiner.finalize(jax.device_get(add(combiner.init(spec), x * 1e6, np.zeros(10, bool))))
     assert got.count == 0
-    got = combiner.finalize(jax.device_get(combiner.add(combiner.init(spec), x, mask)))
+    got = combiner.finalize(jax.device_get(add(combiner.init(spec), x, mask)))
     check_moments(got, x[:6], 0)
 
 
@@ -176,14 +187,15 @@ def test_bad_input_is_one_clear_line(call, words):
 @pytest.mark.parametrize("combiner", [ss.Covariance(), ss.Moments()])
 def test_padding_rows_never_become_the_reference_point(combiner):
     # Padding first, holding huge values and NaN: the shift must come from real rows only. Micro-batches of
-    # 10 rows: test_merge_is_associative_with_init_as_identity's, whose operations these reuse.
+    # 10 rows: test_merge_is_associative_with_init_as_identity's, whose programs these reuse.
     spec = jax.ShapeDtypeStruct((4,), np.float32)
     x = rows(15, offset=1e4, seed=6)
     batch = np.concatenate([np.full((5, 4), 3e38, np.float32), x[:5]])
     batch[1] = np.nan
     mask = np.arange(10) >= 5
-    acc = combiner.add(combiner.init(spec), batch, mask)
-    acc = combiner.add(acc, x[5:], np.ones(10, bool))
+    add = jitted(combiner)[0]
+    acc = add(combiner.init(spec), batch, mask)
+    acc = add(acc, x[5:], np.ones(10, bool))
     got = combiner.finalize(jax.device_get(acc))
     if isinstance(combiner, ss.Moments):
         check_moments(got, x, 0, tol=1e-6)
@@ -197,9 +209,10 @@ def test_a_micro_batch_without_real_rows_changes_nothing(combiner):
     garbage = np.full((10, 4), np.nan, np.float32)  # the 10-row micro-batches of the tests above
     none = np.zeros(10, bool)
     fresh = combiner.init(spec)
-    some = combiner.add(fresh, rows(10, offset=1e3), np.ones(10, bool))
+    add = jitted(combiner)[0]
+    some = add(fresh, rows(10, offset=1e3), np.ones(10, bool))
     for acc in (fresh, some):
-        after = combiner.add(acc, garbage, none)
+        after = add(acc, garbage, none)
         for leaf_got, leaf_want in zip(jax.tree.leaves(after), jax.tree.leaves(acc), strict=True):
             np.testing.assert_array_equal(leaf_got, leaf_want)
 
@@ -353,6 +366,6 @@ def test_moments_of_other_fields_are_another_job(tmp_path):
         ss.run(mean_var, x, checkpoint=options, progress=crash_at(3), **kw)
     assert_usage_error(lambda: ss.run(ss.Moments(fields=("mean", "var", "min")), x, checkpoint=options, **kw),
                        ["different job"])
-    got = ss.run(mean_var, x, checkpoint=options, **kw)
+    got = ss.run(mean_var, x, checkpoint=str(tmp_path), **kw)  # the directory's default options: no save a step
     np.testing.assert_allclose(got.var, f64(x).var(0), rtol=1e-5)
     assert "fields" not in ss.Moments().fingerprint() and "fields" in mean_var.fingerprint()

@@ -36,7 +36,13 @@ def assert_is_wls(got, fit, fit_intercept, rtol):
         np.testing.assert_allclose([got.intercept, got.intercept_stderr], [fit.params[0], fit.bse[0]], rtol=rtol)
 
 
-@pytest.mark.parametrize("solver, mesh", [("whitened", "data:8"), ("tsqr", "data:1"), ("comoments", "data:3")])
+# Each solver on one mesh: whitened, the dearest to compile, on one device (no merge program; its merges of 8
+# devices' partials: test_regression.py, and in float64 test_certified.py); the weighted merges on tsqr's 8 devices
+# and comoments' 3. The weights scale rows in the add: a merge sees states as unweighted ones.
+SOLVER_MESHES = [("whitened", "data:1"), ("tsqr", "data:8"), ("comoments", "data:3")]
+
+
+@pytest.mark.parametrize("solver, mesh", SOLVER_MESHES)
 def test_weighted_regression_and_pca_are_sklearn_wls_and_np_cov_aweights(solver, mesh):
     linear_model = pytest.importorskip("sklearn.linear_model")
     w, x, y = data()
@@ -78,7 +84,7 @@ def test_negative_weights_are_one_line_before_compute():
         ss.run(ss.Weighted(ss.LinearRegression(solver="tsqr")), (w, (x, y)), mesh="data:1", **RUN)
 
 
-@pytest.mark.parametrize("solver, mesh", [("whitened", "data:8"), ("tsqr", "data:1"), ("comoments", "data:3")])
+@pytest.mark.parametrize("solver, mesh", SOLVER_MESHES)
 def test_weighted_fits_over_rows_holding_nan_are_nan(solver, mesh):
     # Issue 42, finding 4, weighted: under nan_policy="propagate" a row of positive weight holding NaN makes every
     # field NaN (rank -1); a row of zero weight is an omitted row, its NaN too. The programs of the test above.
