@@ -201,11 +201,12 @@ def test_kill_and_resume_is_the_uninterrupted_result(tmp_path):
     # programs of the data:2 case of test_one_pass_is_pandas_describe_... (five columns, KW's layout).
     frame, kw = data(997), KW
     want = ss.run(ss.Describe(), frame, mesh="data:2", **kw)
-    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    # 32 steps of 32 rows: a save every 8 (each save a few hundredths of a second of CPU), killed after the first
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=8)
     with pytest.raises(CrashError):
-        ss.run(ss.Describe(), frame, mesh="data:2", checkpoint=options, progress=crash_at(5), **kw)
+        ss.run(ss.Describe(), frame, mesh="data:2", checkpoint=options, progress=crash_at(9), **kw)
     got, report = ss.run_with_report(ss.Describe(), frame, mesh="data:2", checkpoint=options, **kw)
-    assert report.resumed_from_step == 4
+    assert report.resumed_from_step == 8
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
 
