@@ -59,8 +59,8 @@ def test_64_bit_data_runs_in_64_bits_with_no_flag(prefetch, tmp_path):
     assert int(s.sum[0]) == int(ids.sum()) and int(s.count) == len(ids)
     big = (np.uint64(2**63) + np.arange(1000, dtype=np.uint64)).reshape(-1, 1)
     assert ss.run(ss.Moments(), big, prefetch=prefetch).max[0] == float(big.max())
-    directory = str(tmp_path / "c")  # resumed from a checkpoint, on another mesh
-    ss.run(ss.Moments(), y, mesh="data:8", microbatch=64, checkpoint=ss.CheckpointOptions(directory, every_steps=1))
+    directory = str(tmp_path / "c")  # resumed from a checkpoint (its final one: 6 steps), on another mesh
+    ss.run(ss.Moments(), y, mesh="data:8", microbatch=64, checkpoint=ss.CheckpointOptions(directory, every_steps=3))
     again = ss.run(ss.Moments(), y, mesh="data:2", microbatch=64, checkpoint=directory, prefetch=prefetch)
     assert rel_err(again.var, y.var(0)) < 1e-9 and int(again.count) == len(y)
     assert not jax.config.jax_enable_x64  # scoped to the runs: the process's setting is untouched

@@ -27,12 +27,23 @@ def layouts(*arrays):
     return [arrays, tuple(np.repeat(a, 8, axis=0) for a in arrays)]
 
 
-# The sketches sized to hold every row of these cases (at most 136), as their defaults (a KLL of k=8192, 4096 TopK
-# slots, 2^14 DistinctCount registers) do: the same code, nothing compacted, evicted or estimated either way, but
-# every step (one a row) and each merge of eight partials passes over the whole state whatever its rows.
+# The sketches sized to hold every row of these cases whose sketch is checked (at most 48), as their defaults (a KLL
+# of k=8192, 4096 TopK slots, 2^14 DistinctCount registers) do: the same code, nothing compacted, evicted or
+# estimated either way, but every step (one a row) and each merge of eight partials passes over the whole state
+# whatever its rows. Describe's sketch is tests/test_properties.py's (k=128): here only its moments are checked.
 TOPK = ss.TopK(k=3, capacity=64)
 DISTINCT = ss.DistinctCount(precision=8)  # 256 registers, exact up to 256 distinct values
-DESCRIBE = ss.Describe(k=256)
+DESCRIBE = ss.Describe(k=128)
+# The float statistics run on D float64 columns, as tests/test_properties.py's do: one program a combiner for every
+# case here (a case of fewer columns is padded with ordinary ones, :func:`padded`), and the same programs as there.
+D = 3
+
+
+def padded(column, fill=(1.0, 2.0, 4.0)):
+    """``column`` (``(n,)`` or ``(n, c)``, c <= D) as the first columns of ``(n, D)`` float64, the rest ordinary."""
+    column = np.asarray(column, np.float64).reshape(len(column), -1)
+    rest = np.resize(np.asarray(fill, np.float64), (len(column), D - column.shape[1]))
+    return np.concatenate([column, rest], axis=1)
 
 
 def run(combiner, x):
@@ -67,8 +78,8 @@ def test_exact_quantiles_of_integers_are_the_datas_own_integers(layout):
         want = np.quantile(x, QS, method=method)
         assert got.dtype == np.int64 and want.dtype == np.int64, method
         assert got.tolist() == want.tolist(), method
-    (first,) = layouts(INTS[:3])[layout]
-    assert run(ss.Quantiles(qs=[0.5], exact=True, method="lower"), first).quantiles.tolist() == [2**62 + 3]
+    (first,) = layouts(INTS[:3])[layout]  # QS[2] is the median: the loop's program
+    assert run(ss.Quantiles(qs=QS, exact=True, method="lower"), first).quantiles[2] == 2**62 + 3
     # per key too: a key that met no rows holds 0 (count 0), never turning the others to floats
     grouped = run(ss.GroupBy(ss.Quantiles(qs=[0.5], k=64, method="lower"), 3), (keys, x))
     assert grouped.quantiles.dtype == np.int64 and grouped.count.tolist() == [(keys == k).sum() for k in range(3)]
@@ -95,7 +106,7 @@ def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
     # last bin of Histogram(4, (0, 4e-310))) and said nothing. It cannot keep them: one warning line says so.
     x = np.array([[1e-310], [2e-310], [3e-310]])
     with caplog.at_level(logging.WARNING, logger="sharded_scan.prefetch"):
-        run(ss.Moments(), x)
+        run(ss.Moments(), padded(x))
     lines = [r.getMessage() for r in caplog.records if r.name == "sharded_scan.prefetch"]
     assert len(lines) == 1 and "subnormal" in lines[0] and "flushes to 0" in lines[0], lines
     caplog.clear()
@@ -103,7 +114,7 @@ def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
         # the sketches compare keys (bits), not floats: they keep them, exactly
         got = run(ss.Quantiles(qs=[0.0, 0.5, 1.0], exact=True, method="lower"), x)
         np.testing.assert_array_equal(got.quantiles, [[1e-310, 2e-310, 3e-310]])
-        run(ss.Moments(), np.array([[1e-300], [2.2250738585072014e-308], [0.0], [-0.0]]))
+        run(ss.Moments(), padded([1e-300, 2.2250738585072014e-308, 0.0, -0.0]))
     assert sum("subnormal" in r.getMessage() for r in caplog.records) == 1  # the Quantiles run's; none for normals
     assert holds_subnormals(np.array([1e-45], np.float32)) and holds_subnormals((np.zeros(2), np.array([-5e-324])))
     assert holds_subnormals(np.array([1e-39], ml_dtypes.bfloat16))
@@ -116,43 +127,50 @@ def test_subnormal_rows_are_named_in_one_warning_never_a_silent_zero(caplog):
 def test_a_constant_columns_variance_is_exactly_zero_at_any_magnitude(layout):
     # finding 8: NaN on data:8 with a few rows (an empty device's partial merged in: its far shift made delta inf)
     for n in (2, 3, 9, 17):
-        column = np.full((n, 2), 1e308)
-        column[:, 1] = -1e308
+        column = np.full((n, D), 1e308)
+        column[:, 1], column[:, 2] = -1e308, 3.5
         x, narrow = layouts(column, np.full((n, 1), 3e38, np.float32))[layout]
-        moments = run(ss.Moments(ddof=1), x)
-        np.testing.assert_array_equal(moments.var, [0.0, 0.0])
+        moments = run(ss.Moments(), x)  # (ddof=0: the variance of a constant is 0 for every ddof, or NaN)
+        np.testing.assert_array_equal(moments.var, [0.0] * D)
         np.testing.assert_array_equal(moments.mean, x[0])
-        np.testing.assert_array_equal(run(ss.Covariance(), x).cov, np.zeros((2, 2)))
+        np.testing.assert_array_equal(run(ss.Covariance(), x).cov, np.zeros((D, D)))
         np.testing.assert_array_equal(run(ss.Moments(), narrow).var, [0.0])
-        if n in (2, 17):  # Describe's std: its one-column Moments, merged alike
+        if n in (2, 17):  # Describe's std (ddof=1): its one-column Moments, merged alike
             described = run(DESCRIBE, x)
-            np.testing.assert_array_equal(described.std, [0.0, 0.0])
+            np.testing.assert_array_equal(described.std, [0.0] * D)
             np.testing.assert_array_equal(described.mean, x[0])
 
 
 @pytest.mark.parametrize("layout", [0, 1], ids=LAYOUTS)
 def test_infinities_propagate_and_finite_means_stay_finite(layout):
     # finding 9: the mean of [inf, 1, 2] was NaN (numpy: inf), that of [1e308, 1e308, -1e308] -inf (3.3e307)
+    # D columns a run: the infinities' three, then the huge and the ordinary columns beside the first
     x, keys = layouts(np.array([[np.inf, -np.inf, np.inf, 1e308, 3.0],
                                 [1.0, 1.0, -np.inf, 1e308, 4.0],
                                 [2.0, 2.0, 2.0, -1e308, 5.0]]), np.array([0, 1, 0]))[layout]
-    got = run(ss.Moments(), x)
+    infinite, finite = x[:, :D], x[:, [3, 4, 0]]
+    got = run(ss.Moments(), infinite)
     with np.errstate(invalid="ignore", over="ignore"):
-        np.testing.assert_array_equal(got.mean[:3], x[:, :3].mean(0))  # inf, -inf, NaN (numpy and pandas)
-        np.testing.assert_array_equal(got.var[:3], x[:, :3].var(0))  # NaN
-    np.testing.assert_array_equal(got.min, x.min(0))
-    np.testing.assert_array_equal(got.max, x.max(0))
-    assert got.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)  # numpy's own mean overflows here: inf
-    assert got.var[3] == np.inf  # the true variance, 8.9e615, overflows: inf, not NaN
-    assert got.mean[4] == 4.0 and got.var[4] == pytest.approx(2 / 3, rel=1e-15)
-    described = run(DESCRIBE, x)
-    np.testing.assert_array_equal(described.mean[:3], [np.inf, -np.inf, np.nan])  # pandas' describe()
-    assert described.mean[3] == pytest.approx(1e308 / 3, rel=1e-15)
-    assert run(ss.Covariance(), x[:, 3:]).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
-    keyed = run(ss.GroupBy(ss.Moments(), 2), (keys, x[:, 3:]))  # the per-key folds too
+        np.testing.assert_array_equal(got.mean, infinite.mean(0))  # inf, -inf, NaN (numpy and pandas)
+        np.testing.assert_array_equal(got.var, infinite.var(0))  # NaN
+    np.testing.assert_array_equal(got.min, infinite.min(0))
+    np.testing.assert_array_equal(got.max, infinite.max(0))
+    got = run(ss.Moments(), finite)
+    np.testing.assert_array_equal(got.min, finite.min(0))
+    np.testing.assert_array_equal(got.max, finite.max(0))
+    assert got.mean[0] == pytest.approx(1e308 / 3, rel=1e-15)  # numpy's own mean overflows here: inf
+    assert got.var[0] == np.inf  # the true variance, 8.9e615, overflows: inf, not NaN
+    assert got.mean[1] == 4.0 and got.var[1] == pytest.approx(2 / 3, rel=1e-15)
+    described = run(DESCRIBE, infinite)
+    np.testing.assert_array_equal(described.mean, [np.inf, -np.inf, np.nan])  # pandas' describe()
+    assert run(DESCRIBE, finite).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
+    finite = x[:, [3, 4, 4]]
+    assert run(ss.Covariance(), finite).mean[0] == pytest.approx(1e308 / 3, rel=1e-15)
+    keyed = run(ss.GroupBy(ss.Moments(), 4), (keys, finite))  # the per-key folds too (keys 2 and 3: no rows)
     assert keyed.mean[0, 0] == 0.0 and keyed.mean[1, 0] == 1e308 and keyed.mean[0, 1] == 4.0
     # rows far apart over many micro-batches and devices, float32 and float64: every merge and fold
     for big, dtype in ((1e308, np.float64), (3e38, np.float32)):
-        (far,) = layouts(np.array([big] * 40 + [-big] * 20, dtype)[:, None])[layout]
+        column = np.array([big] * 40 + [-big] * 20, dtype)[:, None]
+        (far,) = layouts(padded(column) if dtype == np.float64 else column)[layout]
         mean = run(ss.Moments(), far).mean[0]
         assert mean == pytest.approx(np.float64(far[0, 0]) / 3, rel=1e-6 if dtype == np.float32 else 1e-14)

@@ -445,7 +445,8 @@ def test_groupby_moments_finalizes_every_key_at_once_as_each_keys_moments_and_pa
     # test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas: their programs
     cases = [("propagate", 40, launch_data.ZipfKeys(2999, 40, seed=3).read(0, 2999),
               np.random.default_rng(3).normal(5, 2, size=(2999, 2)), {"mesh": "data:1"}),
-             ("omit", K, *(v.astype(t) for v, t in zip(data(997)[:2], (np.int32, np.float64), strict=True)), {})]
+             ("omit", K, *(v.astype(t) for v, t in zip(data(997)[:2], (np.int32, np.float64), strict=True)),
+              {"mesh": "data:1"})]
     for policy, num_keys, keys, x, mesh in cases:
         keys = np.where(keys >= num_keys - 2, 0, keys).astype(keys.dtype)  # the last 2 keys of no rows
         x[::13, 0] = np.nan

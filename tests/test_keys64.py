@@ -63,16 +63,15 @@ def test_exact_linear_quantiles_of_float64_values_that_float32_would_merge():
 
 def test_distinct_count_of_int64_ids_past_two_to_the_32():
     ids = (np.arange(5000, dtype=np.int64) << 33) | 12345  # one value in their low 32 bits
-    x = np.stack([ids, ids % 7], axis=1)
-    got = ss.run(ss.DistinctCount(exact_up_to=8000), x, mesh=ONE, microbatch=512)
-    np.testing.assert_array_equal(got.count, [5000, 7])
-    assert got.exact.all()
+    for x, count in ((ids, 5000), (ids % 7, 7)):  # the default (exact up to 2^14) and the micro-batch of the int64
+        got = ss.run(ss.DistinctCount(), x, mesh=ONE, microbatch=4096)  # estimates' below: their program
+        assert int(got.count) == count and bool(got.exact)
 
 
 def test_distinct_count_estimates_64_bit_values_within_its_error():
     rng = np.random.default_rng(2)
-    ids = rng.integers(1 << 40, 1 << 62, 200_000)
-    floats = 1e9 + np.arange(100_000) * 1e-3  # keyed in 32 bits these were counted as 3
+    ids = rng.integers(1 << 40, 1 << 62, 60_000)  # past the default's exact 2^14 values: the estimate
+    floats = 1e9 + np.arange(60_000) * 1e-3  # keyed in 32 bits these were counted as 2
     for x in (ids, floats, ids.astype(np.uint64) << np.uint64(1)):
         want = len(np.unique(x))
         got = ss.run(ss.DistinctCount(), x, mesh=ONE, microbatch=4096)
@@ -82,8 +81,10 @@ def test_distinct_count_estimates_64_bit_values_within_its_error():
 
 def test_distinct_count_compares_float64_as_np_unique():
     x = np.array([0.0, -0.0, np.nan, np.nan, 1.0, 1.0 + 2.0**-52, 1.0, -np.inf, np.inf])
-    got = ss.run(ss.DistinctCount(exact_up_to=16), x, mesh=ONE)
-    assert int(got.count) == len(np.unique(x)) == 6 and bool(got.exact)
+    # two columns of 270 rows at micro-batch 256: the program of test_under_the_global_flag_...'s DistinctCount
+    got = ss.run(ss.DistinctCount(exact_up_to=64), np.stack([np.tile(x, 30), np.tile(x[::-1], 30)], 1), mesh=ONE,
+                 microbatch=256)
+    assert got.count.tolist() == [len(np.unique(x))] * 2 == [6, 6] and got.exact.all()
 
 
 def test_topk_of_int64_ids_equal_in_their_low_32_bits():
@@ -100,10 +101,14 @@ def test_topk_of_int64_ids_equal_in_their_low_32_bits():
 
 
 def test_topk_of_float64_values_float32_would_merge():
-    x = np.repeat(1.0 + np.arange(6) * 2.0**-40, [1, 50, 2, 40, 3, 30])
-    got = ss.run(ss.TopK(k=3), np.random.default_rng(4).permutation(x), mesh=ONE, microbatch=16)
-    np.testing.assert_array_equal(got.values, 1.0 + np.array([1, 3, 5]) * 2.0**-40)
-    np.testing.assert_array_equal(got.counts, [50, 40, 30])
+    x = np.repeat(1.0 + np.arange(6) * 2.0**-40, [3, 150, 6, 120, 9, 90])  # 378 rows
+    x = np.random.default_rng(4).permutation(x)
+    # two columns at micro-batch 256, 64 slots for every value, as the default's 4096: the program of
+    # test_under_the_global_flag_...'s TopK
+    got = ss.run(ss.TopK(k=4, capacity=64), np.stack([x, x[::-1]], 1), mesh=ONE, microbatch=256)
+    for j in range(2):
+        np.testing.assert_array_equal(got.values[j], 1.0 + np.array([1, 3, 5, 4]) * 2.0**-40)
+        np.testing.assert_array_equal(got.counts[j], [150, 120, 90, 9])
 
 
 def test_under_the_global_flag_the_sketches_give_the_same_answers():

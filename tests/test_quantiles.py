@@ -96,11 +96,12 @@ def test_logical_shards_give_bitwise_the_same_sketch_on_1_and_4_devices():
 def test_kill_and_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     x, kw = shaped(3001), dict(KW, logical_shards=4)  # the programs the test above compiled on 4 devices
     want = ss.run(SKETCH, x, mesh="data:4", **kw)
-    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
+    # 47 steps of 64 rows: a save every 16 (each save a few hundredths of a second of CPU), killed after the first
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=16)
     with pytest.raises(CrashError):
-        ss.run(SKETCH, x, mesh="data:4", checkpoint=options, progress=crash_at(5), **kw)
+        ss.run(SKETCH, x, mesh="data:4", checkpoint=options, progress=crash_at(17), **kw)
     got, report = ss.run_with_report(SKETCH, x, mesh="data:4", checkpoint=options, **kw)
-    assert report.resumed_from_step == 4
+    assert report.resumed_from_step == 16
     np.testing.assert_array_equal(got.quantiles, want.quantiles)
     assert got.rank_error == want.rank_error
 
@@ -121,9 +122,10 @@ def test_exact_mode_is_numpy_lower_in_few_passes_and_resumes(tmp_path):
     assert 2 <= got.passes <= 4 and got.rank_error == 0
     assert report.rows_this_run == got.passes * len(x)
     exact = dataclasses.replace(exact, bits=FEW_BITS)  # killed and resumed: FEW_BITS' refining passes
-    options = ss.CheckpointOptions(str(tmp_path), every_steps=2)
-    with pytest.raises(CrashError):  # killed in the second pass (24 steps a pass)
-        ss.run(exact, x, checkpoint=options, progress=crash_at_call(29), **kw)
+    # A save every 16 steps (each save a few hundredths of a second of CPU: every call's were most of this test)
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=16)
+    with pytest.raises(CrashError):  # killed in the second pass (24 calls of 2 steps a pass), past its first save
+        ss.run(exact, x, checkpoint=options, progress=crash_at_call(33), **kw)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pass1", "pass2"]
     again, report = ss.run_with_report(exact, x, checkpoint=options, **kw)
     np.testing.assert_array_equal(again.quantiles, got.quantiles)

@@ -84,10 +84,12 @@ def test_logical_shards_give_bitwise_the_same_result_on_1_2_4_devices_and_split_
         for a, b in zip(got, runs[0], strict=True):
             np.testing.assert_array_equal(a, b)
     # The split summaries' checkpoint resumes on a mesh without model (test_wide_model converts both ways).
-    options = ss.CheckpointOptions(str(tmp_path), every_steps=1)
+    # 12 steps of 256 rows: a save every 4 (each save a few hundredths of a second of CPU), killed after the first
+    options = ss.CheckpointOptions(str(tmp_path), every_steps=4)
     with pytest.raises(CrashError):
-        ss.run(SMALL, x, mesh="data:4,model:2", logical_shards=4, checkpoint=options, progress=crash_at(2), **KW)
-    again = ss.run(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, **KW)
+        ss.run(SMALL, x, mesh="data:4,model:2", logical_shards=4, checkpoint=options, progress=crash_at(5), **KW)
+    again, report = ss.run_with_report(SMALL, x, mesh="data:4", logical_shards=4, checkpoint=options, **KW)
+    assert report.resumed_from_step == 4
     for a, b in zip(again, runs[0], strict=True):
         np.testing.assert_array_equal(a, b)
     for j in range(3):
