@@ -15,8 +15,12 @@ from launch import config_args
 from launch.config_args import not_a_field
 from launch.data import make_combiner, make_source
 from launch.main import parse_flags
-from tests import cli
+from tests import cli, forks
 from tests.helpers import assert_usage_error
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 pytest.importorskip("pyarrow")
 
