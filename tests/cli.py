@@ -46,10 +46,12 @@ def env() -> dict[str, str]:
     return e
 
 
-def run(cmd: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` in ``cwd`` to the end (killed at ``timeout``); stdout and stderr as text. A fork of the open
-    fork server where it can run ``cmd`` (tests/forks.py), else a fresh process."""
-    environment = env()
+def run(cmd: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT,
+        environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` in ``cwd`` with ``environment`` (by default :func:`env`) to the end (killed at ``timeout``);
+    stdout and stderr as text. A fork of the open fork server where it can run ``cmd`` (tests/forks.py), else a
+    fresh process."""
+    environment = environment or env()
     server = forks.forkable(cmd, environment)
     if server is None:
         return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)

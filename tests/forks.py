@@ -1,22 +1,23 @@
-"""A fork server for the processes the suite starts: one interpreter imports the launcher, JAX and the library
-(~1.1 s of CPU a process) once, and forks a child for each process a test asks for.
+"""A fork server for the processes the suite starts: one interpreter imports what the launcher imports (JAX, the
+library, absl: ~1.1 s of CPU a process) once, and forks a child for each process a test asks for.
 
 Each child is a process of its own, started as its command line would be and with the same code: its own session
 (``os.killpg`` ends it), directory, environment, ``sys.argv``, ``sys.path[0]``, stdin/stdout/stderr (the caller's
-file descriptors, passed over a Unix socket), flags parsed afresh and JAX's backend unstarted (no backend, no
-thread in the server when it forks); at its end Python's own exit steps (threads joined, exit handlers) and its
-exit status as the command's. Command lines it runs: ``python -m launch.main ARGS``, ``python -m
-tests.multiprocess ARGS`` and ``python -c CODE ARGS``, where the environment holds JAX's and XLA's variables as
-the server's (JAX reads those at import; ``JAX_PLATFORMS`` is set again in the child, and the cluster variables
-JAX reads only when ``jax.distributed`` starts may differ). Any other command is started as before, a fresh
+file descriptors, passed over a Unix socket), the launcher's module imported and its flags parsed there, JAX's
+backend unstarted (no backend, nothing traced or compiled, no thread in the server when it forks); at its end
+Python's own exit steps (threads joined, exit handlers) and its exit status as the command's. Command lines it
+runs: ``python -m launch.main ARGS``, ``python -m launch.local ARGS``, ``python -m tests.multiprocess ARGS`` and
+``python -c CODE ARGS``, where the environment holds JAX's and XLA's variables as the server's (JAX reads those at
+import), except ``JAX_PLATFORMS`` and ``JAX_COMPILATION_CACHE_DIR`` (set again in the child) and the cluster
+variables JAX reads only when ``jax.distributed`` starts. Any other command is started as before, a fresh
 interpreter: :func:`forkable` says which.
 
 Use: ``with serving(): ...`` (or a module's ``launcher_forks = module_fixture()``): while a server is open,
 ``tests/cli.py``'s ``run``/``run_all``/``started`` and ``tests/multiprocess.py``'s ``spawn`` fork what it can
 run. It starts at the first such process (nothing started, nothing paid) and ends with the block, killing any
 child still running; its children's CPU is then counted in the process that opened it (``RUSAGE_CHILDREN``,
-``SHARDED_SCAN_TEST_CPU``). ``python -m tests.forks --client -- ARGS`` is a command standing for ``python -m
-launch.main ARGS`` in a shell (tests/test_docs.py): it runs them in a child of the server named by
+``SHARDED_SCAN_TEST_CPU``: a module's in its last test). ``python -m tests.forks --client=MODULE ARGS`` stands
+for ``python -m MODULE ARGS`` in a shell (tests/test_docs.py): it runs them in a child of the server named by
 ``$SHARDED_SCAN_TEST_FORKS`` with its own stdin, stdout, stderr, directory and environment, and exits with its
 status. Only the standard library at import: clients start fast.
 """
@@ -37,13 +38,19 @@ from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOCKET_ENV = "SHARDED_SCAN_TEST_FORKS"
-MODULES = {"launch.main": "main", "tests.multiprocess": "multiprocess"}  # python -m MODULE: what the child runs
+# python -m MODULE: the function the child runs (the module imported in the child: launch.main and launch.local
+# define flags of the same names, so the server imports only what they import)
+MODULES = {"launch.main": "cli", "launch.local": "cli", "tests.multiprocess": "_child"}
+PRELOADED = ("absl.app", "ml_collections.config_flags", "launch.config_args", "launch.data", "launch.help",
+             "launch.logs", "launch.metrics", "launch.outputs", "launch.processes", "sharded_scan.workdir",
+             "tests.multiprocess")
 # Read by JAX or XLA at import or when its backend starts: forked children must have the server's values.
 SAME_PREFIXES = ("JAX_", "XLA_", "TF_")
 # ... except: the platform (set again in the child) and what JAX reads only when jax.distributed starts (a
 # cluster's coordinator, tests/test_launch_recipes.py).
-MAY_DIFFER = ("JAX_PLATFORMS", "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_NUM_PROCESSES",
-              "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+SET_AGAIN = {"JAX_PLATFORMS": "jax_platforms", "JAX_COMPILATION_CACHE_DIR": "jax_compilation_cache_dir"}
+MAY_DIFFER = (*SET_AGAIN, "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+              "JAX_LOCAL_DEVICE_IDS")
 MESSAGE = 1 << 20
 START_TIMEOUT = 120
 
@@ -103,10 +110,11 @@ class Server:
 
 
 def _kind(cmd: list[str]) -> str | None:
+    """The module ``cmd`` runs with ``python -m``, ``"-c"``, or None where a fork cannot run it."""
     if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES:
-        return MODULES[cmd[2]]
+        return cmd[2]
     if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-c":
-        return "code"
+        return "-c"
     return None
 
 
@@ -157,7 +165,7 @@ class Forked:
         self.args, self.returncode, self._log_tail = cmd, None, log_tail
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.connect(path)
-        request = {"kind": _kind(cmd), "args": cmd[2:] if _kind(cmd) == "code" else cmd[3:], "cwd": str(cwd),
+        request = {"kind": _kind(cmd), "args": cmd[2:] if _kind(cmd) == "-c" else cmd[3:], "cwd": str(cwd),
                    "env": env}
         socket.send_fds(self._sock, [json.dumps(request).encode()], list(fds))
         self.pid = json.loads(self._sock.recv(MESSAGE))["pid"]
@@ -213,15 +221,16 @@ def _child(kind: str, args: list[str], cwd: str, env: dict[str, str], fds: list[
                 with contextlib.suppress(OSError):
                     os.close(fd)
         os.chdir(cwd)
-        platforms = os.environ.get("JAX_PLATFORMS")
+        before = {name: os.environ.get(name) for name in SET_AGAIN}
         os.environ.clear()
         os.environ.update(env)
         import jax
 
-        if env.get("JAX_PLATFORMS") != platforms:
-            jax.config.update("jax_platforms", env.get("JAX_PLATFORMS"))
+        for name, option in SET_AGAIN.items():  # JAX read these at import: as it would have read them here
+            if env.get(name) != before[name]:
+                jax.config.update(option, env.get(name))
         try:
-            if kind == "code":
+            if kind == "-c":
                 import types
 
                 sys.argv, sys.path[0] = ["-c", *args[1:]], ""
@@ -229,13 +238,12 @@ def _child(kind: str, args: list[str], cwd: str, env: dict[str, str], fds: list[
                 sys.modules["__main__"] = main
                 exec(compile(args[0], "<string>", "exec"), main.__dict__)
             else:
+                import importlib
+
                 sys.path[0] = cwd  # as python -m puts it
-                if kind == "main":
-                    import launch.main as module
-                else:
-                    import tests.multiprocess as module
+                module = importlib.import_module(kind)
                 sys.argv = [module.__file__, *args]
-                (module.cli if kind == "main" else module._child)()
+                getattr(module, MODULES[kind])()
             code = 0
         except SystemExit as e:
             if isinstance(e.code, int) or e.code is None:
@@ -264,8 +272,10 @@ def _serve(path: str) -> None:
     from tests import collector
 
     collector.fewer_collections()
-    import launch.main  # noqa: F401 - imported once, here, for every child
-    import tests.multiprocess  # noqa: F401
+    import importlib
+
+    for module in PRELOADED:  # imported once, here, for every child
+        importlib.import_module(module)
 
     collector.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -321,10 +331,10 @@ def _serve(path: str) -> None:
                 return
 
 
-def _client(args: list[str]) -> int:
-    """Runs ``python -m launch.main ARGS`` in a child of the server at ``$SHARDED_SCAN_TEST_FORKS`` with this
-    process's stdin, stdout, stderr, directory and environment; its exit status (a signal's: 128 + the signal)."""
-    cmd = [sys.executable, "-m", "launch.main", *args]
+def _client(module: str, args: list[str]) -> int:
+    """Runs ``python -m MODULE ARGS`` in a child of the server at ``$SHARDED_SCAN_TEST_FORKS`` with this process's
+    stdin, stdout, stderr, directory and environment; its exit status (a signal's: 128 + the signal)."""
+    cmd = [sys.executable, "-m", module, *args]
     child = Forked(os.environ[SOCKET_ENV], cmd, os.getcwd(), dict(os.environ), (0, 1, 2))
     for sig in (signal.SIGINT, signal.SIGTERM):  # passed on, as to a process the shell started itself
         signal.signal(sig, lambda signum, _: child.send_signal(signum))
@@ -335,5 +345,5 @@ def _client(args: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1].startswith("--serve="):
         _serve(sys.argv[1].removeprefix("--serve="))
-    elif sys.argv[1] == "--client":
-        sys.exit(_client(sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:]))
+    elif sys.argv[1].startswith("--client="):
+        sys.exit(_client(sys.argv[1].removeprefix("--client="), sys.argv[2:]))
