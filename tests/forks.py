@@ -168,13 +168,17 @@ class Forked:
         request = {"kind": _kind(cmd), "args": cmd[2:] if _kind(cmd) == "-c" else cmd[3:], "cwd": str(cwd),
                    "env": env}
         socket.send_fds(self._sock, [json.dumps(request).encode()], list(fds))
-        self.pid = json.loads(self._sock.recv(MESSAGE))["pid"]
+        first = self._message()  # the child's, once it leads its own session; or the server's, where it failed
+        self.pid, self.returncode = first["pid"], first.get("exit")
 
-    def _read(self) -> None:
+    def _message(self) -> dict:
         message = self._sock.recv(MESSAGE)
         if not message:
-            raise AssertionError(f"the fork server ended before its child {self.pid}: {self._log_tail()}")
-        self.returncode = json.loads(message)["exit"]
+            raise AssertionError(f"the fork server ended before its child ended: {self._log_tail()}")
+        return json.loads(message)
+
+    def _read(self) -> None:
+        self.returncode = self._message()["exit"]
         self._sock.close()
 
     def poll(self) -> int | None:
@@ -203,7 +207,8 @@ class Forked:
 # ---------------------------------------------------------------- the server process
 
 
-def _child(kind: str, args: list[str], cwd: str, env: dict[str, str], fds: list[int], keep: set[int]) -> None:
+def _child(kind: str, args: list[str], cwd: str, env: dict[str, str], fds: list[int], conn: socket.socket,
+           keep: set[int]) -> None:
     """In the forked child: becomes the command's process, runs it, exits with its status (never returns)."""
     code = 1
     try:
@@ -212,6 +217,7 @@ def _child(kind: str, args: list[str], cwd: str, env: dict[str, str], fds: list[
             import ctypes
 
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the server, never orphaned
+        conn.send(json.dumps({"pid": os.getpid()}).encode())  # its caller may signal its group from now on
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for target, fd in enumerate(fds):
@@ -299,7 +305,7 @@ def _serve(path: str) -> None:
             conn = children.pop(pid, None)
             if conn is not None:
                 with contextlib.suppress(OSError):
-                    conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+                    conn.send(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}).encode())
                 conn.close()
 
     while True:
@@ -314,11 +320,10 @@ def _serve(path: str) -> None:
                         *(c.fileno() for c in children.values())}
                 pid = os.fork()
                 if pid == 0:
-                    _child(request["kind"], request["args"], request["cwd"], request["env"], fds, keep)
+                    _child(request["kind"], request["args"], request["cwd"], request["env"], fds, conn, keep)
                 for fd in fds:
                     os.close(fd)
-                children[pid] = conn
-                conn.send(json.dumps({"pid": pid}).encode())
+                children[pid] = conn  # the child sends its pid; the server, its status when it ends
             elif key.fileobj is wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
