@@ -62,11 +62,9 @@ def runs(tmp_path_factory):
     np.save(tmp / "x.npy", x)
     rows = {"npy": str(tmp / "x.npy"), "prefetch": 2}
     split = {"x": FIVE, "run": FIVE_RUN, "checkpoint": str(tmp / "split")}
-    # the 2 x 2 processes run one program each where they would compile the same one each (share_compiles:
-    # process 0 compiles, ~1.5 s of CPU less); the 1 x 4 process compiles its own
     with multiprocess.running("tests.test_multihost:worker", 1, 4, kwargs=rows) as one, \
             multiprocess.running("tests.test_multihost:both_workers", 2, 2,
-                                 kwargs={"worker_kwargs": rows, "split_kwargs": split}, share_compiles=True) as two:
+                                 kwargs={"worker_kwargs": rows, "split_kwargs": split}) as two:
         return x, split["checkpoint"], one.results(timeout=120), two.results(timeout=120)
 
 
