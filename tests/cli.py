@@ -81,9 +81,9 @@ def run_forked(cmds: list[list[str]], cwd: Path = ROOT, timeout: float = TIMEOUT
     """Runs single-process :func:`main_cmd` command lines side by side in ``cwd``, each in a process forked
     from one that imported the launcher (the open fork server, else one for these: tests/forks.py), all killed
     at ``timeout``; their results in order, as :func:`run`'s. For command lines whose claims are the launcher's
-    (usage errors, --help, --list_configs, jobs of tests/test_cli_config.py's file kinds); ``python -m
-    launch.main`` itself starts in tests/test_launch.py's run, the parquet and own-combiner runs of
-    tests/test_cli_config.py, the multi-process tests and tests/test_docs.py."""
+    (usage errors, --help, --list_configs, jobs); ``python -m launch.main`` itself, a fresh interpreter, starts
+    in tests/test_cli_config.py's own-combiner run, tests/test_storage_faults.py's disk-full run and
+    launch.local's processes."""
     prefix = [sys.executable, "-m", "launch.main"]
     assert all(cmd[:3] == prefix for cmd in cmds), cmds
     with contextlib.ExitStack() as stack:

@@ -41,9 +41,11 @@ SOCKET_ENV = "SHARDED_SCAN_TEST_FORKS"
 # python -m MODULE: the function the child runs (the module imported in the child: launch.main and launch.local
 # define flags of the same names, so the server imports only what they import)
 MODULES = {"launch.main": "cli", "launch.local": "cli", "tests.multiprocess": "_child"}
+# and orbax, which a job imports at its first save (~0.2 s of CPU; tests/test_damaged_checkpoints.py checks, in a
+# fresh interpreter, that a job without checkpoints never does)
 PRELOADED = ("absl.app", "ml_collections.config_flags", "launch.config_args", "launch.data", "launch.help",
              "launch.logs", "launch.metrics", "launch.outputs", "launch.processes", "sharded_scan.workdir",
-             "tests.multiprocess")
+             "tests.multiprocess", "orbax.checkpoint")
 # Read by JAX or XLA at import or when its backend starts: forked children must have the server's values.
 SAME_PREFIXES = ("JAX_", "XLA_", "TF_")
 # ... except: the platform (set again in the child) and what JAX reads only when jax.distributed starts (a

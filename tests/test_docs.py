@@ -9,7 +9,7 @@ base install), so a block that needs pandas says an extra that brings it. The bl
 environment, with ``sharded-scan`` / ``sharded-scan-local`` standing for ``python -m launch.main`` /
 ``launch.local`` from this checkout; those command lines (either spelling) run as forks of one process that
 imported what they import (tests/forks.py: the same run, ~1.1 s of CPU less each; ``python -m launch.main``
-itself starts in tests/test_launch.py; launch.local's own processes are fresh interpreters). Blocks that name
+itself starts in tests/test_cli_config.py; launch.local's own processes are fresh interpreters). Blocks that name
 the same ``/tmp`` path run in order in one chain (consecutive python blocks of a chain in one process, each with
 its own names: a name one block leaves to another is an error), and the chains side by side, to stay within a
 minute. The python blocks that leave JAX's settings as they find them (no ``jax.config``) and come first in their
