@@ -31,7 +31,7 @@ launcher_forks = forks.module_fixture()
 NUM_PROCESSES = 2
 DEVICES = 2
 # No checkpoints: a recipe forms the job (saves of several processes: test_dead_peer, test_compact_checkpoint);
-# each process imports no orbax and saves nothing.
+# each process saves nothing.
 ARGS = ("--config=configs/gram.py:quick", f"--jax_num_cpu_devices={DEVICES}", "--jax_platforms=cpu",
         "--heartbeat_timeout=10", "--config.checkpoint.enabled=false")
 # Variables of launchers and clusters that JAX's detection (or the recipes) read: none leaks in.
