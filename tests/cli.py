@@ -1,4 +1,5 @@
-"""Runs ``launch.main`` / ``launch.local`` in subprocesses for the launcher tests.
+"""Runs ``launch.main`` / ``launch.local`` in subprocesses for the launcher tests: fresh interpreters, or forks
+of the fork server a module opened (tests/forks.py) where it can run the command.
 
 Every process started here ends in the test that started it (``finally`` kills it).
 """
@@ -13,10 +14,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from tests import forks
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
@@ -43,9 +47,27 @@ def env() -> dict[str, str]:
     return e
 
 
-def run(cmd: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` to the end (killed at ``timeout``); stdout and stderr as text."""
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT,
+        environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` in ``cwd`` with ``environment`` (by default :func:`env`) to the end (killed at ``timeout``);
+    stdout and stderr as text. A fork of the open fork server where it can run ``cmd`` (tests/forks.py), else a
+    fresh process."""
+    environment = environment or env()
+    server = forks.forkable(cmd, environment)
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
+        proc = server.fork(cmd, str(cwd), environment, (null.fileno(), out.fileno(), err.fileno()))
+        try:
+            proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        out.seek(0)
+        err.seek(0)
+        text = [f.read().decode(errors="replace") for f in (out, err)]
+        return subprocess.CompletedProcess(cmd, proc.returncode, *text)
 
 
 def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -> list[subprocess.CompletedProcess]:
@@ -55,80 +77,36 @@ def run_all(cmds: list[list[str]], timeout: float = TIMEOUT, at_once: int = 4) -
         return list(pool.map(lambda cmd: run(cmd, timeout), cmds))
 
 
-# One interpreter imports the launcher (JAX, absl, the library: ~1.1 s of CPU a process) and forks a child per
-# command line: each a process of its own with fresh flags, JAX unstarted (no backend, no thread in the parent),
-# its own directory, sys.path[0], stdout, stderr and exit status, running what ``python -m launch.main ARGS``
-# runs (``launch.main.cli``) from the same modules, then the exit handlers (but no interpreter teardown). For
-# single-process command lines: usage errors, --help, --list_configs, jobs whose claims are the launcher's
-# (tests/test_cli_config.py's file kinds); ``python -m launch.main`` itself starts in tests/test_launch.py's run,
-# the parquet and own-combiner runs of tests/test_cli_config.py, the multi-process tests and tests/test_docs.py.
-FORKED = """
-import atexit, json, os, sys
-from tests import collector
-collector.fewer_collections()
-import launch.main
-collector.freeze()
-jobs = json.load(sys.stdin)
-pids = []
-for args, cwd, out, err in jobs:
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.chdir(cwd)
-            sys.path[0] = cwd  # as python -m puts it
-            for fd, path in ((1, out), (2, err)):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            sys.argv = [launch.main.__file__, *args]
-            try:
-                launch.main.cli()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            atexit._run_exitfuncs()
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-    pids.append(pid)
-print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]))
-"""
-
-
 def run_forked(cmds: list[list[str]], cwd: Path = ROOT, timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess]:
-    """Runs single-process :func:`main_cmd` command lines side by side, each in a process forked from one
-    that imported the launcher (:data:`FORKED`), started in ``cwd`` (all killed at ``timeout``); their
-    results in order, as :func:`run`'s."""
-    import tempfile
-
+    """Runs single-process :func:`main_cmd` command lines side by side in ``cwd``, each in a process forked
+    from one that imported the launcher (the open fork server, else one for these: tests/forks.py), all killed
+    at ``timeout``; their results in order, as :func:`run`'s. For command lines whose claims are the launcher's
+    (usage errors, --help, --list_configs, jobs); ``python -m launch.main`` itself, a fresh interpreter, starts
+    in tests/test_cli_config.py's own-combiner run, tests/test_storage_faults.py's disk-full run and
+    launch.local's processes."""
     prefix = [sys.executable, "-m", "launch.main"]
     assert all(cmd[:3] == prefix for cmd in cmds), cmds
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(cmd[3:], str(cwd), f"{tmp}/{i}.out", f"{tmp}/{i}.err") for i, cmd in enumerate(cmds)]
-        parent = subprocess.Popen([sys.executable, "-c", FORKED], cwd=ROOT, env=env(), stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = parent.communicate(json.dumps(jobs), timeout=timeout)  # it waits for its children
-        except BaseException:  # the parent and its children: one process group, ended here
-            os.killpg(parent.pid, signal.SIGKILL)
-            parent.wait(timeout=30)
-            raise
-        assert parent.returncode == 0, stdout + stderr
-        codes = json.loads(stdout.splitlines()[-1])
-        return [subprocess.CompletedProcess(cmd, code, Path(out).read_text(), Path(err).read_text())
-                for cmd, code, (*_, out, err) in zip(cmds, codes, jobs, strict=True)]
+    with contextlib.ExitStack() as stack:
+        if forks.forkable(cmds[0], env()) is None:
+            stack.enter_context(forks.serving(env()))
+        with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
+            return list(pool.map(lambda cmd: run(cmd, timeout, cwd), cmds))
 
 
 @contextlib.contextmanager
 def started(cmd: list[str], log_path: Path, environment: dict[str, str] | None = None):
     """A running ``cmd`` in its own process group (with ``environment``, by default :func:`env`),
-    output to ``log_path``; the group is killed on exit."""
+    output to ``log_path``; the group is killed on exit. A fork of the open fork server where it can run
+    ``cmd`` (tests/forks.py), else a fresh process."""
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=environment or env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    environment = environment or env()
+    server = forks.forkable(cmd, environment)
+    if server is None:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    else:
+        with open(os.devnull, "rb") as null:
+            proc = server.fork(cmd, str(ROOT), environment, (null.fileno(), log.fileno(), log.fileno()))
     try:
         yield proc
     finally:

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from launch.processes import free_port
-from tests import collector
+from tests import collector, forks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 18 processes of test_reproducible on 2 loaded cores missed a 5 s heartbeat (a live process aborted);
@@ -63,7 +63,7 @@ def spawn(
     """Starts the processes; process ``i`` pickles its result to ``outdir/result-i.pkl``.
 
     Output goes to ``outdir/log-i.txt``. The caller must end them (``kill_all``). ``share_compiles``:
-    see :func:`share_compiled_programs`.
+    see :func:`share_compiled_programs`. Forks of the open fork server where there is one (tests/forks.py).
     """
     port = port or free_port()
     with open(os.path.join(outdir, "kwargs.pkl"), "wb") as f:
@@ -75,9 +75,13 @@ def spawn(
                f"--num_processes={num_processes}", f"--process_id={i}",
                f"--devices_per_process={devices_per_process}", f"--port={port}",
                *(["--share_compiles"] if share_compiles else [])]
-        log = open(os.path.join(outdir, f"log-{i}.txt"), "wb")  # noqa: SIM115 - lives as long as the child
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        server = forks.forkable(cmd, child_env)
+        with open(os.path.join(outdir, f"log-{i}.txt"), "wb") as log:
+            if server is None:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
+            else:  # a fork of the open fork server (tests/forks.py): the same run, without its imports
+                with open(os.devnull, "rb") as null:
+                    procs.append(server.fork(cmd, ROOT, child_env, (null.fileno(), log.fileno(), log.fileno())))
     return procs
 
 

@@ -15,8 +15,12 @@ from launch import config_args
 from launch.config_args import not_a_field
 from launch.data import make_combiner, make_source
 from launch.main import parse_flags
-from tests import cli
+from tests import cli, forks
 from tests.helpers import assert_usage_error
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 pytest.importorskip("pyarrow")
 
@@ -82,7 +86,7 @@ def user_files(tmp_path_factory):
 
 
 def launch(cwd, *args, devices=2):
-    """``python -m launch.main ARGS`` started in ``cwd`` (not the repository)."""
+    """``python -m launch.main ARGS`` started in ``cwd`` (not the repository), a fresh interpreter (no fork)."""
     return subprocess.run(cli.main_cmd(*args, devices=devices), cwd=cwd, env=cli.env(), capture_output=True,
                           text=True, timeout=cli.TIMEOUT)
 
@@ -111,12 +115,12 @@ def runs(user_files):
     # parquet, csv and npy are the same job's programs (float64 x and y, 64-bit with or without config.x64;
     # ridge's quick layout): parquet first, then csv and npy load its compiled programs from the compilation
     # cache instead of compiling them too (measured: all 6 programs from the cache, ~4 s of CPU less each)
-    # parquet's and mine's: python -m launch.main started in the user's directory; csv's, npy's and nan's (claims on
-    # the launcher's reading of files and its done: line): processes forked from one that imported the launcher
-    # (tests/cli.py's run_forked), ~1.1 s of CPU of imports less each
+    # mine's: python -m launch.main itself, started in the user's directory (their module imported from there); the
+    # others (claims on the launcher's reading of files and its done: line): processes forked from one that
+    # imported the launcher (the module's fork server, tests/forks.py), ~1.1 s of CPU of imports less each
     with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:
-        procs = dict(zip(["parquet", "mine"], pool.map(lambda name: launch(root, *cases[name]), ["parquet", "mine"]),
-                         strict=True))
+        mine = pool.submit(launch, root, *cases["mine"])
+        procs = {"parquet": cli.run(cli.main_cmd(*cases["parquet"], devices=2), cwd=root), "mine": mine.result()}
     names = ["csv", "npy", "nan"]
     procs.update(zip(names, cli.run_forked([cli.main_cmd(*cases[name], devices=2) for name in names], cwd=root),
                      strict=True))

@@ -14,7 +14,11 @@ from launch.processes import commands, free_port
 from sharded_scan import watchdog
 from sharded_scan.sources import SyntheticSource
 from sharded_scan.watchdog import EXIT_PEER_LOST, EXIT_STALLED, PeerWatch, Watchdog
-from tests import cli, jobs
+from tests import cli, forks, jobs
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 ROWS = 38400  # 64 rows per step on 2 devices: 600 steps, a checkpoint every 50 (per_job: at most 12 saves)
 # Process 0 logs every step, so a test can wait for the run to reach a row instead of sleeping.

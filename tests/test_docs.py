@@ -7,10 +7,12 @@ What a fresh virtual environment would add is checked against ``setup.cfg``: eac
 are installed by the install line it names (``pip install -e ".[tabular]"`` in the block, else the
 base install), so a block that needs pandas says an extra that brings it. The blocks run in this
 environment, with ``sharded-scan`` / ``sharded-scan-local`` standing for ``python -m launch.main`` /
-``launch.local`` from this checkout. Blocks that name the same ``/tmp`` path run in order in one
-chain (consecutive python blocks of a chain in one process, each with its own names: a name one
-block leaves to another is an error), and the chains side by side, to stay within a minute. The
-python blocks that leave JAX's settings as they find them (no ``jax.config``) and come first in their
+``launch.local`` from this checkout; those command lines (either spelling) run as forks of one process that
+imported what they import (tests/forks.py: the same run, ~1.1 s of CPU less each; ``python -m launch.main``
+itself starts in tests/test_cli_config.py; launch.local's own processes are fresh interpreters). Blocks that name
+the same ``/tmp`` path run in order in one chain (consecutive python blocks of a chain in one process, each with
+its own names: a name one block leaves to another is an error), and the chains side by side, to stay within a
+minute. The python blocks that leave JAX's settings as they find them (no ``jax.config``) and come first in their
 chains (python-only chains, the block writing the files a chain's commands read) run one after another
 in one process, each chain's other blocks after it: an interpreter and JAX's imports (~1.7 s of CPU)
 in all, not one per example.
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import cli
+from tests import cli, forks
 
 DOCS = ("README.md", "WORKSPACE.md")
 FENCE = re.compile(r"^(?:<!-- docs-test: (?P<mark>.*?) -->\n)?```(?P<lang>[\w-]*)\n(?P<body>.*?)^```[ \t]*$",
@@ -41,6 +43,8 @@ IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
 OWN = ("sharded_scan", "launch", "configs", "bench", "tests")
 MODULE_DIST = {"sklearn": "scikit-learn", "jaxlib": "jaxlib"}  # import name -> distribution, where they differ
 TIMEOUT = 600
+LAUNCHER = re.compile(r"\bpython -m (launch\.main|launch\.local)\b")
+SHIMS = {"launch.main": "sharded-scan", "launch.local": "sharded-scan-local"}
 # python blocks of one group run in one process, each in a namespace of its own
 RUNNER = """
 import sys, traceback
@@ -212,6 +216,7 @@ def script(chain: list[Block], tmp: Path) -> str:
             group.append(shlex.quote(str(path)))
             continue
         flush()
+        body = LAUNCHER.sub(lambda m: SHIMS[m.group(1)], body)  # the installed commands, as the docs say: forks
         body = re.sub(INSTALL.pattern + r"\s*&&\s*", "", body)  # installed already (checked above)
         body = "\n".join(line for line in body.splitlines() if not INSTALL.match(line.strip()))
         lines += [f"echo '--- {b.name}'", body]
@@ -227,6 +232,7 @@ def runs(tmp_path_factory):
     shims = tmp / "bin"
     shims.mkdir()
     for name, module in (("sharded-scan", "launch.main"), ("sharded-scan-local", "launch.local")):
+        module = f"tests.forks --client={module}"  # a fork of the server below
         (shims / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {module} "$@"\n')
         (shims / name).chmod(0o755)
     env = cli.env()
@@ -238,8 +244,11 @@ def runs(tmp_path_factory):
         return subprocess.run(["bash", "-c", text], cwd=cli.ROOT, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT)
 
-    with concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 2))) as pool:
-        return dict(zip(scripts, pool.map(run, scripts.values()), strict=True))
+    with forks.serving(env) as server:
+        server.start()
+        env[forks.SOCKET_ENV] = server.path
+        with concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 2))) as pool:
+            return dict(zip(scripts, pool.map(run, scripts.values()), strict=True))
 
 
 def test_blocks_in_chains():

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import threading
 
@@ -19,7 +18,12 @@ import sharded_scan as ss
 from sharded_scan import compile_cache, compiled, executables
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source
-from tests import cli
+from tests import cli, forks
+
+# Each "fresh process" below: a fork of one process that imported the library and JAX and ran nothing (tests/forks.py;
+# nothing traced, compiled, loaded or lowered in it before, JAX's cache directory as its environment says), ~1.1 s of
+# CPU of imports less each.
+launcher_forks = forks.module_fixture()
 
 # A small job in a process of its own: its result's bits, the functions JAX traced, and both caches' counts.
 CHILD = """
@@ -41,8 +45,7 @@ print("RESULT", json.dumps({"traced": traced, "executables": executables.counts(
 
 def _child(cache, keyed: str = "1") -> dict:
     env = dict(cli.env(), JAX_COMPILATION_CACHE_DIR=str(cache), SHARDED_SCAN_EXECUTABLE_CACHE=keyed)
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=cli.ROOT, env=env, capture_output=True, text=True,
-                          timeout=cli.TIMEOUT, check=False)
+    done = cli.run([sys.executable, "-c", CHILD], environment=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -200,8 +203,7 @@ def test_a_step_holding_a_lapack_call_runs_from_the_job_keyed_cache_in_a_fresh_p
     executables.store("a cholesky", jax.jit(jnp.linalg.cholesky).lower(spd).compile(), (0,))
     assert len(_entries(job_cache)) == 1
     env = dict(cli.env(), JAX_COMPILATION_CACHE_DIR=str(job_cache.parent), SHARDED_SCAN_EXECUTABLE_CACHE="1")
-    done = subprocess.run([sys.executable, "-c", LAPACK_CHILD, "a cholesky"], cwd=cli.ROOT, env=env,
-                          capture_output=True, text=True, timeout=cli.TIMEOUT, check=False)
+    done = cli.run([sys.executable, "-c", LAPACK_CHILD, "a cholesky"], environment=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (done.returncode, done.stderr[-2000:])
     np.testing.assert_allclose(json.loads(lines[-1].removeprefix("RESULT ")), np.linalg.cholesky(spd), rtol=1e-6)

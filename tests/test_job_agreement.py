@@ -7,7 +7,11 @@ from launch.processes import commands, free_port
 from sharded_scan import distributed
 from sharded_scan.errors import UsageError
 from sharded_scan.identity import processes_difference
-from tests import cli, multiprocess
+from tests import cli, forks, multiprocess
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 ARGS = ("--config=configs/gram.py:quick", "--config.data.num_rows=3000", "--heartbeat_timeout=10")
 

@@ -13,9 +13,13 @@ from launch.main import run_job
 from launch.outputs import CSV, result_json, result_table
 from sharded_scan import distributed
 from sharded_scan.workdir import named_arrays
-from tests import cli
+from tests import cli, forks
 from tests.helpers import assert_usage_error, launcher_error_line
 from tests.tfrecords import read_scalars
+
+# The module's launcher processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 CONFIGS = [
     "gram", "covariance", "moments", "pca", "ridge", "linreg", "histogram", "seed_example", "quantiles", "distinct",
@@ -67,12 +71,10 @@ def cli_runs(tmp_path_factory):
     for i, (args, _) in enumerate(BAD_ARGS):
         workdir = base / f"bad{i}"
         cases[f"bad {i}"] = (cli.main_cmd("--config=configs/gram.py:quick", f"--workdir={workdir}", *args), workdir)
-    # the job a process of its own (python -m launch.main as users start it); the three command lines that end
-    # before a job runs: processes forked from one that imported the launcher (tests/cli.py's run_forked)
-    with cli.concurrent.futures.ThreadPoolExecutor(2) as pool:
-        job = pool.submit(cli.run, cases["overrides"][0])
-        ended = cli.run_forked([cmd for name, (cmd, _) in cases.items() if name != "overrides"])
-        procs = [job.result(), *ended]
+    # the job and the three command lines that end before a job runs, side by side: forks of the module's fork
+    # server (tests/forks.py; python -m launch.main itself, a fresh interpreter: tests/test_cli_config.py's
+    # own-combiner run, tests/test_storage_faults.py's disk-full run, launch.local's processes)
+    procs = cli.run_forked([cmd for cmd, _ in cases.values()])
     return {name: (proc, workdir) for (name, (_, workdir)), proc in zip(cases.items(), procs, strict=True)}
 
 

@@ -22,12 +22,16 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tests import cli, multiprocess
+from tests import cli, forks, multiprocess
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 NUM_PROCESSES = 2
 DEVICES = 2
 # No checkpoints: a recipe forms the job (saves of several processes: test_dead_peer, test_compact_checkpoint);
-# each process imports no orbax and saves nothing.
+# each process saves nothing.
 ARGS = ("--config=configs/gram.py:quick", f"--jax_num_cpu_devices={DEVICES}", "--jax_platforms=cpu",
         "--heartbeat_timeout=10", "--config.checkpoint.enabled=false")
 # Variables of launchers and clusters that JAX's detection (or the recipes) read: none leaks in.
@@ -82,11 +86,12 @@ def indexed_job_command() -> list[str]:
 
 
 def k8s_cmd(workdir: Path, port: int) -> list[str]:
-    """The recipe's command line, pointed at this machine: this interpreter for its ``python``
-    (the one whose packages the test runs with, not the first on PATH), its coordinator host
-    mapped to 127.0.0.1, two processes, the quick config, a local workdir and CPU devices."""
+    """The recipe's command line, pointed at this machine: for its ``python -m launch.main``, a fork of
+    the module's server (tests/forks.py: this interpreter, whose packages the test runs with, not the
+    first on PATH), its coordinator host mapped to 127.0.0.1, two processes, the quick config, a local
+    workdir and CPU devices."""
     shell, flag, line = indexed_job_command()
-    for old, new in (("python -m ", f"{shlex.quote(sys.executable)} -m "),
+    for old, new in (("python -m launch.main ", f"{shlex.quote(sys.executable)} -m tests.forks --client=launch.main "),
                      ("gram-0.gram:1234", f"127.0.0.1:{port}"), ("--num_processes=4", "--num_processes=2"),
                      ("--config=configs/gram.py ", "--config=configs/gram.py:quick "),
                      ("--workdir=/shared/gram", f"--workdir={workdir}")):
@@ -126,13 +131,15 @@ def hybrid_mesh_worker() -> np.ndarray:
     return np.asarray(ss.run(ss.Gram(), quick_source(), mesh=mesh, microbatch=16, steps_per_call=2))
 
 
-def test_slurm_ompi_indexed_job_and_hybrid_mesh_recipes_each_form_a_two_process_job(tmp_path):
+def test_slurm_ompi_indexed_job_and_hybrid_mesh_recipes_each_form_a_two_process_job(tmp_path, launcher_forks):
     ports = dict(zip(("slurm", "ompi", "k8s"), free_ports(3), strict=True))
     runs = {}  # recipe -> [(cmd, env)] of its processes
     for name, make_env in (("slurm", slurm_env), ("ompi", ompi_env)):
         cmd = [sys.executable, "-m", "launch.main", f"--workdir={tmp_path / name}", *ARGS]
         runs[name] = [(cmd, make_env(rank, ports[name])) for rank in range(NUM_PROCESSES)]
-    runs["k8s"] = [(k8s_cmd(tmp_path / "k8s", ports["k8s"]), clean_env(JOB_COMPLETION_INDEX=str(i)))
+    launcher_forks.start()  # the Indexed Job's shell asks it for its process
+    runs["k8s"] = [(k8s_cmd(tmp_path / "k8s", ports["k8s"]),
+                    clean_env(JOB_COMPLETION_INDEX=str(i), **{forks.SOCKET_ENV: launcher_forks.path}))
                    for i in range(NUM_PROCESSES)]
     logs = {(name, i): tmp_path / f"{name}-{i}.log" for name in runs for i in range(NUM_PROCESSES)}
     with contextlib.ExitStack() as stack:

@@ -9,7 +9,11 @@ import sharded_scan as ss
 from configs import moments
 from launch.data import make_source
 from launch.processes import commands, free_port, resume_hint
-from tests import cli
+from tests import cli, forks
+
+# launch.local: forks of one process that imported what it imports (tests/forks.py), ~1.1 s of CPU less each; the
+# processes it starts are fresh interpreters, as users get them.
+launcher_forks = forks.module_fixture()
 
 
 def children(pid):

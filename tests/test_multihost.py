@@ -9,8 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from tests import multiprocess
+from tests import forks, multiprocess
 from tests.helpers import assert_to_rounding, f64, rel_err
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 N, D = 1237, 6  # ragged against the 4 x 8 x 2 rows of a step
 

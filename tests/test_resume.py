@@ -13,8 +13,12 @@ import sharded_scan as ss
 from configs import histogram, moments
 from launch.data import make_combiner, make_source, run_options
 from sharded_scan.workdir import named_arrays
-from tests import cli, jobs
+from tests import cli, forks, jobs
 from tests.jobs import iterator_source
+
+# The module's processes: forks of one process that imported the launcher (tests/forks.py), ~1.1 s of CPU
+# less each than a fresh interpreter.
+launcher_forks = forks.module_fixture()
 
 # 40 steps of 512 rows on 4 devices, a checkpoint every 5 steps; where the environment names a hold file, the
 # reader stops past row 14,000 (step 28) until that file exists: a run killed mid-stream on a machine of any speed.
