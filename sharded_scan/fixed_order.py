@@ -18,7 +18,7 @@ costs; the engine uses it only where it promises bitwise results (``logical_shar
 diagonal (:func:`ordered_gram`, the same bits); its column sums beside it, where a program asks for both by
 name (:data:`TOGETHER`: Covariance's), come from the same pass (:func:`ordered_column_sums_and_gram`). A
 matrix-vector product (or a dot of vectors) needs no grid: its terms, exact in float64, are added in the
-tree of a float32 sum (below), a third of the kernels to compile. float64 products are added one contraction
+tree of a float32 sum (below), under half the kernels to compile. float64 products are added one contraction
 index after another instead (slower: elementwise loops). A float32 sum is a fixed pairwise tree of float64
 adds (:func:`tree_sum64`); QR's R a blocked Householder QR whose updates are such products (:func:`ordered_qr_r`).
 
@@ -170,16 +170,15 @@ def block_width(k: int) -> tuple[int, int]:
 def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
     """Each block's exact products for :func:`exact_block_dot`: ``(b, m, blocks, w) @ (b, blocks, w, n)`` (float64)
     -> ``(b, blocks, m, n)``, each row of a block (column of ``right``) rounded to its grid, one matmul of integers."""
-    m = left.shape[1]
-    # one reduction for both operands' largest: right's columns beside left's rows (a kernel each, else)
-    both = jnp.concatenate([_finite_magnitude(left), jnp.transpose(_finite_magnitude(right), (0, 3, 1, 2))], axis=1)
-    largest = jnp.max(both, axis=3)
-    scale_left, unit_left = _grid(largest[:, :m], BITS)  # (b, m, blocks)
-    scale_right, unit_right = _grid(jnp.swapaxes(largest[:, m:], 1, 2), BITS)  # (b, blocks, n)
-    q_left, q_right = _rounded(left, scale_left[..., None]), _rounded(right, scale_right[:, :, None, :])
+    scale_left, unit_left = _grid(_largest_finite(left, axis=3), BITS)  # (b, m, blocks)
+    scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
+    # the blocks before the rows as they are rounded (one pass), so the matmul's batch comes first: no copy of the
+    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks)
+    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]), 2, 1)  # (b, blocks, m, w)
+    q_right = _rounded(right, scale_right[:, :, None, :])
     # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
     # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
-    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 2), (0, 1))))
+    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
     return sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
 
 
@@ -282,11 +281,7 @@ def _symmetric_products(q: jax.Array, parts: int) -> jax.Array:
 
 
 def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
-    return jnp.max(_finite_magnitude(x), axis=axis)
-
-
-def _finite_magnitude(x: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axis)
 
 
 def _grid(largest: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
