@@ -8,18 +8,19 @@ output's width (a column block of a ``model`` axis takes other paths than the wh
 matrix). The same program then rounds differently on another split of a job or another
 machine. :func:`fixed_order` evaluates a function with every floating-point ``dot_general``
 computed so that each output element is a function of its row and column alone, every rounding
-fixed by the code: for float32 (and narrower), the contraction cut into blocks of 256 indices, each
-row (column) of a block rounded to a grid of 22 bits below its largest magnitude, so that the block's
-float64 matmul sums integers below 2^53, exact in whatever order the kernel adds them (threads,
-caches, FMA or not); the blocks added in index order, rounded once (:func:`exact_block_dot`). The
-hardware's matmul does the work, so it costs about what a float64 matmul costs; the engine uses it
-only where it promises bitwise results (``logical_shards`` on CPU). A Gram ``xᵀ x`` rounds each
-column once and computes, of column groups at least 128 wide, the blocks on and above the diagonal
-(:func:`ordered_gram`, the same bits); its column sums beside it, where a program asks for both by name
-(:data:`TOGETHER`: Covariance's), come from the same pass (:func:`ordered_column_sums_and_gram`).
-float64 products are added one contraction index after another instead (slower: elementwise loops).
-A float32 sum is a fixed pairwise tree of float64 adds (:func:`tree_sum64`); QR's R a blocked
-Householder QR whose updates are such products (:func:`ordered_qr_r`).
+fixed by the code: for float32 (and narrower), the contraction cut into the fewest blocks of at most 256
+indices, of one width, each row (column) of a block rounded to a grid of 22 bits below its largest
+magnitude, so that the block's float64 matmul sums integers below 2^53, exact in whatever order the kernel
+adds them (threads, caches, FMA or not); the blocks added in index order, rounded once
+(:func:`exact_block_dot`). The hardware's matmul does the work, so it costs about what a float64 matmul
+costs; the engine uses it only where it promises bitwise results (``logical_shards`` on CPU). A Gram
+``xᵀ x`` rounds each column once and computes, of column groups at least 128 wide, the blocks on and above the
+diagonal (:func:`ordered_gram`, the same bits); its column sums beside it, where a program asks for both by
+name (:data:`TOGETHER`: Covariance's), come from the same pass (:func:`ordered_column_sums_and_gram`). A
+matrix-vector product (or a dot of vectors) needs no grid: its terms, exact in float64, are added in the
+tree of a float32 sum (below), under half the kernels to compile. float64 products are added one contraction
+index after another instead (slower: elementwise loops). A float32 sum is a fixed pairwise tree of float64
+adds (:func:`tree_sum64`); QR's R a blocked Householder QR whose updates are such products (:func:`ordered_qr_r`).
 
 Not float32 matmuls: a block's products summed exactly in float32 need ``2 b + log2(BLOCK) <= 24``
 for operands of ``b`` bits (integers below ``2^b``: each product below ``2^(2b)``, a block's ``BLOCK`` of
@@ -84,7 +85,9 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     """``lax.dot_general`` with every rounding of each output element fixed by the code, not the kernel.
 
     A float32 (or narrower) result is :func:`exact_block_dot`'s, rounded once to the result dtype:
-    float64 matmuls whose sums are exact in any order, blocks added in index order. Any other float
+    float64 matmuls whose sums are exact in any order, blocks added in index order; a matrix-vector product's
+    (one free index on a side, at most ``CHUNK_ELEMENTS`` terms) its terms in float64 (exact) added in
+    :func:`tree_sum64`'s tree, within ``ceil(log2 k) 2^-53 sum|a b|``. Any other float
     (float64) is summed in contraction-index order in its own dtype, its products reaching the adds
     through a loop's state (one iteration later, so no add has a multiply in its expression for
     XLA:CPU to contract). ``precision`` does not apply.
@@ -104,6 +107,12 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     def operand(x, contract, batch, free, shape, as_dtype):
         return jnp.transpose(x, (*contract, *batch, *free)).reshape(k, *shape).astype(as_dtype)
 
+    if dtype in EXACT_IN_FLOAT64 and min(m, n) == 1 and b * m * n * k <= CHUNK_ELEMENTS:
+        # a matrix-vector product (or a dot of vectors): each term exact in float64, added in tree_sum64's order
+        with jax.enable_x64(True):
+            terms = (operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
+                     * operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64))
+            return tree_sum64(terms.reshape(k, b * m * n)).astype(dtype).reshape(out_shape)
     if dtype in EXACT_IN_FLOAT64:
         with jax.enable_x64(True):
             left = jnp.transpose(lhs, (*lhs_batch, *lhs_free, *lhs_contract)).reshape(b, m, k)
@@ -126,7 +135,8 @@ SUM_BITS = 44
 
 def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
     """``left @ right`` (``(b, m, k) @ (b, k, n)``, float32 or narrower values) in ``dtype``, rounded in
-    a way no kernel chooses: the contraction cut into blocks of :data:`BLOCK` indices; in each block every row
+    a way no kernel chooses: the contraction cut into the fewest blocks of at most :data:`BLOCK` indices, of one
+    width (:func:`block_width`); in each block every row
     of ``left`` (column of ``right``) rounded to :data:`BITS` bits below its largest magnitude's power of two
     (an integer times a power of two: elementwise, order-free); each block's matmul then sums integers below
     2^53, exact in any order (thread split, cache blocking, FMA or not); blocks added in index order.
@@ -139,17 +149,22 @@ def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
     """
     b, m, k = left.shape
     n = right.shape[2]
-    left, right = left.astype(np.float64), right.astype(np.float64)
-    # Blocks of BLOCK indices, then a ragged last one, not padded to BLOCK (zeros add nothing and move no block's
-    # largest: the same sums; k = 258 cost a matmul of 512 indices).
-    whole = k // BLOCK if k > BLOCK else 0
-    cut = whole * BLOCK
-    parts = [] if not whole else [_block_sums(left[:, :, :cut].reshape(b, m, whole, BLOCK),
-                                              right[:, :cut].reshape(b, whole, BLOCK, n))]
-    if k > cut or not whole:
-        parts.append(_block_sums(left[:, :, cut:].reshape(b, m, 1, k - cut), right[:, cut:].reshape(b, 1, k - cut, n)))
-    sums = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)  # (b, blocks, m, n)
+    # the fewest blocks of at most BLOCK indices, of one width (:func:`block_width`), the last padded with zeros, which
+    # add nothing and move no block's largest: one matmul for them all (blocks of BLOCK and a ragged last one were two
+    # of each kernel where k is a little above BLOCK, as n = 258 is, and padding to BLOCK cost k = 258 a matmul of 512)
+    blocks, width = block_width(k)
+    pad = blocks * width - k
+    left = jnp.pad(left.astype(np.float64), ((0, 0), (0, 0), (0, pad))).reshape(b, m, blocks, width)
+    right = jnp.pad(right.astype(np.float64), ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, width, n)
+    sums = _block_sums(left, right)  # (b, blocks, m, n)
     return _in_block_order(jnp.moveaxis(sums, 1, 0)).astype(dtype)  # rounded once
+
+
+def block_width(k: int) -> tuple[int, int]:
+    """``(blocks, width)``: a contraction of ``k`` indices cut into the fewest blocks of at most :data:`BLOCK`, each
+    ``width`` wide (``blocks * width - k < blocks`` zeros after the last index)."""
+    blocks = max(1, -(-k // BLOCK))
+    return blocks, -(-k // blocks)
 
 
 def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
@@ -157,10 +172,13 @@ def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
     -> ``(b, blocks, m, n)``, each row of a block (column of ``right``) rounded to its grid, one matmul of integers."""
     scale_left, unit_left = _grid(_largest_finite(left, axis=3), BITS)  # (b, m, blocks)
     scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
-    q_left, q_right = _rounded(left, scale_left[..., None]), _rounded(right, scale_right[:, :, None, :])
+    # the blocks before the rows as they are rounded (one pass), so the matmul's batch comes first: no copy of the
+    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks)
+    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]), 2, 1)  # (b, blocks, m, w)
+    q_right = _rounded(right, scale_right[:, :, None, :])
     # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
     # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
-    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 2), (0, 1))))
+    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
     return sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
 
 
@@ -185,9 +203,8 @@ def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tupl
     if k == 0:
         return jnp.zeros((d,), x.dtype), jnp.zeros((d, d), x.dtype)
     with jax.enable_x64(True):
-        blocks = max(1, -(-k // BLOCK))
-        pad = blocks * BLOCK - k if blocks > 1 else 0
-        values = jnp.pad(x.astype(np.float64), ((0, pad), (0, 0))).reshape(blocks, (k + pad) // blocks, d)
+        blocks, width = block_width(k)  # exact_block_dot's blocks
+        values = jnp.pad(x.astype(np.float64), ((0, blocks * width - k), (0, 0))).reshape(blocks, width, d)
         scale, unit = _grid(_largest_finite(values, axis=1), BITS)  # (blocks, d)
         # each value on its column's grid: an integer below 2^22 times the column's power of two, so a block's
         # products for one entry of the Gram are integers times one power of two, their sums exact (as

@@ -15,10 +15,10 @@ from sharded_scan.combiners.statistics.moments import column_sums_and_gram
 from sharded_scan.errors import UsageError
 from sharded_scan.fixed_order import (
     BITS,
-    BLOCK,
     FOLLOWED,
     ORDER_FREE,
     SUM_BITS,
+    block_width,
     fixed_order,
     ordered_column_sums_and_gram,
     ordered_dot_general,
@@ -30,13 +30,14 @@ from sharded_scan.fixed_order import (
 
 def pinned(left, right, bits=(BITS, BITS)):
     """sum_k left[k] * right[k] (float32 operands, broadcast over the rest) as fixed_order computes it, in
-    numpy: per block of BLOCK indices each operand rounded (half to even) to ``bits`` bits below the power of
-    two just above its largest magnitude there, the block's products summed exactly (Python integers), the
-    blocks added in order in float64, rounded once to float32."""
+    numpy: per block (the fewest of at most BLOCK indices, of one width: block_width) each operand rounded (half to
+    even) to ``bits`` bits below the power of two just above its largest magnitude there, the block's products
+    summed exactly (Python integers), the blocks added in order in float64, rounded once to float32."""
     left, right = np.broadcast_arrays(left.astype(np.float64), right.astype(np.float64))
     acc = np.zeros(left.shape[1:])
-    for start in range(0, left.shape[0], BLOCK):
-        a, b = left[start:start + BLOCK], right[start:start + BLOCK]
+    width = block_width(left.shape[0])[1]
+    for start in range(0, left.shape[0], width):
+        a, b = left[start:start + width], right[start:start + width]
         ea, eb = (np.frexp(np.abs(v).max(axis=0))[1] for v in (a, b))  # largest < 2^e
         qa, qb = (np.rint(np.ldexp(v, bit - e)).astype(np.int64).astype(object) for v, e, bit in
                   ((a, ea, bits[0]), (b, eb, bits[1])))
@@ -97,7 +98,7 @@ def test_a_gram_block_is_the_same_function_of_its_columns_as_the_whole(k):
         y[::5, 60] *= 2.0**-30
         # a sum of a half ulp of 1 and values below its column's grid for sums (SUM_BITS): it rounds to 1 (a
         # tie, to even), where the tree's sum of them all rounds up
-        y[:, 50], y[:3, 50], y[3:256, 50] = 0, (1, 2.0**-24, 2.0**-50), 2.0**-50
+        y[:, 50], y[:3, 50], y[3:block_width(k)[1], 50] = 0, (1, 2.0**-24, 2.0**-50), 2.0**-50  # the first block
         y[7, 2], y[9, 65] = np.inf, np.nan
         gram = np.asarray(jax.jit(fixed_order(lambda y: y.T @ y))(y))
         np.testing.assert_array_equal(gram, np.asarray(jax.jit(lambda y: ordered_dot_general(y, y, dims))(y)))
@@ -138,8 +139,13 @@ def test_batched_and_matrix_vector_products_keep_the_order():
     got = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
     want = np.stack([pinned(a[i].T[:, :, None], b[i][:, None, :]) for i in range(3)])
     np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(got))(a, b)), want)
-    v = rows(5, 1, seed=2)[:, 0]
-    np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(a[0], v)), pinned(a[0].T, v[:, None]))
+    # a matrix-vector product, a vector's product with a matrix and a dot of vectors: the terms exact in float64,
+    # added in the tree of a float32 sum (no grid: they keep every bit)
+    v, tiny = rows(5, 1, seed=2)[:, 0], a[0] * np.float32(2.0**-30) ** (np.arange(5) % 2)
+    terms = tiny.T.astype(np.float64) * v[:, None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(tiny, v)), tree_sum(terms))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(v, tiny.T)), tree_sum(terms))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(v, tiny[0])), tree_sum(terms[:, :1])[0])
 
 
 def test_data_rows_times_a_whitening_basis_keep_the_bits_of_their_small_columns():

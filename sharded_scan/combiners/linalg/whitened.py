@@ -95,12 +95,19 @@ def _power_at_or_below(x: jax.Array) -> jax.Array:
     return jnp.where(power >= jnp.finfo(x.dtype).tiny, power, jnp.ones_like(power))
 
 
+def _diagonal(m: jax.Array) -> jax.Array:
+    """``jnp.diagonal(m)`` by indexing: jnp's is a branch by platform whose other branch sums ``m`` times the identity
+    (traced through, under ``logical_shards``, as an ordered sum of ``n x n`` values, where XLA then drops it)."""
+    index = jnp.arange(m.shape[0])
+    return m[index, index]
+
+
 def _in_basis(b: jax.Array, basis: jax.Array, diagonal: jax.Array) -> jax.Array:
     """``b W``: a column scaling plus the ones column times W's first row when ``diagonal``."""
 
     def scaled():
         first = basis[0].at[0].set(0.0)
-        return b * jnp.diagonal(basis) + b[:, :1] * first
+        return b * _diagonal(basis) + b[:, :1] * first
 
     return jax.lax.cond(diagonal, scaled, lambda: _times_basis(b, basis))
 
@@ -125,7 +132,7 @@ def _scales(m: jax.Array) -> jax.Array:
     column): left at the common scale it stays small against them, so it is deflated
     and its noise is never scaled up to look like data.
     """
-    scale = jnp.sqrt(jnp.maximum(jnp.diagonal(m), 0.0))
+    scale = jnp.sqrt(jnp.maximum(_diagonal(m), 0.0))
     top = jnp.max(scale)
     scale = jnp.where(scale >= _NOISE_ROOT(m.dtype) * top, scale, top)
     return jnp.where(scale > 0, scale, 1.0)
@@ -142,7 +149,7 @@ def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.
     """
     scale = _scales(m)
     k = m / jnp.outer(scale, scale)
-    k = jnp.where(jnp.diag(jnp.diagonal(m) <= 0), 1.0, k)
+    k = jnp.where(jnp.diag(_diagonal(m) <= 0), 1.0, k)
     noise = _noise(m)
     eye = jnp.eye(m.shape[0], dtype=m.dtype)
     return (scale, *dense.cholesky_upper(k + jnp.where(deflate, 0.0, noise) * eye, jnp.where(deflate, noise, -1.0)))
@@ -173,7 +180,7 @@ def _exceeds(scaled: jax.Array, limit: jax.Array) -> jax.Array:
 
     def estimate():
         largest = _power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0]))
-        return jnp.maximum(largest, jnp.max(jnp.diag(scaled))) > limit
+        return jnp.maximum(largest, jnp.max(_diagonal(scaled))) > limit
 
     bound = jnp.max(jnp.sum(jnp.abs(scaled), axis=1))
     never = jax.lax.full_like(bound, False, bool)  # varies as bound does inside shard_map
@@ -194,34 +201,54 @@ def _power_of_two_below(x: jax.Array) -> jax.Array:
 def _root(m: jax.Array) -> jax.Array:
     """Rows ``F`` with ``FᵀF = m`` (symmetric PSD): its Cholesky factor, zero rows where it is singular."""
     scale, u, deflated, _ = _correlation_root(m, deflate=True)
-    flat = deflated | (jnp.diagonal(m) <= 0)
+    flat = deflated | (_diagonal(m) <= 0)
     return jnp.where(flat[:, None], 0.0, u) * scale[None, :]
 
 
 class _Rows(NamedTuple):
-    """The rows a fold adds: ``b`` and, before them where ``has_head``, a young shard's R
-    (``head``, ``n x n``). One fold serves both, so the re-whitening is compiled once per add."""
+    """The rows a fold adds, as blocks of one row count (:func:`_row_blocks`, zero rows after the last ones, which add
+    nothing): before ``b``'s where the fold has them, a young shard's rows (``head``, ``2 n``); ``first``, the first
+    block to fold (past the young rows' where there are none). One loop over the blocks serves both: the transform and
+    Gram of the rows are compiled once per fold, where ``b``'s and the young rows' were two copies of them."""
 
-    b: jax.Array
-    head: jax.Array | None = None
-    has_head: jax.Array | None = None
+    blocks: jax.Array  # (count, rows, n)
+    first: jax.Array | int = 0
+
+    @classmethod
+    def of(cls, b: jax.Array, head: jax.Array | None = None, has_head: jax.Array | None = None) -> _Rows:
+        if head is None:
+            return cls(_row_blocks(b, min(BLOCK_ROWS, b.shape[0])))
+        rows = min(BLOCK_ROWS, max(b.shape[0], head.shape[0]))
+        young = _row_blocks(head, rows)
+        return cls(jnp.concatenate([young, _row_blocks(b, rows)]), jnp.where(has_head, 0, young.shape[0]))
 
     def map(self, f) -> _Rows:
-        """The same (row-wise) transform of every block."""
-        return self._replace(b=f(self.b), head=None if self.head is None else f(self.head))
+        """The same (row-wise) transform of every row."""
+        return self._replace(blocks=f(self.blocks.reshape(-1, self.blocks.shape[2])).reshape(self.blocks.shape))
 
     def reduce(self, reduce) -> jax.Array:
-        """``reduce`` (a sum over rows) of all the rows, in a fixed order (:func:`_blocked`)."""
-        return self._with_head(_blocked(reduce, self.b), lambda: _blocked(reduce, self.head))
+        """``reduce`` (a sum over rows) of all the rows: its values on the blocks added in order, ``reduce`` traced
+        once. A block has at most ``BLOCK_ROWS`` rows: XLA:CPU splits a longer reduction between threads by how many
+        devices the process has, so a young shard's rows and a micro-batch summed at once would make the fold depend
+        on the device count."""
+        blocks = self.blocks
+        out = jax.eval_shape(reduce, blocks[0])
+        zero = jnp.zeros(out.shape, out.dtype) + jnp.zeros_like(blocks[0, 0, 0])  # varying like rows in shard_map
+
+        def one(i, total):
+            return total + reduce(jax.lax.dynamic_index_in_dim(blocks, i, keepdims=False))
+
+        return jax.lax.fori_loop(self.first, blocks.shape[0], one, zero)
 
     def gram(self, to_basis) -> jax.Array:
         """``cᵀc`` of the rows taken to a basis (``c = to_basis(rows)``)."""
-        return self._with_head(_gram(to_basis(self.b)), lambda: _gram(to_basis(self.head)))
+        return self.reduce(lambda part: _gram(to_basis(part)))
 
-    def _with_head(self, out: jax.Array, head) -> jax.Array:
-        if self.head is None:
-            return out
-        return jax.lax.cond(self.has_head, head, lambda: jnp.zeros_like(out)) + out
+
+def _row_blocks(rows: jax.Array, size: int) -> jax.Array:
+    """``rows`` as blocks of ``size`` rows, zero rows after the last ones."""
+    count = -(-rows.shape[0] // size)
+    return jnp.pad(rows, ((0, count * size - rows.shape[0]), (0, 0))).reshape(count, size, rows.shape[1])
 
 
 class _Whitening(NamedTuple):
@@ -296,40 +323,19 @@ def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
     return jax.lax.while_loop(lambda carry: carry[0] < n, one, (after(-1), w, eye))[2]
 
 
-# The most rows one reduction of the fold sums at once; as many as a micro-batch of a job with
+# The most rows one reduction of the fold sums at once (_Rows); as many as a micro-batch of a job with
 # logical_shards (layout.REPRODUCIBLE_MICROBATCH), which XLA:CPU reduces in one thread.
 BLOCK_ROWS = 256
 
 
-def _blocked(reduce, rows: jax.Array) -> jax.Array:
-    """``reduce`` (a sum over rows) of ``rows``, as the sum of its values on blocks of at most
-    ``BLOCK_ROWS`` rows in a fixed order.
-
-    XLA:CPU splits a longer reduction between threads by how many devices the process has;
-    a young shard's rows stacked on a micro-batch (``2n + m`` rows) would make the fold depend
-    on the device count, and ``logical_shards`` promises it does not. More than one block is a loop
-    (the last padded with zero rows, which add exactly nothing): ``reduce`` traced once, where each
-    block unrolled was another copy of its program to compile (under ``logical_shards`` a Gram's
-    exact products: d=256's 2n = 516 rows of a young shard were three).
-    """
-    k = rows.shape[0]
-    if k <= BLOCK_ROWS:
-        return reduce(rows)
-    blocks = -(-k // BLOCK_ROWS)
-    parts = jnp.pad(rows, ((0, blocks * BLOCK_ROWS - k), (0, 0))).reshape(blocks, BLOCK_ROWS, *rows.shape[1:])
-    out = jax.eval_shape(reduce, parts[0])
-    zero = jnp.zeros(out.shape, out.dtype) + jnp.zeros_like(rows[0, 0])  # varying like rows inside shard_map
-    return jax.lax.scan(lambda total, part: (total + reduce(part), None), zero, parts)[0]
-
-
 def _gram(c: jax.Array) -> jax.Array:
-    """``cᵀc`` summed over row blocks in a fixed order (:func:`_blocked`)."""
-    return _blocked(lambda part: part.T @ part, c)
+    """``cᵀc`` of a block of at most ``BLOCK_ROWS`` rows."""
+    return c.T @ c
 
 
 def row_sums(b: jax.Array) -> jax.Array:
     """``(2, n)``: the column sums of ``b`` and of its squares."""
-    return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
+    return jnp.sum(jnp.concatenate([b, b * b], axis=1), axis=0).reshape(2, b.shape[1])  # one sum: each column's
 
 
 def _after_ones(delta: jax.Array) -> jax.Array:
@@ -359,7 +365,7 @@ def _recentred(acc: WhitenedAcc, rows: _Rows, sums: jax.Array) -> tuple[Whitened
 
 def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, targets: int = 0) -> WhitenedAcc:
     """Adds the rows (``[1 | z - shift]``; zero rows add nothing), whose data sums are ``rows_sums``."""
-    rows = rows if isinstance(rows, _Rows) else _Rows(rows)
+    rows = rows if isinstance(rows, _Rows) else _Rows.of(rows)
     sums = acc.sums + rows_sums
     batch = rows.gram(lambda part: _in_basis(part, acc.basis, acc.diagonal))
     gram = acc.gram - acc.compensation
@@ -445,7 +451,7 @@ def _whiten(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int) -> Wh
     """``acc`` with the rows ``b`` folded in (``sums``: the data's sums of them): an adult folds them; a
     young accumulator, which then has enough rows, becomes one with its own rows and ``b``."""
     grows_up = acc.young
-    rows = _Rows(b, jnp.where(grows_up, _young_rows(acc), 0.0), grows_up)
+    rows = _Rows.of(b, _young_rows(acc), grows_up)  # an adult's gram and compensation: never read
     rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
     acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
     return fold(acc, rows, rows_sums, targets)
@@ -459,7 +465,7 @@ def _rows(acc: WhitenedAcc) -> jax.Array:
     root = _root(acc.gram - acc.compensation)
 
     def diagonal():
-        scale = jnp.diagonal(acc.basis)
+        scale = _diagonal(acc.basis)
         first = acc.basis[0].at[0].set(0.0) / scale
         return root / scale[None, :] - (root[:, :1] / scale[0]) * first[None, :]
 
