@@ -2,6 +2,7 @@
 says, an accumulator that overflows on finite rows, a fit over rows holding NaN."""
 
 import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -84,7 +85,9 @@ def test_a_solve_on_finite_rows_that_overflowed_says_so():
     x = np.clip(rng.normal(size=(256, 3)) * 1e38, -3e38, 3e38).astype(np.float32)  # every row finite
     assert np.isfinite(x).all()
     overflowed = r"the rows overflowed the float32 accumulator \(it holds at most 3.4e\+38\); scale the data down"
-    with pytest.raises(ss.UsageError, match=r"every row it folded is finite: " + overflowed) as err:
+    folded_finite = r"every row it folded is finite: " + overflowed
+    with warnings.catch_warnings(), pytest.raises(ss.UsageError, match=folded_finite) as err:
+        warnings.simplefilter("error")  # the one line only: numpy's warning of the inf factor's arithmetic was shown
         ss.run(ss.LinearRegression(), (x, x[:, 0].copy()), nan_policy="omit", **FIT)
     assert "rows hold NaN" not in str(err.value)
     # Under "propagate" NaN/inf rows would reach the accumulator too: both causes, and how to tell.

@@ -531,7 +531,10 @@ def factor(acc: WhitenedAcc) -> Factor:
     if bool(np.asarray(acc.young)):
         rows = np.concatenate([gram, compensation])
     else:
-        rows = _right_divide_upper(_host_root(gram - compensation), np.asarray(acc.basis, np.float64))
+        # an accumulator that overflowed holds inf: its NaN factor is what the solve reports, in one line, so no
+        # numpy warning of the arithmetic on the way
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            rows = _right_divide_upper(_host_root(gram - compensation), np.asarray(acc.basis, np.float64))
     r = np.linalg.qr(rows, mode="r")
     count = int(wide.to_int(acc.count))
     head = r[0, 0] if count and r[0, 0] else 1.0
