@@ -131,7 +131,7 @@ def kahan_add(total, lost, more):
 def kahan_total(total, lost, xp=np):
     """The compensated sum of :func:`kahan_add`'s ``total`` and ``lost`` (``xp``: numpy on the host, in float64;
     ``jax.numpy`` on the devices): ``total`` alone where ``lost`` is not finite (the sum reached an infinity)."""
-    return xp.where(xp.isfinite(lost), total - lost, total)
+    return total - xp.where(xp.isfinite(lost), lost, 0)  # total - 0 is total exactly, -0.0 and NaN too
 
 
 class CompensatedAcc(NamedTuple):
