@@ -53,11 +53,8 @@ def run(cmd: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT,
     stdout and stderr as text. A fork of the open fork server where it can run ``cmd`` (tests/forks.py), else a
     fresh process."""
     environment = environment or env()
-    server = forks.forkable(cmd, environment)
-    if server is None:
-        return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
-        proc = server.fork(cmd, str(cwd), environment, (null.fileno(), out.fileno(), err.fileno()))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = forks.start(cmd, cwd, environment, out, err, new_session=True)
         try:
             proc.wait(timeout)
         finally:
@@ -99,14 +96,7 @@ def started(cmd: list[str], log_path: Path, environment: dict[str, str] | None =
     output to ``log_path``; the group is killed on exit. A fork of the open fork server where it can run
     ``cmd`` (tests/forks.py), else a fresh process."""
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
-    environment = environment or env()
-    server = forks.forkable(cmd, environment)
-    if server is None:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    else:
-        with open(os.devnull, "rb") as null:
-            proc = server.fork(cmd, str(ROOT), environment, (null.fileno(), log.fileno(), log.fileno()))
+    proc = forks.start(cmd, ROOT, environment or env(), log, new_session=True)
     try:
         yield proc
     finally:

@@ -129,6 +129,19 @@ def forkable(cmd: list[str], env: dict[str, str]) -> Server | None:
     return server if all(env.get(k) == server.env.get(k) for k in keys) else None
 
 
+def start(cmd: list[str], cwd, env: dict[str, str], out, err=None, new_session: bool = False):
+    """``cmd`` running in ``cwd`` with ``env``, stdout to the file ``out`` and stderr to ``err`` (``out`` where None),
+    stdin empty: a fork of the open server where it can run ``cmd`` (it leads a session of its own), else a fresh
+    process (in a session of its own where ``new_session``)."""
+    err = out if err is None else err
+    server = forkable(cmd, env)
+    if server is None:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                start_new_session=new_session)
+    with open(os.devnull, "rb") as null:
+        return server.fork(cmd, str(cwd), env, (null.fileno(), out.fileno(), err.fileno()))
+
+
 @contextlib.contextmanager
 def serving(env: dict[str, str] | None = None) -> Iterator[Server]:
     """A fork server (environment ``env``, by default ``tests/cli.py``'s) for the processes started in the

@@ -75,13 +75,8 @@ def spawn(
                f"--num_processes={num_processes}", f"--process_id={i}",
                f"--devices_per_process={devices_per_process}", f"--port={port}",
                *(["--share_compiles"] if share_compiles else [])]
-        server = forks.forkable(cmd, child_env)
         with open(os.path.join(outdir, f"log-{i}.txt"), "wb") as log:
-            if server is None:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT))
-            else:  # a fork of the open fork server (tests/forks.py): the same run, without its imports
-                with open(os.devnull, "rb") as null:
-                    procs.append(server.fork(cmd, ROOT, child_env, (null.fileno(), log.fileno(), log.fileno())))
+            procs.append(forks.start(cmd, ROOT, child_env, log))  # a fork of the open fork server where there is one
     return procs
 
 

@@ -1,7 +1,6 @@
 """Kill anywhere (small): a SIGKILL at a random moment and one during a save, each rerun bitwise."""
 
 import json
-import os
 import sys
 
 import pytest
@@ -18,10 +17,9 @@ JOB = "import sys; from bench.faults import child; child(sys.argv[1], int(sys.ar
 def test_two_kills_each_rerun_bitwise_with_every_row_once(tmp_path, monkeypatch, capsys):
     def start(workdir, rows):  # bench/faults.py's start(), its job forked
         cmd, env = [sys.executable, "-c", JOB, str(workdir), str(rows)], faults.env()
-        server = forks.forkable(cmd, env)
-        assert server is not None, "a job process the fork server cannot run"
-        with open(workdir / "log.txt", "a") as log, open(os.devnull, "rb") as null:
-            return server.fork(cmd, str(cli.ROOT), env, (null.fileno(), log.fileno(), log.fileno()))
+        assert forks.forkable(cmd, env) is not None, "a job process the fork server cannot run"
+        with open(workdir / "log.txt", "a") as log:
+            return forks.start(cmd, cli.ROOT, env, log)
 
     out = tmp_path / "faults.json"
     monkeypatch.setattr(faults, "start", start)
