@@ -489,3 +489,27 @@ def test_groupby_moments_finalizes_every_key_at_once_as_each_keys_moments_and_pa
         assert np.isnan(got.mean[absent]).all() and (got.rows[absent] == 0).all() and (got.count[absent] == 0).all()
         assert (got.var[1] == 0).all() and np.isnan(got.mean[2, 1])
         assert (got.nan_count[2, 1] == (keys == 2).sum()) and got.min.dtype == np.float64
+
+
+def _eqns(jaxpr):
+    """The equations of ``jaxpr`` with those of its nested ``jit`` calls (not of its branches and loops)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("jit", "pjit"):
+            yield from _eqns(e.params["jaxpr"].jaxpr)
+        else:
+            yield e
+
+
+def test_groupby_moments_fold_scatters_each_kept_row_once_a_value_and_masks_no_values():
+    # issue 45 (the group-by moments row): a micro-batch of the peers' fields scatters each row's deviation and
+    # square, min and max, and two counts (GroupBy's, the fold's), 14 values a row of 3 columns (main: 18: the
+    # NaNs of every row, the first row of each key); the rows not kept go to no key (an index past the last)
+    # instead of a select of each value (main: 5 of them, (rows, 3)); NaNs and fresh keys' first rows in branches
+    combiner = ss.GroupBy(ss.Moments(fields=("mean", "var", "min", "max")), num_keys=K)
+    spec = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.float32))
+    acc = jax.eval_shape(lambda: combiner.init(spec))
+    rows = (jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64, 3), jnp.float32))
+    eqns = list(_eqns(jax.make_jaxpr(combiner.add)(acc, rows, jax.ShapeDtypeStruct((64,), bool)).jaxpr))
+    scattered = [e.invars[2].aval.shape for e in eqns if e.primitive.name.startswith("scatter")]
+    assert sum(int(np.prod(s[1:])) for s in scattered) == 14, scattered
+    assert not [e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.shape == (64, 3)]
