@@ -284,16 +284,18 @@ def first_rows(keys: jax.Array, valid: jax.Array, rounds: int | None = None) -> 
     rounds = HASH_ROUNDS if rounds is None else rounds
     d, n = keys.shape
     bits = max(int(np.ceil(np.log2(max(n, 2)))) + 1, 4)
-    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n))
-    rows = jnp.arange(d)[:, None]
+    size = 1 << bits
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n)).reshape(-1)
+    table_at, keys_at = (jnp.arange(d, dtype=jnp.int32)[:, None] * m for m in (size, n))
+    flat_keys = keys.reshape(-1)
 
-    def body(state):
+    def body(state):  # the columns' tables side by side in one flat table: 1-D scatter and gathers
         r, rep = state
         open_ = valid & (rep < 0)
-        slot = jnp.where(open_, round_hash(keys, r, bits), 1 << bits)
-        owner = jnp.full((d, 1 << bits), n, jnp.int32).at[rows, slot].min(pos, mode="drop")
-        mine = jnp.take_along_axis(owner, jnp.minimum(slot, (1 << bits) - 1), axis=1)
-        same = open_ & (jnp.take_along_axis(keys, jnp.minimum(mine, n - 1), axis=1) == keys)
+        slot = jnp.where(open_, round_hash(keys, r, bits) + table_at, d * size)
+        owner = jnp.full((d * size,), n, jnp.int32).at[slot.reshape(-1)].min(pos, mode="drop")
+        mine = owner[jnp.minimum(slot, d * size - 1)]
+        same = open_ & (flat_keys[jnp.minimum(mine, n - 1) + keys_at] == keys)
         return r + 1, jnp.where(same, mine, rep)
 
     def more(state):
