@@ -223,7 +223,7 @@ def test_hashing_finds_each_rows_first_row_under_colliding_keys_and_says_when_it
 
     from sharded_scan.combiners.sketches.keys import first_rows, round_hash
 
-    n, bits = 600, 11  # first_rows' table for 600 rows: 2^11 slots
+    n, bits = 600, 12  # first_rows' table for 600 rows: 2^12 slots
     r = np.random.default_rng(3)
     bad = colliding_keys(40, bits)
     slots = round_hash(jnp.asarray(bad.astype(np.uint32)), jnp.int32(0), bits)
@@ -262,7 +262,7 @@ def hashed_columns(n, seed=0):
     int64 extremes; five values (the extremes among them), counted exactly; values mostly seen once."""
     r = np.random.default_rng(seed)
     info = np.iinfo(np.int64)
-    table = np.concatenate([[info.min, info.max, -1, 0], colliding_keys(60, 12, wide=True).view(np.int64)])
+    table = np.concatenate([[info.min, info.max, -1, 0], colliding_keys(60, 13, wide=True).view(np.int64)])
     few = np.array([info.min, info.max, -1, 0, 2**40])
     return np.stack([table[zipf(n, universe=len(table), seed=seed) % len(table)], r.choice(few, n),
                      r.integers(-(2**62), 2**62, n)], 1)
