@@ -258,8 +258,8 @@ def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
 
 
 HASH_ROUNDS = 8  # first_rows' most rounds; a micro-batch left unresolved after them is sorted instead
-HASH_SLOTS_LOG2 = 2  # first_rows' table: at least 4n slots for n rows (2n: 3 rounds in each of 10 Zipf(1.1)
-# micro-batches of 16384 rows against 4096 slots; 4n: 2 in 9 of them, TopK's add 0.87-0.95x)
+HASH_SLOTS_LOG2 = 2  # first_rows' table: at least 4n slots for n rows (2n: 3 rounds in each of 30 Zipf(1.1)
+# micro-batches of 16384 rows against 4096 slots; 4n: 2 in 21 of them, TopK's add 0.87-0.95x; 8n: 2 in 28)
 
 
 def round_hash(keys: jax.Array, r: jax.Array, bits: int) -> jax.Array:
