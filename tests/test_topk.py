@@ -178,13 +178,52 @@ def colliding_keys(count, bits, seed=0, wide=False):
     return keys if not wide else keys * np.uint64(M32 + 1)  # 64 bits: high half = low half, their fold 0
 
 
+def test_keep_with_new_keeps_what_keep_largest_keeps_with_the_same_counts_and_bound():
+    """``topk.keep_with_new`` (the micro-batch's candidates as int32 runs, their slack the bound) keeps
+    ``keep_largest``'s entries, exact counts, slacks and new bound: counts past 2^16 and 2^32 (carried limbs),
+    ties at the bound's ``1 + D``, dropped entries on either side deciding the bound, a column that fits."""
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners import wide
+    from sharded_scan.combiners.sketches.topk import LIMBS, keep_largest, keep_with_new
+
+    r, c, m = np.random.default_rng(7), 64, 256
+    bound = np.array([70_000, 3, 2**33 + 5])  # D: over a limb, small, over 32 bits
+    count = r.choice([0, 1, 2, 65_535, 2**40], (3, c)) + r.integers(0, 3, (3, c))
+    slack = r.choice([0, 4, 2**20], (3, c))
+    runs = r.choice([1, 1, 1, 2, 3, 70_000], (3, m)).astype(np.int32)
+    valid = r.random((3, c + m)) < np.array([[0.95], [0.9], [0.2]])  # the last column: every valid one fits
+    keys = (r.permutation(3 * (c + m)).reshape(3, c + m) * 7919 + 11).astype(np.uint32)  # distinct
+
+    def of(x):
+        return wide.add(wide.of_int32(np.asarray(x) & 0xFFFF, LIMBS),
+                        wide.Wide(jnp.asarray(np.stack([np.zeros_like(x), (x >> 16) & 0xFFFF, x >> 32], -1),
+                                              jnp.int32)))
+
+    d = of(bound)
+    ours = jax.jit(lambda k, n, s, u, v, b: keep_with_new(k, n, s, u, v, b, c))(keys, of(count), of(slack), runs,
+                                                                                valid, d)
+    everything = (wide.Wide(jnp.concatenate([of(count).limbs, wide.of_int32(runs, LIMBS).limbs], 1)),
+                  wide.Wide(jnp.concatenate([of(slack).limbs, jnp.broadcast_to(d.limbs[:, None], (3, m, LIMBS))], 1)))
+    theirs = jax.jit(lambda k, n, s, v, b: keep_largest(k, n, s, v, b, c))(keys, *everything, valid, d)
+    np.testing.assert_array_equal(ours[3], theirs[3])
+    np.testing.assert_array_equal(ours[4].limbs, theirs[4].limbs)
+    assert wide.to_int(ours[4]).tolist() != bound.tolist()  # something was dropped above D
+    for j in range(3):  # the same entries (keep_largest's are in score order, ours in index order)
+        mine, want = np.argsort(np.asarray(ours[0][j])), np.argsort(np.asarray(theirs[0][j]))
+        np.testing.assert_array_equal(np.asarray(ours[0][j])[mine], np.asarray(theirs[0][j])[want])
+        for got, ref in ((ours[1], theirs[1]), (ours[2], theirs[2])):
+            np.testing.assert_array_equal(np.asarray(got.limbs[j])[mine], np.asarray(ref.limbs[j])[want])
+
+
 def test_hashing_finds_each_rows_first_row_under_colliding_keys_and_says_when_it_gives_up():
     import jax
     import jax.numpy as jnp
 
     from sharded_scan.combiners.sketches.keys import first_rows, round_hash
 
-    n, bits = 600, 11  # first_rows' table for 600 rows: 2^11 slots
+    n, bits = 600, 12  # first_rows' table for 600 rows: 2^12 slots
     r = np.random.default_rng(3)
     bad = colliding_keys(40, bits)
     slots = round_hash(jnp.asarray(bad.astype(np.uint32)), jnp.int32(0), bits)
@@ -223,7 +262,7 @@ def hashed_columns(n, seed=0):
     int64 extremes; five values (the extremes among them), counted exactly; values mostly seen once."""
     r = np.random.default_rng(seed)
     info = np.iinfo(np.int64)
-    table = np.concatenate([[info.min, info.max, -1, 0], colliding_keys(60, 12, wide=True).view(np.int64)])
+    table = np.concatenate([[info.min, info.max, -1, 0], colliding_keys(60, 13, wide=True).view(np.int64)])
     few = np.array([info.min, info.max, -1, 0, 2**40])
     return np.stack([table[zipf(n, universe=len(table), seed=seed) % len(table)], r.choice(few, n),
                      r.integers(-(2**62), 2**62, n)], 1)

@@ -258,6 +258,8 @@ def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
 
 
 HASH_ROUNDS = 8  # first_rows' most rounds; a micro-batch left unresolved after them is sorted instead
+HASH_SLOTS_LOG2 = 2  # first_rows' table: at least 4n slots for n rows (2n: 3 rounds in each of 30 Zipf(1.1)
+# micro-batches of 16384 rows against 4096 slots; 4n: 2 in 21 of them, TopK's add 0.87-0.95x; 8n: 2 in 28)
 
 
 def round_hash(keys: jax.Array, r: jax.Array, bits: int) -> jax.Array:
@@ -274,7 +276,7 @@ def first_rows(keys: jax.Array, valid: jax.Array, rounds: int | None = None) -> 
     """Per row of ``keys`` ``(d, n)``, the index of the first valid row of its column holding the same key,
     found by hashing instead of sorting; and whether every valid row was resolved within ``rounds``.
 
-    Each round hashes the unresolved keys into a table of at least ``2n`` slots (a new seed a round),
+    Each round hashes the unresolved keys into a table of at least ``4n`` slots (a new seed a round),
     keeps the lowest row index in each slot (a scatter-min) and resolves the rows whose slot's owner holds
     their own key, compared whole: a hash collision costs a round, never merges two keys. Every row of a
     key lands in the same slot, so a key's rows resolve together, to its first row; the lowest unresolved
@@ -283,17 +285,19 @@ def first_rows(keys: jax.Array, valid: jax.Array, rounds: int | None = None) -> 
     """
     rounds = HASH_ROUNDS if rounds is None else rounds
     d, n = keys.shape
-    bits = max(int(np.ceil(np.log2(max(n, 2)))) + 1, 4)
-    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n))
-    rows = jnp.arange(d)[:, None]
+    bits = max(int(np.ceil(np.log2(max(n, 2)))) + HASH_SLOTS_LOG2, 4)
+    size = 1 << bits
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n)).reshape(-1)
+    table_at, keys_at = (jnp.arange(d, dtype=jnp.int32)[:, None] * m for m in (size, n))
+    flat_keys = keys.reshape(-1)
 
-    def body(state):
+    def body(state):  # the columns' tables side by side in one flat table: 1-D scatter and gathers
         r, rep = state
         open_ = valid & (rep < 0)
-        slot = jnp.where(open_, round_hash(keys, r, bits), 1 << bits)
-        owner = jnp.full((d, 1 << bits), n, jnp.int32).at[rows, slot].min(pos, mode="drop")
-        mine = jnp.take_along_axis(owner, jnp.minimum(slot, (1 << bits) - 1), axis=1)
-        same = open_ & (jnp.take_along_axis(keys, jnp.minimum(mine, n - 1), axis=1) == keys)
+        slot = jnp.where(open_, round_hash(keys, r, bits) + table_at, d * size)
+        owner = jnp.full((d * size,), n, jnp.int32).at[slot.reshape(-1)].min(pos, mode="drop")
+        mine = owner[jnp.minimum(slot, d * size - 1)]
+        same = open_ & (flat_keys[jnp.minimum(mine, n - 1) + keys_at] == keys)
         return r + 1, jnp.where(same, mine, rep)
 
     def more(state):

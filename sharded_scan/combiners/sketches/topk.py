@@ -215,6 +215,12 @@ def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tupl
     return at, found
 
 
+def running_sum(x: jax.Array) -> jax.Array:
+    """``jnp.cumsum(x, axis=1)`` of integers by ``lax.associative_scan``'s tree: the same sums (integers add
+    exactly in any order), 2-4x faster on XLA:CPU, which runs ``cumsum`` as windowed reductions of 16."""
+    return jax.lax.associative_scan(jnp.add, x, axis=1)
+
+
 def _threshold(keys: jax.Array, capacity: int) -> jax.Array:
     """Per row ``(d, 1)``, the largest ``t`` with at least ``capacity`` of ``keys`` at or above it, one
     bit at a time from the top (a count over the row each)."""
@@ -256,10 +262,10 @@ def _select(score: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Arra
     t = jax.lax.cond(jnp.all(found), lambda: t, lambda: jnp.where(found, t, _threshold(keys, capacity)))
     above, tie = keys > t, valid & (keys == t)
     if keys.shape[1] < 1 << 15:  # both ranks from one running sum: ties counted in the upper bits
-        ranked = jnp.cumsum(above.astype(jnp.int32) | (tie.astype(jnp.int32) << 15), axis=1)
+        ranked = running_sum(above.astype(jnp.int32) | (tie.astype(jnp.int32) << 15))
         ranked_above, ranked_tie = ranked & 0x7FFF, ranked >> 15
     else:
-        ranked_above, ranked_tie = (jnp.cumsum(m, axis=1, dtype=jnp.int32) for m in (above, tie))
+        ranked_above, ranked_tie = (running_sum(m.astype(jnp.int32)) for m in (above, tie))
     need = capacity - ranked_above[:, -1:]  # ties taken, lowest index first
     chosen = above | (tie & (ranked_tie <= need))
     slot = jnp.where(chosen, ranked_above + jnp.minimum(ranked_tie, need) - 1, capacity)
@@ -277,24 +283,49 @@ def _top_k(score: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array
     return index, jnp.take_along_axis(valid, index, axis=1), chosen
 
 
-def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int, counts=ExactCounts,
-                 fast: bool = False):
+def keep_largest(keys, count: Wide, slack: Wide, valid, bound: Wide, capacity: int, counts=ExactCounts):
     """The ``capacity`` valid candidates with the largest ``count + slack`` per column, and the new ``D``.
 
     Returns ``(keys, count, slack, held, bound)``; the kept entries come first. ``counts``: the
-    arithmetic of the counts (:class:`ExactCounts` or :class:`WeightCounts`); ``fast``: chosen by
-    :func:`_select` (a micro-batch of at least ``SELECT_ROWS`` rows of counts), else by ``lax.top_k``: the same
-    entries (their order differs, which nothing reads).
+    arithmetic of the counts (:class:`ExactCounts` or :class:`WeightCounts`). Chosen by ``lax.top_k``; a
+    micro-batch of at least ``SELECT_ROWS`` rows of counts is kept by :func:`keep_with_new`, by :func:`_select`:
+    the same entries (their order differs, which nothing reads).
     """
     high = counts.add(count, slack)
-    pick = _select if fast else _top_k
-    index, kept, chosen = pick(counts.score(high), valid, capacity)  # float only chooses; the bounds stay exact
+    index, kept, chosen = _top_k(counts.score(high), valid, capacity)  # float only chooses; the bounds stay exact
     bound = counts.maximum(bound, counts.masked_max(high, valid & ~chosen))
     zero = counts.zeros(kept.shape)
     return (
         jnp.where(kept, jnp.take_along_axis(keys, index, axis=1), fill(keys.dtype)),
         counts.where(kept, counts.take(count, index), zero), counts.where(kept, counts.take(slack, index), zero),
         jnp.sum(kept, axis=1, dtype=jnp.int32), bound,
+    )
+
+
+def keep_with_new(keys, count: Wide, slack: Wide, runs: jax.Array, valid, bound: Wide, capacity: int):
+    """:func:`keep_largest`'s entries, counts and bound (exact counts), chosen by :func:`_select`, of the
+    monitored entries then a micro-batch's: ``keys`` ``(d, capacity + m)``; the monitored ones' ``count`` and
+    ``slack`` ``(d, capacity)``; the micro-batch's ``runs`` ``(d, m)``, int32 rows, each with ``slack = bound``.
+    The micro-batch's part stays int32 (its largest dropped ``count + slack`` is ``bound`` + its largest run),
+    so only ``capacity`` entries carry limbs (concatenated, gathered, their largest taken), not ``capacity + m``."""
+    cap = count.limbs.shape[1]
+    high, high_new = wide.add(count, slack), wide.add(wide.of_int32(runs, LIMBS), _spread(bound, runs.shape[1]))
+    score = jnp.concatenate([wide.to_float(high), wide.to_float(high_new)], axis=1)
+    index, kept, chosen = _select(score, valid, capacity)
+    dropped = valid & ~chosen
+    dropped_new = dropped[:, cap:]
+    most = jnp.max(jnp.where(dropped_new, runs, 0), axis=1)
+    largest_new = _where(jnp.any(dropped_new, axis=1), wide.add(wide.of_int32(most, LIMBS), bound),
+                         wide.zeros(most.shape, LIMBS))
+    new_bound = maximum(bound, maximum(masked_max(high, dropped[:, :cap]), largest_new))
+    old = index < cap
+    at_old, at_new = jnp.minimum(index, cap - 1), jnp.maximum(index - cap, 0)
+    zero = wide.zeros(kept.shape, LIMBS)
+    count = _where(old, _take(count, at_old), wide.of_int32(jnp.take_along_axis(runs, at_new, axis=1), LIMBS))
+    slack = _where(old, _take(slack, at_old), _spread(bound, capacity))
+    return (
+        jnp.where(kept, jnp.take_along_axis(keys, index, axis=1), fill(keys.dtype)),
+        _where(kept, count, zero), _where(kept, slack, zero), jnp.sum(kept, axis=1, dtype=jnp.int32), new_bound,
     )
 
 
@@ -377,10 +408,9 @@ class TopK(SplitsEachColumn, Combiner):
         batch_row = valid & (pos >= cap)
         runs = jnp.zeros((d, n), jnp.int32).at[jnp.arange(d)[:, None], jnp.where(batch_row, rep, n)].add(
             1, mode="drop")
-        keys, count, slack, held, bound = keep_largest(
-            keys, c.concat(c.add(acc.count, c.of(runs[:, :cap])), c.of(runs[:, cap:])),
-            c.concat(acc.slack, c.spread(acc.bound, n - cap)), valid & ((pos < cap) | (rep == pos)),
-            acc.bound, cap, c, fast=True,
+        keys, count, slack, held, bound = keep_with_new(
+            keys, c.add(acc.count, c.of(runs[:, :cap])), acc.slack, runs[:, cap:],
+            valid & ((pos < cap) | (rep == pos)), acc.bound, cap,
         )
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
@@ -392,11 +422,12 @@ class TopK(SplitsEachColumn, Combiner):
         pos = jnp.arange(mb, dtype=jnp.int32)
         first = (pos < real) & jnp.concatenate([jnp.ones((d, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
         if weights is None:
-            later = jax.lax.cummin(jnp.where(first, pos, real), axis=1, reverse=True)  # next run start at or after
+            later = jax.lax.associative_scan(jnp.minimum, jnp.where(first, pos, real), reverse=True, axis=1)
+            # ^ each row's next run start at or after it (lax.cummin's, as running_sum is cumsum's)
             run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), real)], axis=1)
             runs = jnp.where(first, run_end - pos, 0)  # rows of each value, at its first row
         else:
-            run = jnp.maximum(jnp.cumsum(first, axis=1) - 1, 0)  # each row's run
+            run = jnp.maximum(running_sum(first.astype(jnp.int32)) - 1, 0)  # each row's run
             sums = jax.vmap(lambda w, r: jax.ops.segment_sum(w, r, mb))(weights, run)
             runs = jnp.where(first, jnp.take_along_axis(sums, run, axis=1), 0)
         monitored = self._monitored(acc)
@@ -405,11 +436,14 @@ class TopK(SplitsEachColumn, Combiner):
         count = c.add(acc.count, c.of(jnp.where(hit, jnp.take_along_axis(runs, jnp.minimum(at, mb - 1), 1), 0)))
         # A monitored key found in the batch sits at its run's first row: those runs are known.
         known = jnp.zeros((d, mb), bool).at[jnp.arange(d)[:, None], jnp.where(hit, at, mb)].set(True, mode="drop")
-        keys, count, slack, held, bound = keep_largest(
-            jnp.concatenate([acc.keys, s], axis=1), c.concat(count, c.of(runs)),
-            c.concat(acc.slack, c.spread(acc.bound, mb)), jnp.concatenate([monitored, first & ~known], axis=1),
-            acc.bound, self.capacity, c, fast=mb >= SELECT_ROWS and weights is None,  # sums of weights: no guess
-        )
+        keys, valid = jnp.concatenate([acc.keys, s], axis=1), jnp.concatenate([monitored, first & ~known], axis=1)
+        if mb >= SELECT_ROWS and weights is None:  # sums of weights: no guess
+            keys, count, slack, held, bound = keep_with_new(keys, count, acc.slack, runs, valid, acc.bound,
+                                                            self.capacity)
+        else:
+            keys, count, slack, held, bound = keep_largest(
+                keys, c.concat(count, c.of(runs)), c.concat(acc.slack, c.spread(acc.bound, mb)), valid, acc.bound,
+                self.capacity, c)
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
     def omitting_values(self):
