@@ -32,3 +32,18 @@ def test_a_singular_matrix_deflates_its_dependent_columns(n):
     keep = ~np.asarray(deflated)
     np.testing.assert_allclose((u[keep].T @ u[keep]), m, atol=1e-5)
     assert np.isfinite(np.asarray(u_inv)).all()
+
+
+def test_the_inverse_comes_from_the_factorization_two_products_a_block():
+    # Issue 45 item 4: U⁻¹ from the elimination of [a|I] (rows [U|U⁻ᵀ]) and each diagonal block's from its own row
+    # loop: two matrix products a block, where a block column of U⁻¹ took two more (under logical_shards each is a
+    # handful of kernels to compile); without the inverse, U is the same, bit for bit.
+    a = np.random.default_rng(3).normal(size=(143, 70))
+    m = (a.T @ a / 143).astype(np.float32)
+    assert str(jax.make_jaxpr(dense.cholesky_upper)(m)).count("dot_general[") == 2
+    u, deflated, u_inv = jax.jit(dense.cholesky_upper)(m)
+    alone, alone_deflated, none = jax.jit(lambda m: dense.cholesky_upper(m, inverse=False))(m)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(u))
+    np.testing.assert_array_equal(np.asarray(alone_deflated), np.asarray(deflated))
+    assert np.abs(np.asarray(u, np.float64) @ np.asarray(u_inv, np.float64) - np.eye(70)).max() < 1e-5

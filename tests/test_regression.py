@@ -308,6 +308,25 @@ def test_the_whitened_power_estimate_traces_its_operator_once_and_estimates_the_
     assert abs(float(whitened._power_estimate(lambda v: m @ v, np.ones(8, np.float32))) - 8) < 0.2
 
 
+def test_a_re_whitening_pass_multiplies_by_the_old_basis_once():
+    # Issue 45 item 4: each matrix product of LinearRegression's pair merge is a handful of kernels to compile under
+    # logical_shards. A re-whitening pass took three products with the old basis (for _null_free's columns, their
+    # norms and the new basis) and _null_free's T a fourth; it now takes one (_null_free updates the basis and V
+    # elementwise), and the Cholesky two a block where it took four: a pass 18 -> 12 products, the merge 30 -> 22.
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.linalg import whitened
+
+    p = 69
+    acc = whitened.init(p, np.float32)
+    state = whitened._Whitening(acc.basis, acc.gram, acc.gram, acc.floor, acc.diagonal)
+    rows = whitened._Rows.of(jnp.zeros((2 * p + 2, p + 1), jnp.float32))
+    one_pass = jax.make_jaxpr(lambda s, r: whitened._rewhiten(s, r, acc.start, 1, True))(state, rows)
+    assert str(one_pass).count("dot_general[") <= 12
+    assert str(jax.make_jaxpr(lambda a, b: whitened.merge(a, b, 1))(acc, acc)).count("dot_general[") <= 22
+
+
 def test_a_young_whitened_shard_keeps_its_rows_as_they_are_and_neither_add_nor_merge_runs_a_qr():
     # Issue 45 item 4: a young shard (fewer than 2n rows) kept the R of its rows, a Householder QR of [R; rows]
     # a micro-batch, and a merge of two young shards ran another: under logical_shards (micro-batches of 256

@@ -34,7 +34,8 @@ def _set_row(a: jax.Array, row, j) -> jax.Array:
 
 
 def _cholesky_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array]:
-    """Upper U with UᵀU = a, row by row (for one small block), and its deflated rows.
+    """Upper U with UᵀU = a, row by row (for one small block), and its deflated rows; for ``a``
+    wider than tall (``[a | B]``), ``[U | U⁻ᵀ B]``: ``[a | I]`` gives ``U⁻ᵀ`` in the same loop.
 
     Right-looking: row ``j`` of ``U`` is row ``j`` of what is left of ``a`` over its pivot,
     and its outer product leaves the rows after it. Elementwise only (no ``dot``): a small
@@ -42,7 +43,8 @@ def _cholesky_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array]:
     A pivot whose square is at most ``deflate_below`` (a column that adds nothing to
     the ones before it, in working precision) gets a unit row ``e_j`` instead.
     """
-    index = jnp.arange(a.shape[0])
+    size = a.shape[0]
+    index = jnp.arange(a.shape[1])
 
     def row(j, carry):
         left, deflated = carry  # rows before j: U's; the rest: a less their outer products
@@ -50,11 +52,19 @@ def _cholesky_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array]:
         square = _row(here, j)
         flat = square <= deflate_below
         pivot = jnp.where(flat, 1.0, jnp.sqrt(jnp.maximum(square, 0.0)))
-        after = jnp.where((index > j) & ~flat, here / pivot, 0.0)
-        left = left - after[:, None] * after[None, :]
+        after = jnp.where(((index > j) & ~flat) | (index >= size), here / pivot, 0.0)
+        left = left - after[:size, None] * after[None, :]
         return _set_row(left, jnp.where(index == j, pivot, after), j), _set_row(deflated, flat, j)
 
-    return jax.lax.fori_loop(0, a.shape[0], row, (a, jnp.zeros_like(a[0], bool)))
+    return jax.lax.fori_loop(0, size, row, (a, jnp.zeros_like(a[0, :size], bool)))
+
+
+def _factor_block(a: jax.Array, deflate_below) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(U, deflated, U⁻¹)`` of one small block, from one loop (:func:`_cholesky_block` of ``[a | I]``)."""
+    size = a.shape[0]
+    rows, deflated = _cholesky_block(jnp.concatenate([a, jnp.eye(size, dtype=a.dtype) + jnp.zeros_like(a)], 1),
+                                     deflate_below)
+    return rows[:, :size], deflated, rows[:, size:].T
 
 
 def _inverse_block(u: jax.Array) -> jax.Array:
@@ -85,40 +95,50 @@ def _column_block(x: jax.Array, u: jax.Array, start, block: int, ukk_inv: jax.Ar
     return jax.lax.dynamic_update_slice(column, ukk_inv, (start, 0))
 
 
-def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK) -> tuple[jax.Array, jax.Array, jax.Array]:
+def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK, inverse: bool = True
+                   ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Upper-triangular ``U`` with ``UᵀU = a`` (symmetric positive semidefinite), and ``U⁻¹``.
 
-    Right-looking by blocks; block column ``k`` of ``U⁻¹`` follows as soon as ``U``'s is
-    complete. A pivot whose square is at most ``deflate_below`` (a direction ``a`` does
-    not span, in working precision) gets the unit row ``e_j`` and adds nothing to the
-    later columns, so ``U`` stays finite and invertible where ``a`` is singular.
+    Right-looking by blocks. ``U⁻¹`` comes from the same elimination: ``[a | I]`` factored as far as
+    ``a`` goes has ``[U | U⁻ᵀ]`` for rows (``UᵀU⁻ᵀ = I``), so each block row's panel and the update
+    after it carry ``U⁻ᵀ``'s columns beside ``U``'s: two matrix products a block, where a block column of
+    ``U⁻¹`` of its own took two more (under ``logical_shards`` each product is a handful of kernels to
+    compile); the diagonal block's ``U⁻¹`` comes from its own row loop the same way (:func:`_factor_block`).
+    ``U``'s columns are products of ``U``'s alone, the same with or without ``U⁻ᵀ``'s. A pivot whose
+    square is at most ``deflate_below`` (a direction ``a`` does not span, in working precision) gets the unit
+    row ``e_j`` and adds nothing to the later columns, so ``U`` stays finite and invertible where ``a`` is
+    singular.
 
     Returns:
-      ``(U, deflated, U⁻¹)``: ``UᵀU = a`` up to the rows ``deflated`` marks.
+      ``(U, deflated, U⁻¹)``: ``UᵀU = a`` up to the rows ``deflated`` marks; ``U⁻¹`` None unless ``inverse``.
     """
     n = a.shape[0]
     if n <= block:  # one block: no outer loop (a much smaller program to compile)
-        u, deflated = _cholesky_block(a, deflate_below)
-        return u, deflated, _inverse_block(u)
+        if inverse:
+            return _factor_block(a, deflate_below)
+        return (*_cholesky_block(a, deflate_below), None)
     a = _padded(a, block)
     size = a.shape[0]
-    columns = jnp.arange(size)
+    if inverse:
+        a = jnp.concatenate([a, jnp.eye(size, dtype=a.dtype) + jnp.zeros_like(a)], axis=1)  # varying like a
+    columns = jnp.arange(a.shape[1])
 
     def step(k, carry):
-        a, u, x, deflated = carry
+        a, u, deflated = carry
         start = k * block
-        ukk, flat = _cholesky_block(jax.lax.dynamic_slice(a, (start, start), (block, block)), deflate_below)
-        ukk_inv = _inverse_block(ukk)
-        panel = ukk_inv.T @ jax.lax.dynamic_slice(a, (start, 0), (block, size))
-        panel = jnp.where((columns[None, :] >= start + block) & ~flat[:, None], panel, 0.0)
-        a = a - panel.T @ panel
+        ukk, flat, ukk_inv = _factor_block(jax.lax.dynamic_slice(a, (start, start), (block, block)), deflate_below)
+        panel = ukk_inv.T @ jax.lax.dynamic_slice(a, (start, 0), (block, a.shape[1]))
+        # U's columns after the block, of rows that are not deflated; U⁻ᵀ's whole (a deflated row's too: its
+        # unit pivot leaves what is left of I's rows there)
+        keep = (columns[None, :] >= start + block) & (~flat[:, None] | (columns[None, :] >= size))
+        panel = jnp.where(keep, panel, 0.0)
+        head = panel[:, :size]
+        a = a - (head.T @ head if a.shape[1] == size else head.T @ panel)
         u = jax.lax.dynamic_update_slice(u, jax.lax.dynamic_update_slice(panel, ukk, (0, start)), (start, 0))
-        x = jax.lax.dynamic_update_slice(x, _column_block(x, u, start, block, ukk_inv), (0, start))
-        return a, u, x, jax.lax.dynamic_update_slice(deflated, flat, (start,))
+        return a, u, jax.lax.dynamic_update_slice(deflated, flat, (start,))
 
-    zeros = jnp.zeros_like(a)
-    _, u, x, deflated = jax.lax.fori_loop(0, size // block, step, (a, zeros, zeros, zeros[0] > 0))
-    return u[:n, :n], deflated[:n], x[:n, :n]
+    _, u, deflated = jax.lax.fori_loop(0, size // block, step, (a, jnp.zeros_like(a), jnp.zeros_like(a[0, :size]) > 0))
+    return u[:n, :n], deflated[:n], u[:n, size : size + n].T if inverse else None
 
 
 def triangular_inverse(u: jax.Array, block: int = BLOCK) -> jax.Array:

@@ -138,8 +138,10 @@ def _scales(m: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, scale, 1.0)
 
 
-def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(scale, U, deflated, U⁻¹)`` with ``UᵀU`` the correlations ``m / (scale scaleᵀ)``.
+def _correlation_root(m: jax.Array, deflate, inverse: bool = True
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """``(scale, U, deflated, U⁻¹)`` with ``UᵀU`` the correlations ``m / (scale scaleᵀ)`` (``U⁻¹`` None unless
+    ``inverse``).
 
     Columns of ``m`` that are all zero get a unit diagonal (left alone). Where
     ``deflate`` (a bool, may be traced), directions ``m`` does not span in working
@@ -152,18 +154,20 @@ def _correlation_root(m: jax.Array, deflate) -> tuple[jax.Array, jax.Array, jax.
     k = jnp.where(jnp.diag(_diagonal(m) <= 0), 1.0, k)
     noise = _noise(m)
     eye = jnp.eye(m.shape[0], dtype=m.dtype)
-    return (scale, *dense.cholesky_upper(k + jnp.where(deflate, 0.0, noise) * eye, jnp.where(deflate, noise, -1.0)))
+    shifted = k + jnp.where(deflate, 0.0, noise) * eye
+    return (scale, *dense.cholesky_upper(shifted, jnp.where(deflate, noise, -1.0), inverse=inverse))
 
 
 def _power_estimate(apply, v: jax.Array) -> jax.Array:
-    """About the largest eigenvalue of the symmetric PSD operator ``apply``, by power steps from ``v``."""
+    """About the largest eigenvalue of the symmetric PSD operator ``apply``, by power steps from ``v`` (any
+    length: the first step's quotient, of ``v`` as it is, is not the one returned)."""
 
     def step(_, carry):  # the Rayleigh quotient of v beside the next v: `apply` traced once, in the loop
         v, _ = carry
         w = apply(v)
-        return w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(w.dtype).tiny), v @ w
+        squares, quotient = jnp.stack([w, v]) @ w  # w @ w and v @ w in one ordered product
+        return w / jnp.maximum(jnp.sqrt(squares), jnp.finfo(w.dtype).tiny), quotient
 
-    v = v / jnp.linalg.norm(v)
     return jax.lax.fori_loop(0, POWER_STEPS + 1, step, (v, jnp.zeros_like(v[0])))[1]
 
 
@@ -200,7 +204,7 @@ def _power_of_two_below(x: jax.Array) -> jax.Array:
 
 def _root(m: jax.Array) -> jax.Array:
     """Rows ``F`` with ``FᵀF = m`` (symmetric PSD): its Cholesky factor, zero rows where it is singular."""
-    scale, u, deflated, _ = _correlation_root(m, deflate=True)
+    scale, u, deflated, _ = _correlation_root(m, deflate=True, inverse=False)
     flat = deflated | (_diagonal(m) <= 0)
     return jnp.where(flat[:, None], 0.0, u) * scale[None, :]
 
@@ -284,10 +288,10 @@ def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, de
 
     def full():
         v = u_inv / scale[:, None]  # Vᵀ (gram + batch) V = I where it spans
-        v = v @ _null_free((state.basis @ v) / start[:, None], deflated)
-        norms = jnp.linalg.norm((state.basis @ v) / start[:, None], axis=0)
-        v = v / jnp.where(norms > 0, norms, 1.0)[None, :]
-        basis = state.basis @ v
+        basis, v = _null_free(state.basis @ v, v, start, deflated)
+        norms = jnp.linalg.norm(basis / start[:, None], axis=0)
+        norms = jnp.where(norms > 0, norms, 1.0)[None, :]
+        basis, v = basis / norms, v / norms
         batch = rows.gram(lambda part: _times_basis(part, basis))
         floor = jnp.full_like(smallest, 0.5)
         return _Whitening(basis, v.T @ state.gram @ v, batch, floor, jnp.zeros_like(state.diagonal))
@@ -295,32 +299,36 @@ def _rewhiten(state: _Whitening, rows: _Rows, start: jax.Array, targets: int, de
     return jax.lax.cond(stay, keep_diagonal, full)
 
 
-def _null_free(w: jax.Array, null: jax.Array) -> jax.Array:
-    """A unit upper-triangular ``T`` such that the columns of ``w T`` after a ``null`` column
-    have no component along it (Gram-Schmidt in coefficient space).
+def _null_free(basis: jax.Array, v: jax.Array, start: jax.Array, null: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(basis T, v T)`` for the unit upper-triangular ``T`` such that the columns of ``w T`` (``w = basis /
+    start``, the basis in the data's units) after a ``null`` column have no component along it (Gram-Schmidt in
+    coefficient space).
 
     A column the data does not span (``b w_j = 0`` exactly) adds nothing to ``b w_k`` in
     exact arithmetic whatever its multiple in ``w_k``, but its rounding does: taking it
     out keeps a later column (a regression's ``y``) free of that noise.
 
-    Only the ``null`` columns, in order, take a turn: another column's turn took out nothing
-    (and each turn is a product with ``w``, under ``logical_shards`` 0.2 ms at n = 258).
+    Only the ``null`` columns, in order, take a turn: another column's turn took out nothing. A turn takes
+    column ``j`` (times ``beta``) off the columns after it in both, elementwise: ``basis T`` and ``v T`` without
+    a matrix product (none at all where no column is null, most passes; under ``logical_shards`` each product is a
+    handful of kernels to compile).
     """
-    n = w.shape[0]
+    n = basis.shape[0]
 
     def after(j):  # the first null column after j; n where none is
         later = null & (jnp.arange(n) > j)
         return jnp.where(jnp.any(later), jnp.argmax(later), n)
 
     def one(carry):
-        j, w, t = carry
+        j, basis, v = carry
+        w = basis / start[:, None]
         wj = w[:, j]
-        beta = (wj @ w) / jnp.maximum(wj @ wj, jnp.finfo(w.dtype).tiny)
+        products = wj @ w  # its j-th: wj @ wj (the same sum, term for term)
+        beta = products / jnp.maximum(products[j], jnp.finfo(w.dtype).tiny)
         beta = jnp.where(jnp.arange(n) > j, beta, 0.0)
-        return after(j), w - jnp.outer(wj, beta), t - jnp.outer(t[:, j], beta)
+        return after(j), basis - jnp.outer(basis[:, j], beta), v - jnp.outer(v[:, j], beta)
 
-    eye = jnp.eye(n, dtype=w.dtype) + jnp.zeros_like(w)  # varying like w inside shard_map
-    return jax.lax.while_loop(lambda carry: carry[0] < n, one, (after(-1), w, eye))[2]
+    return jax.lax.while_loop(lambda carry: carry[0] < n, one, (after(-1), basis, v))[1:]
 
 
 # The most rows one reduction of the fold sums at once (_Rows); as many as a micro-batch of a job with
