@@ -257,6 +257,27 @@ def test_hashing_finds_each_rows_first_row_under_colliding_keys_and_says_when_it
         np.testing.assert_array_equal(rep, want(keys, valid))
 
 
+def test_running_sum_and_max_equal_cumsum_and_cummax_on_random_and_edge_int32_rows():
+    """keys.running_sum / running_max (TopK's ranks, DistinctCount's exact slots, fold_groups' run starts) give
+    ``jnp.cumsum`` / ``lax.cummax`` bit for bit: all-False, all-True, random 0/1 and full-range int32 rows
+    (wrapping sums), and one element."""
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.sketches.keys import running_max, running_sum
+
+    r = np.random.default_rng(5)
+    info = np.iinfo(np.int32)
+    for n in (1, 37):
+        x = np.stack([np.zeros(n), np.ones(n), r.random(n) < 0.3,
+                      r.choice([info.min, info.max, -1, 0, 1, *r.integers(info.min, info.max, 4)], n)]).astype(np.int32)
+        got = jax.jit(lambda x: (running_sum(x), running_max(x, axis=1), running_max(x[3])))(jnp.asarray(x))
+        want = (jnp.cumsum(x, axis=1), jax.lax.cummax(jnp.asarray(x), axis=1), jax.lax.cummax(jnp.asarray(x[3])))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == jnp.int32
+            np.testing.assert_array_equal(g, w)
+
+
 def hashed_columns(n, seed=0):
     """int64 rows ``(n, 3)``: Zipf over values whose 32-bit folds and round-0 slots are all one, with the
     int64 extremes; five values (the extremes among them), counted exactly; values mostly seen once."""

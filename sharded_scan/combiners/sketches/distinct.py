@@ -52,6 +52,7 @@ from sharded_scan.combiners.sketches.keys import (
     mix32,
     mix64,
     run_window,
+    running_sum,
     sort_by_key,
 )
 from sharded_scan.combiners.wrappers.each_column import EachColumn
@@ -126,7 +127,7 @@ def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax
     s = jnp.sort(keys, axis=1)
     pos = jnp.arange(s.shape[1], dtype=jnp.int32)
     fresh = (pos < valid[:, None]) & jnp.concatenate([jnp.ones_like(s[:, :1], bool), s[:, 1:] != s[:, :-1]], axis=1)
-    slot = jnp.where(fresh, jnp.cumsum(fresh, axis=1) - 1, capacity)
+    slot = jnp.where(fresh, running_sum(fresh.astype(jnp.int32)) - 1, capacity)
     rows = jnp.arange(s.shape[0])[:, None]
     kept = jnp.full((s.shape[0], capacity + 1), fill(s.dtype), s.dtype).at[rows, jnp.minimum(slot, capacity)].set(s)
     return kept[:, :capacity], jnp.sum(fresh, axis=1, dtype=jnp.int32)
