@@ -258,21 +258,23 @@ def test_hashing_finds_each_rows_first_row_under_colliding_keys_and_says_when_it
 
 
 def test_running_sum_and_max_equal_cumsum_and_cummax_on_random_and_edge_int32_rows():
-    """keys.running_sum / running_max (TopK's ranks, DistinctCount's exact slots, fold_groups' run starts) give
-    ``jnp.cumsum`` / ``lax.cummax`` bit for bit: all-False, all-True, random 0/1 and full-range int32 rows
-    (wrapping sums), and one element."""
+    """keys.running_sum / running_max / running_min (TopK's ranks and run ends, DistinctCount's exact slots,
+    fold_groups' run starts) give ``jnp.cumsum`` / ``lax.cummax`` / ``lax.cummin`` (reversed) bit for bit:
+    all-False, all-True, random 0/1 and full-range int32 rows (wrapping sums), and one element."""
     import jax
     import jax.numpy as jnp
 
-    from sharded_scan.combiners.sketches.keys import running_max, running_sum
+    from sharded_scan.combiners.sketches.keys import running_max, running_min, running_sum
 
     r = np.random.default_rng(5)
     info = np.iinfo(np.int32)
     for n in (1, 37):
         x = np.stack([np.zeros(n), np.ones(n), r.random(n) < 0.3,
                       r.choice([info.min, info.max, -1, 0, 1, *r.integers(info.min, info.max, 4)], n)]).astype(np.int32)
-        got = jax.jit(lambda x: (running_sum(x), running_max(x, axis=1), running_max(x[3])))(jnp.asarray(x))
-        want = (jnp.cumsum(x, axis=1), jax.lax.cummax(jnp.asarray(x), axis=1), jax.lax.cummax(jnp.asarray(x[3])))
+        got = jax.jit(lambda x: (running_sum(x), running_max(x, axis=1), running_max(x[3]),
+                                 running_min(x, axis=1, reverse=True)))(jnp.asarray(x))
+        want = (jnp.cumsum(x, axis=1), jax.lax.cummax(jnp.asarray(x), axis=1), jax.lax.cummax(jnp.asarray(x[3])),
+                jax.lax.cummin(jnp.asarray(x), axis=1, reverse=True))
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype == jnp.int32
             np.testing.assert_array_equal(g, w)

@@ -242,6 +242,11 @@ def running_max(x: jax.Array, axis: int = 0) -> jax.Array:
     return jax.lax.associative_scan(jnp.maximum, x, axis=axis)
 
 
+def running_min(x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
+    """``lax.cummin(x, axis, reverse)`` of integers by ``lax.associative_scan``'s tree, as :func:`running_max`."""
+    return jax.lax.associative_scan(jnp.minimum, x, reverse=reverse, axis=axis)
+
+
 def fold_groups(fold, acc, groups: jax.Array, num_keys: int, width: int):
     """``acc`` (a leading ``num_keys`` axis on every leaf) with each group ``g`` present in ``groups``
     (sorted, :func:`sort_by_key`) folded in place: ``acc[g] = fold(acc[g], start, length)`` for every

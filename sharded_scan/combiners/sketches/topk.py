@@ -60,6 +60,7 @@ from sharded_scan.combiners.sketches.keys import (
     kind_code,
     masked_columns,
     run_window,
+    running_min,
     running_sum,
     sort_by_key,
     to_keys,
@@ -417,8 +418,7 @@ class TopK(SplitsEachColumn, Combiner):
         pos = jnp.arange(mb, dtype=jnp.int32)
         first = (pos < real) & jnp.concatenate([jnp.ones((d, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
         if weights is None:
-            later = jax.lax.associative_scan(jnp.minimum, jnp.where(first, pos, real), reverse=True, axis=1)
-            # ^ each row's next run start at or after it (lax.cummin's, as running_sum is cumsum's)
+            later = running_min(jnp.where(first, pos, real), axis=1, reverse=True)  # next run start at or after
             run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), real)], axis=1)
             runs = jnp.where(first, run_end - pos, 0)  # rows of each value, at its first row
         else:

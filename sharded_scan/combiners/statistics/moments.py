@@ -174,11 +174,21 @@ def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.
     x = x.astype(acc.m2.dtype)
     keys = jnp.clip(keys, 0, num_keys - 1)
     nb = jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
-    rows = x.shape[0]
-    first = jax.ops.segment_min(jnp.where(mask, jnp.arange(rows), rows), keys, num_keys)
-    fresh = wide.is_zero(acc.count) & (nb > 0)
-    shift = jnp.where(fresh[:, None], x[jnp.minimum(first, rows - 1)], acc.shift)
+    shift = keyed_shift(acc, x, jnp.where(mask, keys, num_keys), nb, num_keys)
     return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
+
+
+def keyed_shift(acc: CenteredAcc, x: jax.Array, kept: jax.Array, nb: jax.Array, num_keys: int) -> jax.Array:
+    """Each key's reference point: a fresh key's its first row of ``x`` whose key index (``kept``) is in range,
+    found only while some key has none (an index past the last: no key)."""
+    fresh = wide.is_zero(acc.count)
+    rows = x.shape[0]
+
+    def first():
+        at = jax.ops.segment_min(jnp.arange(rows), kept, num_keys)
+        return jnp.where((fresh & (nb > 0))[:, None], x[jnp.minimum(at, rows - 1)], acc.shift)
+
+    return jax.lax.cond(jnp.any(fresh), first, lambda: acc.shift)
 
 
 def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bool, weights=None, before=None,
@@ -668,19 +678,6 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
                                                                jnp.zeros_like(counts.limbs[..., 0]), low, high)
     return out._replace(centered=keyed_without_overflow(c, out.centered, before, weight, x, keep, keys, weights),
                         counts=counts)
-
-
-def keyed_shift(acc: CenteredAcc, x: jax.Array, kept: jax.Array, nb: jax.Array, num_keys: int) -> jax.Array:
-    """Each key's reference point (:func:`keyed_deviations`'): a fresh key's its first row of ``x`` whose
-    key index (``kept``) is in range, found only while some key has none (an index past the last: no key)."""
-    fresh = wide.is_zero(acc.count)
-    rows = x.shape[0]
-
-    def first():
-        at = jax.ops.segment_min(jnp.arange(rows), kept, num_keys)
-        return jnp.where((fresh & (nb > 0))[:, None], x[jnp.minimum(at, rows - 1)], acc.shift)
-
-    return jax.lax.cond(jnp.any(fresh), first, lambda: acc.shift)
 
 
 # stacked() builds the rows of at most this many values by selects, more by a concatenation.
