@@ -59,7 +59,8 @@ def run(cmd: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT,
             proc.wait(timeout)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # its group may have ended since the poll
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
         out.seek(0)
         err.seek(0)
@@ -101,7 +102,8 @@ def started(cmd: list[str], log_path: Path, environment: dict[str, str] | None =
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # its group may have ended since the poll
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         log.close()
 

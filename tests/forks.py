@@ -210,7 +210,9 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # not a pid the system may have given another process since
-            os.kill(self.pid, sig)
+            # it may have ended and been reaped by the server before its status reached us: nothing to do (as Popen)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
