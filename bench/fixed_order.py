@@ -3,6 +3,7 @@ fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs wit
 
     python bench/fixed_order.py           # 8 simulated devices, best of 3 after a warm-up run
     python bench/fixed_order.py --only "d=96" --scale 0.25   # the d=96 jobs on a quarter of the rows
+    python bench/fixed_order.py --merge-compile   # the solvers' pair merge compiled in a fresh process each
 
 Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
 runs of a job interleaved so that machine noise hits them alike; and the ratio of the process's CPU
@@ -14,6 +15,8 @@ seconds (all threads; best of the repeats), which a machine shared with other wo
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 
 import jax
@@ -36,12 +39,50 @@ JOBS = {  # name: (combiner, features, rows, with a target); issue 45's target: 
 }
 
 
+# Issue 45's target: the solvers' pair merge under logical_shards compiles in under 1 CPU-s.
+MERGE_JOBS = {"LinearRegression d=96": ("LinearRegression()", 96),
+              "LinearRegression d=256": ("LinearRegression()", 256), "PCA(3) d=96": ("PCA(3)", 96)}
+MERGE_CHILD = """
+import sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+import sharded_scan as ss
+from sharded_scan import program
+combiner, d = eval("ss." + sys.argv[1]), int(sys.argv[2])
+row = jax.ShapeDtypeStruct((d,), np.float32)
+spec = (row, jax.ShapeDtypeStruct((), np.float32)) if isinstance(combiner, ss.LinearRegression) else row
+options = ss.RunOptions(mesh="data:8", logical_shards=8, compilation_cache=None)
+lowered = program.program_for_spec(combiner, spec, 16421, options).lower_merge()
+start = time.process_time()
+lowered.compile()
+print(time.process_time() - start)
+"""
+
+
+def merge_compile(repeats: int, only: str) -> None:
+    """Each solver's pair merge under ``logical_shards=8`` compiled in a fresh process (no compilation cache, as a
+    first process pays), CPU seconds of the compile alone: the least and the most over ``repeats`` processes."""
+    print(f"{'pair merge, logical_shards=8':28s} {'compile CPU-s: least':>21s} {'most':>6s}")
+    for name, (combiner, d) in MERGE_JOBS.items():
+        if only not in name:
+            continue
+        seconds = [float(subprocess.run([sys.executable, "-c", MERGE_CHILD, combiner, str(d)], check=True,
+                                        capture_output=True, text=True).stdout.split()[-1]) for _ in range(repeats)]
+        print(f"{name:28s} {min(seconds):21.2f} {max(seconds):6.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="", help="run the jobs whose name holds this text")
     parser.add_argument("--scale", type=float, default=1.0, help="times each job's rows")
+    parser.add_argument("--merge-compile", action="store_true",
+                        help="print the solvers' pair merge compile CPU-s instead (a fresh process each)")
     args = parser.parse_args()
+    if args.merge_compile:
+        merge_compile(args.repeats, args.only)
+        return
     rng = np.random.default_rng(0)
     print(f"{'job':24s} {'rows/s':>12s} {'rows/s logical_shards=8':>24s} {'ratio':>7s} {'cpu ratio':>9s}")
     for name, (combiner, d, n, target) in JOBS.items():
