@@ -3,14 +3,18 @@ across mesh resolutions and of sequential sources, and the matmul precision of e
 
 import dataclasses
 import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import threadpoolctl
 
 import sharded_scan as ss
 from configs import gram as gram_config
+from sharded_scan import compiled
 from sharded_scan.options import config_fields
 from sharded_scan.program import program_for_spec
 from tests import jobs
@@ -256,3 +260,34 @@ def test_a_combiner_that_asks_for_one_scan_a_step_gets_one_and_small_steps_get_o
         steps = [program_for_spec(c, row(2), 8192, options).lower_step().as_text() for c in (ss.Sum(), OneScanSum())]
         scans[microbatch * steps_per_call] = [text.count("stablehlo.while") for text in steps]
     assert scans == {4096: [2, 1], 8: [1, 1]}
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlasThreadsSeen(ss.Sum):
+    """A Sum whose finalize notes the host BLAS's threads, as the run gives them."""
+
+    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    def finalize(self, acc):
+        self.seen.append(_blas_threads())
+        return super().finalize(acc)
+
+
+def _blas_threads() -> int:
+    return max(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+
+
+def test_finalize_runs_the_host_blas_on_one_thread_found_once_and_again_after_an_import():
+    combiner, x = _BlasThreadsSeen(), np.ones((64, 3), np.float32)
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        ss.run(combiner, x)
+        found = compiled._blas
+        ss.run(combiner, x)
+        assert compiled._blas is found  # nothing imported between: the libraries are not scanned again
+        sys.modules["tests._blas_probe_module"] = types.ModuleType("tests._blas_probe_module")
+        try:
+            ss.run(combiner, x)
+            assert compiled._blas is not found  # a module imported since: scanned again
+        finally:
+            del sys.modules["tests._blas_probe_module"]
+        assert combiner.seen == [1, 1, 1] and _blas_threads() == 2  # one thread in finalize, restored after
