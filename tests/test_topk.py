@@ -358,6 +358,7 @@ def test_the_default_micro_batch_holds_16_values_a_slot_and_the_top_values_match
     assert default_microbatch(ss.GroupBy(ss.TopK(), num_keys=4), keyed, 4_000_000) == 32768  # 2 values a row
     assert default_microbatch(ss.TopK(), eight, 1_000_000) == 16384  # the 4 MiB default: unchanged
     assert default_microbatch(ss.TopK(capacity=256), one, 4_000_000) == 16384
+    assert default_microbatch(ss.TopK(), eight.update(shape=()), 4_000_000, nan_policy="omit") == 16384  # vmapped
     # A small job folds one micro-batch a shard, as before; logical_shards' and an asked micro-batch are kept.
     assert default_microbatch(ss.TopK(), one, 100_000, mesh="data:1") == 114_688
     assert default_microbatch(ss.TopK(), one, 4_000_000, logical_shards=8, mesh="data:8") == 256
