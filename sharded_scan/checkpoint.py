@@ -448,9 +448,12 @@ class CheckpointSession:
         saved = dict(meta.get("fingerprint", {}))
         diff = job_difference(saved, fingerprint)
         if diff is not None:
+            was = saved.get("microbatch")
+            again = (f"resume with microbatch={was} (--config.microbatch={was}; a default micro-batch may change "
+                     "between versions)" if diff.startswith("microbatch ") else "rerun with the original settings")
             raise UsageError(
                 f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
-                f"{diff}; rerun with the original settings, or use a new workdir / checkpoint directory."
+                f"{diff}; {again}, or use a new workdir / checkpoint directory."
             )
         changed = files_difference(saved, fingerprint)
         if changed is None:

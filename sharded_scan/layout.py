@@ -87,11 +87,15 @@ def row_values(spec: Any) -> int:
     return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(spec))
 
 
-def default_microbatch(spec: Any) -> int:
+def default_microbatch(spec: Any, values: int = 0) -> int:
     """The power-of-two row count nearest ``DEFAULT_MICROBATCH_BYTES`` of rows of ``spec``,
-    within ``MICROBATCH_RANGE``."""
+    within ``MICROBATCH_RANGE``; or, if more, the one nearest ``values`` values (rows x values a row:
+    a combiner's ``microbatch_values``, whose fixed costs a micro-batch amortize over more rows)."""
     rows = 2 ** round(np.log2(max(DEFAULT_MICROBATCH_BYTES / max(row_bytes(spec), 1), 1)))
-    return int(np.clip(rows, *MICROBATCH_RANGE))
+    rows = int(np.clip(rows, *MICROBATCH_RANGE))
+    if values:
+        rows = max(rows, 2 ** round(np.log2(max(values / max(row_values(spec), 1), 1))))
+    return int(rows)
 
 
 def default_steps_per_call(spec: Any, microbatch: int) -> int:
@@ -110,7 +114,7 @@ def job_steps_cap(num_rows: int, shards: int, microbatch: int) -> int:
 
 def resolve_chunking(
     spec: Any, microbatch: int | None = None, steps_per_call: int | None = None, num_rows: int | None = None,
-    shards: int = 1,
+    shards: int = 1, values: int = 0,
 ) -> tuple[int, int]:
     """``(microbatch, steps_per_call)`` with each None replaced by its default for rows of ``spec``
     (the values as :class:`~sharded_scan.options.RunOptions` checked them).
@@ -118,12 +122,15 @@ def resolve_chunking(
     Given the job's ``num_rows`` and its logical ``shards``, a default ``steps_per_call`` is also
     capped by :func:`job_steps_cap`, so the prefetch has steps to hide the reads behind, and a small job (fewer
     than :data:`~sharded_scan.codegen.SMALL_JOB_VALUES` values) gets a default micro-batch of all its rows a shard
-    (rounded up: :func:`eighth_octave`); the result depends on the job alone (rows, spec, shards), never on timing.
+    (rounded up: :func:`eighth_octave`); a larger job, at least the combiner's ``values``
+    (``Combiner.microbatch_values``: :func:`default_microbatch`). The result depends on the job alone (rows, spec,
+    shards, combiner), never on timing.
     """
     if microbatch is None:
-        microbatch = default_microbatch(spec)
         if num_rows is not None and num_rows * max(row_values(spec), 1) < SMALL_JOB_VALUES:
-            microbatch = max(microbatch, eighth_octave(math.ceil(num_rows / max(int(shards), 1))))
+            microbatch = max(default_microbatch(spec), eighth_octave(math.ceil(num_rows / max(int(shards), 1))))
+        else:  # a small job folds one micro-batch a shard already: a larger one would only mask more rows
+            microbatch = default_microbatch(spec, values)
     if steps_per_call is None:
         steps_per_call = default_steps_per_call(spec, microbatch)
         if num_rows is not None:

@@ -44,7 +44,8 @@ class RunOptions:
     Attributes:
       mesh: a ``Mesh`` or a spec such as ``"data:8"``, ``"data:4,model:2"``; None puts
         every device on ``data``.
-      microbatch: rows per device per scan iteration; None: about 4 MiB of rows
+      microbatch: rows per device per scan iteration; None: about 4 MiB of rows, or more where the
+        combiner's ``microbatch_values`` asks (TopK: 16 values a monitored slot; 65536 rows of one column)
         (:func:`sharded_scan.layout.default_microbatch`).
       steps_per_call: micro-batches each logical shard folds per compiled call; None:
         :func:`sharded_scan.layout.default_steps_per_call`.

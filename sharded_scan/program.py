@@ -91,7 +91,7 @@ def _build_program(combiner: Combiner, source: Source, options: RunOptions) -> P
     check_placeable(source.spec)
     mesh = make_mesh(options.mesh)
     chunking = resolve_chunking(source.spec, options.microbatch, options.steps_per_call, source.num_rows,
-                                options.logical_shards or mesh.shape[DATA_AXIS])
+                                options.logical_shards or mesh.shape[DATA_AXIS], job.microbatch_values)
     layout = make_layout(source.num_rows, mesh, *chunking, options.logical_shards)
     if options.logical_shards is not None:
         warn_if_not_reproducible(mesh.devices.flat[0].platform, os.environ.get("XLA_FLAGS", ""))

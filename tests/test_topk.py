@@ -2,11 +2,14 @@
 
 from collections import Counter
 
+import jax
 import numpy as np
 import pandas as pd
 import pytest
 
 import sharded_scan as ss
+from sharded_scan import program
+from sharded_scan.program import program_for_spec
 from tests.helpers import assert_usage_error
 from tests.test_checkpoint import CrashError, crash_at
 
@@ -334,3 +337,38 @@ def test_hashed_top_k_resumes_bitwise_and_falls_back_to_the_sort_when_hashing_gi
     for got in (sorted_, whole):
         np.testing.assert_array_equal(got.counts[1], pd.Series(x[:, 1]).value_counts().reindex(
             got.values[1]).to_numpy())
+
+
+def default_microbatch(combiner, spec, num_rows, **options):
+    """The micro-batch the job's programs run (its layout's), with no data made and nothing traced (the memory
+    check, which traces a step, 0.5 CPU-s a job, is left out by the test)."""
+    return program_for_spec(combiner, spec, num_rows, ss.RunOptions(**options)).layout.microbatch
+
+
+# A job's default micro-batch holds 16 values a monitored slot (topk.MICROBATCH_PER_SLOT), shared by its columns:
+# one column of the default 4096 slots, 65536 rows, where the 4 MiB default gave 16384 (1.2x slower,
+# bench/README.md); 8 columns keep 16384 (a larger hash table left the caches: 1.7x slower at 65536).
+def test_the_default_micro_batch_holds_16_values_a_slot_and_the_top_values_match_value_counts_on_1_and_8_devices(
+        monkeypatch):
+    monkeypatch.setattr(program, "check_fits", lambda job: None)
+    one, eight = jax.ShapeDtypeStruct((), np.int64), jax.ShapeDtypeStruct((8,), np.float64)
+    keyed = (jax.ShapeDtypeStruct((), np.int32), one)
+    assert default_microbatch(ss.TopK(), one, 4_000_000) == 65536
+    assert default_microbatch(ss.TopK(capacity=16384), one, 4_000_000) == 262144  # hashed, not sorted
+    assert default_microbatch(ss.GroupBy(ss.TopK(), num_keys=4), keyed, 4_000_000) == 32768  # 2 values a row
+    assert default_microbatch(ss.TopK(), eight, 1_000_000) == 16384  # the 4 MiB default: unchanged
+    assert default_microbatch(ss.TopK(capacity=256), one, 4_000_000) == 16384
+    assert default_microbatch(ss.TopK(), eight.update(shape=()), 4_000_000, nan_policy="omit") == 16384  # vmapped
+    # A small job folds one micro-batch a shard, as before; logical_shards' and an asked micro-batch are kept.
+    assert default_microbatch(ss.TopK(), one, 100_000, mesh="data:1") == 114_688
+    assert default_microbatch(ss.TopK(), one, 4_000_000, logical_shards=8, mesh="data:8") == 256
+    assert default_microbatch(ss.TopK(), one, 4_000_000, microbatch=1024) == 1024
+    # More values than codegen.SMALL_JOB_VALUES, of no multiple of the micro-batch: the last one is partly masked.
+    x = zipf(2_100_003, seed=5)
+    want = pd.Series(x).value_counts().head(10)
+    monkeypatch.undo()
+    for mesh in ("data:1", "data:8"):
+        got = ss.run(ss.TopK(k=10), x, mesh=mesh)
+        assert got.certain and np.all(got.errors == 0)
+        np.testing.assert_array_equal(got.values, want.index.to_numpy())
+        np.testing.assert_array_equal(got.counts, want.to_numpy())

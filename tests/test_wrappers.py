@@ -98,7 +98,7 @@ def test_users_protocol_holds_no_engine_policy():
         "convert", "operands", "bind", "takes_string_ids", "check_rows", "add_keyed", "add_omitting", "weighted",
         "data_part", "add_keyed_omitting", "merge_collectives", "operand_partition", "one_scan_per_step",
         "omitting_values", "add_finite", "add_keyed_finite", "finite_keep", "finite_values", "finalizes_stacked",
-        "compiles_less_when_short",
+        "compiles_less_when_short", "microbatch_values",
     }
     raising = apply_policies(ss.Sum(), nan_policy="raise")
     assert wrappers.innermost(raising) == ss.Sum() and wrappers.innermost(ss.Sum()) == ss.Sum()

@@ -89,6 +89,10 @@ class Combiner(abc.ABC):
     one_scan_per_step: bool = False
     #: True when ``add`` compiles less in a short job's step (:func:`folds_few_microbatches`; the KLL sketch's).
     compiles_less_when_short: bool = False
+    #: The values (rows x values a row) a job's default micro-batch holds at least, where ``add`` pays a fixed cost
+    #: a micro-batch that more rows amortize (TopK's choice of ``capacity`` of ``capacity + m``); 0: the 4 MiB
+    #: default alone (:func:`~sharded_scan.layout.resolve_chunking`). Chosen from the job, never from timing.
+    microbatch_values: int = 0
     #: True when ``finalize`` of an accumulator with a leading key axis on every leaf gives each key's
     #: result along that axis, also for keys of no rows (``Sum``): ``GroupBy`` then finalizes every key
     #: in one call instead of one a key.

@@ -78,6 +78,12 @@ SELECT_ROWS = 1024  # micro-batches of at least this many rows choose by _select
 HASH_ROWS_PER_SLOT = 2  # micro-batches of at least this many rows a monitored slot (and SELECT_ROWS) count their
 # values by hashing (keys.first_rows), the rest by a sort: each micro-batch hashes the monitored keys again too, so
 # a hash of 16384 rows against 4096 slots is 1.6-1.9x faster than the sort, equal at 4096 rows, slower below
+MICROBATCH_PER_SLOT = 16  # a job's default micro-batch holds at least this many values a monitored slot (its
+# columns' values: d columns, 1/d the rows), at most MICROBATCH_VALUES: each micro-batch hashes the monitored keys
+# again and chooses capacity of capacity + m, costs more rows amortize, but a larger hash table leaves the caches
+# (bench/README.md: 1 int64 column, 4096 slots: 65536 rows 1.2x faster than 16384, 131072 no faster under load; 8
+# float64 columns: 16384 rows, as before, 1.7x faster than 65536; 16384 slots: 262144 rows 2.3x faster than 16384)
+MICROBATCH_VALUES = 1 << 20
 
 
 class TopKResult(NamedTuple):
@@ -351,6 +357,10 @@ class TopK(SplitsEachColumn, Combiner):
     takes_string_ids = True  # a string column's values: the source maps the top ids back to strings
     counts = ExactCounts
     state_type, shared = TopKAcc, ("kind",)  # split over model: a summary per column (column_split)
+
+    @property
+    def microbatch_values(self) -> int:
+        return min(MICROBATCH_PER_SLOT * self.capacity, MICROBATCH_VALUES)
 
     def __post_init__(self):
         for name in ("k", "capacity"):

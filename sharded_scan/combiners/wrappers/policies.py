@@ -53,6 +53,10 @@ class Wrapper(Combiner):
     def one_scan_per_step(self) -> bool:
         return self.inner.one_scan_per_step
 
+    @property
+    def microbatch_values(self) -> int:
+        return self.inner.microbatch_values
+
     def rewrap(self, inner: Combiner) -> Wrapper:
         """The same wrapper around ``inner``."""
         return dataclasses.replace(self, inner=inner)
