@@ -334,3 +334,22 @@ def test_hashed_top_k_resumes_bitwise_and_falls_back_to_the_sort_when_hashing_gi
     for got in (sorted_, whole):
         np.testing.assert_array_equal(got.counts[1], pd.Series(x[:, 1]).value_counts().reindex(
             got.values[1]).to_numpy())
+
+
+def test_a_micro_batch_too_wide_for_the_int32_hash_table_is_counted_by_the_sort():
+    # keys.first_rows lays the columns' tables (4n slots each) side by side in one table indexed by int32: 512
+    # columns of 2^20 rows (a micro-batch a user may set on a large accelerator) would need 2^31 slots. Main raised
+    # OverflowError while tracing (a traceback, where the 2-D table before it ran); the sort counts them instead.
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.sketches import keys
+
+    combiner, mb = ss.TopK(k=2, capacity=16), 2**20 - 16
+    for d in (511, 512):  # traced only: nothing of this size is allocated
+        spec = jax.ShapeDtypeStruct((d,), jnp.float32)
+        acc = jax.eval_shape(lambda spec=spec: combiner.init(spec))
+        out = jax.eval_shape(combiner.add, acc, jax.ShapeDtypeStruct((mb, d), jnp.float32),
+                             jax.ShapeDtypeStruct((mb,), bool))
+        assert out.keys.shape == (d, 16)
+    assert keys.hash_fits(511, mb + 16) and not keys.hash_fits(512, mb + 16)  # 511 columns still hash
