@@ -286,7 +286,7 @@ def table_bits(n: int) -> int:
 
 def hash_fits(d: int, n: int) -> bool:
     """Whether :func:`first_rows` can take ``d`` columns of ``n`` rows: its tables side by side, ``d`` times
-    ``2^table_bits(n)`` slots, indexed by int32 (past 2^31 slots, 8 GiB of them, a caller sorts instead)."""
+    ``2^table_bits(n)`` slots, indexed by int32 (from 2^31 slots, 8 GiB of them, a caller sorts instead)."""
     return d << table_bits(n) <= np.iinfo(np.int32).max
 
 
