@@ -211,6 +211,23 @@ def test_groupby_and_weighted_moments_count_the_nans_omit_skips_like_pandas():
     np.testing.assert_array_equal(g.rows, np.bincount(keys, minlength=K))  # a NaN skips its value, not its row
     np.testing.assert_array_equal(g.count[2], frame[keys == 2].count())  # each column its own count
     np.testing.assert_allclose(g.mean[2], frame[keys == 2].mean(), rtol=1e-12)
+    # Without zeros (nor extremes) the per-key fold counts NaNs and adds the counts only in a branch taken where a kept
+    # row holds one (propagate: the key's sum turns NaN) or a row seen was not kept (omit; key 4: a column all NaN)
+    y = x.copy()
+    y[keys == 4, 1] = np.nan
+    present = np.unique(keys)
+    for policy, mean in (("propagate", np.mean), ("omit", np.nanmean)):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            few = ss.run(ss.GroupBy(ss.Moments(fields="mean,nan_count"), K), (keys, y), nan_policy=policy,
+                         mesh="data:1", **RUN)
+        assert any("Moments of no rows" in str(w.message) for w in said) == (policy == "omit")  # key 4's column
+        np.testing.assert_array_equal(few.nan_count, pd.DataFrame(y).isna().groupby(keys).sum().reindex(range(K),
+                                                                                                          fill_value=0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # nanmean of key 4's all-NaN column
+            want = np.stack([mean(y[keys == k], axis=0) for k in present])
+        np.testing.assert_allclose(few.mean[present], want, rtol=1e-12)
     r = ss.run(ss.Weighted(ss.Moments()), (w, x), nan_policy="omit", mesh="data:1", **RUN)
     np.testing.assert_array_equal(r.nan_count, np.isnan(x[w > 0]).sum(0))  # a zero weight omits its row
     for j in (0, 2):

@@ -181,6 +181,34 @@ def colliding_keys(count, bits, seed=0, wide=False):
     return keys if not wide else keys * np.uint64(M32 + 1)  # 64 bits: high half = low half, their fold 0
 
 
+def test_select_packs_both_ranks_into_one_running_sum_up_to_its_bound_and_not_past_it():
+    """``_select`` ranks the entries above the threshold in the low 15 bits of one running sum and the ties above
+    them while a row holds fewer than 2^15 entries: at 2^15 - 1 entries the most above (every valid one fitting in
+    ``capacity = n - 1``: 0x7FFE) and the most ties (all but one entry, 0x7FFE << 15) stay in their bits; at 2^15 + 1
+    (0x8000 above: past 15 bits) it takes two sums. Each row chooses lax.top_k's entries, in index order."""
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.sketches.topk import _select
+
+    r = np.random.default_rng(11)
+    for n in (2**15 - 1, 2**15 + 1):
+        c = n - 1
+        score = np.stack([np.where(np.arange(n) == n - 1, 9.0, 5.0), np.ones(n), r.permutation(n) * 1.0])
+        valid = np.ones((3, n), bool)
+        valid[1, 7] = False  # n - 1 valid entries: all fit, all above the threshold 0
+        index, kept, chosen = jax.jit(lambda s, v, c=c: _select(s, v, c))(jnp.asarray(score, jnp.float32), valid)
+        _, best = jax.lax.top_k(jnp.where(valid, jnp.asarray(score, jnp.float32), -jnp.inf), c)
+        want = np.zeros((3, n), bool)
+        np.put_along_axis(want, np.asarray(best), True, axis=1)
+        want &= valid
+        np.testing.assert_array_equal(chosen, want)
+        for j in range(3):
+            slots = np.flatnonzero(want[j])
+            assert len(slots) == c and np.asarray(kept[j]).all()
+            np.testing.assert_array_equal(np.asarray(index[j]), slots)
+
+
 def test_keep_with_new_keeps_what_keep_largest_keeps_with_the_same_counts_and_bound():
     """``topk.keep_with_new`` (the micro-batch's candidates as int32 runs, their slack the bound) keeps
     ``keep_largest``'s entries, exact counts, slacks and new bound: counts past 2^16 and 2^32 (carried limbs),
@@ -372,3 +400,22 @@ def test_the_default_micro_batch_holds_16_values_a_slot_and_the_top_values_match
         assert got.certain and np.all(got.errors == 0)
         np.testing.assert_array_equal(got.values, want.index.to_numpy())
         np.testing.assert_array_equal(got.counts, want.to_numpy())
+
+
+def test_a_micro_batch_too_wide_for_the_int32_hash_table_is_counted_by_the_sort():
+    # keys.first_rows lays the columns' tables (4n slots each) side by side in one table indexed by int32: 512
+    # columns of 2^20 rows (a micro-batch a user may set on a large accelerator) would need 2^31 slots. Main raised
+    # OverflowError while tracing (a traceback, where the 2-D table before it ran); the sort counts them instead.
+    import jax
+    import jax.numpy as jnp
+
+    from sharded_scan.combiners.sketches import keys
+
+    combiner, mb = ss.TopK(k=2, capacity=16), 2**20 - 16
+    for d in (511, 512):  # traced only: nothing of this size is allocated
+        spec = jax.ShapeDtypeStruct((d,), jnp.float32)
+        acc = jax.eval_shape(lambda spec=spec: combiner.init(spec))
+        out = jax.eval_shape(combiner.add, acc, jax.ShapeDtypeStruct((mb, d), jnp.float32),
+                             jax.ShapeDtypeStruct((mb,), bool))
+        assert out.keys.shape == (d, 16)
+    assert keys.hash_fits(511, mb + 16) and not keys.hash_fits(512, mb + 16)  # 511 columns still hash

@@ -279,6 +279,17 @@ HASH_SLOTS_LOG2 = 2  # first_rows' table: at least 4n slots for n rows (2n: 3 ro
 # micro-batches of 16384 rows against 4096 slots; 4n: 2 in 21 of them, TopK's add 0.87-0.95x; 8n: 2 in 28)
 
 
+def table_bits(n: int) -> int:
+    """The bits of :func:`first_rows`' table for ``n`` rows a column: at least ``4n`` slots."""
+    return max(int(np.ceil(np.log2(max(n, 2)))) + HASH_SLOTS_LOG2, 4)
+
+
+def hash_fits(d: int, n: int) -> bool:
+    """Whether :func:`first_rows` can take ``d`` columns of ``n`` rows: its tables side by side, ``d`` times
+    ``2^table_bits(n)`` slots, indexed by int32 (from 2^31 slots, 8 GiB of them, a caller sorts instead)."""
+    return d << table_bits(n) <= np.iinfo(np.int32).max
+
+
 def round_hash(keys: jax.Array, r: jax.Array, bits: int) -> jax.Array:
     """Round ``r``'s slot of each key in a table of ``2^bits``: the top ``bits`` of a seeded mix of the
     whole key (64-bit keys mixed in 64 bits, so no two rounds share their collisions by construction)."""
@@ -298,11 +309,13 @@ def first_rows(keys: jax.Array, valid: jax.Array, rounds: int | None = None) -> 
     their own key, compared whole: a hash collision costs a round, never merges two keys. Every row of a
     key lands in the same slot, so a key's rows resolve together, to its first row; the lowest unresolved
     row always owns its slot, so each round resolves at least one key. Unresolved and invalid rows: -1.
-    ``rounds``: :data:`HASH_ROUNDS` unless given.
+    ``rounds``: :data:`HASH_ROUNDS` unless given. Only where :func:`hash_fits`.
     """
     rounds = HASH_ROUNDS if rounds is None else rounds
     d, n = keys.shape
-    bits = max(int(np.ceil(np.log2(max(n, 2)))) + HASH_SLOTS_LOG2, 4)
+    if not hash_fits(d, n):
+        raise ValueError(f"first_rows: {d} columns of {n} rows overflow its int32 table; check hash_fits first")
+    bits = table_bits(n)
     size = 1 << bits
     pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n)).reshape(-1)
     table_at, keys_at = (jnp.arange(d, dtype=jnp.int32)[:, None] * m for m in (size, n))

@@ -55,6 +55,7 @@ from sharded_scan.combiners.sketches.keys import (
     first_rows,
     fold_groups,
     fold_if_any,
+    hash_fits,
     is_float,
     key_dtype,
     kind_code,
@@ -390,7 +391,9 @@ class TopK(SplitsEachColumn, Combiner):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        if mask.shape[0] < max(SELECT_ROWS, HASH_ROWS_PER_SLOT * self.capacity):
+        mb = mask.shape[0]
+        if mb < max(SELECT_ROWS, HASH_ROWS_PER_SLOT * self.capacity) or not hash_fits(acc.keys.shape[0],
+                                                                                        self.capacity + mb):
             return self._add_by_sort(acc, batch, mask)
         keys = jnp.concatenate([acc.keys, columns(batch)], axis=1)
         valid = jnp.concatenate([self._monitored(acc), jnp.broadcast_to(mask, (keys.shape[0], mask.shape[0]))], axis=1)
