@@ -1,5 +1,5 @@
 """Runs ``launch.main`` / ``launch.local`` in subprocesses for the launcher tests: fresh interpreters, or forks
-of the fork server a module opened (tests/forks.py) where it can run the command.
+of the open fork server (a module's, shared by the test process: tests/forks.py) where it can run the command.
 
 Every process started here ends in the test that started it (``finally`` kills it).
 """
