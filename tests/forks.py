@@ -102,7 +102,8 @@ class Server:
         """Starts ``cmd`` in directory ``cwd`` with ``env`` and ``fds`` as its stdin, stdout and stderr."""
         self.start()
         child = Forked(self.path, cmd, cwd, env, fds, self.log_tail, counted=self.counted)
-        self.children = [c for c in self.children if c.returncode is None] + [child]
+        with _lock:  # tests fork from several threads at once
+            self.children = [c for c in self.children if c.returncode is None] + [child]
         return child
 
     def close(self) -> None:
@@ -204,13 +205,16 @@ def shared_serving() -> Iterator[Server]:
         with serving(env) as own:
             yield own
         return
-    before = set(server.children)
+    with _lock:
+        before = set(server.children)
     _open.append(server)
     try:
         yield server
     finally:
         _open.remove(server)
-        for child in [c for c in server.children if c not in before]:
+        with _lock:
+            left = [c for c in server.children if c not in before]
+        for child in left:
             if child.poll() is None:
                 child.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired, AssertionError):
