@@ -1,5 +1,5 @@
 """Runs ``launch.main`` / ``launch.local`` in subprocesses for the launcher tests: fresh interpreters, or forks
-of the fork server a module opened (tests/forks.py) where it can run the command.
+of the open fork server (a module's, shared by the test process: tests/forks.py) where it can run the command.
 
 Every process started here ends in the test that started it (``finally`` kills it).
 """
@@ -86,7 +86,7 @@ def run_forked(cmds: list[list[str]], cwd: Path = ROOT, timeout: float = TIMEOUT
     assert all(cmd[:3] == prefix for cmd in cmds), cmds
     with contextlib.ExitStack() as stack:
         if forks.forkable(cmds[0], env()) is None:
-            stack.enter_context(forks.serving(env()))
+            stack.enter_context(forks.shared_serving())
         with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
             return list(pool.map(lambda cmd: run(cmd, timeout, cwd), cmds))
 

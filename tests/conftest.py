@@ -33,7 +33,7 @@ import jax  # noqa: E402 - after the cache settings above
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tests import collector  # noqa: E402
+from tests import collector, forks  # noqa: E402
 
 collector.fewer_collections()
 
@@ -68,6 +68,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
+    forks.close_shared()  # this process's fork server (tests/forks.py), which the modules' processes shared
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the run's controller: the cache is done
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
@@ -114,8 +115,9 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: the rest keep their order
 
 
-# SHARDED_SCAN_TEST_CPU=FILE appends each test's CPU seconds (this process and the processes it waited for)
-# and wall seconds to FILE: what a test costs, whatever else the machine is doing (bench/README.md, the suite).
+# SHARDED_SCAN_TEST_CPU=FILE appends each test's CPU seconds (this process, the processes it waited for and the
+# shared fork server's children it waited for: tests/forks.py) and wall seconds to FILE: what a test costs, whatever
+# else the machine is doing (bench/README.md, the suite).
 _CPU_LOG = os.environ.get("SHARDED_SCAN_TEST_CPU")
 
 
@@ -129,7 +131,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu():
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forks.forked_cpu()
 
     cpu0, wall0 = cpu(), time.perf_counter()
     yield

@@ -16,7 +16,9 @@ Use: ``with serving(): ...`` (or a module's ``launcher_forks = module_fixture()`
 ``tests/cli.py``'s ``run``/``run_all``/``started`` and ``tests/multiprocess.py``'s ``spawn`` fork what it can
 run. It starts at the first such process (nothing started, nothing paid) and ends with the block, killing any
 child still running; its children's CPU is then counted in the process that opened it (``RUSAGE_CHILDREN``,
-``SHARDED_SCAN_TEST_CPU``: a module's in its last test). ``python -m tests.forks --client=MODULE ARGS`` stands
+``SHARDED_SCAN_TEST_CPU``). The modules' fixtures and ``cli.run_forked`` share one server a test process instead
+(:func:`shared_serving`: it outlives their blocks, which still kill their children left running; each child's CPU
+is counted in the test that waited for it, :func:`forked_cpu`). ``python -m tests.forks --client=MODULE ARGS`` stands
 for ``python -m MODULE ARGS`` in a shell (tests/test_docs.py): it runs them in a child of the server named by
 ``$SHARDED_SCAN_TEST_FORKS`` with its own stdin, stdout, stderr, directory and environment, and exits with its
 status. Only the standard library at import: clients start fast.
@@ -57,14 +59,19 @@ MESSAGE = 1 << 20
 START_TIMEOUT = 120
 
 _open: list[Server] = []  # the innermost open server last (one per pytest process: xdist workers are processes)
+_shared: list[Server] = []  # this process's server for the modules' blocks (shared_serving)
+_forked_cpu = [0.0]  # CPU seconds of its children that ended
 _lock = threading.Lock()
 
 
 class Server:
     """The server process (started at the first :meth:`fork`) and its socket."""
 
-    def __init__(self, env: dict[str, str]):
-        self.env = env
+    def __init__(self, env: dict[str, str], counted: bool = False):
+        """``counted``: its children's CPU seconds are added to :func:`forked_cpu` as they end (a server that
+        ends with a block is reaped by this process, which counts them then)."""
+        self.env, self.counted = env, counted
+        self.children: list[Forked] = []  # the children it forked (shared_serving kills a block's leftovers)
         self._dir = tempfile.TemporaryDirectory(prefix="forks-")
         self.path = os.path.join(self._dir.name, "socket")
         self._proc: subprocess.Popen | None = None
@@ -94,7 +101,10 @@ class Server:
     def fork(self, cmd: list[str], cwd: str, env: dict[str, str], fds: tuple[int, int, int]) -> Forked:
         """Starts ``cmd`` in directory ``cwd`` with ``env`` and ``fds`` as its stdin, stdout and stderr."""
         self.start()
-        return Forked(self.path, cmd, cwd, env, fds, self.log_tail)
+        child = Forked(self.path, cmd, cwd, env, fds, self.log_tail, counted=self.counted)
+        with _lock:  # tests fork from several threads at once
+            self.children = [c for c in self.children if c.returncode is None] + [child]
+        return child
 
     def close(self) -> None:
         """Ends the server: it kills its children still running, reaps them, and exits."""
@@ -125,8 +135,13 @@ def forkable(cmd: list[str], env: dict[str, str]) -> Server | None:
     if not _open or _kind(cmd) is None:
         return None
     server = _open[-1]
-    keys = {k for k in (*env, *server.env) if k.startswith(SAME_PREFIXES) and k not in MAY_DIFFER}
-    return server if all(env.get(k) == server.env.get(k) for k in keys) else None
+    return server if _same_start(env, server.env) else None
+
+
+def _same_start(env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether a child of a server started in ``server_env`` starts as a process started in ``env`` would."""
+    keys = {k for k in (*env, *server_env) if k.startswith(SAME_PREFIXES) and k not in MAY_DIFFER}
+    return all(env.get(k) == server_env.get(k) for k in keys)
 
 
 def start(cmd: list[str], cwd, env: dict[str, str], out, err=None, new_session: bool = False):
@@ -160,15 +175,61 @@ def serving(env: dict[str, str] | None = None) -> Iterator[Server]:
 
 
 def module_fixture():
-    """A module's autouse fixture serving its processes: ``launcher_forks = forks.module_fixture()``."""
+    """A module's autouse fixture serving its processes: ``launcher_forks = forks.module_fixture()``
+    (:func:`shared_serving`)."""
     import pytest
 
     @pytest.fixture(scope="module", autouse=True)
     def launcher_forks():
-        with serving() as server:
+        with shared_serving() as server:
             yield server
 
     return launcher_forks
+
+
+@contextlib.contextmanager
+def shared_serving() -> Iterator[Server]:
+    """:func:`serving` (``tests/cli.py``'s environment) by this process's one server, started at its first fork
+    and ended by :func:`close_shared` (tests/conftest.py, as a session ends), not a server a block: each server
+    imports JAX, the library, absl and orbax (~0.8 s of CPU), once a test process rather than once a module. When
+    the block ends its children still running are killed, as a server of its own would kill them; each child's CPU
+    seconds, which reach this process only when the server ends, come in its status message (:func:`forked_cpu`).
+    A block whose environment differs from the server's in what its forks must share gets a server of its own."""
+    from tests import cli
+
+    env = cli.env()
+    if not _shared:
+        _shared.append(Server(env, counted=True))
+    server = _shared[0]
+    if not _same_start(env, server.env):
+        with serving(env) as own:
+            yield own
+        return
+    with _lock:
+        before = set(server.children)
+    _open.append(server)
+    try:
+        yield server
+    finally:
+        _open.remove(server)
+        with _lock:
+            left = [c for c in server.children if c not in before]
+        for child in left:
+            if child.poll() is None:
+                child.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired, AssertionError):
+                    child.wait(30)
+
+
+def close_shared() -> None:
+    """Ends this process's shared server (:func:`shared_serving`), killing any child still running."""
+    while _shared:
+        _shared.pop().close()
+
+
+def forked_cpu() -> float:
+    """CPU seconds of the shared server's children that ended so far, as their caller read their status."""
+    return _forked_cpu[0]
 
 
 class Forked:
@@ -176,8 +237,8 @@ class Forked:
     ``wait``, ``send_signal``, ``kill``, ``terminate``."""
 
     def __init__(self, path: str, cmd: list[str], cwd: str, env: dict[str, str], fds: tuple[int, int, int],
-                 log_tail=lambda: "(no log here)"):
-        self.args, self.returncode, self._log_tail = cmd, None, log_tail
+                 log_tail=lambda: "(no log here)", counted: bool = False):
+        self.args, self.returncode, self._log_tail, self._counted = cmd, None, log_tail, counted
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.connect(path)
         request = {"kind": _kind(cmd), "args": cmd[2:] if _kind(cmd) == "-c" else cmd[3:], "cwd": str(cwd),
@@ -193,7 +254,11 @@ class Forked:
         return json.loads(message)
 
     def _read(self) -> None:
-        self.returncode = self._message()["exit"]
+        message = self._message()
+        if self._counted:
+            with _lock:
+                _forked_cpu[0] += message.get("cpu", 0.0)
+        self.returncode = message["exit"]
         self._sock.close()
 
     def poll(self) -> int | None:
@@ -316,13 +381,14 @@ def _serve(path: str) -> None:
 
     def reap(flags: int) -> None:
         while children:
-            pid, status = os.waitpid(-1, flags)
+            pid, status, usage = os.wait4(-1, flags)
             if pid == 0:
                 return
             conn = children.pop(pid, None)
             if conn is not None:
+                cpu = usage.ru_utime + usage.ru_stime  # with its own children's that it waited for
                 with contextlib.suppress(OSError):
-                    conn.send(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}).encode())
+                    conn.send(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status), "cpu": cpu}).encode())
                 conn.close()
 
     while True:

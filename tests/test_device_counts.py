@@ -1,14 +1,16 @@
-"""The same job on backends with 1 and 2 simulated devices (each in a fresh subprocess) and on this
-process's 8 (tests/conftest.py): no interpreter of its own for the third size (~2 s of CPU)."""
+"""The same job on backends with 1 and 2 simulated devices (each in a process of its own: a fork of the test
+process's fork server, JAX's backend unstarted, tests/forks.py) and on this process's 8 (tests/conftest.py): no
+process of its own for the third size."""
 
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests import cli, forks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = f"""
@@ -34,9 +36,7 @@ def job() -> dict:
 
 
 def run_with_devices(count: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(count)], capture_output=True, text=True, timeout=120, check=False
-    )
+    done = cli.run([sys.executable, "-c", SCRIPT, str(count)])
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -44,7 +44,8 @@ def run_with_devices(count: int) -> dict:
 @pytest.fixture(scope="module")
 def results():
     counts = (1, 2)
-    with concurrent.futures.ThreadPoolExecutor(len(counts)) as pool:  # the two backends at once, this one meanwhile
+    # the two backends at once, this one meanwhile; forks of one process that imported JAX (~1 s of CPU less each)
+    with forks.shared_serving(), concurrent.futures.ThreadPoolExecutor(len(counts)) as pool:
         done = pool.map(run_with_devices, counts)
         here = job()
         return {**dict(zip(counts, done, strict=True)), here["devices"]: here}

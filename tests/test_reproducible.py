@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests import cli, multiprocess
+from tests import cli, forks, multiprocess
 
 # (processes, devices per process); 8x1 was dropped for the suite's time (8 processes: ~30 s of CPU): 4x2
 # runs the process tree's rounds at depth 2 and 2x1 processes of one device; 1x2 (one process of two
@@ -183,8 +183,10 @@ def every_builtin_bitwise(tmp_path):
     # relay: 2x4's and 1x8's checkpoints, then 4x2's
     from_1x1, from_2x1, relay = (str(tmp_path / f"from-{split}") for split in ("1x1", "2x1", "relay"))
     results = {}  # by split, then "NAME" or "NAME resumed"
-    # The test's own process (8 devices) is split 1x8; the other splits' processes run meanwhile.
+    # The test's own process (8 devices) is split 1x8; the other splits' processes run meanwhile, forks of one
+    # process that imported JAX, the library and orbax (tests/forks.py), not nine fresh interpreters.
     with contextlib.ExitStack() as stack:
+        stack.enter_context(forks.serving())
         waits = {
             (1, 1): stack.enter_context(split_running((1, 1), names=ON_1X1, crash_into=from_1x1)),
             (2, 1): stack.enter_context(split_running((2, 1), names=ON_2X1, crash_into=from_2x1)),
