@@ -72,8 +72,54 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
     for value, count in zip(got.values[:5], got.counts[:5], strict=True):
         assert count == (counts[np.nan] if np.isnan(value) else counts[value])
-    kept = ss.run(ss.TopK(k=8, capacity=16), column, mesh="data:2", nan_policy="omit", **HASHED)
-    assert not np.isnan(kept.values[:4]).any() and np.isnan(kept.values[4:]).all()
+
+
+def control_flow(jaxpr):
+    """The conds, loops and sorts of a traced ``jaxpr``, nested as traced (``jax.vmap`` turns a ``lax.cond`` of a
+    batched predicate into a select of both branches: its sorts then sit outside any cond)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        params = [p for v in eqn.params.values() for p in (v if isinstance(v, tuple | list) else (v,))]
+        subs = [getattr(p, "jaxpr", p) for p in params]  # a cond's branches, a loop's body, a jit's
+        subs = tuple(flow for flow in (control_flow(sub) for sub in subs if hasattr(sub, "eqns")) if flow)
+        if eqn.primitive.name in ("cond", "while", "sort") or subs:
+            out.append((eqn.primitive.name, subs))
+    return tuple(out)
+
+
+# nan_policy="omit" (pandas' value_counts(): NaN dropped, and an inf here) folds each column's summary with a mask per
+# column. Main ran EachColumn(TopK): one-column states under jax.vmap, whose lax.conds became selects, so the hash and
+# its sort fallback both ran every micro-batch (2.8x propagate's CPU, bench/README.md).
+def test_omit_skips_each_value_where_it_stands_like_value_counts_with_the_control_flow_of_propagate():
+    from sharded_scan.combiners.wrappers.policies import apply_policies
+
+    f = jax.ShapeDtypeStruct
+    for combiner, spec in ((ss.TopK(k=8, capacity=16), f((3,), np.float64)),
+                           (ss.Weighted(ss.TopK(k=8, capacity=16)), (f((), np.float64), f((3,), np.float64)))):
+        batch = jax.tree.map(lambda s: f((1024, *s.shape), s.dtype), spec)  # hashed (traced only)
+        flows = [control_flow(jax.make_jaxpr(c.add)(jax.eval_shape(c.init, spec), batch, f((1024,), bool)).jaxpr)
+                 for c in (apply_policies(combiner, nan_policy=p) for p in ("propagate", "omit"))]
+        assert flows[1] == flows[0], (combiner, flows)  # the sort only in the fallback's branch
+    # NaN and +-inf spread differently per column (+-0 one value); micro-batches where column 1 holds none; a column
+    # of NaN and inf alone. Hashed micro-batches on 2 devices: each folds, then the summaries merge.
+    r = np.random.default_rng(1)
+    n = 2 * 1024 * 2 + 333
+    values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0, np.inf, -np.inf])
+    x = np.stack([r.choice(values, n, p=[0.1, 0.2, 0.2, 0.25, 0.15, 0.05, 0.03, 0.02]),
+                  r.integers(-6, 6, n) * 0.5, np.where(r.random(n) < 0.5, np.nan, np.inf)], 1)
+    x[r.random(n) < 0.2, 1] = np.inf
+    x[1024:3072, 1] = np.nan
+    got = ss.run(ss.TopK(k=8, capacity=16), x, mesh="data:2", nan_policy="omit", **HASHED)
+    assert got.values.shape == (3, 8) and got.values.dtype == np.float64 and got.counts.dtype == np.int64
+    assert got.certain.all() and (got.errors == 0).all()  # at most 16 values a column: all monitored, exact
+    for j in range(3):
+        truth = pd.Series(np.where(np.isfinite(x[:, j]), x[:, j], np.nan)).value_counts(dropna=True)
+        order = np.lexsort((truth.index.to_numpy(), -truth.to_numpy()))  # ties: the smaller value first
+        m = min(len(order), 8)
+        np.testing.assert_array_equal(got.values[j, :m], truth.index.to_numpy()[order[:m]])
+        np.testing.assert_array_equal(got.counts[j, :m], truth.to_numpy()[order[:m]])
+        assert np.isnan(got.values[j, m:]).all() and (got.counts[j, m:] == 0).all()
+        assert got.bound[j] == (truth.to_numpy()[order[8]] if len(order) > 8 else 0)  # the 9th value's count
 
 
 def test_logical_shards_give_bitwise_the_same_result_on_1_2_4_devices_and_split_over_model_and_resume_across(tmp_path):
@@ -386,7 +432,7 @@ def test_the_default_micro_batch_holds_16_values_a_slot_and_the_top_values_match
     assert default_microbatch(ss.GroupBy(ss.TopK(), num_keys=4), keyed, 4_000_000) == 32768  # 2 values a row
     assert default_microbatch(ss.TopK(), eight, 1_000_000) == 16384  # the 4 MiB default: unchanged
     assert default_microbatch(ss.TopK(capacity=256), one, 4_000_000) == 16384
-    assert default_microbatch(ss.TopK(), eight.update(shape=()), 4_000_000, nan_policy="omit") == 16384  # vmapped
+    assert default_microbatch(ss.TopK(), eight.update(shape=()), 4_000_000, nan_policy="omit") == 65536  # as above
     # A small job folds one micro-batch a shard, as before; logical_shards' and an asked micro-batch are kept.
     assert default_microbatch(ss.TopK(), one, 100_000, mesh="data:1") == 114_688
     assert default_microbatch(ss.TopK(), one, 4_000_000, logical_shards=8, mesh="data:8") == 256

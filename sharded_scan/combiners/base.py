@@ -269,7 +269,7 @@ class Combiner(abc.ABC):
     def finite_values(self, batch: PyTree) -> PyTree | None:
         """The micro-batch this combiner folds under ``nan_policy="omit"`` so that each NaN or inf is skipped
         where it stands, or None (the default: every row holding one is skipped). A combiner that already
-        leaves NaN out column by column returns ``batch`` with each inf made NaN (``Describe``, ``TopK``:
+        leaves NaN out column by column returns ``batch`` with each inf made NaN (``Describe``, ``Quantiles``:
         :func:`nonfinite_as_nan`), ``Sum`` with each made 0."""
         del batch
         return None
@@ -322,7 +322,7 @@ def finite_rows(batch: PyTree, xp: Any = jnp) -> jax.Array:
 
 def nonfinite_as(batch: PyTree, value: float) -> PyTree:
     """``batch`` with each NaN or inf float value ``value``: what a combiner that skips values where they stand
-    folds under ``nan_policy="omit"`` (NaN: ``Describe``, ``TopK``, ``Quantiles``, which leave NaN out column by
+    folds under ``nan_policy="omit"`` (NaN: ``Describe``, ``Quantiles``, which leave NaN out column by
     column, so that an inf is skipped too; 0: ``Sum``, to which it adds nothing)."""
     def one(x):
         return jnp.where(jnp.isfinite(x), x, value) if jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -199,9 +199,10 @@ def columns(batch: jax.Array) -> jax.Array:
 
 
 def masked_columns(batch: jax.Array, mask: jax.Array) -> jax.Array:
-    """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last."""
+    """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last; ``mask`` ``(mb,)``, or
+    ``(d, mb)``: each column's own values (:meth:`TopK.add_finite <sharded_scan.TopK.add_finite>`)."""
     keys = columns(batch)
-    return jnp.where(mask[None, :], keys, fill(keys.dtype))
+    return jnp.where(mask if mask.ndim == 2 else mask[None, :], keys, fill(keys.dtype))
 
 
 def sort_by_key(cols: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int, *more: jax.Array):

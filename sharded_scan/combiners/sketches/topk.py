@@ -68,7 +68,6 @@ from sharded_scan.combiners.sketches.keys import (
 )
 from sharded_scan.combiners.wide import Wide
 from sharded_scan.combiners.wide_order import masked_max, maximum
-from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.errors import UsageError
 
 DEFAULT_K = 10
@@ -214,6 +213,13 @@ class WeightCounts:
     @staticmethod
     def to_host(x) -> np.ndarray:
         return np.asarray(x, np.float64)
+
+
+def real_values(window: jax.Array) -> jax.Array:
+    """Per column, the keys of a window of a float column's sorted keys ``(d, n)`` that are not the filler: its
+    values folded under ``nan_policy="omit"``, the skipped NaN and Inf (and padding) the filler after them (no
+    float's key is the filler, :func:`~.keys.to_keys`)."""
+    return jnp.sum(window != fill(window.dtype), axis=1, dtype=jnp.int32)
 
 
 def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -391,18 +397,20 @@ class TopK(SplitsEachColumn, Combiner):
         return fold_if_any(mask, lambda acc: self._add(acc, batch, mask), acc)
 
     def _add(self, acc, batch, mask):
-        mb = mask.shape[0]
+        """Folds the rows ``mask`` ``(mb,)``, or each column's own values ``mask`` ``(d, mb)`` (:meth:`add_finite`)."""
+        mb = mask.shape[-1]
         if mb < max(SELECT_ROWS, HASH_ROWS_PER_SLOT * self.capacity) or not hash_fits(acc.keys.shape[0],
                                                                                         self.capacity + mb):
             return self._add_by_sort(acc, batch, mask)
         keys = jnp.concatenate([acc.keys, columns(batch)], axis=1)
-        valid = jnp.concatenate([self._monitored(acc), jnp.broadcast_to(mask, (keys.shape[0], mask.shape[0]))], axis=1)
+        valid = jnp.concatenate([self._monitored(acc), jnp.broadcast_to(mask, (keys.shape[0], mb))], axis=1)
         rep, resolved = first_rows(keys, valid)
         return jax.lax.cond(resolved, lambda: self._add_hashed(acc, keys, valid, rep),
                             lambda: self._add_by_sort(acc, batch, mask))
 
     def _add_by_sort(self, acc, batch, mask):
-        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1), jnp.sum(mask, dtype=jnp.int32))
+        return self._add_sorted(acc, jnp.sort(masked_columns(batch, mask), axis=1),
+                                jnp.sum(mask, axis=-1, dtype=jnp.int32))
 
     def _monitored(self, acc):
         return jnp.arange(self.capacity)[None, :] < acc.held.reshape(-1)[:, None]
@@ -424,15 +432,18 @@ class TopK(SplitsEachColumn, Combiner):
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
     def _add_sorted(self, acc, s, real, weights=None):
-        """Folds keys ``s`` ``(d, mb)`` sorted per column, the first ``real`` real (with their ``weights``,
-        for the weighted form: each value then counts the sum of its rows' weights)."""
+        """Folds keys ``s`` ``(d, mb)`` sorted per column, the first ``real`` real (``(d,)``: each column's own,
+        :meth:`add_finite`; a column of none keeps its summary as it was: nothing is dropped, and the slots keep their
+        order, :func:`_select`'s, or ``lax.top_k``'s, which finds them ranked already); with their ``weights``, for
+        the weighted form: each value then counts the sum of its rows' weights."""
         d, mb = s.shape
         c = self.counts
+        end = real[:, None] if jnp.ndim(real) else real
         pos = jnp.arange(mb, dtype=jnp.int32)
-        first = (pos < real) & jnp.concatenate([jnp.ones((d, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
+        first = (pos < end) & jnp.concatenate([jnp.ones((d, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
         if weights is None:
-            later = running_min(jnp.where(first, pos, real), axis=1, reverse=True)  # next run start at or after
-            run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), real)], axis=1)
+            later = running_min(jnp.where(first, pos, end), axis=1, reverse=True)  # next run start at or after
+            run_end = jnp.concatenate([later[:, 1:], jnp.full((d, 1), end)], axis=1)
             runs = jnp.where(first, run_end - pos, 0)  # rows of each value, at its first row
         else:
             run = jnp.maximum(running_sum(first.astype(jnp.int32)) - 1, 0)  # each row's run
@@ -455,9 +466,34 @@ class TopK(SplitsEachColumn, Combiner):
         return TopKAcc(keys, count, slack, held.reshape(acc.held.shape), bound, acc.kind)
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
-        ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
-        return EachColumn(self)
+        """``self``: under ``nan_policy="omit"`` each column's summary folds its own finite values
+        (:meth:`add_finite`), a NaN or Inf skipped where it stands, the row's other values kept."""
+        return self
+
+    def _values(self, batch):
+        """The values counted of a micro-batch (the weighted form's: its data, not its weights)."""
+        return batch
+
+    def _cells(self, batch, keep):
+        """What :meth:`add_finite` folds of the rows ``keep``: each float column's finite values ``(d, mb)``;
+        ``keep`` itself for integers (every value finite), so that their fold is the rows' as under "propagate"."""
+        x = self._values(batch)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return keep
+        return keep[None, :] & jnp.isfinite(x).reshape(x.shape[0], -1).T
+
+    def finite_keep(self, batch, keep):
+        """Every row of ``keep`` is folded: its NaN and Inf values are skipped where they stand."""
+        return keep
+
+    def add_finite(self, acc, batch, mask, keep):
+        """``nan_policy="omit"`` (pandas' ``value_counts()``): each column's summary folds the finite values of
+        the rows ``keep``, by a mask per column ``(d, mb)`` where ``add`` takes one per row (the same hash, sort
+        and choice, no ``jax.vmap``: a one-column state folded alone would be the same summary)."""
+        if self.model_shards > 1:
+            return acc._replace(value=self.whole.add_finite(acc.value, self.own(batch), mask, keep))
+        cells = self._cells(batch, keep)
+        return fold_if_any(cells, lambda acc: self._add(acc, batch, cells), acc)
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """A summary per key: the micro-batch sorted by (key, value) once, then each key present folds its
@@ -466,11 +502,26 @@ class TopK(SplitsEachColumn, Combiner):
             return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
         return self._add_keyed(acc, batch, mask, keys, num_keys)
 
-    def _add_keyed(self, acc, batch, mask, keys, num_keys):
-        groups, cols = sort_by_key(masked_columns(batch, mask), mask, keys, num_keys)
+    def add_keyed_finite(self, acc, batch, mask, keep, keys, num_keys):
+        """:meth:`add_finite` per key: a key's rows sorted by value, each column's NaN and Inf (as the
+        filler, which sorts last) after its finite values, which each window of its rows folds."""
+        if self.model_shards > 1:
+            value = self.whole.add_keyed_finite(acc.value, self.own(batch), mask, keep, keys, num_keys)
+            return acc._replace(value=value)
+        cells = self._cells(batch, keep)
+        return self._add_keyed(acc, batch, keep, keys, num_keys, None if cells.ndim == 1 else cells)
+
+    def _add_keyed(self, acc, batch, mask, keys, num_keys, cells=None):
+        """``cells``: each column's values to fold ``(d, mb)`` (:meth:`_cells`: float columns), else the rows
+        ``mask``."""
+        groups, cols = sort_by_key(masked_columns(batch, mask if cells is None else cells), mask, keys, num_keys)
         width = min(cols.shape[1], self.capacity)
-        return fold_groups(lambda one, start, n: self._add_sorted(one, run_window(cols, start, n, width), n), acc,
-                           groups, num_keys, width)
+
+        def fold(one, start, n):
+            window = run_window(cols, start, n, width)
+            return self._add_sorted(one, window, n if cells is None else real_values(window))
+
+        return fold_groups(fold, acc, groups, num_keys, width)
 
     def weighted(self):
         return WeightedTopK(self.k, self.capacity, self.model_shards)
@@ -552,6 +603,9 @@ class WeightedTopK(TopK):
         w, x = batch
         return w, super().own(x)
 
+    def _values(self, batch):
+        return batch[1]
+
     def columns_spec(self, acc, n):
         return jax.ShapeDtypeStruct((), acc.count.dtype), super().columns_spec(acc, n)
 
@@ -562,16 +616,18 @@ class WeightedTopK(TopK):
 
     def _add(self, acc, batch, mask):
         s, weights = jax.lax.sort(self._sorted(batch, mask), dimension=1, num_keys=1)
-        return self._add_sorted(acc, s, jnp.sum(mask, dtype=jnp.int32), weights)
+        return self._add_sorted(acc, s, jnp.sum(mask, axis=-1, dtype=jnp.int32), weights)
 
-    def _add_keyed(self, acc, batch, mask, keys, num_keys):
-        cols, weights = self._sorted(batch, mask)
+    def _add_keyed(self, acc, batch, mask, keys, num_keys, cells=None):
+        cols, weights = self._sorted(batch, mask if cells is None else cells)
         groups, cols, weights = sort_by_key(cols, mask, keys, num_keys, weights)
 
         width = min(cols.shape[1], self.capacity)
 
         def fold(one, start, n):
-            return self._add_sorted(one, run_window(cols, start, n, width), n, run_window(weights, start, n, width))
+            window = run_window(cols, start, n, width)
+            return self._add_sorted(one, window, n if cells is None else real_values(window),
+                                    run_window(weights, start, n, width))
 
         return fold_groups(fold, acc, groups, num_keys, width)
 

@@ -1,0 +1,60 @@
+"""TopK of one float64 column under ``nan_policy="omit"`` beside ``"propagate"``: the run's CPU seconds, in memory.
+
+    python -m bench.nan_omit                        # 4·10^6 values (1% NaN, 0.1% inf), TopK(100), best of 3
+    python -m bench.nan_omit --microbatch 16384     # a fixed micro-batch (default: the job's own)
+    PYTHONPATH=/work/main python bench/nan_omit.py  # another checkout's sharded_scan
+
+Each policy runs once unmeasured (its compile), then ``--repeats`` times interleaved; a row is the least CPU seconds
+of ``ss.run(ss.TopK(100), x, nan_policy=...)`` (this process's, ``time.process_time``: what holds on a loaded
+machine) and its wall seconds, and the ratio of omit's CPU to propagate's. The load (``os.getloadavg``) is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+import sharded_scan as ss
+
+
+def column(rows: int, seed: int = 0) -> np.ndarray:
+    """Zipf(1.1) float64 values over 10^5 ranks, 1% NaN and 0.1% +-inf spread at random."""
+    r = np.random.default_rng(seed)
+    universe = 100_000
+    cdf = np.cumsum(1.0 / np.arange(1, universe + 1) ** 1.1)
+    x = np.searchsorted(cdf / cdf[-1], r.random(rows)).astype(np.float64) * 0.5 - 1000.0
+    x[r.random(rows) < 0.01] = np.nan
+    x[r.random(rows) < 0.001] = np.inf * r.choice([-1.0, 1.0])
+    return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4_000_000)
+    parser.add_argument("--microbatch", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    x = column(args.rows)
+    policies = ("propagate", "omit")
+    options = {p: ss.RunOptions(nan_policy=p, microbatch=args.microbatch) for p in policies}
+    for p in policies:
+        ss.run(ss.TopK(100), x, options=options[p])  # compiled once, not measured
+    best = {p: (np.inf, np.inf) for p in policies}
+    for _ in range(args.repeats):
+        for p in policies:
+            cpu, wall = time.process_time(), time.perf_counter()
+            ss.run(ss.TopK(100), x, options=options[p])
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            best[p] = min(best[p], (cpu, wall))
+    print(f"sharded_scan {ss.__file__}; load {os.getloadavg()[0]:.1f}; {args.rows} rows, "
+          f"microbatch {args.microbatch or 'default'}, best of {args.repeats}")
+    for p in policies:
+        print(f"  {p:9s} {best[p][0]:.3f} CPU-s  {best[p][1]:.3f} s")
+    print(f"  omit / propagate: {best['omit'][0] / best['propagate'][0]:.2f}x CPU")
+
+
+if __name__ == "__main__":
+    main()
