@@ -1,12 +1,15 @@
-"""TopK of one float64 column under ``nan_policy="omit"`` beside ``"propagate"``: the run's CPU seconds, in memory.
+"""TopK or DistinctCount of float64 columns under ``nan_policy="omit"`` beside ``"propagate"``: the run's CPU
+seconds, in memory.
 
     python -m bench.nan_omit                        # 4·10^6 values (1% NaN, 0.1% inf), TopK(100), best of 3
     python -m bench.nan_omit --microbatch 16384     # a fixed micro-batch (default: the job's own)
+    python -m bench.nan_omit --combiner distinct --columns 8 --exact-up-to 0   # DistinctCount(exact_up_to=0)
     PYTHONPATH=/work/main python bench/nan_omit.py  # another checkout's sharded_scan
 
 Each policy runs once unmeasured (its compile), then ``--repeats`` times interleaved; a row is the least CPU seconds
-of ``ss.run(ss.TopK(100), x, nan_policy=...)`` (this process's, ``time.process_time``: what holds on a loaded
+of ``ss.run(combiner, x, nan_policy=...)`` (this process's, ``time.process_time``: what holds on a loaded
 machine) and its wall seconds, and the ratio of omit's CPU to propagate's. The load (``os.getloadavg``) is printed.
+``--columns d`` splits the ``--rows`` values into ``d`` columns (each its own draw), so every shape folds as many.
 """
 
 from __future__ import annotations
@@ -31,25 +34,35 @@ def column(rows: int, seed: int = 0) -> np.ndarray:
     return x
 
 
+def combiner(name: str, exact_up_to: int | None) -> ss.Combiner:
+    """``TopK(100)`` or ``DistinctCount(exact_up_to=...)``."""
+    return ss.TopK(100) if name == "topk" else ss.DistinctCount(exact_up_to=exact_up_to)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=4_000_000)
+    parser.add_argument("--rows", type=int, default=4_000_000, help="values in all (split over --columns)")
+    parser.add_argument("--columns", type=int, default=1)
+    parser.add_argument("--combiner", choices=("topk", "distinct"), default="topk")
+    parser.add_argument("--exact-up-to", type=int, default=None, help="DistinctCount's (default: its own)")
     parser.add_argument("--microbatch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    x = column(args.rows)
+    n, d = args.rows // args.columns, args.columns
+    x = column(n) if d == 1 else np.stack([column(n, seed) for seed in range(d)], axis=1)
+    c = combiner(args.combiner, args.exact_up_to)
     policies = ("propagate", "omit")
     options = {p: ss.RunOptions(nan_policy=p, microbatch=args.microbatch) for p in policies}
     for p in policies:
-        ss.run(ss.TopK(100), x, options=options[p])  # compiled once, not measured
+        ss.run(c, x, options=options[p])  # compiled once, not measured
     best = {p: (np.inf, np.inf) for p in policies}
     for _ in range(args.repeats):
         for p in policies:
             cpu, wall = time.process_time(), time.perf_counter()
-            ss.run(ss.TopK(100), x, options=options[p])
+            ss.run(c, x, options=options[p])
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             best[p] = min(best[p], (cpu, wall))
-    print(f"sharded_scan {ss.__file__}; load {os.getloadavg()[0]:.1f}; {args.rows} rows, "
+    print(f"sharded_scan {ss.__file__}; load {os.getloadavg()[0]:.1f}; {c!r}; {n} rows x {d} columns, "
           f"microbatch {args.microbatch or 'default'}, best of {args.repeats}")
     for p in policies:
         print(f"  {p:9s} {best[p][0]:.3f} CPU-s  {best[p][1]:.3f} s")

@@ -95,3 +95,16 @@ def crash_at(step):
             raise CrashError
 
     return progress
+
+
+def control_flow(jaxpr):
+    """The conds, loops and sorts of a traced ``jaxpr``, nested as traced (``jax.vmap`` turns a ``lax.cond`` of a
+    batched predicate into a select of both branches: its sorts then sit outside any cond)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        params = [p for v in eqn.params.values() for p in (v if isinstance(v, tuple | list) else (v,))]
+        subs = [getattr(p, "jaxpr", p) for p in params]  # a cond's branches, a loop's body, a jit's
+        subs = tuple(flow for flow in (control_flow(sub) for sub in subs if hasattr(sub, "eqns")) if flow)
+        if eqn.primitive.name in ("cond", "while", "sort") or subs:
+            out.append((eqn.primitive.name, subs))
+    return tuple(out)

@@ -1,5 +1,6 @@
 """DistinctCount: exact below exact_up_to, within the HLL standard error above, against numpy/pandas."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
@@ -7,7 +8,7 @@ import pytest
 
 import sharded_scan as ss
 from sharded_scan.combiners.sketches.distinct import estimate, more_than
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, control_flow
 from tests.test_checkpoint import CrashError, crash_at
 
 KW = {"microbatch": 64, "steps_per_call": 2}
@@ -77,11 +78,36 @@ def test_estimate_is_within_the_standard_error_on_ints_and_floats(distinct):
     assert np.all(np.abs(got.count - distinct) <= 2.5 * sigma * distinct + 1), got.count  # +1: a rare collision
 
 
-def test_nan_values_are_skipped_with_omit_and_one_column_gives_scalars():
-    x = columns(500)
-    kept = ss.run(SMALL, x, nan_policy="omit", mesh="data:2", **KW)
-    np.testing.assert_array_equal(kept.count[2], 3)
-    vector = ss.run(SMALL, x[:, 2], mesh="data:2", **KW)
+# nan_policy="omit" (pandas' nunique(): NaN dropped, and an inf here) folds each column's count with a mask per column.
+# Main ran EachColumn(DistinctCount): one-column states under jax.vmap, whose lax.conds (the exact slots' sort or
+# not, the bound) became selects running both branches (2.8-4.9x propagate's CPU, bench/README.md).
+def test_omit_skips_each_value_where_it_stands_like_nunique_with_the_control_flow_of_propagate():
+    from sharded_scan.combiners.wrappers.policies import apply_policies
+
+    f = jax.ShapeDtypeStruct
+    for combiner, spec in ((SMALL, f((4,), np.float64)), (ss.DistinctCount(exact_up_to=0), f((), np.float32)),
+                           (ss.GroupBy(SMALL, 3), (f((), np.int32), f((4,), np.float64)))):
+        batch = jax.tree.map(lambda s: f((1024, *s.shape), s.dtype), spec)  # traced only
+        flows = [control_flow(jax.make_jaxpr(c.add)(jax.eval_shape(c.init, spec), batch, f((1024,), bool)).jaxpr)
+                 for c in (apply_policies(combiner, nan_policy=p) for p in ("propagate", "omit"))]
+        assert flows[1] == flows[0], (combiner, flows)
+    # NaN and +-inf spread differently per column (+-0 one value); micro-batches where column 1 holds none; a column
+    # of NaN and inf alone; a column of more than exact_up_to values. 2 devices fold, then the counts merge.
+    r = np.random.default_rng(3)
+    n = 1000
+    values = np.array([np.nan, -0.0, 0.0, 2.5, -1.0, 7.0, np.inf, -np.inf])
+    x = np.stack([r.choice(values, n, p=[0.1, 0.2, 0.2, 0.25, 0.15, 0.05, 0.03, 0.02]), r.integers(-90, 90, n) * 0.5,
+                  np.where(r.random(n) < 0.5, np.nan, np.inf), np.round(r.normal(size=n) * 1e3)], 1)
+    x[r.random(n) < 0.2, 1] = np.inf
+    x[256:768, 1] = np.nan
+    x[r.random(n) < 0.1, 3] = np.nan
+    got = ss.run(SMALL, x, nan_policy="omit", mesh="data:2", **KW)
+    want = pd.DataFrame(np.where(np.isfinite(x), x, np.nan)).nunique(dropna=True).to_numpy()
+    assert want[0] == 4 and want[2] == 0 and want[3] > 300
+    np.testing.assert_array_equal(got.exact, [True, True, True, False])
+    np.testing.assert_array_equal(got.count[:3], want[:3])
+    assert abs(got.count[3] - want[3]) <= 3 * 1.04 / np.sqrt(1 << 10) * want[3], (got.count, want)
+    vector = ss.run(SMALL, columns(500)[:, 2], mesh="data:2", **KW)  # rows of one value: scalars
     assert vector.count.shape == () and vector.count == 4 and vector.exact
 
 

@@ -10,7 +10,7 @@ import pytest
 import sharded_scan as ss
 from sharded_scan import program
 from sharded_scan.program import program_for_spec
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, control_flow
 from tests.test_checkpoint import CrashError, crash_at
 
 KW = {"microbatch": 64, "steps_per_call": 2}
@@ -72,19 +72,6 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
     assert np.isnan(got.values[5:]).all() and (got.counts[5:] == 0).all()  # five distinct values
     for value, count in zip(got.values[:5], got.counts[:5], strict=True):
         assert count == (counts[np.nan] if np.isnan(value) else counts[value])
-
-
-def control_flow(jaxpr):
-    """The conds, loops and sorts of a traced ``jaxpr``, nested as traced (``jax.vmap`` turns a ``lax.cond`` of a
-    batched predicate into a select of both branches: its sorts then sit outside any cond)."""
-    out = []
-    for eqn in jaxpr.eqns:
-        params = [p for v in eqn.params.values() for p in (v if isinstance(v, tuple | list) else (v,))]
-        subs = [getattr(p, "jaxpr", p) for p in params]  # a cond's branches, a loop's body, a jit's
-        subs = tuple(flow for flow in (control_flow(sub) for sub in subs if hasattr(sub, "eqns")) if flow)
-        if eqn.primitive.name in ("cond", "while", "sort") or subs:
-            out.append((eqn.primitive.name, subs))
-    return tuple(out)
 
 
 # nan_policy="omit" (pandas' value_counts(): NaN dropped, and an inf here) folds each column's summary with a mask per

@@ -45,17 +45,18 @@ from sharded_scan.combiners.sketches.keys import (
     check_column_spec,
     columns,
     fill,
+    finite_cells,
     fold_groups,
     fold_if_any,
     key_dtype,
     keyed_as,
     mix32,
     mix64,
+    real_values,
     run_window,
     running_sum,
     sort_by_key,
 )
-from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.errors import UsageError
 
 DEFAULT_PRECISION = 14
@@ -100,9 +101,9 @@ class DistinctAcc(NamedTuple):
 
 def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
                      code: int | None = None, string_ids: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Each key's register index and value (0 for masked rows): ``(d, mb)`` each; with ``code`` (the keys'
-    :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons (:func:`~.murmur.coupons`; of strings' ids,
-    ``string_ids``: :func:`~.murmur.string_coupons`)."""
+    """Each key's register index and value (0 where ``mask``, ``(mb,)`` or a mask per column ``(d, mb)``, is
+    False): ``(d, mb)`` each; with ``code`` (the keys' :data:`~.keys.KIND_DTYPES` index) DataSketches' coupons
+    (:func:`~.murmur.coupons`; of strings' ids, ``string_ids``: :func:`~.murmur.string_coupons`)."""
     if code is not None:
         index, rank = (murmur.string_coupons if string_ids else murmur.coupons)(keys, code, precision)
     elif keys.dtype == jnp.uint64:
@@ -115,7 +116,7 @@ def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
         index = (first >> (32 - precision)).astype(jnp.int32)
     if code is None:
         rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
-    return index, jnp.where(mask[None, :], rank, jnp.uint8(0))
+    return index, jnp.where(mask if mask.ndim == 2 else mask[None, :], rank, jnp.uint8(0))
 
 
 def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -154,14 +155,14 @@ def bound_bits(e: int, d: int) -> int:
 
 
 def more_than(keys: jax.Array, held: jax.Array, batch_keys: jax.Array, rows: jax.Array, e: int) -> jax.Array:
-    """Per column, True where its first ``held`` of ``keys`` ``(d, E)`` and the ``rows`` of ``batch_keys``
-    ``(d, mb)`` hold more than ``e`` distinct values for sure: more than ``e`` of the slots their hashes'
-    top bits pick (:func:`bound_bits`) are taken, and distinct slots are distinct values. A cheap lower
-    bound (a scatter, no sort): False says nothing."""
+    """Per column, True where its first ``held`` of ``keys`` ``(d, E)`` and the ``rows`` (``(mb,)``, or each
+    column's own ``(d, mb)``) of ``batch_keys`` ``(d, mb)`` hold more than ``e`` distinct values for sure: more
+    than ``e`` of the slots their hashes' top bits pick (:func:`bound_bits`) are taken, and distinct slots are
+    distinct values. A cheap lower bound (a scatter, no sort): False says nothing."""
     d, bits = keys.shape[0], bound_bits(e, keys.shape[0])
     both = jnp.concatenate([keys, batch_keys], axis=1)
     real = jnp.concatenate([jnp.arange(keys.shape[1]) < held[:, None],
-                            jnp.broadcast_to(rows[None, :], batch_keys.shape)], axis=1)
+                            jnp.broadcast_to(rows if rows.ndim == 2 else rows[None, :], batch_keys.shape)], axis=1)
     mixed = mix64(both) if both.dtype == jnp.uint64 else mix32(both)
     slot = jnp.where(real, (mixed >> (8 * both.dtype.itemsize - bits)).astype(jnp.int32), 1 << bits)
     taken = jnp.zeros((d, 1 << bits), bool).at[jnp.arange(d)[:, None], slot].set(True, mode="drop")
@@ -287,6 +288,10 @@ class DistinctCount(SplitsEachColumn, Combiner):
     def add(self, acc, batch, mask):
         if self.model_shards > 1:
             return acc._replace(value=self.whole.add(acc.value, self.own(batch), mask))
+        return self._add(acc, batch, mask)
+
+    def _add(self, acc, batch, mask):
+        """Folds the rows ``mask`` ``(mb,)``, or each column's own values ``mask`` ``(d, mb)`` (:meth:`add_finite`)."""
         keys = columns(batch)
 
         def scatter(registers):
@@ -298,18 +303,19 @@ class DistinctCount(SplitsEachColumn, Combiner):
         if not self.exact_up_to:
             return acc._replace(registers=registers)
         def batch_keys():  # made inside the loop that keeps them, from the micro-batch as it is: no copy each time
-            return jnp.where(mask[None, :], columns(batch), fill(keys.dtype))
+            return jnp.where(mask if mask.ndim == 2 else mask[None, :], columns(batch), fill(keys.dtype))
 
-        return self._add_held(acc, registers, batch_keys, jnp.sum(mask, dtype=jnp.int32), mask)
+        return self._add_held(acc, registers, batch_keys, jnp.sum(mask, axis=-1, dtype=jnp.int32), mask)
 
     def _hash_code(self, batch):
         """The key kind DataSketches' hash reads values as (``datasketches=True``), else None: our hash."""
         return KIND_DTYPES.index(keyed_as(batch.dtype)) if self.datasketches else None
 
     def _add_held(self, acc, registers, batch_keys, count, rows=None):
-        """``acc`` with ``registers`` and, while some column keeps its values, the first ``count`` of
-        ``batch_keys()`` ``(d, mb)`` among them (``rows``: ``(mb,)``, which of them are real, for the bound of
-        :func:`more_than`; None: no bound, as for ``add_keyed``'s short chunks).
+        """``acc`` with ``registers`` and, while some column keeps its values, the first ``count`` (``()``, or
+        ``(d,)``: each column's own) of ``batch_keys()`` ``(d, mb)`` among them (``rows``: ``(mb,)`` or ``(d, mb)``,
+        which of them are real, for the bound of :func:`more_than`; None: no bound, as for ``add_keyed``'s short
+        chunks).
 
         Nothing is sorted once every column holds more than ``E`` values, nor for a micro-batch after which
         :func:`more_than` shows each column that would sort to hold more (so a column of many values sorts
@@ -332,33 +338,66 @@ class DistinctCount(SplitsEachColumn, Combiner):
                                      lambda: sort(jnp.concatenate([keys, batch], axis=1))))
 
         held = acc.held.reshape(-1)
-        keys, held = run_once(~jnp.all(held > e) & (count > 0), kept, acc.keys, held)
+        some = ~jnp.all(held > e) & (jnp.any(count > 0) if jnp.ndim(count) else count > 0)  # count: (d,) or ()
+        keys, held = run_once(some, kept, acc.keys, held)
         return DistinctAcc(registers, keys, held.reshape(acc.held.shape))
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
-        ``nan_policy="omit"`` a NaN or Inf is skipped where it stands, the column's other values kept."""
-        return EachColumn(self)
+        """``self``: under ``nan_policy="omit"`` each column's count folds its own finite values
+        (:meth:`add_finite`), a NaN or Inf skipped where it stands, the row's other values kept."""
+        return self
+
+    def finite_keep(self, batch, keep):
+        """Every row of ``keep`` is folded: its NaN and Inf values are skipped where they stand."""
+        return keep
+
+    def add_finite(self, acc, batch, mask, keep):
+        """``nan_policy="omit"`` (pandas' ``nunique()``): each column's registers and kept values fold the finite
+        values of the rows ``keep``, by a mask per column ``(d, mb)`` where ``add`` takes one per row (the same
+        scatter, bound and sorts, no ``jax.vmap``, whose ``lax.cond``s would run both branches: a one-column state
+        folded alone would count the same)."""
+        if self.model_shards > 1:
+            return acc._replace(value=self.whole.add_finite(acc.value, self.own(batch), mask, keep))
+        return self._add(acc, batch, finite_cells(batch, keep))
 
     def add_keyed(self, acc, batch, mask, keys, num_keys):
         """Registers per key in one scatter-max; the kept values of each key present in the micro-batch
         (while it has few) folded key by key (:func:`~.keys.fold_groups`)."""
         if self.model_shards > 1:
             return acc._replace(value=self.whole.add_keyed(acc.value, self.own(batch), mask, keys, num_keys))
+        return self._add_keyed(acc, batch, mask, keys, num_keys)
+
+    def add_keyed_finite(self, acc, batch, mask, keep, keys, num_keys):
+        """:meth:`add_finite` per key: a key's rows sorted by value, each column's NaN and Inf (as the filler,
+        which sorts last) after its finite values, which each window of its rows folds."""
+        if self.model_shards > 1:
+            value = self.whole.add_keyed_finite(acc.value, self.own(batch), mask, keep, keys, num_keys)
+            return acc._replace(value=value)
+        cells = finite_cells(batch, keep)
+        return self._add_keyed(acc, batch, keep, keys, num_keys, None if cells.ndim == 1 else cells)
+
+    def _add_keyed(self, acc, batch, mask, keys, num_keys, cells=None):
+        """``cells``: each column's values to fold ``(d, mb)`` (:func:`~.keys.finite_cells`: float columns), else
+        the rows ``mask``."""
         cols = columns(batch)
-        index, rank = register_updates(cols, mask, self.precision, self._hash_code(batch), self.string_ids)
+        index, rank = register_updates(cols, mask if cells is None else cells, self.precision,
+                                       self._hash_code(batch), self.string_ids)
         d = cols.shape[0]
         group = jnp.broadcast_to(jnp.where(mask, keys, 0)[None, :], index.shape)
         rows = jnp.broadcast_to(jnp.arange(d)[:, None], index.shape)
         registers = acc.registers.at[group, rows, index].max(rank)
         if not self.exact_up_to:
             return acc._replace(registers=registers)
-        groups, cols = sort_by_key(jnp.where(mask[None, :], cols, fill(cols.dtype)), mask, keys, num_keys)
+        values = mask[None, :] if cells is None else cells
+        groups, cols = sort_by_key(jnp.where(values, cols, fill(cols.dtype)), mask, keys, num_keys)
 
         width = min(cols.shape[1], self.exact_up_to)
 
         def fold(one, start, n):
-            return self._add_held(one, one.registers, lambda: run_window(cols, start, n, width), n)
+            def window():
+                return run_window(cols, start, n, width)
+
+            return self._add_held(one, one.registers, window, n if cells is None else real_values(window()))
 
         return fold_groups(fold, acc._replace(registers=registers), groups, num_keys, width)
 

@@ -200,9 +200,25 @@ def columns(batch: jax.Array) -> jax.Array:
 
 def masked_columns(batch: jax.Array, mask: jax.Array) -> jax.Array:
     """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last; ``mask`` ``(mb,)``, or
-    ``(d, mb)``: each column's own values (:meth:`TopK.add_finite <sharded_scan.TopK.add_finite>`)."""
+    ``(d, mb)``: each column's own values (:func:`finite_cells`)."""
     keys = columns(batch)
     return jnp.where(mask if mask.ndim == 2 else mask[None, :], keys, fill(keys.dtype))
+
+
+def finite_cells(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """What a sketch of a summary per column folds of the rows ``keep`` ``(mb,)`` of values ``x`` ``(mb,)`` or
+    ``(mb, d)`` under ``nan_policy="omit"``: each float column's finite values ``(d, mb)``, a mask per column; ``keep``
+    itself for integers (every value finite), so that their fold is the rows' as under "propagate"."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return keep
+    return keep[None, :] & jnp.isfinite(x).reshape(x.shape[0], -1).T
+
+
+def real_values(window: jax.Array) -> jax.Array:
+    """Per column, the keys of a window of a float column's sorted keys ``(d, n)`` that are not the filler: its
+    values folded under ``nan_policy="omit"``, the skipped NaN and Inf (and padding) the filler after them (no
+    float's key is the filler, :func:`to_keys`)."""
+    return jnp.sum(window != fill(window.dtype), axis=1, dtype=jnp.int32)
 
 
 def sort_by_key(cols: jax.Array, mask: jax.Array, keys: jax.Array, num_keys: int, *more: jax.Array):

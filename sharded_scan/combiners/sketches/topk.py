@@ -52,6 +52,7 @@ from sharded_scan.combiners.sketches.keys import (
     columns,
     decode,
     fill,
+    finite_cells,
     first_rows,
     fold_groups,
     fold_if_any,
@@ -60,6 +61,7 @@ from sharded_scan.combiners.sketches.keys import (
     key_dtype,
     kind_code,
     masked_columns,
+    real_values,
     run_window,
     running_min,
     running_sum,
@@ -213,13 +215,6 @@ class WeightCounts:
     @staticmethod
     def to_host(x) -> np.ndarray:
         return np.asarray(x, np.float64)
-
-
-def real_values(window: jax.Array) -> jax.Array:
-    """Per column, the keys of a window of a float column's sorted keys ``(d, n)`` that are not the filler: its
-    values folded under ``nan_policy="omit"``, the skipped NaN and Inf (and padding) the filler after them (no
-    float's key is the filler, :func:`~.keys.to_keys`)."""
-    return jnp.sum(window != fill(window.dtype), axis=1, dtype=jnp.int32)
 
 
 def _lookup(sorted_keys: jax.Array, held: jax.Array, queries: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -475,12 +470,8 @@ class TopK(SplitsEachColumn, Combiner):
         return batch
 
     def _cells(self, batch, keep):
-        """What :meth:`add_finite` folds of the rows ``keep``: each float column's finite values ``(d, mb)``;
-        ``keep`` itself for integers (every value finite), so that their fold is the rows' as under "propagate"."""
-        x = self._values(batch)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return keep
-        return keep[None, :] & jnp.isfinite(x).reshape(x.shape[0], -1).T
+        """What :meth:`add_finite` folds of the rows ``keep`` (:func:`~.keys.finite_cells` of the values counted)."""
+        return finite_cells(self._values(batch), keep)
 
     def finite_keep(self, batch, keep):
         """Every row of ``keep`` is folded: its NaN and Inf values are skipped where they stand."""
