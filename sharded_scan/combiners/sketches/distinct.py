@@ -52,6 +52,7 @@ from sharded_scan.combiners.sketches.keys import (
     keyed_as,
     mix32,
     mix64,
+    per_column,
     real_values,
     run_window,
     running_sum,
@@ -116,7 +117,7 @@ def register_updates(keys: jax.Array, mask: jax.Array, precision: int,
         index = (first >> (32 - precision)).astype(jnp.int32)
     if code is None:
         rank = jax.lax.clz(second).astype(jnp.uint8) + jnp.uint8(1)
-    return index, jnp.where(mask if mask.ndim == 2 else mask[None, :], rank, jnp.uint8(0))
+    return index, jnp.where(per_column(mask), rank, jnp.uint8(0))
 
 
 def unique_prefix(keys: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -162,7 +163,7 @@ def more_than(keys: jax.Array, held: jax.Array, batch_keys: jax.Array, rows: jax
     d, bits = keys.shape[0], bound_bits(e, keys.shape[0])
     both = jnp.concatenate([keys, batch_keys], axis=1)
     real = jnp.concatenate([jnp.arange(keys.shape[1]) < held[:, None],
-                            jnp.broadcast_to(rows if rows.ndim == 2 else rows[None, :], batch_keys.shape)], axis=1)
+                            jnp.broadcast_to(per_column(rows), batch_keys.shape)], axis=1)
     mixed = mix64(both) if both.dtype == jnp.uint64 else mix32(both)
     slot = jnp.where(real, (mixed >> (8 * both.dtype.itemsize - bits)).astype(jnp.int32), 1 << bits)
     taken = jnp.zeros((d, 1 << bits), bool).at[jnp.arange(d)[:, None], slot].set(True, mode="drop")
@@ -303,7 +304,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
         if not self.exact_up_to:
             return acc._replace(registers=registers)
         def batch_keys():  # made inside the loop that keeps them, from the micro-batch as it is: no copy each time
-            return jnp.where(mask if mask.ndim == 2 else mask[None, :], columns(batch), fill(keys.dtype))
+            return jnp.where(per_column(mask), columns(batch), fill(keys.dtype))
 
         return self._add_held(acc, registers, batch_keys, jnp.sum(mask, axis=-1, dtype=jnp.int32), mask)
 
@@ -388,7 +389,7 @@ class DistinctCount(SplitsEachColumn, Combiner):
         registers = acc.registers.at[group, rows, index].max(rank)
         if not self.exact_up_to:
             return acc._replace(registers=registers)
-        values = mask[None, :] if cells is None else cells
+        values = per_column(mask if cells is None else cells)
         groups, cols = sort_by_key(jnp.where(values, cols, fill(cols.dtype)), mask, keys, num_keys)
 
         width = min(cols.shape[1], self.exact_up_to)

@@ -198,11 +198,17 @@ def columns(batch: jax.Array) -> jax.Array:
     return keys[None, :] if keys.ndim == 1 else keys.T
 
 
+def per_column(mask: jax.Array) -> jax.Array:
+    """A mask of rows ``(mb,)`` as one broadcasting over columns ``(1, mb)``; a mask per column ``(d, mb)``
+    (:func:`finite_cells`) as it is."""
+    return mask if mask.ndim == 2 else mask[None, :]
+
+
 def masked_columns(batch: jax.Array, mask: jax.Array) -> jax.Array:
     """:func:`columns`, the padding rows (``mask`` False) the filler, which sorts last; ``mask`` ``(mb,)``, or
     ``(d, mb)``: each column's own values (:func:`finite_cells`)."""
     keys = columns(batch)
-    return jnp.where(mask if mask.ndim == 2 else mask[None, :], keys, fill(keys.dtype))
+    return jnp.where(per_column(mask), keys, fill(keys.dtype))
 
 
 def finite_cells(x: jax.Array, keep: jax.Array) -> jax.Array:

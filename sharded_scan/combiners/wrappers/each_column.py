@@ -86,13 +86,6 @@ class EachColumn(Wrapper):
     def path(self) -> tuple[int, ...]:
         return self.inner.data_part if self.data_path is None else self.data_path
 
-    @property
-    def microbatch_values(self) -> int:
-        """The 4 MiB default: under ``jax.vmap`` an inner ``lax.cond`` runs both branches (so did TopK's hash and its
-        sort fallback, and DistinctCount's sorts, when they ran so), whose sort larger micro-batches do not amortize
-        (TopK of a float64 column under "omit": 65536 rows 4% slower than 16384, bench/README.md)."""
-        return 0
-
     def fingerprint(self):
         return {"combiner": "EachColumn", "inner": self.inner.fingerprint(), "data_path": repr(self.data_path)}
 
