@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan import codegen
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, merging_shards
 from sharded_scan.combiners.wrappers.policies import innermost
 from sharded_scan.compile_cache import cached
 from sharded_scan.errors import UsageError
@@ -73,12 +73,13 @@ def compile_gather(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Opt
                    compiler_options=codegen.jit_options(compiler_options))
 
 
-def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
+def pair_merge(combiner: Combiner, precision: str, fixed: bool, shards: int = 0) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, traced at ``precision`` (``fixed``:
-    float products with fixed roundings): the body of every merge program but the ``psum``."""
+    float products with fixed roundings; ``shards``: how many it folds, :func:`~.combiners.base.merge_shards`):
+    the body of every merge program but the ``psum``."""
 
     def merge(a, b, operands):
-        with jax.default_matmul_precision(precision):
+        with jax.default_matmul_precision(precision), merging_shards(shards):
             bound = combiner.bind(operands)
             return (pinned(combiner, bound.merge) if fixed else bound.merge)(a, b)
 
@@ -87,10 +88,11 @@ def pair_merge(combiner: Combiner, precision: str, fixed: bool) -> Callable:
 
 @cached
 def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False,
-                       compiler_options: codegen.Options = ()) -> Callable:
+                       compiler_options: codegen.Options = (), shards: int = 0) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
-    float products with fixed roundings)."""
-    return jax.jit(pair_merge(combiner, precision, fixed), compiler_options=codegen.jit_options(compiler_options))
+    float products with fixed roundings; ``shards``: how many shards it folds, 0 where not known)."""
+    return jax.jit(pair_merge(combiner, precision, fixed, shards),
+                   compiler_options=codegen.jit_options(compiler_options))
 
 
 def tree_strides(size: int) -> list[int]:
@@ -349,7 +351,8 @@ def process_tree_fold(combiner: Combiner, mesh: Mesh, partials: PyTree, host_ope
     leaders = process_leaders(mesh)
     me, count = leader_index(mesh), leaders.size
     device = leaders.devices.flat[me]
-    merge = compile_pair_merge(combiner, precision, fixed, compiler_options)
+    shards = jax.tree.leaves(partials)[0].shape[0]
+    merge = compile_pair_merge(combiner, precision, fixed, compiler_options, shards)
     operands = jax.device_put(host_operands, device)
     state = tree_fold(lambda a, b: merge(a, b, operands),
                       (s for block in own_blocks(partials) for s in states_of(block, device)))
@@ -491,7 +494,8 @@ class Pairwise(Merge):
 
     def pair(self) -> Callable:
         """``merge(a, b, operands) -> acc`` of two states, compiled (memoized)."""
-        return compile_pair_merge(self.combiner, self.precision, self.fixed, self.compiler_options)
+        return compile_pair_merge(self.combiner, self.precision, self.fixed, self.compiler_options,
+                                  self.layout.num_shards)
 
     def lower(self, like: PyTree, operands: PyTree) -> jax.stages.Lowered:
         one = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), like)

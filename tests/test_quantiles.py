@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.base import folding_few_microbatches
+from sharded_scan.combiners.base import folding_few_microbatches, merging_shards
 from sharded_scan.combiners.sketches import kll
 from sharded_scan.program import program_for_spec
 from tests import test_program
@@ -226,6 +226,28 @@ def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
     spec = jax.ShapeDtypeStruct((d,), np.float32)
     short, long = (program_for_spec(ss.Quantiles(qs=(0.5,), k=k), spec, n * mb, options) for n in (24, 64))
     assert (short.short, long.short) == (True, False)
+
+
+def test_a_merge_of_many_shards_sorts_in_three_window_sizes_and_gives_the_same_sketch():
+    k, mb, d = 1024, 1024, 3
+    rows = np.sort(np.random.default_rng(1).integers(0, 2**32 - 1, (2, 11, d, mb), dtype=np.uint32), axis=3)
+    fold = jax.jit(lambda batches: jax.lax.scan(
+        lambda s, b: (kll.insert_sorted_rows(s, b, jnp.int32(mb), k), None), kll.empty(d, k), batches)[0])
+    a, b = fold(rows[0]), fold(rows[1][:7])  # sketches of several levels, one taller than the other
+
+    def merged(shards):
+        def merge(a, b):
+            with merging_shards(shards):
+                return kll.merge(a, b, k)
+        sorts = str(jax.make_jaxpr(merge)(a, b)).count(" sort[")
+        return sorts, jax.jit(merge)(a, b), jax.jit(merge)(b, a)
+
+    (one, *few), (three, *many) = merged(kll.MANY_SHARDS - 1), merged(kll.MANY_SHARDS)
+    assert (one, three) == (1, 3)  # one move compiled a window size: 3 sizes only where the merge runs often
+    for x, y in zip(few, many, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, x, y)
+    host = kll.to_host(jax.tree.map(np.asarray, many[0]))
+    assert np.all(np.abs(host.cumulative[:, -1] - 18 * mb) < 128)  # every row of both, to sampling
 
 
 @pytest.mark.parametrize(

@@ -63,14 +63,32 @@ def reads_few_microbatches(combiner: Any) -> bool:
     return any(isinstance(v, Combiner) and reads_few_microbatches(v) for v in values)
 
 
+_merge_shards = contextvars.ContextVar("sharded_scan_merge_shards", default=0)
+
+
+def merge_shards() -> int:
+    """How many shards the pair merge being traced folds, one pair at a time (0: not known); a combiner may
+    spend more compile on a merge that runs many times (:func:`merging_shards`)."""
+    return _merge_shards.get()
+
+
 @contextlib.contextmanager
-def folding_few_microbatches(few: bool):
-    """While tracing a step: :func:`folds_few_microbatches` is ``few``."""
-    token = _few_microbatches.set(bool(few))
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
     try:
         yield
     finally:
-        _few_microbatches.reset(token)
+        var.reset(token)
+
+
+def merging_shards(shards: int):
+    """While tracing a pair merge: :func:`merge_shards` is ``shards`` (a context manager)."""
+    return _setting(_merge_shards, int(shards))
+
+
+def folding_few_microbatches(few: bool):
+    """While tracing a step: :func:`folds_few_microbatches` is ``few`` (a context manager)."""
+    return _setting(_few_microbatches, bool(few))
 
 
 class Combiner(abc.ABC):
