@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.base import folding_few_microbatches
+from sharded_scan.combiners.base import folding_few_microbatches, folding_per_key
 from sharded_scan.combiners.sketches import kll
 from sharded_scan.program import program_for_spec
 from tests import test_program
@@ -225,6 +225,8 @@ def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
         assert two_sizes(k, mb) == (256, 3072)
     with folding_few_microbatches(1):
         assert two_sizes(k, mb) == (3072,)
+        with folding_per_key():  # a keyed add (GroupBy's): an insertion a key, many small ones
+            assert two_sizes(k, mb) == (256, 3072)
     options = ss.RunOptions(mesh="data:1", microbatch=mb, steps_per_call=1)
     spec = jax.ShapeDtypeStruct((d,), np.float32)
     one, short, long = (program_for_spec(ss.Quantiles(qs=(0.5,), k=k), spec, n * mb, options) for n in (1, 24, 64))
@@ -243,12 +245,13 @@ def test_a_small_describe_step_traces_one_move_and_no_varying_casts():
     assert names.count("sort") == 2 and "pvary" not in names
     x = (np.random.default_rng(3).standard_normal((50, 3)) * 10).astype(np.float32)
     mask = np.arange(50) < 43  # 43 items: a move in the small window (64 slots) before, in the large (768) now
-    acc = describe.init(jax.ShapeDtypeStruct((3,), np.float32))
+    sketch = describe.sketch  # its Quantiles
+    acc = sketch.init(jax.ShapeDtypeStruct((3,), np.float32))
     with folding_few_microbatches(1):
-        one = jax.jit(lambda a, b, m: describe.add(a, b, m))(acc, x, mask)
+        one = jax.jit(lambda a, b, m: sketch.add(a, b, m))(acc, x, mask)
     with folding_few_microbatches(2):
-        two = jax.jit(lambda a, b, m: describe.add(a, b, m))(acc, x, mask)
-    assert int(np.sum(one.sketch.sketch.sizes)) == 43
+        two = jax.jit(lambda a, b, m: sketch.add(a, b, m))(acc, x, mask)
+    assert int(np.sum(one.sketch.sizes)) == 43
     jax.tree.map(np.testing.assert_array_equal, one, two)
 
 

@@ -58,6 +58,14 @@ def folds_one_microbatch() -> bool:
     return _few_microbatches.get() == 1
 
 
+@contextlib.contextmanager
+def folding_per_key():
+    """While tracing a keyed add (``GroupBy``'s): a shard's micro-batch folds as an insertion a key, many and
+    small, so :func:`folds_one_microbatch` does not hold in it (:func:`folds_few_microbatches` still does)."""
+    with folding_few_microbatches(2 if folds_one_microbatch() else _few_microbatches.get()):
+        yield
+
+
 def reads_few_microbatches(combiner: Any) -> bool:
     """Whether ``combiner``, or a combiner in its dataclass fields (a wrapper's inner one, at any depth), has
     ``compiles_less_when_short``: only then is a short job's step another program (else one program serves both)."""

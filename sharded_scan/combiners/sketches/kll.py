@@ -140,9 +140,10 @@ def window_sizes(k: int, rows: int = 0) -> tuple[int, ...]:
     (:func:`~sharded_scan.combiners.base.folds_few_microbatches`: its 0.35-0.4 CPU-s of compile is 1.3 ms of
     moves saved a micro-batch; a Describe of 200,000 rows in a fresh process, 13 micro-batches then). A step whose
     shards fold one micro-batch over the job (:func:`~sharded_scan.combiners.base.folds_one_microbatch`: a small
-    job's) has the largest only: its moves are few (from empty, one insertion; a keyed add's, one a key), most
-    often of more than ``k/4`` items (a Describe of 200,000 x 8 in one micro-batch: 0.06-0.09 CPU-s of compile
-    less). Which window a move sorts in does not change the sketch.
+    job's) has the largest only: from empty, one insertion, most often of more than ``k/4`` items (a Describe of
+    200,000 x 8 in one micro-batch: 0.06-0.09 CPU-s of compile less); a keyed add, an insertion a key, many and
+    small, keeps the small window (:func:`~sharded_scan.combiners.base.folding_per_key`: a GroupBy of 200 keys
+    ran its step 0.25-0.6 CPU-s slower without). Which window a move sorts in does not change the sketch.
     """
     if folds_one_microbatch():
         return (window_size(k),)
