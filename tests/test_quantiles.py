@@ -224,7 +224,7 @@ def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
     with folding_few_microbatches(2):
         assert two_sizes(k, mb) == (256, 3072)
     with folding_few_microbatches(1):
-        assert two_sizes(k, mb) == (3072,)
+        assert two_sizes(k, mb) == (3072,) and two_sizes(k, k // 4) == (256, 3072)  # the small one taken: kept
         with folding_per_key():  # a keyed add (GroupBy's): an insertion a key, many small ones
             assert two_sizes(k, mb) == (256, 3072)
     options = ss.RunOptions(mesh="data:1", microbatch=mb, steps_per_call=1)
@@ -243,8 +243,8 @@ def test_a_small_describe_step_traces_one_move_and_no_varying_casts():
     with jax.enable_x64(True):
         names = list(primitive_names(program.trace_step().jaxpr.jaxpr))
     assert names.count("sort") == 2 and "pvary" not in names
-    x = (np.random.default_rng(3).standard_normal((50, 3)) * 10).astype(np.float32)
-    mask = np.arange(50) < 43  # 43 items: a move in the small window (64 slots) before, in the large (768) now
+    x = (np.random.default_rng(3).standard_normal((100, 3)) * 10).astype(np.float32)
+    mask = np.arange(100) < 43  # 43 items: a move in the small window (64 slots) before, in the large (768) now
     sketch = describe.sketch  # its Quantiles
     acc = sketch.init(jax.ShapeDtypeStruct((3,), np.float32))
     with folding_few_microbatches(1):

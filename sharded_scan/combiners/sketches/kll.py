@@ -140,12 +140,14 @@ def window_sizes(k: int, rows: int = 0) -> tuple[int, ...]:
     (:func:`~sharded_scan.combiners.base.folds_few_microbatches`: its 0.35-0.4 CPU-s of compile is 1.3 ms of
     moves saved a micro-batch; a Describe of 200,000 rows in a fresh process, 13 micro-batches then). A step whose
     shards fold one micro-batch over the job (:func:`~sharded_scan.combiners.base.folds_one_microbatch`: a small
-    job's) has the largest only: from empty, one insertion, most often of more than ``k/4`` items (a Describe of
-    200,000 x 8 in one micro-batch: 0.06-0.09 CPU-s of compile less); a keyed add, an insertion a key, many and
-    small, keeps the small window (:func:`~sharded_scan.combiners.base.folding_per_key`: a GroupBy of 200 keys
-    ran its step 0.25-0.6 CPU-s slower without). Which window a move sorts in does not change the sketch.
+    job's) of more than ``k/4`` rows has the largest only: from empty, its one insertion holds more than ``k/4``
+    items (``ceil(rows / 2^j)`` at the lowest level ``j`` whose capacity holds it), so the small window, compiled,
+    was never taken (a Describe of 200,000 x 8 in one micro-batch: 0.06-0.09 CPU-s of compile less). A keyed add,
+    an insertion a key, many and small, keeps it (:func:`~sharded_scan.combiners.base.folding_per_key`: a GroupBy
+    of 200 keys ran its step 0.25-0.6 CPU-s slower without), as a micro-batch of fewer rows does (32 shards of
+    1,563 rows: 2 ms a shard). Which window a move sorts in does not change the sketch.
     """
-    if folds_one_microbatch():
+    if folds_one_microbatch() and min(k, rows) > max(16, k // 4):
         return (window_size(k),)
     middle = {k} if min(k, rows) >= 1024 and not folds_few_microbatches() else set()
     return tuple(sorted({max(16, k // 4), window_size(k)} | middle))
