@@ -3,6 +3,7 @@
     python -m bench.small_job                      # 200,000 rows x 8 float64 columns, best of 3
     python -m bench.small_job --against /work/main # also another checkout's sharded_scan, in the same run
     python -m bench.small_job --rows 20000 --repeats 1
+    python -m bench.small_job --equations          # also each checkout's step: jaxpr equations, StableHLO lines
 
 Every measurement is one fresh Python process, timed inside it from its first line to the answer:
 ``import numpy``, the rows loaded from a ``.npy`` file, ``import pandas`` and the frame built (the
@@ -85,6 +86,44 @@ print("RESULT", json.dumps({{"seconds": seconds, "import": t2 - t1, "run": secon
 """
 
 
+_EQUATIONS = """\
+import gc
+import json
+import time
+import numpy as np
+import sharded_scan as ss
+from sharded_scan.dtypes import x64_scope
+from sharded_scan.program import program_for_spec
+
+
+def count(jaxpr):  # every equation, and those of the jaxprs in its parameters (a sub-jit's at each call)
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                n += count(inner) if hasattr(inner, "eqns") else 0
+    return n
+
+
+spec = ss.sources.ArraySource(np.zeros((1, {cols}))).spec
+gc.freeze()  # the phases without a full collection's pause
+cpu = time.process_time()
+program = program_for_spec(ss.Describe(), spec, {rows}, ss.RunOptions(compilation_cache=None))  # traces the step
+with x64_scope(program.spec):
+    traced = program.trace_step()
+    built = time.process_time()
+    lowered = traced.lower()
+    done_lowering = time.process_time()
+    lowered.compile()
+    compiled = time.process_time()
+    lines = lowered.as_text(debug_info=False).count("\\n")
+print("RESULT", json.dumps({{"equations": count(traced.jaxpr.jaxpr), "stablehlo": lines, "build": built - cpu,
+                            "lower": done_lowering - built, "compile": compiled - done_lowering}}))
+"""
+
+
 def _child(code: str, pythonpath: str | None, cache_home: str, pycache: str | None = None,
            write_bytecode: bool = False) -> dict:
     env = dict(os.environ, XDG_CACHE_HOME=cache_home)
@@ -114,6 +153,10 @@ def main() -> None:
                         help="a row of this checkout with DIR first on PYTHONPATH (e.g. another ml_dtypes)")
     parser.add_argument("--codegen", action="append", default=[],
                         help="a row of this checkout run with codegen=VALUE (auto, optimized, fast_compile)")
+    parser.add_argument("--equations", action="store_true",
+                        help="also each checkout's Describe step: its jaxpr's equations (those of sub-jaxprs at each "
+                             "call) and its StableHLO lines (deterministic), and the least CPU-s over the repeats of "
+                             "building the program (the step traced), lowering and compiling it (no cache)")
     parser.add_argument("--no-bytecode", action="store_true",
                         help="every process compiles the Python sources it imports that have no bytecode beside "
                              "them (as under PYTHONDONTWRITEBYTECODE=1 with a checkout never run before)")
@@ -158,6 +201,13 @@ def main() -> None:
                     least_cpu[key] = min(least_cpu.get(key, float("inf")), got["cpu"])
                     if got["seconds"] < best.get(key, {"seconds": float("inf")})["seconds"]:
                         best[key] = got
+        steps: dict[str, dict] = {}  # --equations: the least CPU-s of each phase over the repeats, interleaved
+        for repeat in range(args.repeats if args.equations else 0):
+            for name, root, _ in checkouts:
+                home = os.path.join(tmp, f"equations-{name}{repeat}")
+                os.makedirs(home)
+                got = _child(_EQUATIONS.format(rows=args.rows, cols=args.cols), root, home, pycache)
+                steps[name] = {k: min(v, steps.get(name, got)[k]) for k, v in got.items()}
     base = best["pandas"]["seconds"]
     print(f"{args.rows:,} rows x {args.cols} float64 columns, a fresh process each, best of {args.repeats}, "
           + ("sources compiled in every process" if args.no_bytecode else "modules' bytecode written before"))
@@ -174,6 +224,9 @@ def main() -> None:
                   f"{got['run_cpu']:>9.2f}{got['compile']:>11.2f}{got['compiles']:>10}{got['from_cache']:>8}"
                   f"{got.get('loaded', '-'):>8}")
     versions = sorted({got["version"] for key, got in best.items() if key != "pandas"})
+    for name, got in steps.items():
+        print(f"{'step of ' + name:<30}{got['equations']:>9} jaxpr equations{got['stablehlo']:>7} StableHLO lines; "
+              f"CPU-s: built (traced) {got['build']:.3f}, lowered {got['lower']:.3f}, compiled {got['compile']:.3f}")
     print(f"target: warm <= 3x pandas, cold <= 5x pandas; ml_dtypes {', '.join(versions)} (its import, in 'of it jax', "
           "is the ml_dtypes column)")
 

@@ -166,7 +166,7 @@ def compile_init(combiner: Combiner, spec: PyTree, mesh: Mesh, num_shards: int,
 
 @cached
 def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str, fixed: bool = False,
-                 few: bool = False, compiler_options: codegen.Options = ()) -> Callable:
+                 few: int = 0, compiler_options: codegen.Options = ()) -> Callable:
     """``step(partials, batch, num_valid, operands) -> partials``, jitted, donating partials.
 
     ``batch`` holds ``layout.rows_per_step`` rows sharded over ``data``; of them the
@@ -175,7 +175,8 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
     block is all real rows takes a branch with a constant all-True mask, which XLA
     folds away (except where :func:`one_scan`: ``combiner.one_scan_per_step``, or small blocks). ``fixed``: every float
     product of ``add`` rounds as the code fixes (:func:`~sharded_scan.fixed_order.fixed_order`). ``few``: a short
-    job's step (:func:`~sharded_scan.combiners.base.folds_few_microbatches` while it is traced).
+    job's step (:attr:`Program.short`: 1 where a shard folds one micro-batch over the job, 2 a few; while it is
+    traced, :func:`~sharded_scan.combiners.base.folds_few_microbatches` and ``folds_one_microbatch``).
     ``compiler_options``: XLA's code generation (:func:`~sharded_scan.codegen.step_options`).
     """
     mb, spc = layout.microbatch, layout.steps_per_call
@@ -217,8 +218,10 @@ def compile_step(combiner: Combiner, mesh: Mesh, layout: Layout, precision: str,
             return jax.lax.map(lambda args: fold_shard(bound, *args), (partials, shards, valid))
 
     partial_specs = accumulator_specs(combiner, mesh, DATA_AXIS)
+    # No collective in a step (axis_index only): check_vma=False traces no pvary casts, a quarter of a small
+    # Describe step's 1,304 equations (1,008 without), the HLO the same but for constants' order.
     step = jax.shard_map(local_step, mesh=mesh, out_specs=partial_specs,
-                         in_specs=(partial_specs, P(DATA_AXIS), P(), operand_specs(combiner, mesh)))
+                         in_specs=(partial_specs, P(DATA_AXIS), P(), operand_specs(combiner, mesh)), check_vma=False)
     return jax.jit(step, donate_argnums=0, compiler_options=codegen.jit_options(compiler_options))
 
 
@@ -407,12 +410,13 @@ class Program:
         return self.host_operands if self.merger.whole_operands else self.operands
 
     @functools.cached_property
-    def short(self) -> bool:
+    def short(self) -> int:
         """Whether each shard folds fewer than :data:`~sharded_scan.combiners.base.FEW_MICROBATCHES` micro-batches
         over the whole job (a resumed one's too) and the combiner compiles less for it
-        (:func:`~sharded_scan.combiners.base.reads_few_microbatches`): :func:`compile_step`'s ``few``."""
-        return (self.layout.num_steps() * self.layout.steps_per_call < FEW_MICROBATCHES
-                and reads_few_microbatches(self.combiner))
+        (:func:`~sharded_scan.combiners.base.reads_few_microbatches`): 1 where it folds one, 2 more, else 0
+        (:func:`compile_step`'s ``few``: a program each)."""
+        microbatches = self.layout.num_steps() * self.layout.steps_per_call
+        return min(microbatches, 2) if microbatches < FEW_MICROBATCHES and reads_few_microbatches(self.combiner) else 0
 
     @property
     def fixed_products(self) -> bool:

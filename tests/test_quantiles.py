@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.base import folding_few_microbatches, merging_shards
+from sharded_scan.combiners.base import folding_few_microbatches, folding_per_key, merging_shards
 from sharded_scan.combiners.sketches import kll
 from sharded_scan.program import program_for_spec
 from tests import test_program
@@ -219,13 +219,51 @@ def test_a_move_in_the_middle_window_gives_the_same_sketch(monkeypatch):
     host = kll.to_host(jax.tree.map(np.asarray, three))
     assert np.all(np.abs(host.cumulative[:, -1] - 24 * mb) < 64) and int(np.sum(three.sizes)) < 4 * k  # compacted
     # A short job's step (fewer than base.FEW_MICROBATCHES micro-batches a shard) leaves the middle window out:
-    # the same sketch, one move less to compile (issue 45: a small job that answers at once).
-    with folding_few_microbatches(True):
+    # the same sketch, one move less to compile (issue 45: a small job that answers at once); one whose shards
+    # fold one micro-batch each (a small job's layout) keeps only the largest.
+    with folding_few_microbatches(2):
         assert two_sizes(k, mb) == (256, 3072)
+    with folding_few_microbatches(1):
+        assert two_sizes(k, mb) == (3072,) and two_sizes(k, k // 4) == (256, 3072)  # the small one taken: kept
+        with folding_per_key():  # a keyed add (GroupBy's): an insertion a key, many small ones
+            assert two_sizes(k, mb) == (256, 3072)
     options = ss.RunOptions(mesh="data:1", microbatch=mb, steps_per_call=1)
     spec = jax.ShapeDtypeStruct((d,), np.float32)
-    short, long = (program_for_spec(ss.Quantiles(qs=(0.5,), k=k), spec, n * mb, options) for n in (24, 64))
-    assert (short.short, long.short) == (True, False)
+    one, short, long = (program_for_spec(ss.Quantiles(qs=(0.5,), k=k), spec, n * mb, options) for n in (1, 24, 64))
+    assert (one.short, short.short, long.short) == (1, 2, 0)
+
+
+def test_a_small_describe_step_traces_one_move_and_no_varying_casts():
+    """A small job's step (one micro-batch a shard: issue 45's 'answers at once') sorts its rows and one window
+    size, and its shard_map casts nothing (``check_vma=False``: about a quarter of its equations were ``pvary``);
+    a micro-batch's add bitwise the same in the one window as in two (kll.window_sizes' docstring)."""
+    describe = ss.Describe(k=256)
+    program = program_for_spec(describe, jax.ShapeDtypeStruct((3,), np.float64), 3000, ss.RunOptions(mesh="data:1"))
+    assert program.short == 1
+    with jax.enable_x64(True):
+        names = list(primitive_names(program.trace_step().jaxpr.jaxpr))
+    assert names.count("sort") == 2 and "pvary" not in names
+    x = (np.random.default_rng(3).standard_normal((100, 3)) * 10).astype(np.float32)
+    mask = np.arange(100) < 43  # 43 items: a move in the small window (64 slots) before, in the large (768) now
+    sketch = describe.sketch  # its Quantiles
+    acc = sketch.init(jax.ShapeDtypeStruct((3,), np.float32))
+    with folding_few_microbatches(1):
+        one = jax.jit(lambda a, b, m: sketch.add(a, b, m))(acc, x, mask)
+    with folding_few_microbatches(2):
+        two = jax.jit(lambda a, b, m: sketch.add(a, b, m))(acc, x, mask)
+    assert int(np.sum(one.sketch.sizes)) == 43
+    jax.tree.map(np.testing.assert_array_equal, one, two)
+
+
+def primitive_names(jaxpr):
+    """Every equation's primitive name in ``jaxpr`` and the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield str(eqn.primitive)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from primitive_names(inner)
 
 
 def test_a_merge_of_many_shards_sorts_in_three_window_sizes_and_gives_the_same_sketch():

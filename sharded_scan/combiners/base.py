@@ -43,12 +43,27 @@ PyTree = Any
 # A job whose shards each fold fewer micro-batches than this is short: a combiner may compile less for its steps
 # (the KLL sketch leaves out a window size, whose compile its faster moves pay back only over more micro-batches).
 FEW_MICROBATCHES = 64
-_few_microbatches = contextvars.ContextVar("sharded_scan_few_microbatches", default=False)
+# The step being traced: 0 a job's that is not short, 1 where each shard folds one micro-batch over the job, 2 a few.
+_few_microbatches = contextvars.ContextVar("sharded_scan_few_microbatches", default=0)
 
 
 def folds_few_microbatches() -> bool:
     """Whether the step being traced is a short job's (:data:`FEW_MICROBATCHES`; ``compiled.compile_step`` says)."""
-    return _few_microbatches.get()
+    return _few_microbatches.get() > 0
+
+
+def folds_one_microbatch() -> bool:
+    """Whether each shard of the job whose step is being traced folds one micro-batch over the job (a small
+    job's layout: ``layout.resolve_chunking``)."""
+    return _few_microbatches.get() == 1
+
+
+@contextlib.contextmanager
+def folding_per_key():
+    """While tracing a keyed add (``GroupBy``'s): a shard's micro-batch folds as an insertion a key, many and
+    small, so :func:`folds_one_microbatch` does not hold in it (:func:`folds_few_microbatches` still does)."""
+    with folding_few_microbatches(2 if folds_one_microbatch() else _few_microbatches.get()):
+        yield
 
 
 def reads_few_microbatches(combiner: Any) -> bool:
@@ -86,9 +101,10 @@ def merging_shards(shards: int):
     return _setting(_merge_shards, int(shards))
 
 
-def folding_few_microbatches(few: bool):
-    """While tracing a step: :func:`folds_few_microbatches` is ``few`` (a context manager)."""
-    return _setting(_few_microbatches, bool(few))
+def folding_few_microbatches(few: int):
+    """While tracing a step: ``few`` (``Program.short``: 0 not a short job, 1 one micro-batch a shard, 2 a few)
+    is what :func:`folds_few_microbatches` and :func:`folds_one_microbatch` read (a context manager)."""
+    return _setting(_few_microbatches, int(few))
 
 
 class Combiner(abc.ABC):

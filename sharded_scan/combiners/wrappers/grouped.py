@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, folding_per_key
 from sharded_scan.combiners.passes import check_one_pass
 from sharded_scan.combiners.results import pandas
 from sharded_scan.combiners.wrappers.policies import Wrapper
@@ -361,7 +361,8 @@ class GroupBy(Wrapper):
         counts = jax.ops.segment_sum(keep.astype(jnp.int32), slot, self.num_keys + 1)
         ours = inside | (self.out_of_range == "other")  # the rows folded into a slot
         fold = self.inner.add_keyed_finite if finite else self.inner.add_keyed_omitting
-        value = fold(acc.value, data, mask & ours, keep & ours, jnp.minimum(slot, self.slots - 1), self.slots)
+        with folding_per_key():  # a KLL sketch's small windows kept for its many small insertions
+            value = fold(acc.value, data, mask & ours, keep & ours, jnp.minimum(slot, self.slots - 1), self.slots)
         return GroupedAcc(value, wide.add_int32(acc.count, counts))
 
     def merge(self, a, b):
