@@ -215,15 +215,16 @@ def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tupl
         # fusions after it then scale nothing, where XLA recomputed each power from its column's largest for
         # each entry)
         on_grid = _rounded(values, scale[:, None, :]) * unit[:, None, :]
-        products = _symmetric_products(on_grid, parts or gram_parts(d))  # (blocks, d, d): exact
+        # (d, d): each block's exact sums added in block order and rounded to x's dtype before the blocks are put
+        # together (elementwise, so the same bits), where the whole float64 matrix was assembled first (a pass)
+        gram = _symmetric_products(on_grid, parts or gram_parts(d), lambda p: _in_block_order(p).astype(x.dtype))
         # each block's column sums as the matmul of its rows with ones (integers below 2^(44 + 8): exact; XLA:CPU's
         # matrix-vector product, where a reduce over the rows went to a slower kernel: Covariance's add 0.18 ->
         # 0.17 CPU-ms a micro-batch at d=96, 0.92 -> 0.87 at d=256)
         fine = _rounded(values, (scale * 2.0 ** (SUM_BITS - BITS))[:, None, :])
         ones = jnp.ones((blocks, 1, fine.shape[1]), fine.dtype)
         sums = jax.lax.dot_general(ones, fine, (((2,), (1,)), ((0,), (0,))))[:, 0] * (unit * 2.0 ** (BITS - SUM_BITS))
-        sums = _in_block_order(sums).astype(x.dtype)
-        return sums, _in_block_order(products).astype(x.dtype)
+        return _in_block_order(sums).astype(x.dtype), gram
 
 
 def _rounded(values: jax.Array, scale: jax.Array) -> jax.Array:
@@ -268,25 +269,31 @@ def gram_parts(d: int) -> int:
     return max(1, min(GRAM_MAX_PARTS, d // GRAM_PART_WIDTH))
 
 
-def _symmetric_products(q: jax.Array, parts: int) -> jax.Array:
-    """``qᵀ q`` per leading block (exact sums of integers below 2^53, so each block of the result is the same
-    whichever matmul computes it): the blocks on and above the diagonal of ``parts`` column groups computed."""
+def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:
+    """``finish`` (elementwise over the last two axes) of ``qᵀ q`` per leading block (exact sums of integers below
+    2^53, so each block of the result is the same whichever matmul computes it): the blocks on and above the diagonal
+    of ``parts`` column groups computed and finished, the rest their transposes."""
     d = q.shape[2]
     if parts == 1:
-        return jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,))))
+        return finish(jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,)))))
     edges = [d * i // parts for i in range(parts + 1)]
     cols = [q[:, :, edges[i] : edges[i + 1]] for i in range(parts)]
-    product = {(i, j): jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,))))
+    product = {(i, j): finish(jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,)))))
                for i in range(parts) for j in range(i, parts)}
-    rows = [jnp.concatenate([product[i, j] if j >= i else jnp.swapaxes(product[j, i], 1, 2) for j in range(parts)],
-                            axis=2) for i in range(parts)]
-    return jnp.concatenate(rows, axis=1)
+    rows = [jnp.concatenate([product[i, j] if j >= i else product[j, i].T for j in range(parts)], axis=1)
+            for i in range(parts)]
+    return jnp.concatenate(rows, axis=0)
 
 
 def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
     """The largest finite magnitude along ``axis`` (0 where none), in float64: found in ``x``'s own dtype (exact),
     where a float64 copy's cost a pass more to convert it (XLA kept the copy apart from the maximum)."""
-    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), axis=axis).astype(np.float64)
+    largest = jnp.max(jnp.abs(x), axis=axis)  # the finite values' largest unless an inf or NaN shows in it
+
+    def of_finite():
+        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), axis=axis)
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(largest)), lambda: largest, of_finite).astype(np.float64)
 
 
 def _grid(largest: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:

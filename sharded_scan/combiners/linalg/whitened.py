@@ -373,7 +373,9 @@ def _gram(c: jax.Array) -> jax.Array:
 
 def row_sums(b: jax.Array) -> jax.Array:
     """``(2, n)``: the column sums of ``b`` and of its squares."""
-    return jnp.sum(jnp.concatenate([b, b * b], axis=1), axis=0).reshape(2, b.shape[1])  # one sum: each column's
+    # two sums, each column's (as one of both side by side was): under logical_shards each a tree whose first adds
+    # read b (and square it) as they go, where the pair cost a copy of b beside its squares and a pass to square
+    return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
 
 
 def _after_ones(delta: jax.Array) -> jax.Array:
@@ -430,7 +432,9 @@ def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, target
     acc, batch = jax.lax.cond(big, rewhiten, lambda acc: (acc._replace(sums=sums), batch), acc)
     y = batch - acc.compensation  # Kahan: gram - compensation is the running sum
     total = acc.gram + y
-    return acc._replace(gram=total, compensation=(total - acc.gram) - y)
+    # y again for the compensation, apart (XLA then computes it inside both passes: two over n x n, not three)
+    batch, compensation = jax.lax.optimization_barrier((batch, acc.compensation))
+    return acc._replace(gram=total, compensation=(total - acc.gram) - (batch - compensation))
 
 
 def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
