@@ -5,6 +5,7 @@ fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs wit
     python bench/fixed_order.py --only "d=96" --scale 0.25   # the d=96 jobs on a quarter of the rows
     python bench/fixed_order.py --merge-compile   # the solvers' pair merge compiled in a fresh process each
     python bench/fixed_order.py --add --only "d=256"   # one steady micro-batch's add, CPU-ms per 256 rows
+    python bench/fixed_order.py --shard --only "LinearRegression d=256"   # a shard's first adds, one by one
 
 Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
 runs of a job interleaved so that machine noise hits them alike; and the ratio of the process's CPU
@@ -117,6 +118,36 @@ def add_cost(repeats: int, only: str) -> None:
               f"{best['plain'] / best['fixed']:6.2f}", flush=True)
 
 
+def shard_adds(repeats: int, only: str, count: int = 30) -> None:
+    """A fresh accumulator's first ``count`` adds under ``fixed_order`` (256-row micro-batches, one device, jitted),
+    each timed alone (CPU-ms, best of ``repeats``): where a shard's time goes as it grows up and its basis settles."""
+    from sharded_scan import layout
+    from sharded_scan.fixed_order import fixed_order
+
+    rng = np.random.default_rng(0)
+    rows = layout.REPRODUCIBLE_MICROBATCH
+    mask = np.ones(rows, bool)
+    for name, (combiner, d, _, target) in JOBS.items():
+        if only not in name:
+            continue
+        row = jax.ShapeDtypeStruct((d,), np.float32)
+        acc = combiner.init((row, jax.ShapeDtypeStruct((), np.float32)) if target else row)
+        fn = jax.jit(fixed_order(lambda acc, data, mask, combiner=combiner: combiner.add(acc, data, mask)))
+        times = []
+        for _ in range(count):
+            x = (3 + rng.normal(size=(rows, d))).astype(np.float32)
+            data = (x, x[:, 0] + 1) if target else x
+            new = jax.block_until_ready(fn(acc, data, mask))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.process_time()
+                jax.block_until_ready(fn(acc, data, mask))
+                best = min(best, time.process_time() - start)
+            times.append(best * 1e3)
+            acc = new
+        print(f"{name}: {sum(times):.1f} CPU-ms in {count} adds:", " ".join(f"{t:.1f}" for t in times), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -126,7 +157,12 @@ def main() -> None:
                         help="print the solvers' pair merge compile CPU-s instead (a fresh process each)")
     parser.add_argument("--add", action="store_true",
                         help="print one steady micro-batch's add, CPU-ms per 256 rows, with and without fixed_order")
+    parser.add_argument("--shard", action="store_true",
+                        help="print a fresh shard's first 30 adds under fixed_order, CPU-ms each")
     args = parser.parse_args()
+    if args.shard:
+        shard_adds(args.repeats, args.only)
+        return
     if args.add:
         add_cost(args.repeats, args.only)
         return
