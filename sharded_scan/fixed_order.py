@@ -287,8 +287,10 @@ def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array
 
 def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
     """The largest finite magnitude along ``axis`` (0 where none), in float64: found in ``x``'s own dtype (exact),
-    where a float64 copy's cost a pass more to convert it (XLA kept the copy apart from the maximum)."""
-    largest = jnp.max(jnp.abs(x), axis=axis)  # the finite values' largest unless an inf or NaN shows in it
+    where a float64 copy's cost a pass more to convert it (XLA kept the copy apart from the maximum), and the largest
+    magnitude first, non-finite values dropped in a second pass only where one shows in it (a NaN shows whether the
+    maximum propagates NaN or skips it: then it is the finite values' largest, or -inf where there are none)."""
+    largest = jnp.max(jnp.abs(x), axis=axis)
 
     def of_finite():
         return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), axis=axis)
