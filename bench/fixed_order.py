@@ -4,6 +4,8 @@ fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs wit
     python bench/fixed_order.py           # 8 simulated devices, best of 3 after a warm-up run
     python bench/fixed_order.py --only "d=96" --scale 0.25   # the d=96 jobs on a quarter of the rows
     python bench/fixed_order.py --merge-compile   # the solvers' pair merge compiled in a fresh process each
+    python bench/fixed_order.py --add --only "d=256"   # one steady micro-batch's add, CPU-ms per 256 rows
+    python bench/fixed_order.py --shard --only "LinearRegression d=256"   # a shard's first adds, one by one
 
 Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
 runs of a job interleaved so that machine noise hits them alike; and the ratio of the process's CPU
@@ -72,6 +74,80 @@ def merge_compile(repeats: int, only: str) -> None:
         print(f"{name:28s} {min(seconds):21.2f} {max(seconds):6.2f}", flush=True)
 
 
+def add_cost(repeats: int, only: str) -> None:
+    """A steady accumulator's ``add`` alone (one device, jitted): under ``fixed_order`` (what ``logical_shards`` runs on
+    CPU) on a 256-row micro-batch, without it on the default micro-batch (about 4 MiB of rows), CPU-ms per 256 rows,
+    best of ``repeats`` rounds, the two interleaved; the accumulator first folds 40 micro-batches (4 plain ones)."""
+    from sharded_scan import layout
+    from sharded_scan.fixed_order import fixed_order
+
+    print(f"{'add, CPU-ms a 256 rows':24s} {'plain':>7s} {'rows':>6s} {'fixed_order':>12s} {'ratio':>6s}")
+    rng = np.random.default_rng(0)
+    for name, (combiner, d, _, target) in JOBS.items():
+        if only not in name:
+            continue
+        row = jax.ShapeDtypeStruct((d,), np.float32)
+        spec = (row, jax.ShapeDtypeStruct((), np.float32)) if target else row
+
+        def batch(rows, d=d, target=target):
+            x = (3 + rng.normal(size=(rows, d))).astype(np.float32)
+            return ((x, x[:, 0] + 1) if target else x), np.ones(rows, bool)
+
+        def step(acc, data, mask, combiner=combiner):
+            return combiner.add(acc, data, mask)
+
+        ways = {"plain": (jax.jit(step), layout.default_microbatch(spec), 4),
+                "fixed": (jax.jit(fixed_order(step)), layout.REPRODUCIBLE_MICROBATCH, 40)}
+        state, best = {}, dict.fromkeys(ways, float("inf"))
+        for way, (fn, rows, warm) in ways.items():
+            acc = combiner.init(spec)
+            for _ in range(warm):
+                acc = fn(acc, *batch(rows))
+            state[way] = (acc, batch(rows))
+            jax.block_until_ready(fn(acc, *state[way][1]))
+        for _ in range(repeats):
+            for way, (fn, rows, _) in ways.items():
+                acc, (data, mask) = state[way]
+                calls = max(4096 // rows, 1) * 16
+                start = time.process_time()
+                for _ in range(calls):
+                    out = fn(acc, data, mask)
+                jax.block_until_ready(out)
+                best[way] = min(best[way], (time.process_time() - start) / calls * 256 / rows * 1e3)
+        print(f"{name:24s} {best['plain']:7.3f} {ways['plain'][1]:6d} {best['fixed']:12.3f} "
+              f"{best['plain'] / best['fixed']:6.2f}", flush=True)
+
+
+def shard_adds(repeats: int, only: str, count: int = 30) -> None:
+    """A fresh accumulator's first ``count`` adds under ``fixed_order`` (256-row micro-batches, one device, jitted),
+    each timed alone (CPU-ms, best of ``repeats``): where a shard's time goes as it grows up and its basis settles."""
+    from sharded_scan import layout
+    from sharded_scan.fixed_order import fixed_order
+
+    rng = np.random.default_rng(0)
+    rows = layout.REPRODUCIBLE_MICROBATCH
+    mask = np.ones(rows, bool)
+    for name, (combiner, d, _, target) in JOBS.items():
+        if only not in name:
+            continue
+        row = jax.ShapeDtypeStruct((d,), np.float32)
+        acc = combiner.init((row, jax.ShapeDtypeStruct((), np.float32)) if target else row)
+        fn = jax.jit(fixed_order(lambda acc, data, mask, combiner=combiner: combiner.add(acc, data, mask)))
+        times = []
+        for _ in range(count):
+            x = (3 + rng.normal(size=(rows, d))).astype(np.float32)
+            data = (x, x[:, 0] + 1) if target else x
+            new = jax.block_until_ready(fn(acc, data, mask))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.process_time()
+                jax.block_until_ready(fn(acc, data, mask))
+                best = min(best, time.process_time() - start)
+            times.append(best * 1e3)
+            acc = new
+        print(f"{name}: {sum(times):.1f} CPU-ms in {count} adds:", " ".join(f"{t:.1f}" for t in times), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -79,7 +155,17 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="times each job's rows")
     parser.add_argument("--merge-compile", action="store_true",
                         help="print the solvers' pair merge compile CPU-s instead (a fresh process each)")
+    parser.add_argument("--add", action="store_true",
+                        help="print one steady micro-batch's add, CPU-ms per 256 rows, with and without fixed_order")
+    parser.add_argument("--shard", action="store_true",
+                        help="print a fresh shard's first 30 adds under fixed_order, CPU-ms each")
     args = parser.parse_args()
+    if args.shard:
+        shard_adds(args.repeats, args.only)
+        return
+    if args.add:
+        add_cost(args.repeats, args.only)
+        return
     if args.merge_compile:
         merge_compile(args.repeats, args.only)
         return

@@ -154,8 +154,8 @@ def exact_block_dot(left: jax.Array, right: jax.Array, dtype) -> jax.Array:
     # of each kernel where k is a little above BLOCK, as n = 258 is, and padding to BLOCK cost k = 258 a matmul of 512)
     blocks, width = block_width(k)
     pad = blocks * width - k
-    left = jnp.pad(left.astype(np.float64), ((0, 0), (0, 0), (0, pad))).reshape(b, m, blocks, width)
-    right = jnp.pad(right.astype(np.float64), ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, width, n)
+    left = jnp.pad(left, ((0, 0), (0, 0), (0, pad))).reshape(b, m, blocks, width)
+    right = jnp.pad(right, ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, width, n)
     sums = _block_sums(left, right)  # (b, blocks, m, n)
     return _in_block_order(jnp.moveaxis(sums, 1, 0)).astype(dtype)  # rounded once
 
@@ -168,10 +168,12 @@ def block_width(k: int) -> tuple[int, int]:
 
 
 def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
-    """Each block's exact products for :func:`exact_block_dot`: ``(b, m, blocks, w) @ (b, blocks, w, n)`` (float64)
-    -> ``(b, blocks, m, n)``, each row of a block (column of ``right``) rounded to its grid, one matmul of integers."""
+    """Each block's exact products for :func:`exact_block_dot`: ``(b, m, blocks, w) @ (b, blocks, w, n)`` (float32 or
+    narrower) -> ``(b, blocks, m, n)`` (float64), each row of a block (column of ``right``) rounded to its grid, one
+    matmul of integers."""
     scale_left, unit_left = _grid(_largest_finite(left, axis=3), BITS)  # (b, m, blocks)
     scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
+    left, right = left.astype(np.float64), right.astype(np.float64)
     # the blocks before the rows as they are rounded (one pass), so the matmul's batch comes first: no copy of the
     # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks)
     q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]), 2, 1)  # (b, blocks, m, w)
@@ -204,23 +206,25 @@ def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tupl
         return jnp.zeros((d,), x.dtype), jnp.zeros((d, d), x.dtype)
     with jax.enable_x64(True):
         blocks, width = block_width(k)  # exact_block_dot's blocks
-        values = jnp.pad(x.astype(np.float64), ((0, blocks * width - k), (0, 0))).reshape(blocks, width, d)
+        values = jnp.pad(x, ((0, blocks * width - k), (0, 0))).reshape(blocks, width, d)
         scale, unit = _grid(_largest_finite(values, axis=1), BITS)  # (blocks, d)
+        values = values.astype(np.float64)
         # each value on its column's grid: an integer below 2^22 times the column's power of two, so a block's
         # products for one entry of the Gram are integers times one power of two, their sums exact (as
         # exact_block_dot's, its powers multiplied in before the matmul, not after: the same bits; the d x d
         # fusions after it then scale nothing, where XLA recomputed each power from its column's largest for
         # each entry)
         on_grid = _rounded(values, scale[:, None, :]) * unit[:, None, :]
-        products = _symmetric_products(on_grid, parts or gram_parts(d))  # (blocks, d, d): exact
+        # (d, d): each block's exact sums added in block order and rounded to x's dtype before the blocks are put
+        # together (elementwise, so the same bits), where the whole float64 matrix was assembled first (a pass)
+        gram = _symmetric_products(on_grid, parts or gram_parts(d), lambda p: _in_block_order(p).astype(x.dtype))
         # each block's column sums as the matmul of its rows with ones (integers below 2^(44 + 8): exact; XLA:CPU's
         # matrix-vector product, where a reduce over the rows went to a slower kernel: Covariance's add 0.18 ->
         # 0.17 CPU-ms a micro-batch at d=96, 0.92 -> 0.87 at d=256)
         fine = _rounded(values, (scale * 2.0 ** (SUM_BITS - BITS))[:, None, :])
         ones = jnp.ones((blocks, 1, fine.shape[1]), fine.dtype)
         sums = jax.lax.dot_general(ones, fine, (((2,), (1,)), ((0,), (0,))))[:, 0] * (unit * 2.0 ** (BITS - SUM_BITS))
-        sums = _in_block_order(sums).astype(x.dtype)
-        return sums, _in_block_order(products).astype(x.dtype)
+        return _in_block_order(sums).astype(x.dtype), gram
 
 
 def _rounded(values: jax.Array, scale: jax.Array) -> jax.Array:
@@ -265,23 +269,33 @@ def gram_parts(d: int) -> int:
     return max(1, min(GRAM_MAX_PARTS, d // GRAM_PART_WIDTH))
 
 
-def _symmetric_products(q: jax.Array, parts: int) -> jax.Array:
-    """``qᵀ q`` per leading block (exact sums of integers below 2^53, so each block of the result is the same
-    whichever matmul computes it): the blocks on and above the diagonal of ``parts`` column groups computed."""
+def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:
+    """``finish`` (elementwise over the last two axes) of ``qᵀ q`` per leading block (exact sums of integers below
+    2^53, so each block of the result is the same whichever matmul computes it): the blocks on and above the diagonal
+    of ``parts`` column groups computed and finished, the rest their transposes."""
     d = q.shape[2]
     if parts == 1:
-        return jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,))))
+        return finish(jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,)))))
     edges = [d * i // parts for i in range(parts + 1)]
     cols = [q[:, :, edges[i] : edges[i + 1]] for i in range(parts)]
-    product = {(i, j): jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,))))
+    product = {(i, j): finish(jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,)))))
                for i in range(parts) for j in range(i, parts)}
-    rows = [jnp.concatenate([product[i, j] if j >= i else jnp.swapaxes(product[j, i], 1, 2) for j in range(parts)],
-                            axis=2) for i in range(parts)]
-    return jnp.concatenate(rows, axis=1)
+    rows = [jnp.concatenate([product[i, j] if j >= i else product[j, i].T for j in range(parts)], axis=1)
+            for i in range(parts)]
+    return jnp.concatenate(rows, axis=0)
 
 
 def _largest_finite(x: jax.Array, axis: int) -> jax.Array:
-    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=axis)
+    """The largest finite magnitude along ``axis`` (0 where none), in float64: found in ``x``'s own dtype (exact),
+    where a float64 copy's cost a pass more to convert it (XLA kept the copy apart from the maximum), and the largest
+    magnitude first, non-finite values dropped in a second pass only where one shows in it (a NaN shows whether the
+    maximum propagates NaN or skips it: then it is the finite values' largest, or -inf where there are none)."""
+    largest = jnp.max(jnp.abs(x), axis=axis)
+
+    def of_finite():
+        return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), axis=axis)
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(largest)), lambda: largest, of_finite).astype(np.float64)
 
 
 def _grid(largest: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -505,7 +519,7 @@ def ordered_sum(x: jax.Array, axes) -> jax.Array:
     if k == 0:
         return jnp.zeros(out_shape, dtype)
     with jax.enable_x64(True):  # the summed axes first: no transpose for a column sum, reduced along rows
-        columns = jnp.transpose(x, (*axes, *keep)).reshape(k, math.prod(out_shape)).astype(np.float64)
+        columns = jnp.transpose(x, (*axes, *keep)).reshape(k, math.prod(out_shape))
         return tree_sum64(columns).astype(dtype).reshape(out_shape)
 
 
@@ -562,29 +576,33 @@ def _scatter_add_in_order(params: dict, operand: jax.Array, indices: jax.Array, 
 
 
 def tree_sum64(columns: jax.Array) -> jax.Array:
-    """The sums of ``columns`` ``(k, m)`` over their first axis (float64 holding float32 or narrower values):
-    :func:`_tree_sum`'s fixed pairwise tree of float64 adds, the program's own, which XLA keeps (no product
-    reaches them: a float32 product is converted first, so nothing is contracted into an FMA). Each of the
+    """The sums of ``columns`` ``(k, m)`` over their first axis (float32 or narrower values, in float64 or their own
+    dtype: converted as the tree's first adds read them, not in a pass of their own): :func:`_tree_sum`'s fixed
+    pairwise tree of float64 adds, the program's own, which XLA keeps (no product reaches them: a float32 product
+    is converted first, so nothing is contracted into an FMA). Each of the
     ``ceil(log2 k)`` levels rounds by at most 2^-53 of what it adds, so the error is at most
     ``ceil(log2 k) 2^-53 sum|x|``: below exact blocks rounded to 45 bits under their largest (the
     formulation before, ``256 * 2^-46 max|x|`` a block) and below float32's half ulp unless the terms cancel to
     2^-20 of ``sum|x|``. Non-finite values as IEEE's sum (any order gives it); an exact zero is +0. One pass,
     where the blocks rounded to a grid cost a pass for the largest, one to round, and the sum: a Covariance
     ``add`` at d=96 0.277 -> 0.20 CPU-ms a 256-row micro-batch."""
-    acc = _tree_sum(columns)
+    acc = _tree_sum(columns, np.float64)
     return jnp.where(acc == 0, 0.0, acc)
 
 
-def _tree_sum(terms: jax.Array) -> jax.Array:
+def _tree_sum(terms: jax.Array, dtype=None) -> jax.Array:
     """``terms`` summed over their leading axis in a fixed pairwise tree (halves added, an odd one
-    carried): the adds are the program's own, whose order XLA keeps."""
+    carried): the adds are the program's own, whose order XLA keeps. ``dtype``: the adds' (``terms``' if None),
+    each half converted to it as it is first read (exact, widening), where a converted copy of the whole cost a
+    pass of its own."""
+    dtype = terms.dtype if dtype is None else dtype
     if terms.shape[0] == 0:
-        return jnp.zeros(terms.shape[1:], terms.dtype)
+        return jnp.zeros(terms.shape[1:], dtype)
     while (count := terms.shape[0]) > 1:
         half = count // 2
-        pairs = terms[:half] + terms[half : 2 * half]
-        terms = jnp.concatenate([pairs, terms[2 * half :]]) if count % 2 else pairs
-    return terms[0]
+        pairs = terms[:half].astype(dtype) + terms[half : 2 * half].astype(dtype)
+        terms = jnp.concatenate([pairs, terms[2 * half :].astype(dtype)]) if count % 2 else pairs
+    return terms[0].astype(dtype)
 
 
 # ordered_qr_r: columns a panel of Householder reflections holds (factored one column after another), whose

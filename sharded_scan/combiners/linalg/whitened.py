@@ -123,18 +123,18 @@ def _NOISE_ROOT(dtype) -> float:  # noqa: N802
     return float(jnp.finfo(dtype).eps) ** 0.75
 
 
-def _scales(m: jax.Array) -> jax.Array:
-    """Square roots of ``m``'s diagonal; the largest one for a column below
-    :func:`_NOISE_ROOT` of it (1 for an all-zero ``m``).
+def _scales(diagonal: jax.Array) -> jax.Array:
+    """Square roots of a Gram's ``diagonal``; the largest one for a column below
+    :func:`_NOISE_ROOT` of it (1 for an all-zero Gram).
 
     The basis columns have unit norm in the data's units, so a column that small is
     rounding noise of the others (a direction without data, e.g. an exactly collinear
     column): left at the common scale it stays small against them, so it is deflated
     and its noise is never scaled up to look like data.
     """
-    scale = jnp.sqrt(jnp.maximum(_diagonal(m), 0.0))
+    scale = jnp.sqrt(jnp.maximum(diagonal, 0.0))
     top = jnp.max(scale)
-    scale = jnp.where(scale >= _NOISE_ROOT(m.dtype) * top, scale, top)
+    scale = jnp.where(scale >= _NOISE_ROOT(diagonal.dtype) * top, scale, top)
     return jnp.where(scale > 0, scale, 1.0)
 
 
@@ -149,7 +149,7 @@ def _correlation_root(m: jax.Array, deflate, inverse: bool = True
     ``n eps`` to be definite, which keeps a direction that is merely weak in the
     current basis (CholeskyQR's first pass).
     """
-    scale = _scales(m)
+    scale = _scales(_diagonal(m))
     k = m / jnp.outer(scale, scale)
     k = jnp.where(jnp.diag(_diagonal(m) <= 0), 1.0, k)
     noise = _noise(m)
@@ -175,18 +175,26 @@ def _power_estimate(apply, v: jax.Array) -> jax.Array:
 BOUND_MARGIN = 2.0**-10
 
 
-def _exceeds(scaled: jax.Array, limit: jax.Array) -> jax.Array:
-    """Whether the largest eigenvalue of the symmetric PSD ``scaled``, by its power estimate (and
-    at least its largest diagonal), exceeds ``limit``. Where ‖scaled‖∞ (which bounds every eigenvalue)
+def _exceeds(batch: jax.Array, scale: jax.Array, limit: jax.Array) -> jax.Array:
+    """Whether the largest eigenvalue of the symmetric PSD ``scaled = batch / (scale scaleᵀ)``, by its power
+    estimate (and at least its largest diagonal), exceeds ``limit``. Where ‖scaled‖∞ (which bounds every eigenvalue)
     does not reach ``limit``, false without the power steps: the same answer (a NaN bound runs them),
-    at the cost of one pass over ``scaled`` where the steps took 13 (most micro-batches of a shard,
-    once it holds many of them)."""
+    at the cost of one pass over ``batch`` where the steps took 13 (most micro-batches of a shard,
+    once it holds many of them). ``scaled`` is formed where it is read, so the bound's pass is its only one."""
+
+    def scaled():
+        return batch / jnp.outer(scale, scale)
 
     def estimate():
-        largest = _power_estimate(lambda v: scaled @ v, jnp.ones_like(scaled[0]))
-        return jnp.maximum(largest, jnp.max(_diagonal(scaled))) > limit
+        operator = scaled()
+        largest = _power_estimate(lambda v: operator @ v, jnp.ones_like(operator[0]))
+        return jnp.maximum(largest, jnp.max(_diagonal(operator))) > limit
 
-    bound = jnp.max(jnp.sum(jnp.abs(scaled), axis=1))
+    # ‖·‖∞ from column sums: `batch` is symmetric (a Gram), so they are the row sums, and a sum along the rows
+    # needs no transposed copy (under logical_shards bitwise the row sums: the same tree over the same values);
+    # |batch| / (scale scaleᵀ) is |scaled| (scale > 0), an expression apart from the estimate's, so XLA keeps it in
+    # the sum's first pass instead of a copy
+    bound = jnp.max(jnp.sum(jnp.abs(batch) / jnp.outer(scale, scale), axis=0))
     never = jax.lax.full_like(bound, False, bool)  # varies as bound does inside shard_map
     return jax.lax.cond(bound * (1 + BOUND_MARGIN) <= limit, lambda: never, estimate)
 
@@ -211,24 +219,46 @@ def _root(m: jax.Array) -> jax.Array:
 
 class _Rows(NamedTuple):
     """The rows a fold adds, as blocks of one row count (:func:`_row_blocks`, zero rows after the last ones, which add
-    nothing): before ``b``'s where the fold has them, a young shard's rows (``head``, ``2 n``); ``first``, the first
-    block to fold (past the young rows' where there are none). One loop over the blocks serves both: the transform and
-    Gram of the rows are compiled once per fold, where ``b``'s and the young rows' were two copies of them."""
+    nothing): before ``b``'s where the fold has them, a young shard's rows (``head``, ``2 n``, in parts stacked in
+    order); ``first``, the first block to fold (past the young rows' where there are none). One loop over the blocks
+    serves both: the transform and Gram of the rows are compiled once per fold, where ``b``'s and the young rows' were
+    two copies of them. The young rows are cut into blocks only in the loop's turns that read them (a branch), not
+    copied beside ``b``'s each fold: an adult's ``add`` at d=256 spent 0.06-0.08 ms of about 1.8 a 256-row
+    micro-batch under ``logical_shards`` copying 2n rows it never read."""
 
-    blocks: jax.Array  # (count, rows, n)
+    blocks: jax.Array  # (count, rows, n): b's
+    head: tuple = ()   # a young shard's rows, parts stacked in order
     first: jax.Array | int = 0
 
     @classmethod
-    def of(cls, b: jax.Array, head: jax.Array | None = None, has_head: jax.Array | None = None) -> _Rows:
-        if head is None:
-            return cls(_row_blocks(b, min(BLOCK_ROWS, b.shape[0])))
-        rows = min(BLOCK_ROWS, max(b.shape[0], head.shape[0]))
-        young = _row_blocks(head, rows)
-        return cls(jnp.concatenate([young, _row_blocks(b, rows)]), jnp.where(has_head, 0, young.shape[0]))
+    def of(cls, b: jax.Array, head: tuple = (), has_head: jax.Array | None = None) -> _Rows:
+        rows = min(BLOCK_ROWS, max(b.shape[0], sum(part.shape[0] for part in head)))
+        out = cls(_row_blocks(b, rows), tuple(head))
+        return out._replace(first=jnp.where(has_head, 0, out.heads)) if head else out
+
+    @property
+    def heads(self) -> int:
+        """The head's blocks."""
+        return -(-sum(part.shape[0] for part in self.head) // self.blocks.shape[1])
 
     def map(self, f) -> _Rows:
         """The same (row-wise) transform of every row."""
-        return self._replace(blocks=f(self.blocks.reshape(-1, self.blocks.shape[2])).reshape(self.blocks.shape))
+        blocks = f(self.blocks.reshape(-1, self.blocks.shape[2])).reshape(self.blocks.shape)
+        return self._replace(blocks=blocks, head=tuple(map(f, self.head)))
+
+    def block(self, i) -> jax.Array:
+        """Block ``i`` of the head's blocks and then ``b``'s."""
+        heads, size = self.heads, self.blocks.shape[1]
+
+        def of_b():
+            return jax.lax.dynamic_index_in_dim(self.blocks, jnp.maximum(i - heads, 0), keepdims=False)
+
+        def of_head():
+            rows = jnp.concatenate(self.head)
+            rows = jnp.pad(rows, ((0, heads * size - rows.shape[0]), (0, 0)))
+            return jax.lax.dynamic_slice_in_dim(rows, jnp.minimum(i, heads - 1) * size, size)
+
+        return jax.lax.cond(i < heads, of_head, of_b) if heads else of_b()
 
     def reduce(self, reduce) -> jax.Array:
         """``reduce`` (a sum over rows) of all the rows: its values on the blocks added in order, ``reduce`` traced
@@ -240,9 +270,9 @@ class _Rows(NamedTuple):
         zero = jnp.zeros(out.shape, out.dtype) + jnp.zeros_like(blocks[0, 0, 0])  # varying like rows in shard_map
 
         def one(i, total):
-            return total + reduce(jax.lax.dynamic_index_in_dim(blocks, i, keepdims=False))
+            return total + reduce(self.block(i))
 
-        return jax.lax.fori_loop(self.first, blocks.shape[0], one, zero)
+        return jax.lax.fori_loop(self.first, self.heads + blocks.shape[0], one, zero)
 
     def gram(self, to_basis) -> jax.Array:
         """``cᵀc`` of the rows taken to a basis (``c = to_basis(rows)``)."""
@@ -343,7 +373,9 @@ def _gram(c: jax.Array) -> jax.Array:
 
 def row_sums(b: jax.Array) -> jax.Array:
     """``(2, n)``: the column sums of ``b`` and of its squares."""
-    return jnp.sum(jnp.concatenate([b, b * b], axis=1), axis=0).reshape(2, b.shape[1])  # one sum: each column's
+    # two sums, each column's (as one of both side by side was): under logical_shards each a tree whose first adds
+    # read b (and square it) as they go, where the pair cost a copy of b beside its squares and a pass to square
+    return jnp.stack([jnp.sum(b, axis=0), jnp.sum(b * b, axis=0)])
 
 
 def _after_ones(delta: jax.Array) -> jax.Array:
@@ -376,13 +408,13 @@ def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, target
     rows = rows if isinstance(rows, _Rows) else _Rows.of(rows)
     sums = acc.sums + rows_sums
     batch = rows.gram(lambda part: _in_basis(part, acc.basis, acc.diagonal))
-    gram = acc.gram - acc.compensation
-    scale = _scales(gram)
-    scaled = batch / jnp.outer(scale, scale)
-    big = _exceeds(scaled, GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
+    # the running Gram's diagonal alone (its scales): the whole of it only where the fold re-whitens
+    scale = _scales(_diagonal(acc.gram) - _diagonal(acc.compensation))
+    big = _exceeds(batch, scale, GROWTH * acc.floor) & (rows_sums[0, 0] > 0)  # never for an empty micro-batch
 
     def rewhiten(acc):
         acc, moved_rows = _recentred(acc, rows, sums)  # moved @ new basis == rows @ old: batch and gram stand
+        gram = acc.gram - acc.compensation
         state = _Whitening(acc.basis, gram, batch, acc.floor, acc.diagonal)
 
         def again(carry):
@@ -400,7 +432,9 @@ def fold(acc: WhitenedAcc, rows: _Rows | jax.Array, rows_sums: jax.Array, target
     acc, batch = jax.lax.cond(big, rewhiten, lambda acc: (acc._replace(sums=sums), batch), acc)
     y = batch - acc.compensation  # Kahan: gram - compensation is the running sum
     total = acc.gram + y
-    return acc._replace(gram=total, compensation=(total - acc.gram) - y)
+    # y again for the compensation, apart (XLA then computes it inside both passes: two over n x n, not three)
+    batch, compensation = jax.lax.optimization_barrier((batch, acc.compensation))
+    return acc._replace(gram=total, compensation=(total - acc.gram) - (batch - compensation))
 
 
 def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
@@ -459,7 +493,7 @@ def _whiten(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int) -> Wh
     """``acc`` with the rows ``b`` folded in (``sums``: the data's sums of them): an adult folds them; a
     young accumulator, which then has enough rows, becomes one with its own rows and ``b``."""
     grows_up = acc.young
-    rows = _Rows.of(b, _young_rows(acc), grows_up)  # an adult's gram and compensation: never read
+    rows = _Rows.of(b, (acc.gram, acc.compensation), grows_up)  # an adult's: never read
     rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
     acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
     return fold(acc, rows, rows_sums, targets)
