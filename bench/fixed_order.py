@@ -6,6 +6,7 @@ fixed summation order, ``sharded_scan/fixed_order.py``) beside the same jobs wit
     python bench/fixed_order.py --merge-compile   # the solvers' pair merge compiled in a fresh process each
     python bench/fixed_order.py --add --only "d=256"   # one steady micro-batch's add, CPU-ms per 256 rows
     python bench/fixed_order.py --shard --only "LinearRegression d=256"   # a shard's first adds, one by one
+    python bench/fixed_order.py --merge-compile --against /path/to/other/checkout   # and its, alternating
 
 Prints rows/s for each job both ways and the ratio, all timed in this one process, the two
 runs of a job interleaved so that machine noise hits them alike; and the ratio of the process's CPU
@@ -17,6 +18,7 @@ seconds (all threads; best of the repeats), which a machine shared with other wo
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -62,16 +64,24 @@ print(time.process_time() - start)
 """
 
 
-def merge_compile(repeats: int, only: str) -> None:
+def merge_compile(repeats: int, only: str, against: str | None = None) -> None:
     """Each solver's pair merge under ``logical_shards=8`` compiled in a fresh process (no compilation cache, as a
-    first process pays), CPU seconds of the compile alone: the least and the most over ``repeats`` processes."""
-    print(f"{'pair merge, logical_shards=8':28s} {'compile CPU-s: least':>21s} {'most':>6s}")
+    first process pays), CPU seconds of the compile alone: the least and the most over ``repeats`` processes.
+    ``against``: another checkout, its processes alternating with this one's (one row each)."""
+    trees = {"": None} if against is None else {" (this)": None, f" ({os.path.basename(against.rstrip('/'))})": against}
+    print(f"{'pair merge, logical_shards=8':40s} {'compile CPU-s: least':>21s} {'most':>6s}")
     for name, (combiner, d) in MERGE_JOBS.items():
         if only not in name:
             continue
-        seconds = [float(subprocess.run([sys.executable, "-c", MERGE_CHILD, combiner, str(d)], check=True,
-                                        capture_output=True, text=True).stdout.split()[-1]) for _ in range(repeats)]
-        print(f"{name:28s} {min(seconds):21.2f} {max(seconds):6.2f}", flush=True)
+        seconds = {tree: [] for tree in trees}
+        for _ in range(repeats):
+            for tree, path in trees.items():
+                env = None if path is None else {**os.environ, "PYTHONPATH": path}
+                seconds[tree].append(float(subprocess.run(
+                    [sys.executable, "-c", MERGE_CHILD, combiner, str(d)], check=True, capture_output=True,
+                    text=True, env=env).stdout.split()[-1]))
+        for tree, values in seconds.items():
+            print(f"{name + tree:40s} {min(values):21.2f} {max(values):6.2f}", flush=True)
 
 
 def add_cost(repeats: int, only: str) -> None:
@@ -159,6 +169,8 @@ def main() -> None:
                         help="print one steady micro-batch's add, CPU-ms per 256 rows, with and without fixed_order")
     parser.add_argument("--shard", action="store_true",
                         help="print a fresh shard's first 30 adds under fixed_order, CPU-ms each")
+    parser.add_argument("--against", default=None,
+                        help="with --merge-compile: another checkout's merges too, its processes alternating")
     args = parser.parse_args()
     if args.shard:
         shard_adds(args.repeats, args.only)
@@ -167,7 +179,7 @@ def main() -> None:
         add_cost(args.repeats, args.only)
         return
     if args.merge_compile:
-        merge_compile(args.repeats, args.only)
+        merge_compile(args.repeats, args.only, args.against)
         return
     rng = np.random.default_rng(0)
     print(f"{'job':24s} {'rows/s':>12s} {'rows/s logical_shards=8':>24s} {'ratio':>7s} {'cpu ratio':>9s}")

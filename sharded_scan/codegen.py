@@ -34,9 +34,12 @@ from sharded_scan.errors import UsageError
 
 AUTO, OPTIMIZED, FAST = "auto", "optimized", "fast_compile"
 CODEGENS = (AUTO, OPTIMIZED, FAST)
-#: XLA:CPU's legacy emitters without LLVM's optimizations: what a cheap program compiles with.
+#: XLA:CPU's legacy emitters without LLVM's optimizations, the program's code in one LLVM module (not cut into parts
+#: compiled on threads, which cost more CPU than they spread: the same code, so the same bits): what a cheap program
+#: compiles with.
 FAST_COMPILE: tuple[tuple[str, Any], ...] = (("xla_cpu_use_fusion_emitters", False),
-                                             ("xla_backend_optimization_level", 0))
+                                             ("xla_backend_optimization_level", 0),
+                                             ("xla_cpu_parallel_codegen_split_count", 1))
 #: A job of fewer values (rows x values a row) compiles its step cheaply under ``codegen="auto"``. The break-even
 #: (compile CPU saved over run CPU lost, bench/README.md "A small job in a fresh process") measured 3.3·10^6 values
 #: for ``TopK`` (sorts and hashes run slowest at O0), 10.5·10^6 for ``Describe``, 12·10^6 for ``Quantiles``, 34·10^6

@@ -10,13 +10,13 @@ from sharded_scan.codegen import FAST_COMPILE, SMALL_JOB_VALUES
 from sharded_scan.program import program_for_spec
 from tests.helpers import CrashError, assert_usage_error, crash_at
 
-LEGACY, LEVEL = (name for name, _ in FAST_COMPILE)
-DEFAULTS = ((LEGACY, True), (LEVEL, 3))  # XLA:CPU's own values of the two
+LEGACY, LEVEL, SPLIT = (name for name, _ in FAST_COMPILE)
+DEFAULTS = ((LEGACY, True), (LEVEL, 3), (SPLIT, 32))  # XLA:CPU's own values of the three
 
 
 @pytest.fixture
 def no_user_flags(monkeypatch):
-    """A process whose XLA_FLAGS names neither flag, as a user's (the suite's names both: tests/conftest.py)."""
+    """A process whose XLA_FLAGS names none of the flags, as a user's (the suite's names all: tests/conftest.py)."""
     monkeypatch.setenv("XLA_FLAGS", "")
 
 
@@ -49,11 +49,12 @@ def test_the_choice_is_the_jobs_the_same_on_every_split_and_a_users_flag_wins(no
                        "codegen='fast_compile' cannot keep logical_shards' results bitwise on every split")
     assert program(64, mesh="data:2", logical_shards=128).merge_options == ()  # 127 pair merges: XLA's defaults
     assert codegen.step_options("auto", "tpu", 1) == () and codegen.merge_options("gpu", 1) == ()
-    # A flag the process's XLA_FLAGS names is the user's: never overridden, the other one still is.
+    # A flag the process's XLA_FLAGS names is the user's: never overridden, the others still are.
     for flags, left in (
-        ("--xla_backend_optimization_level=3", ((LEGACY, False),)),
-        (f"--xla_dump_to=/tmp/x --{LEGACY}", ((LEVEL, 0),)),
-        (f"--{LEGACY}=false --{LEVEL}=0", ()),  # the suite's
+        ("--xla_backend_optimization_level=3", ((LEGACY, False), (SPLIT, 1))),
+        (f"--xla_dump_to=/tmp/x --{LEGACY}", ((LEVEL, 0), (SPLIT, 1))),
+        (f"--{LEGACY}=false --{LEVEL}=0", ((SPLIT, 1),)),
+        (f"--{LEGACY}=false --{LEVEL}=0 --{SPLIT}=1", ()),  # the suite's
         ("--xla_backend_optimization_level_x=1", FAST_COMPILE),  # another flag
     ):
         monkeypatch.setenv("XLA_FLAGS", flags)
