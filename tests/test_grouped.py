@@ -476,7 +476,7 @@ def test_groupby_moments_finalizes_every_key_at_once_as_each_keys_moments_and_pa
         # keys of no rows are quiet; under "omit" key 2's column of NaNs alone says it has no value
         assert sum("Moments of no rows" in str(w.message) for w in said) == (policy == "omit")
         combiner, acc = states[-1]
-        assert combiner.inner.finalizes_stacked  # Moments; under "omit" each column's (EachColumn)
+        assert combiner.inner.finalizes_stacked  # Moments; under "omit" FiniteMoments (a count per column)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             one = finalize(combiner, acc)

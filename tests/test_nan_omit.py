@@ -9,6 +9,7 @@ a column of one finite value, a constant one; 203 rows (ragged steps).
 import dataclasses
 import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ import sharded_scan as ss
 from sharded_scan.admission import memory_estimate
 from sharded_scan.program import build_program
 from sharded_scan.sources import as_source
+from tests.helpers import control_flow
 
 pd = pytest.importorskip("pandas")
 
@@ -77,6 +79,48 @@ def test_omit_skips_each_value_where_it_stands_like_pandas():
     np.testing.assert_array_equal(d.count, df.count())
     np.testing.assert_array_equal(d.nan_count, (~finite).sum(0))  # the values skipped
     np.testing.assert_allclose(d.std, df.std(), rtol=1e-12)
+
+
+# Moments under "omit" folds with a mask per column (mb, d) and a count per column in its state (FiniteMoments).
+# Main ran EachColumn(Moments): one-column states under jax.vmap, whose lax.conds became selects, so the batch mean
+# of _without_overflow and the NaN count ran every micro-batch (2.7x propagate's CPU, bench/README.md).
+@pytest.mark.parametrize("mesh, n", [("data:1", 61), ("data:8", N)])
+def test_moments_omit_is_pandas_skipna_per_column_with_the_control_flow_of_propagate(mesh, n):
+    from sharded_scan.combiners.wrappers.policies import apply_policies
+
+    f = jax.ShapeDtypeStruct
+    x, w, key = f((4,), np.float64), f((), np.float64), f((), np.int32)
+    for combiner, spec in ((ss.Moments(), x), (ss.Moments(fields="mean,var"), x), (ss.Weighted(ss.Moments()), (w, x)),
+                           (ss.GroupBy(ss.Moments(fields="min,max,skewness"), 3), (key, x)),
+                           (ss.GroupBy(ss.Weighted(ss.Moments()), 3), (key, (w, x)))):
+        batch = jax.tree.map(lambda s: f((256, *s.shape), s.dtype), spec)  # traced only
+        flows = [control_flow(jax.make_jaxpr(c.add)(jax.eval_shape(c.init, spec), batch, f((256,), bool)).jaxpr)
+                 for c in (apply_policies(combiner, nan_policy=p) for p in ("propagate", "omit"))]
+        assert flows[1] == flows[0], (combiner, flows)
+    # Each column's finite values against pandas' skipna (an inf as a NaN): NaNs in different rows of different
+    # columns, an inf, an all-NaN column, one of one finite value, a constant one; ragged steps (8-row micro-batches).
+    x, _, df = frame()
+    x, df = x[:n], df[:n]
+    m = run(ss.Moments(ddof=1), x, mesh=mesh)
+    count = df.count().to_numpy()
+    assert m.count.shape == (6,) and m.count.dtype == np.int64 and m.mean.shape == (6,)
+    np.testing.assert_array_equal(m.count, count)
+    np.testing.assert_array_equal(m.nan_count, np.isnan(x).sum(0))  # the NaNs skipped, not the infs
+    np.testing.assert_allclose(m.mean, df.mean(), rtol=1e-13)
+    np.testing.assert_allclose(m.var, df.var(), rtol=1e-12)
+    np.testing.assert_allclose(np.sqrt(m.var), df.std(), rtol=1e-12)
+    np.testing.assert_array_equal(m.min, df.min())
+    np.testing.assert_array_equal(m.max, df.max())
+    np.testing.assert_array_equal(m.zeros, (df == 0).sum())
+    np.testing.assert_allclose(m.norm_l1, df.abs().sum(), rtol=1e-13)
+    # pandas' skew and kurt are the adjusted G1, G2 of the biased g1, g2 (scipy's) MomentsResult holds
+    k = count.astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        skew = m.skewness * np.sqrt(k * (k - 1)) / (k - 2)
+        kurt = (k - 1) / ((k - 2) * (k - 3)) * ((k + 1) * m.kurtosis + 6)
+    assert m.var[5] == 0 and np.isnan(m.skewness[3:]).all()  # constant, one value, none: NaN, as pandas'
+    np.testing.assert_allclose(skew, df.skew(), rtol=1e-10)
+    np.testing.assert_allclose(kurt, df.kurt(), rtol=1e-10)
 
 
 def test_covariance_is_pairwise_complete_split_over_model_and_logical_shards():

@@ -36,7 +36,6 @@ from sharded_scan.combiners.column_split import (
 )
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.statistics.sums import check_matrix_spec
-from sharded_scan.combiners.wrappers.each_column import EachColumn
 from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
@@ -178,15 +177,21 @@ def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.
     return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
 
 
-def keyed_shift(acc: CenteredAcc, x: jax.Array, kept: jax.Array, nb: jax.Array, num_keys: int) -> jax.Array:
+def keyed_shift(acc: CenteredAcc, x: jax.Array, kept: jax.Array, nb: jax.Array, num_keys: int,
+                keep: jax.Array | None = None) -> jax.Array:
     """Each key's reference point: a fresh key's its first row of ``x`` whose key index (``kept``) is in range,
-    found only while some key has none (an index past the last: no key)."""
+    found only while some key has none (an index past the last: no key). ``keep`` ``(mb, d)``: each column's
+    first value of those (:class:`FiniteMoments`, a count per key and column)."""
     fresh = wide.is_zero(acc.count)
     rows = x.shape[0]
 
     def first():
-        at = jax.ops.segment_min(jnp.arange(rows), kept, num_keys)
-        return jnp.where((fresh & (nb > 0))[:, None], x[jnp.minimum(at, rows - 1)], acc.shift)
+        if keep is None:
+            at = jax.ops.segment_min(jnp.arange(rows), kept, num_keys)
+            return jnp.where((fresh & (nb > 0))[:, None], x[jnp.minimum(at, rows - 1)], acc.shift)
+        at = jax.ops.segment_min(jnp.where(keep, jax.lax.broadcasted_iota(jnp.int32, keep.shape, 0), rows), kept,
+                                 num_keys)
+        return jnp.where(fresh & (nb > 0), jnp.take_along_axis(x, jnp.minimum(at, rows - 1), axis=0), acc.shift)
 
     return jax.lax.cond(jnp.any(fresh), first, lambda: acc.shift)
 
@@ -212,12 +217,13 @@ def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bo
 def deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(shift, dev, nb)``: the reference point (a fresh accumulator's from the real rows),
     the real rows measured from the accumulator's mean (0 where ``mask`` is False), and how
-    many real rows there are (int32)."""
+    many real rows there are (int32; ``mask`` ``(mb, d)``, each column's own values: a count per column,
+    as ``acc``'s, :class:`FiniteMoments`)."""
     x = x.astype(acc.m2.dtype)
-    nb = row_count(mask)
+    nb = values_count(mask)
     fresh = wide.is_zero(acc.count)
     shift = jnp.where(fresh, reference_point(acc.shift, x, mask, nb), acc.shift)
-    return shift, masked((x - shift) - acc.mean, mask), nb
+    return shift, values_masked((x - shift) - acc.mean, mask), nb
 
 
 def folded(acc: CenteredAcc, shift, rows, before, weight, s1, s2, full: bool,
@@ -271,12 +277,12 @@ def _without_overflow(acc: CenteredAcc, moved, mean, before, share, batch_mean):
 
 
 def batch_mean(x: jax.Array, keep: jax.Array, nb: jax.Array, weights=None):
-    """A callable: the mean of the rows ``keep`` of ``x`` (weighted by ``weights``, 0 where not kept),
+    """A callable: the mean of the rows ``keep`` of ``x`` (weighted by ``weights``, 0 where not kept; ``keep``
+    ``(mb, d)``: each column's values, ``nb`` and ``weights`` theirs),
     each row divided before the sum, so that no partial sum overflows (:func:`_without_overflow`)."""
     def mean():
-        scale = 1 / jnp.maximum(nb, 1).astype(x.dtype) if weights is None else None
-        part = masked(x, keep) * scale if weights is None else masked(x, keep) * (weights / jnp.sum(weights))[:, None]
-        return jnp.sum(part, axis=0)
+        scale = 1 / jnp.maximum(nb, 1).astype(x.dtype) if weights is None else by_row(weights / jnp.sum(weights, 0))
+        return jnp.sum(values_masked(x, keep) * scale, axis=0)
     return mean
 
 
@@ -286,15 +292,16 @@ def keyed_without_overflow(acc: CenteredAcc, out: CenteredAcc, before, weight, x
     in, with the means that overflowed from finite rows replaced by the convex combination."""
     num_keys = before.shape[0]
     total = before + weight
-    share = (weight / jnp.where(total > 0, total, 1))[:, None]
+    per_key = (lambda v: v[:, None]) if keep.ndim == 1 else (lambda v: v)  # (mb, d): a weight per key and column
+    share = per_key(weight / jnp.where(total > 0, total, 1))
 
     def batch_means():
         per_row = jnp.where(weight > 0, weight, 1)[keys] if weights is not None else (
             jnp.maximum(jax.ops.segment_sum(keep.astype(jnp.int32), keys, num_keys), 1)[keys].astype(x.dtype))
         scale = (weights if weights is not None else 1) / per_row
-        return jax.ops.segment_sum(masked(x, keep) * scale[:, None], keys, num_keys)
+        return jax.ops.segment_sum(values_masked(x, keep) * by_row(scale), keys, num_keys)
 
-    shift, mean = _without_overflow(acc, out.shift, out.mean, before[:, None], share, batch_means)
+    shift, mean = _without_overflow(acc, out.shift, out.mean, per_key(before), share, batch_means)
     return out._replace(shift=shift, mean=mean)
 
 
@@ -308,13 +315,35 @@ def reference_point(shift: jax.Array, x: jax.Array, mask: jax.Array, nb: jax.Arr
     rows' differences from it (a slice, not a pass over the micro-batch): close to the
     mean, and exactly the value of a column whose rows are all equal, so a constant
     column's deviations are exactly 0 at any magnitude. With no real row, ``shift``.
+    ``mask`` ``(mb, d)``: each column's own first values.
     """
     # The barrier keeps XLA from constant-folding the argmax of an all-True mask (seconds of compile).
-    first = jnp.where(nb > 0, x[jnp.argmax(jax.lax.optimization_barrier(mask))], shift)
+    if mask.ndim == 1:
+        first = x[jnp.argmax(jax.lax.optimization_barrier(mask))]
+    else:
+        first = jnp.take_along_axis(x, jnp.argmax(jax.lax.optimization_barrier(mask), axis=0)[None], axis=0)[0]
+    first = jnp.where(nb > 0, first, shift)
     head, head_mask = x[:HEAD_ROWS], mask[:HEAD_ROWS]
-    nh = row_count(head_mask)
-    offset = jnp.sum(masked(head - first, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
+    nh = values_count(head_mask)
+    offset = jnp.sum(values_masked(head - first, head_mask), axis=0) / jnp.maximum(nh, 1).astype(x.dtype)
     return first + offset
+
+
+def values_count(mask: jax.Array) -> jax.Array:
+    """The real rows of a mask of rows ``(mb,)`` (int32); of a mask per column ``(mb, d)``, each column's ``(d,)``."""
+    return row_count(mask) if mask.ndim == 1 else jnp.sum(mask, axis=0, dtype=jnp.int32)
+
+
+def values_masked(x: jax.Array, mask: jax.Array, fill: Any = 0) -> jax.Array:
+    """:func:`~sharded_scan.combiners.base.masked` of a mask of rows ``(mb,)``; of a mask per column ``(mb, d)``,
+    each value where it stands."""
+    return masked(x, mask, fill) if mask.ndim == 1 else jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
+def by_row(weights: jax.Array) -> jax.Array:
+    """Weights ``(mb,)`` one a row, as broadcasting over a micro-batch's columns ``(mb, 1)``; ``(mb, d)``, one a
+    value (a mask per column), as they are."""
+    return weights[:, None] if weights.ndim == 1 else weights
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -595,28 +624,33 @@ def moments_fold(acc: MomentsAcc, x, keep, seen=None, weights=None, before=None,
     Pébay's formulas from the power sums of the rows' deviations from ``acc``'s mean, Σ|x|
     and the counts (of them, what ``parts`` keeps). ``seen`` (a superset of ``keep``: the real rows,
     also those a ``nan_policy`` skips; None: ``keep``) counts the NaNs. ``weights`` (per row, 0 where
-    ``keep`` is False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1."""
+    ``keep`` is False) and ``before`` (``acc``'s weight) for a weighted fold; else every row weighs 1.
+    ``keep`` ``(mb, d)``: each column's own values (``weights`` one a value), folded into a state that counts
+    each column's (:class:`FiniteMoments`)."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     shift, dev, nb = deviations(c, x, keep)
-    kept = masked(x, keep)
+    kept = values_masked(x, keep)
+    # A mask per column (FiniteMoments) in one pass at any width: each column's sums rounded as one column's alone.
+    one_pass = keep.ndim == 2
     if parts.extremes:
-        *sums, low, high = column_reductions(_powers(dev, kept, weights, parts), masked(x, keep, jnp.inf),
-                                            masked(x, keep, -jnp.inf))
+        *sums, low, high = column_reductions(_powers(dev, kept, weights, parts), values_masked(x, keep, jnp.inf),
+                                            values_masked(x, keep, -jnp.inf), one_pass)
     else:
-        sums = column_reductions(_powers(dev, kept, weights, parts))
+        sums = column_reductions(_powers(dev, kept, weights, parts), one_pass=one_pass)
         # Only where a row kept is NaN or inf (then the sum of the deviations is not finite): what the
         # result reads the infinities from (with_infinities); clean data never pays.
         low, high = jax.lax.cond(~jnp.all(jnp.isfinite(sums[0])),
-                                 lambda: (jnp.min(masked(x, keep, jnp.inf), axis=0),
-                                          jnp.max(masked(x, keep, -jnp.inf), axis=0)),
+                                 lambda: (jnp.min(values_masked(x, keep, jnp.inf), axis=0),
+                                          jnp.max(values_masked(x, keep, -jnp.inf), axis=0)),
                                  lambda: (jnp.full_like(sums[0], jnp.inf), jnp.full_like(sums[0], -jnp.inf)))
-    weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights)
+    weight = nb.astype(x.dtype) if weights is None else jnp.sum(weights, 0)
     # A NaN among the rows kept makes its column's sum NaN; rows seen but not kept may hold some:
     # only then are the NaNs counted (a pass over the rows that clean data never pays).
-    maybe = jnp.any(jnp.isnan(sums[0])) if seen is None else jnp.any(jnp.isnan(sums[0])) | jnp.any(seen & ~keep)
+    skipped = None if seen is None else by_row(seen) & ~keep if keep.ndim == 2 else seen & ~keep
+    maybe = jnp.any(jnp.isnan(sums[0])) if seen is None else jnp.any(jnp.isnan(sums[0])) | jnp.any(skipped)
     rows = keep if seen is None else seen
-    nans = jax.lax.cond(maybe, lambda: jnp.sum(masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
+    nans = jax.lax.cond(maybe, lambda: jnp.sum(values_masked(jnp.isnan(x), rows), axis=0, dtype=jnp.int32),
                         lambda: jnp.zeros_like(sums[0], jnp.int32))  # zeros_like: varying like the sums in shard_map
     counts = [nans]
     if parts.zeros:
@@ -636,19 +670,30 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     The rows not kept go to no key (an index past the last: the scatters drop them) rather than adding
     their identity (0, +inf, -inf) to one, the same sums (a scatter-add starts at +0.0, so adding +0.0
     changes none of its values) without a select per value; the NaNs are counted only where the rows
-    hold one (as :func:`moments_fold`; clean data never pays)."""
+    hold one (as :func:`moments_fold`; clean data never pays). ``keep`` ``(mb, d)``: each column's values, into a
+    state that counts each key's and column's (:class:`FiniteMoments`); the others add +0.0 (0 for the rows'
+    counts, +-inf for the extremes) to their key's sums, which changes none, as a scatter-add starts at +0.0."""
     c = acc.centered
     x = x.astype(c.m2.dtype)
     keys = jnp.clip(keys, 0, num_keys - 1)
-    kept = jnp.where(keep, keys, num_keys)  # the rows not kept: dropped by every scatter below
-    nb = jax.ops.segment_sum(jnp.ones(keys.shape, jnp.int32), kept, num_keys)
-    shift = keyed_shift(c, x, kept, nb, num_keys)
-    dev = (x - shift[kept]) - c.mean[kept]  # rows not kept: any value (index num_keys: the last key's), dropped
-    values = _powers(dev, x, weights, parts)  # of the rows not kept too: dropped
+    if keep.ndim == 1:
+        kept = jnp.where(keep, keys, num_keys)  # the rows not kept: dropped by every scatter below
+        nb = jax.ops.segment_sum(jnp.ones(keys.shape, jnp.int32), kept, num_keys)
+        shift = keyed_shift(c, x, kept, nb, num_keys)
+        dev = (x - shift[kept]) - c.mean[kept]  # rows not kept: any value (index num_keys: the last key's), dropped
+        values = _powers(dev, x, weights, parts)  # of the rows not kept too: dropped
+        low_x = high_x = x
+    else:  # each column's values keep: the others 0 (a scatter-add starts at +0.0: adding +0.0 changes none)
+        kept = keys
+        nb = jax.ops.segment_sum(keep.astype(jnp.int32), keys, num_keys)
+        shift = keyed_shift(c, x, kept, nb, num_keys, keep)
+        dev = (x - shift[kept]) - c.mean[kept]
+        values = [values_masked(v, keep) for v in _powers(dev, x, weights, parts)]
+        low_x, high_x = values_masked(x, keep, jnp.inf), values_masked(x, keep, -jnp.inf)
     sums = jax.ops.segment_sum(stacked(values), kept, num_keys)
 
     def extremes():
-        return jax.ops.segment_min(x, kept, num_keys), jax.ops.segment_max(x, kept, num_keys)
+        return jax.ops.segment_min(low_x, kept, num_keys), jax.ops.segment_max(high_x, kept, num_keys)
 
     if parts.extremes:
         low, high = extremes()
@@ -657,13 +702,15 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
                                  lambda: (jnp.full_like(sums[:, 0], jnp.inf), jnp.full_like(sums[:, 0], -jnp.inf)))
     # A NaN among the rows kept makes its key's sum NaN; rows seen but not kept may hold some: only then are
     # the NaNs counted (as moments_fold), and without zeros the counts (wide integers) added only then.
-    maybe = jnp.any(jnp.isnan(sums[:, 0])) if seen is None else jnp.any(jnp.isnan(sums[:, 0])) | jnp.any(seen & ~keep)
+    skipped = None if seen is None else by_row(seen) & ~keep if keep.ndim == 2 else seen & ~keep
+    maybe = jnp.any(jnp.isnan(sums[:, 0])) if seen is None else jnp.any(jnp.isnan(sums[:, 0])) | jnp.any(skipped)
     counted = kept if seen is None else jnp.where(seen, keys, num_keys)
     k = len(values) - parts.zeros
     zeros = [sums[:, k].astype(jnp.int32)] if parts.zeros else []
 
     def nans():
-        return jax.ops.segment_sum(jnp.isnan(x).astype(jnp.int32), counted, num_keys)
+        nan = jnp.isnan(x) if seen is not None or keep.ndim == 1 else jnp.isnan(x) & keep
+        return jax.ops.segment_sum(nan.astype(jnp.int32), counted, num_keys)
 
     def with_counts(nans):
         return wide.add_int32(acc.counts, jnp.stack([nans, *zeros], axis=1))
@@ -702,7 +749,7 @@ def _powers(dev, kept, weights, parts: MomentParts = ALL_PARTS):
     """Per row: the (weighted) deviations and their squares, and of the cubes, fourth powers, ``|x|``,
     ``(x s)²`` (:func:`squares_scale`) and whether ``x`` is 0 those ``parts`` keeps (arrays ``(rows, d)``;
     ``kept``: the rows, 0 where not kept)."""
-    wdev = dev if weights is None else dev * weights[:, None]
+    wdev = dev if weights is None else dev * by_row(weights)
     w2 = wdev * dev
     out = [wdev, w2]
     if parts.higher:
@@ -714,7 +761,7 @@ def _powers(dev, kept, weights, parts: MomentParts = ALL_PARTS):
         scaled = kept * squares_scale(kept.dtype)
         per_row.append(scaled * scaled)
     if weights is not None:
-        per_row = [v * weights[:, None] for v in per_row]
+        per_row = [v * by_row(weights) for v in per_row]
     return (*out, *per_row, *([(kept == 0).astype(kept.dtype)] if parts.zeros else []))
 
 
@@ -750,11 +797,12 @@ SEQUENTIAL_ROWS = 512
 ONE_PASS_BELOW_WIDTH = 32
 
 
-def column_reductions(sums, low: jax.Array | None = None, high: jax.Array | None = None) -> list[jax.Array]:
+def column_reductions(sums, low: jax.Array | None = None, high: jax.Array | None = None,
+                      one_pass: bool = False) -> list[jax.Array]:
     """The column sums of each of ``sums``, the column minima of ``low`` and maxima of ``high``
     (``(rows, d)`` each; None: the sums alone).
 
-    Narrow rows (``d <`` :data:`ONE_PASS_BELOW_WIDTH`) in one pass over the micro-batch, a
+    Narrow rows (``d <`` :data:`ONE_PASS_BELOW_WIDTH`; any with ``one_pass``) in one pass over the micro-batch, a
     variadic ``lax.reduce``, where separate reductions would read it once each: it folds groups
     of ``g`` rows (``g`` the largest power of two dividing the row count, at most
     :data:`SEQUENTIAL_ROWS`) one after another into ``rows / g`` partials, which ``jnp.sum``
@@ -762,7 +810,7 @@ def column_reductions(sums, low: jax.Array | None = None, high: jax.Array | None
     """
     rows, d = sums[0].shape
     extremes = () if low is None else (low, high)
-    if d >= ONE_PASS_BELOW_WIDTH:
+    if d >= ONE_PASS_BELOW_WIDTH and not one_pass:
         return [*(jnp.sum(v, axis=0) for v in sums),
                 *((jnp.min(low, axis=0), jnp.max(high, axis=0)) if extremes else ())]
     seq = math.gcd(rows, SEQUENTIAL_ROWS)
@@ -987,9 +1035,8 @@ class Moments(SplitsEachColumn, Combiner):
         return self.fold(acc, batch, mask, keyed=(keys, num_keys))
 
     def omitting_values(self):
-        """Each column alone (:class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`): under
-        ``nan_policy="omit"`` a column's count is its own count of finite values."""
-        return EachColumn(self)
+        """:class:`FiniteMoments`: under ``nan_policy="omit"`` a column's count is its own count of finite values."""
+        return FiniteMoments(self.ddof, self.fields)
 
     def add_keyed_omitting(self, acc, batch, mask, keep, keys, num_keys):
         return self.fold(acc, batch, keep, mask, keyed=(keys, num_keys))
@@ -1015,3 +1062,122 @@ class Moments(SplitsEachColumn, Combiner):
             return moments_result(acc, self.ddof, dof=count - self.ddof, fields=self.fields)
         count = int(count)
         return moments_result(acc, self.ddof, weight, divisor(count, self.ddof, weight, weight_sq), self.fields)
+
+
+def finite_cells(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """Each column's finite values ``(mb, d)`` of the rows ``keep`` of ``x`` ``(mb, d)``: what
+    :class:`FiniteMoments` folds under ``nan_policy="omit"``."""
+    return by_row(keep) & jnp.isfinite(x)
+
+
+def column_states(acc: MomentsAcc, xp: Any = jnp) -> MomentsAcc:
+    """A :class:`FiniteMoments` state (any leading axes, then its columns) as stacked one-column states of
+    :class:`Moments` (the leading axes, the columns, then a state of one column; ``xp``: numpy on the host)."""
+    c = acc.centered
+    one = [v[..., None] for v in (c.shift, c.mean, c.m2, c.m2_lost, acc.min, acc.max)]
+    higher = [xp.moveaxis(v, -1, -2)[..., None] for v in (acc.higher, acc.higher_lost)]  # (..., h, d) -> (..., d, h, 1)
+    counts = wide.Wide(xp.moveaxis(acc.counts.limbs, -2, -3)[..., None, :])  # (..., k, d, L) -> (..., d, k, 1, L)
+    return MomentsAcc(CenteredAcc(c.count, *one[:4]), *one[4:], *higher, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class FiniteMoments(Moments):
+    """:class:`Moments` under ``nan_policy="omit"`` (:meth:`Moments.omitting_values`), as pandas' ``skipna``: each
+    NaN or inf skipped where it stands, every field of each column's finite values.
+
+    Its state counts each column's values (``centered.count`` ``(d,)``, per key ``(num_keys, d)``; the weighted
+    form ``Σw`` and ``Σw²`` too, :class:`WeightedFiniteMoments`), and a micro-batch folds by
+    :func:`moments_fold` with a mask per column ``(mb, d)`` where :class:`Moments` takes one per row: the same
+    sums, reductions and ``lax.cond``s as ``"propagate"``, each column's values the same as a one-column state
+    of its own would fold them alone (per key too, :func:`moments_fold_keyed`: the values skipped add +0.0). Its
+    state is whole on every device of a ``model`` axis (each folds every column).
+    """
+
+    def for_mesh(self, mesh):
+        return self
+
+    def init(self, spec):
+        acc = moments_init(spec.shape[0], accumulator_dtype(spec.dtype), self.parts)
+        return acc._replace(centered=acc.centered._replace(count=wide.zeros(spec.shape)))
+
+    def fold(self, acc, x, keep, seen=None, weights=None, before=None, keyed=()):
+        """:func:`moments_fold` of each column's values ``keep`` (``(mb, d)``; a mask of rows ``(mb,)``: each
+        column's values of those rows); ``weights`` one a value ``(mb, d)``, ``before`` ``Σw`` per column.
+        ``keyed``: ``(keys, num_keys)``, :func:`moments_fold_keyed` with the same mask."""
+        keep = jnp.broadcast_to(by_row(keep), x.shape) if keep.ndim == 1 else keep
+        if not keyed:
+            return moments_fold(acc, x, keep, seen, weights, before, self.parts)
+        return moments_fold_keyed(acc, x, keep, *keyed, weights=weights, before=before, seen=seen, parts=self.parts)
+
+    def add_finite(self, acc, batch, mask, keep):
+        """``nan_policy="omit"``: each column's finite values of the rows ``keep`` (``mask``: the real rows,
+        whose NaNs ``nan_count`` counts)."""
+        return self.fold(acc, batch, finite_cells(batch, keep), mask)
+
+    def add_keyed_finite(self, acc, batch, mask, keep, keys, num_keys):
+        return self.fold(acc, batch, finite_cells(batch, keep), mask, keyed=(keys, num_keys))
+
+    def finite_keep(self, batch, keep):
+        """Every row of ``keep`` is folded: its NaN and inf values are skipped where they stand."""
+        return keep
+
+    def omitting_values(self):
+        return self
+
+    def weighted(self):
+        return WeightedFiniteMoments(self)
+
+    def result(self, acc: MomentsAcc, weight=None, weight_sq=None) -> MomentsResult:
+        """The host result, each field a value a column (any leading axes: ``GroupBy``'s keys): the stacked
+        :func:`moments_result` of the columns' one-column states, each column's the same, element for element,
+        as a one-column :class:`Moments`' own. ``weight``, ``weight_sq``: ``Σw``, ``Σw²`` per column of a
+        weighted run (None: every value weighed 1)."""
+        one = column_states(jax.tree.map(np.asarray, acc), np)
+        count = wide.to_int(one.centered.count)
+        if weight is None:
+            out = moments_result(one, self.ddof, dof=count - self.ddof, fields=self.fields)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):  # divisor's, a column at a time
+                dof = np.where(weight > 0, weight - self.ddof * weight_sq / weight, 0.0)
+            out = moments_result(one, self.ddof, weight[..., None], dof, self.fields)
+        return out._replace(**{f: np.asarray(v)[..., 0] for f, v in zip(out._fields, out, strict=True)
+                               if v is not None and f not in ("count", "columns")})
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedFiniteMoments(WeightedCentred):
+    """The weighted form of :class:`FiniteMoments`: ``Σw`` and ``Σw²`` per column (``(2, d)``), of the rows
+    whose value in that column is folded; a row's weight weighs each of its values."""
+
+    unweighted: Combiner
+
+    def init(self, spec):
+        acc = super().init(spec)
+        zeros = jnp.zeros((2, *spec[1].shape), acc.weights.dtype)
+        return acc._replace(weights=zeros, lost=zeros)
+
+    def _fold(self, acc, batch, mask, keyed=None, seen=None):
+        w, x = batch
+        cells = jnp.broadcast_to(by_row(mask), x.shape) if mask.ndim == 1 else mask
+        w = jnp.where(cells, w[:, None], jnp.asarray(0, w.dtype)).astype(acc.weights.dtype)  # one a value
+        if keyed is None:
+            before = acc.weights[0] - acc.lost[0]
+            sums = jnp.stack([jnp.sum(w, 0), jnp.sum(w * w, 0)])
+            return self.unweighted.fold_weighted(acc.value, x, cells, seen, w, before), sums
+        keys, num_keys = keyed
+        before = acc.weights[:, 0] - acc.lost[:, 0]
+        sums = jax.ops.segment_sum(jnp.stack([w, w * w], axis=1), jnp.clip(keys, 0, num_keys - 1), num_keys)
+        return self.unweighted.fold_weighted(acc.value, x, cells, seen, w, before, keyed), sums
+
+    def add_finite(self, acc, batch, mask, keep):
+        return self.add_omitting(acc, batch, mask, finite_cells(batch[1], keep))
+
+    def add_keyed_finite(self, acc, batch, mask, keep, keys, num_keys):
+        return self.add_keyed_omitting(acc, batch, mask, finite_cells(batch[1], keep), keys, num_keys)
+
+    def finite_keep(self, batch, keep):
+        return keep
+
+    def finalize(self, acc):
+        weight, weight_sq = np.asarray(acc.weights, np.float64) - np.asarray(acc.lost, np.float64)
+        return self.unweighted.result(acc.value, weight, weight_sq)

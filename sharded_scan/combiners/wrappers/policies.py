@@ -251,8 +251,9 @@ class NonFinite(Wrapper):
         """The inner combiner's checks of the rows it will fold: under ``"omit_rows"`` only the finite ones,
         under ``"omit"`` those it folds at all (:meth:`~Combiner.finite_keep`: a row holding NaN is checked
         where its other values are folded); a NaN weight of ``Weighted`` is skipped in memory as from a file,
-        not refused."""
-        if self.policy in OMITTING:
+        not refused. An inner combiner that checks no rows (``Combiner.check_rows`` itself, as ``Moments``')
+        costs no pass over them."""
+        if self.policy in OMITTING and type(self.inner).check_rows is not Combiner.check_rows:
             keep = finite_rows(jax.tree.map(np.asarray, rows), np)  # as add's rows: every float value finite
             if self.policy == "omit" and not keep.all():
                 keep = host_finite_keep(self.inner, rows)
