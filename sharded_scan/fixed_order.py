@@ -32,7 +32,9 @@ against one float64 matmul at 1.5-2x the cost of one float32 matmul (measured on
 
 It fails closed: every primitive of ``fn`` (inside loops, branches and calls) is one it
 rewrites with roundings the code fixes (float ``dot_general``, ``reduce_sum``, ``reduce``, a
-scatter-add of repeated indices, cumulative sums and products, and ``qr``'s R), one it follows
+scatter-add of repeated indices, cumulative sums and products, ``qr``'s R, and a float ``div``, IEEE's
+quotient behind an optimization barrier, which XLA's simplifier cannot make a product with a
+reciprocal in one program and leave in another: :func:`divided`), one it follows
 (``jit``, ``scan``, ``while``, ``cond``, custom derivative rules, ``remat``), one whose every
 output element is the same whatever the order XLA computes it in (:data:`ORDER_FREE`:
 elementwise arithmetic, moves, comparisons, max/min, sorts; a scatter-add of unique indices),
@@ -485,6 +487,8 @@ def _apply(eqn, invals: list) -> list:
         return [_scatter_add_in_order(params, *invals)]
     if name in CUMULATIVE and _floats(eqn):
         return [jax.lax.associative_scan(CUMULATIVE[name], invals[0], params["reverse"], params["axis"])]
+    if name == "div" and _is_float(eqn):
+        return [divided(*invals)]
     if name == "jit" and params["name"] in TOGETHER:
         out = TOGETHER[params["name"]](*invals)
         if out is not None:
@@ -504,6 +508,21 @@ def _apply(eqn, invals: list) -> list:
     with eqn.ctx.manager:
         out = prim.bind(*invals, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
+
+
+def divided(numerator, divisor) -> jax.Array:
+    """``numerator / divisor`` (broadcast against each other) as IEEE's quotient in every program: both operands,
+    at the quotient's shape, behind one optimization barrier, which XLA's simplifier does not look through (the
+    barrier leaves the program before code generation: the division fuses as before). Seen, a division by a
+    broadcast value became a product with its reciprocal (``x / s`` as ``x * (1 / s)``, a second rounding) in some
+    programs and not others, by the program around it (``dense.cholesky_upper``'s rows over their pivot: the
+    whitened solver's basis differed between a step compiled for one device and one for two); and ``x / sqrt(y)``,
+    a quotient of quotients and a division by a constant come out of a plain ``jit`` other than IEEE's quotient.
+    :func:`fixed_order` divides so (a float ``div``), and so does its own code."""
+    dtype = jnp.result_type(numerator, divisor)
+    numerator, divisor = jnp.broadcast_arrays(jnp.asarray(numerator, dtype), jnp.asarray(divisor, dtype))
+    numerator, divisor = (_varying_like(v, numerator, divisor) for v in (numerator, divisor))
+    return jax.lax.div(*jax.lax.optimization_barrier((numerator, divisor)))
 
 
 def ordered_sum(x: jax.Array, axes) -> jax.Array:
@@ -666,13 +685,13 @@ def _householder_panel(a: jax.Array, offset) -> tuple[jax.Array, jax.Array, jax.
         alpha = jax.lax.dynamic_index_in_dim(column, row, keepdims=False)
         x = jnp.where(rows[:, 0] > row, column, 0)
         scale = jnp.max(jnp.abs(x))
-        scaled = x / jnp.where(scale > 0, scale, 1)
+        scaled = divided(x, jnp.where(scale > 0, scale, 1))
         norm = scale * jnp.sqrt(_tree_sum(scaled * scaled))  # no overflow for large entries, as LAPACK's snrm2
         acts = (norm != 0) & (row < m)  # NaN too: it propagates as LAPACK's does
         beta = jnp.where(acts, -jnp.copysign(jnp.hypot(alpha, norm), alpha), alpha)
-        tau = jnp.where(acts, (beta - alpha) / jnp.where(acts, beta, 1), 0)
-        v = jnp.where(rows[:, 0] == row, 1,
-                      jnp.where(acts & (rows[:, 0] > row), x / jnp.where(acts, alpha - beta, 1), 0)).astype(a.dtype)
+        tau = jnp.where(acts, divided(beta - alpha, jnp.where(acts, beta, 1)), 0)
+        below_row = divided(x, jnp.where(acts, alpha - beta, 1))
+        v = jnp.where(rows[:, 0] == row, 1, jnp.where(acts & (rows[:, 0] > row), below_row, 0)).astype(a.dtype)
         below = jnp.where(rows >= row, a, 0)
         w = _tree_sum(v[:, None] * below)
         updated = a - tau * (v[:, None] * w[None, :])

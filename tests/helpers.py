@@ -9,6 +9,12 @@ from bench.certified import run_x64  # noqa: F401  (float64 checks run in a subp
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
+# XLA:CPU's own values of the three flags of codegen.FAST_COMPILE: a step compiled with them explicitly compiles on
+# XLA's defaults, as in a user's process (the suite's XLA_FLAGS name the cheap setting: tests/conftest.py).
+XLA_DEFAULTS = (("xla_cpu_use_fusion_emitters", True), ("xla_backend_optimization_level", 3),
+                ("xla_cpu_parallel_codegen_split_count", 32))
+
+
 def collectives(compiled_text: str) -> list[str]:
     """The cross-device collectives in a compiled HLO module's text."""
     return COLLECTIVE.findall(compiled_text)

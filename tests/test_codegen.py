@@ -8,10 +8,11 @@ import sharded_scan as ss
 from sharded_scan import codegen, compiled, executables
 from sharded_scan.codegen import FAST_COMPILE, SMALL_JOB_VALUES
 from sharded_scan.program import program_for_spec
-from tests.helpers import CrashError, assert_usage_error, crash_at
+from tests.helpers import XLA_DEFAULTS, CrashError, assert_usage_error, crash_at
 
 LEGACY, LEVEL, SPLIT = (name for name, _ in FAST_COMPILE)
-DEFAULTS = ((LEGACY, True), (LEVEL, 3), (SPLIT, 32))  # XLA:CPU's own values of the three
+DEFAULTS = XLA_DEFAULTS
+assert tuple(name for name, _ in DEFAULTS) == (LEGACY, LEVEL, SPLIT)  # XLA:CPU's own values of the three
 
 
 @pytest.fixture

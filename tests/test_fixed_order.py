@@ -234,6 +234,32 @@ def test_non_finite_products_and_sums_are_ieee():
             np.testing.assert_array_equal(np.asarray(sums(rows_)), rows_.astype(np.float64).sum(0))
 
 
+def test_a_division_is_ieees_quotient_in_every_program():
+    # XLA's simplifier turns a division into a product with a reciprocal (a second rounding) where it sees a
+    # broadcast, a constant, a sqrt or a quotient as the divisor, in some programs and not others: the whitened
+    # solver's Cholesky divided its rows by their pivot as a quotient in the step compiled for one device and with
+    # a reciprocal in the one for two, so LinearRegression's and PCA's bits differed between data:1 and data:2.
+    # Under fixed_order every float division is IEEE's quotient (numpy's, here), wherever it sits.
+    r = np.random.default_rng(5)
+    x, y, z = (r.uniform(1, 10, size=(48, 6)).astype(np.float32) for _ in range(3))
+    s = np.float32(7.3)
+    cases = [
+        (lambda x, y, z, s: x / s, x / s),  # a scalar broadcast
+        (lambda x, y, z, s: x / x[:, :1], x / x[:, :1]),  # a column broadcast
+        (lambda x, y, z, s: x / 3.0, x / np.float32(3.0)),  # a constant
+        (lambda x, y, z, s: x / jnp.sqrt(y), x / np.sqrt(y)),
+        (lambda x, y, z, s: (x / y) / z, (x / y) / z),
+        (lambda x, y, z, s: jax.lax.fori_loop(0, 3, lambda i, v: v / s, x), x / s / s / s),
+        (lambda x, y, z, s: jax.vmap(lambda row: row / row[0])(x), x / x[:, :1]),
+    ]
+    for i, (fn, want) in enumerate(cases):
+        np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(fn))(x, y, z, s)), want, err_msg=str(i))
+    # inside shard_map, a divisor the same on every device over a row that varies (fixed_order casts the operands)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    local = jax.shard_map(fixed_order(lambda x, s: x / s), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(local)(x, s)), x / s)
+
+
 def eqns(fn, *args):
     """Every equation of ``fn``'s jaxpr, those inside its calls and control flow too."""
     found = []
