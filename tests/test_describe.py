@@ -238,3 +238,31 @@ def test_the_columns_moments_are_only_what_describe_prints():
     assert np.shape(kept.higher)[0] < np.shape(every.higher)[0]
     assert np.shape(kept.counts.limbs)[0] < np.shape(every.counts.limbs)[0]
     assert ss.Describe().fingerprint()["moments"] == repr(describe.COLUMN.fields)
+
+
+def test_the_columns_moments_fold_together_with_moments_control_flow_and_resume_a_stacked_state():
+    """Every column's moments fold at once, each column's values counted on their own (``FiniteMoments``' fold,
+    not a ``vmap`` of one-column folds, under which each ``lax.cond`` became a select running both branches):
+    the add keeps ``Moments``' conds and the sketch's, and its state is still a one-column state a column (what a
+    checkpoint holds), so a fold of half the rows resumed is pandas' answer."""
+    import jax
+
+    from sharded_scan.combiners.statistics import describe
+    from tests.test_quantiles import primitive_names
+
+    spec = jax.ShapeDtypeStruct((5,), np.float32)
+    x, mask = np.zeros((64, 5), np.float32), np.ones(64, bool)
+
+    def conds(c, acc):
+        return list(primitive_names(jax.make_jaxpr(c.add)(acc, x, mask).jaxpr)).count("cond")
+
+    d = ss.Describe(k=256)
+    assert conds(d, d.init(spec)) == conds(describe.COLUMN, describe.COLUMN.init(spec)) + conds(d.sketch,
+                                                                                                  d.sketch.init(spec))
+    frame, d = data(300, seed=4), ss.Describe()  # its default k: nothing compacted, the percentiles exact
+    values = frame.to_numpy()
+    add = jax.jit(d.add)
+    acc = add(d.init(spec), values[:150], np.ones(150, bool))
+    assert np.shape(acc.moments.min) == (5, 1)  # a one-column state a column
+    acc = add(acc, values[150:], np.ones(150, bool))
+    check_like_pandas(d.finalize(jax.tree.map(np.asarray, acc)), pd.DataFrame(values))

@@ -4,8 +4,8 @@ Per column: the values that are not NaN (``count``), the NaNs (``nan_count``), t
 standard deviation (``ddof=1``, as pandas), min, max and percentiles, NaN skipped column by
 column as pandas does (a NaN in one column does not hide the row's other values).
 
-Built from the existing accumulators: each column is a one-column :class:`Moments` whose
-rows are masked where that column is NaN (``jax.vmap`` over the columns), and the
+Built from the existing accumulators: each column is a one-column :class:`Moments` state whose
+rows are masked where that column is NaN (all folded at once, by ``FiniteMoments``' fold), and the
 percentiles come from one :class:`Quantiles` sketch of all the columns, in which NaN's key
 sorts after every value: with ``count`` values in a column, its percentile ``q`` is read at
 ranks around ``q (count - 1)`` (numpy's ``"linear"``, as pandas), below every NaN.
@@ -52,11 +52,12 @@ from sharded_scan.combiners.sketches.quantiles import (
 )
 from sharded_scan.combiners.sketches.quantiles_exact import Brackets, RefinePass, SketchPass
 from sharded_scan.combiners.sketches.quantiles_result import QuantilesAcc, method_ranks, values_from_keys
-from sharded_scan.combiners.statistics.moments import Moments, MomentsAcc
+from sharded_scan.combiners.statistics.moments import Moments, MomentsAcc, column_states, one_state
 from sharded_scan.errors import UsageError
 from sharded_scan.mesh import MODEL_AXIS
 
 COLUMN = Moments(ddof=1, fields=("mean", "var", "min", "max"))  # what df.describe() reads of a column
+EACH_COLUMN = COLUMN.omitting_values()  # every column's values at once, each counted on its own
 METHOD = "linear"  # pandas' percentiles
 FORMAT = "sharded_scan.describe/1"
 DESCRIBE_JSON = "describe.json"  # what the CLI's Describe job writes next to result.npz
@@ -260,8 +261,10 @@ class Describe(SplitsByColumns, Combiner, MultiPass):
         def leaf(a, x):
             x = _columns(x)
             own = column_block(x, self.model_shards) if self.model_shards > 1 else x  # padding: zeros, not read
-            valid = mask[None, :] & ~jnp.isnan(own.T)
-            moments = jax.vmap(lambda m, col, ok: COLUMN.add(m, col[:, None], ok))(a.moments, own.T, valid)
+            valid = mask[:, None] & ~jnp.isnan(own)
+            # Each column's values folded as its own one-column state would fold them, by the state of every
+            # column that keeps a count a column (not a vmap of one-column folds, whose conds run both branches).
+            moments = column_states(EACH_COLUMN.fold(one_state(a.moments), own, valid))
             return DescribeAcc(moments, self.sketch.add(a.sketch, x, mask))
 
         return self._leafwise(leaf, acc, batch)

@@ -1080,6 +1080,16 @@ def column_states(acc: MomentsAcc, xp: Any = jnp) -> MomentsAcc:
     return MomentsAcc(CenteredAcc(c.count, *one[:4]), *one[4:], *higher, counts)
 
 
+def one_state(stacked: MomentsAcc) -> MomentsAcc:
+    """:func:`column_states`' inverse: stacked one-column states of :class:`Moments` (the columns, then a state of
+    one column) as one :class:`FiniteMoments` state of every column."""
+    c = stacked.centered
+    one = [v[..., 0] for v in (c.shift, c.mean, c.m2, c.m2_lost, stacked.min, stacked.max)]
+    higher = [jnp.moveaxis(v[..., 0], -1, -2) for v in (stacked.higher, stacked.higher_lost)]  # (d, h, 1) -> (h, d)
+    counts = wide.Wide(jnp.moveaxis(stacked.counts.limbs[..., 0, :], -3, -2))  # (d, k, 1, L) -> (k, d, L)
+    return MomentsAcc(CenteredAcc(c.count, *one[:4]), *one[4:], *higher, counts)
+
+
 @dataclasses.dataclass(frozen=True)
 class FiniteMoments(Moments):
     """:class:`Moments` under ``nan_policy="omit"`` (:meth:`Moments.omitting_values`), as pandas' ``skipna``: each
