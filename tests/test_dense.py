@@ -47,3 +47,36 @@ def test_the_inverse_comes_from_the_factorization_two_products_a_block():
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(u))
     np.testing.assert_array_equal(np.asarray(alone_deflated), np.asarray(deflated))
     assert np.abs(np.asarray(u, np.float64) @ np.asarray(u_inv, np.float64) - np.eye(70)).max() < 1e-5
+
+
+def _product_shapes(jaxpr) -> list:
+    """The output shapes of every ``dot_general`` in ``jaxpr``, inside loops too."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.append(eqn.outvars[0].aval.shape)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                shapes += _product_shapes(inner)
+    return shapes
+
+
+def test_the_products_take_only_the_columns_still_to_come():
+    # Issue 45 item 4: each block's panel and update take the columns of [a|I] still to come (U's after the block and
+    # U⁻ᵀ's up to its end, as many as a's), not all of them: half the work. Under fixed_order (logical_shards) each
+    # product element is a function of its row and column alone, so U has the bits of the whole update (the
+    # factorization without U⁻¹), deflated columns too.
+    from sharded_scan.fixed_order import fixed_order
+
+    a = np.random.default_rng(4).normal(size=(150, 70))
+    a[:, 9] = 3 * a[:, 4]
+    m = ((a.T @ a) / np.outer(np.linalg.norm(a, axis=0), np.linalg.norm(a, axis=0))).astype(np.float32)
+    assert sorted(_product_shapes(jax.make_jaxpr(dense.cholesky_upper)(m).jaxpr)) == [(32, 96), (96, 96)]
+    u, deflated, u_inv = jax.jit(fixed_order(lambda m: dense.cholesky_upper(m, 1e-5)))(m)
+    alone, alone_deflated, _ = jax.jit(fixed_order(lambda m: dense.cholesky_upper(m, 1e-5, inverse=False)))(m)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(u))
+    np.testing.assert_array_equal(np.asarray(alone_deflated), np.asarray(deflated))
+    assert np.asarray(deflated).tolist() == [j == 9 for j in range(70)]
+    assert (np.tril(np.asarray(u_inv), -1) == 0).all()
+    assert np.abs(np.asarray(u_inv, np.float64) @ np.asarray(u, np.float64) - np.eye(70)).max() < 1e-4

@@ -104,6 +104,10 @@ def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK, inverse:
     after it carry ``U⁻ᵀ``'s columns beside ``U``'s: two matrix products a block, where a block column of
     ``U⁻¹`` of its own took two more (under ``logical_shards`` each product is a handful of kernels to
     compile); the diagonal block's ``U⁻¹`` comes from its own row loop the same way (:func:`_factor_block`).
+    Those products take only the columns still to come, as many as ``a``'s (padded) and next to each other in
+    ``[a | I]``: ``U``'s after the block and ``U⁻ᵀ``'s up to its end. Half the whole's work, and each element the
+    same bits as the whole's (a function of its row and column alone, as :mod:`sharded_scan.fixed_order`'s products
+    are); the zeros outside stay zeros, where an inf (a zero pivot) made some of them NaN.
     ``U``'s columns are products of ``U``'s alone, the same with or without ``U⁻ᵀ``'s. A pivot whose
     square is at most ``deflate_below`` (a direction ``a`` does not span, in working precision) gets the unit
     row ``e_j`` and adds nothing to the later columns, so ``U`` stays finite and invertible where ``a`` is
@@ -121,20 +125,34 @@ def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK, inverse:
     size = a.shape[0]
     if inverse:
         a = jnp.concatenate([a, jnp.eye(size, dtype=a.dtype) + jnp.zeros_like(a)], axis=1)  # varying like a
-    columns = jnp.arange(a.shape[1])
+    columns = jnp.arange(size)
+    blank = jnp.zeros_like(a[:block, :size])
 
     def step(k, carry):
         a, u, deflated = carry
         start = k * block
+        after = start + block
         ukk, flat, ukk_inv = _factor_block(jax.lax.dynamic_slice(a, (start, start), (block, block)), deflate_below)
-        panel = ukk_inv.T @ jax.lax.dynamic_slice(a, (start, 0), (block, a.shape[1]))
-        # U's columns after the block, of rows that are not deflated; U⁻ᵀ's whole (a deflated row's too: its
-        # unit pivot leaves what is left of I's rows there)
-        keep = (columns[None, :] >= start + block) & (~flat[:, None] | (columns[None, :] >= size))
-        panel = jnp.where(keep, panel, 0.0)
-        head = panel[:, :size]
-        a = a - (head.T @ head if a.shape[1] == size else head.T @ panel)
-        u = jax.lax.dynamic_update_slice(u, jax.lax.dynamic_update_slice(panel, ukk, (0, start)), (start, 0))
+        if inverse:
+            # the columns still to come: U's after the block and U⁻ᵀ's up to its end, ``size`` in a row (U⁻ᵀ is lower
+            # triangular); the ones outside hold zeros the products would only carry along
+            live = jax.lax.dynamic_slice(a, (0, after), (size, size))
+            panel = ukk_inv.T @ jax.lax.dynamic_slice_in_dim(live, start, block)
+            # U's columns of rows that are not deflated; U⁻ᵀ's whole (a deflated row's too: its unit pivot leaves
+            # what is left of I's rows there)
+            panel = jnp.where(~flat[:, None] | (columns[None, :] >= size - after), panel, 0.0)
+            # U's part of the panel in a's columns (zero before `after`), each product element as the whole
+            # matrix's: a function of its row and column alone
+            head = jax.lax.dynamic_slice_in_dim(jnp.concatenate([blank, panel], 1), size - after, size, 1)
+            a = jax.lax.dynamic_update_slice(a, live - head.T @ panel, (0, after))
+            u = jax.lax.dynamic_update_slice(jax.lax.dynamic_update_slice(u, panel, (start, after)), ukk,
+                                             (start, start))
+        else:
+            panel = ukk_inv.T @ jax.lax.dynamic_slice_in_dim(a, start, block)
+            # U's columns after the block, of rows that are not deflated
+            panel = jnp.where((columns[None, :] >= after) & ~flat[:, None], panel, 0.0)
+            a = a - panel.T @ panel
+            u = jax.lax.dynamic_update_slice(u, jax.lax.dynamic_update_slice(panel, ukk, (0, start)), (start, 0))
         return a, u, jax.lax.dynamic_update_slice(deflated, flat, (start,))
 
     _, u, deflated = jax.lax.fori_loop(0, size // block, step, (a, jnp.zeros_like(a), jnp.zeros_like(a[0, :size]) > 0))
