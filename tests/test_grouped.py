@@ -84,6 +84,17 @@ def test_bad_inputs_are_one_line(combiner, rows, message):
     assert "\n" not in str(err.value)
 
 
+def test_a_bad_weight_is_named_by_its_row_of_the_data_where_a_policy_skips_rows_before_it():
+    # nan_policy="omit_rows" checks the weights of the rows it folds only (a NaN row is skipped, not refused): the
+    # one line named the bad weight's place among those, row 2 here, not its row of the data.
+    keys, x, w = data(50)
+    x[[1, 2]] = np.nan
+    w = np.where(np.arange(w.size) == 4, -1, w)
+    for combiner, rows in ((ss.Weighted(ss.Sum()), (w, x)), (ss.GroupBy(ss.Weighted(ss.Moments()), K), (keys, (w, x)))):
+        with pytest.raises(ss.UsageError, match="1 rows have negative or non-finite weights \\(row 4: -1"):
+            ss.run(combiner, rows, nan_policy="omit_rows", **RUN)
+
+
 def test_fast_add_keyed_agree_with_numpy_per_key():
     """The built-ins' segment reductions (and from_fn's default) fold each row into its key's accumulator."""
     keys, x, w = data(300, seed=1)

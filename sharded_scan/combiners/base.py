@@ -107,6 +107,21 @@ def folding_few_microbatches(few: int):
     return _setting(_few_microbatches, int(few))
 
 
+_row_numbers = contextvars.ContextVar("sharded_scan_row_numbers", default=None)
+
+
+def row_number(i: int) -> int:
+    """Row ``i`` of the rows a ``check_rows`` is given as its row of the data: a ``nan_policy`` that skips rows
+    checks the others only (:func:`checking_rows`)."""
+    numbers = _row_numbers.get()
+    return int(i) if numbers is None else int(numbers[i])
+
+
+def checking_rows(numbers):
+    """While a ``check_rows`` runs on some rows of the data: ``numbers``, their rows of it (None: all, in order)."""
+    return _setting(_row_numbers, numbers)
+
+
 class Combiner(abc.ABC):
     """Base class for reductions run by :func:`sharded_scan.run`."""
 

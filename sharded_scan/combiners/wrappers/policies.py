@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner, finite_rows
+from sharded_scan.combiners.base import Combiner, checking_rows, finite_rows
 from sharded_scan.errors import UsageError
 
 
@@ -253,12 +253,14 @@ class NonFinite(Wrapper):
         where its other values are folded); a NaN weight of ``Weighted`` is skipped in memory as from a file,
         not refused. An inner combiner that checks no rows (``Combiner.check_rows`` itself, as ``Moments``')
         costs no pass over them."""
+        numbers = None  # the rows checked as the data's rows, for the row a message names
         if self.policy in OMITTING and type(self.inner).check_rows is not Combiner.check_rows:
             keep = finite_rows(jax.tree.map(np.asarray, rows), np)  # as add's rows: every float value finite
             if self.policy == "omit" and not keep.all():
                 keep = host_finite_keep(self.inner, rows)
-            rows = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows)
-        self.inner.check_rows(rows)
+            rows, numbers = jax.tree.map(lambda leaf: np.asarray(leaf)[keep], rows), np.flatnonzero(keep)
+        with checking_rows(numbers):
+            self.inner.check_rows(rows)
 
     def add(self, acc, batch, mask):
         finite = finite_rows(batch)

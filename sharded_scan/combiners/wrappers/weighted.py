@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner
+from sharded_scan.combiners.base import Combiner, row_number
 from sharded_scan.combiners.passes import MultiPass, reads_several_times
 from sharded_scan.combiners.wrappers.policies import Wrapper
 from sharded_scan.dtypes import accumulator_dtype, check_numeric
@@ -98,8 +98,8 @@ class Weighted(Wrapper, MultiPass):
         bad = ~((w >= 0) & np.isfinite(w)) if np.issubdtype(w.dtype, np.inexact) else w < 0
         if bad.any():
             first = int(np.flatnonzero(bad)[0])
-            raise UsageError(f"{int(bad.sum())} rows have negative or non-finite weights (row {first}: {w[first]}); "
-                             f"{BAD_WEIGHTS}.")
+            raise UsageError(f"{int(bad.sum())} rows have negative or non-finite weights (row {row_number(first)}: "
+                             f"{w[first]}); {BAD_WEIGHTS}.")
         self.form.check_rows(rows)
 
     def operands(self, spec):
