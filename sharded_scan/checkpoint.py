@@ -450,7 +450,8 @@ class CheckpointSession:
         if diff is not None:
             was = saved.get("microbatch")
             again = (f"resume with microbatch={was} (--config.microbatch={was}; a default micro-batch may change "
-                     "between versions)" if diff.startswith("microbatch ") else "rerun with the original settings")
+                     "between versions)" if diff.startswith("microbatch ") else
+                     "rerun with the original settings and sharded_scan version")
             raise UsageError(
                 f"the checkpoint at {self.directory} (cursor {meta.get('cursor')}) belongs to a different job: "
                 f"{diff}; {again}, or use a new workdir / checkpoint directory."

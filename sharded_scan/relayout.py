@@ -320,8 +320,8 @@ def _check_leaves(stored: list[jax.ShapeDtypeStruct], want: list[jax.ShapeDtypeS
             problem = f"accumulator leaf {i} is {np.dtype(got.dtype).name}{list(got.shape)} there but " \
                       f"{np.dtype(leaf.dtype).name}{list(leaf.shape)} here"
     if problem is not None:
-        raise UsageError(f"the checkpoint belongs to a different job: {problem}; "
-                         "rerun with the original settings, or use a new checkpoint directory.")
+        raise UsageError(f"the checkpoint belongs to a different job: {problem}; rerun with the original settings "
+                         "and sharded_scan version, or use a new checkpoint directory.")
 
 
 def folds_on_devices(program: Program, there: Combiner, count: int) -> bool:
