@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan import codegen
 from sharded_scan.combiners import wide
-from sharded_scan.combiners.base import Combiner, merging_shards
+from sharded_scan.combiners.base import MANY_SHARDS, Combiner, merging_many_shards
 from sharded_scan.combiners.wrappers.policies import innermost
 from sharded_scan.compile_cache import cached
 from sharded_scan.errors import UsageError
@@ -73,26 +73,31 @@ def compile_gather(combiner: Combiner, mesh: Mesh, compiler_options: codegen.Opt
                    compiler_options=codegen.jit_options(compiler_options))
 
 
-def pair_merge(combiner: Combiner, precision: str, fixed: bool, shards: int = 0) -> Callable:
+def pair_merge(combiner: Combiner, precision: str, fixed: bool, many: bool = False) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, traced at ``precision`` (``fixed``:
-    float products with fixed roundings; ``shards``: how many it folds, :func:`~.combiners.base.merge_shards`):
-    the body of every merge program but the ``psum``."""
+    float products with fixed roundings; ``many``: it folds a job of many shards,
+    :func:`~.combiners.base.merges_many_shards`): the body of every merge program but the ``psum``."""
 
     def merge(a, b, operands):
-        with jax.default_matmul_precision(precision), merging_shards(shards):
+        with jax.default_matmul_precision(precision), merging_many_shards(many):
             bound = combiner.bind(operands)
             return (pinned(combiner, bound.merge) if fixed else bound.merge)(a, b)
 
     return merge
 
 
-@cached
 def compile_pair_merge(combiner: Combiner, precision: str, fixed: bool = False,
                        compiler_options: codegen.Options = (), shards: int = 0) -> Callable:
     """``merge(a, b, operands) -> acc`` of two accumulators, jitted for one device (``fixed``:
-    float products with fixed roundings; ``shards``: how many shards it folds, 0 where not known)."""
-    return jax.jit(pair_merge(combiner, precision, fixed, shards),
-                   compiler_options=codegen.jit_options(compiler_options))
+    float products with fixed roundings; ``shards``: how many shards it folds, 0 where not known: one program
+    below :data:`~.combiners.base.MANY_SHARDS`, one from it)."""
+    return _compile_pair_merge(combiner, precision, fixed, compiler_options, shards >= MANY_SHARDS)
+
+
+@cached
+def _compile_pair_merge(combiner: Combiner, precision: str, fixed: bool, compiler_options: codegen.Options,
+                        many: bool) -> Callable:
+    return jax.jit(pair_merge(combiner, precision, fixed, many), compiler_options=codegen.jit_options(compiler_options))
 
 
 def tree_strides(size: int) -> list[int]:

@@ -305,7 +305,8 @@ def relayout(program: Program, saved: SavedPartials, meta: dict[str, Any]) -> Py
         state = process_tree_fold(there, mesh, partials, program.host_operands, program.options.precision,
                                   program.fixed_products, program.merge_options)
     else:
-        merge = compile_pair_merge(there, program.options.precision, program.fixed_products, program.merge_options)
+        merge = compile_pair_merge(there, program.options.precision, program.fixed_products, program.merge_options,
+                                   count)
         operands = program.host_operands
         state = tree_fold(lambda a, b: merge(a, b, operands), shards_of(treedef.unflatten(saved.read())))
         state = jax.tree.map(jnp.asarray, state)  # one host shard when there was one

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import sharded_scan as ss
-from sharded_scan.combiners.base import folding_few_microbatches, folding_per_key, merging_shards
+from sharded_scan import merging
+from sharded_scan.combiners.base import MANY_SHARDS, folding_few_microbatches, folding_per_key, merging_many_shards
 from sharded_scan.combiners.sketches import kll
 from sharded_scan.program import program_for_spec
 from tests import test_program
@@ -275,13 +276,17 @@ def test_a_merge_of_many_shards_sorts_in_three_window_sizes_and_gives_the_same_s
 
     def merged(shards):
         def merge(a, b):
-            with merging_shards(shards):
+            with merging_many_shards(shards >= MANY_SHARDS):
                 return kll.merge(a, b, k)
         sorts = str(jax.make_jaxpr(merge)(a, b)).count(" sort[")
         return sorts, jax.jit(merge)(a, b), jax.jit(merge)(b, a)
 
-    (one, *few), (three, *many) = merged(kll.MANY_SHARDS - 1), merged(kll.MANY_SHARDS)
+    (one, *few), (three, *many) = merged(MANY_SHARDS - 1), merged(MANY_SHARDS)
     assert (one, three) == (1, 3)  # one move compiled a window size: 3 sizes only where the merge runs often
+    # one program a side of MANY_SHARDS, whatever the job's shard count: no merge compiled again a count
+    q = ss.Quantiles(qs=(0.5,), k=k)
+    assert merging.compile_pair_merge(q, "highest", shards=8) is merging.compile_pair_merge(q, "highest", shards=16)
+    assert merging.compile_pair_merge(q, "highest", shards=2) is merging.compile_pair_merge(q, "highest", shards=7)
     for x, y in zip(few, many, strict=True):
         jax.tree.map(np.testing.assert_array_equal, x, y)
     host = kll.to_host(jax.tree.map(np.asarray, many[0]))

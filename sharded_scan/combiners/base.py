@@ -78,13 +78,16 @@ def reads_few_microbatches(combiner: Any) -> bool:
     return any(isinstance(v, Combiner) and reads_few_microbatches(v) for v in values)
 
 
-_merge_shards = contextvars.ContextVar("sharded_scan_merge_shards", default=0)
+#: Shards from which a job's pair merge, run ``shards - 1`` times, is worth more compile (:func:`merges_many_shards`).
+MANY_SHARDS = 8
+_many_shards = contextvars.ContextVar("sharded_scan_many_shards", default=False)
 
 
-def merge_shards() -> int:
-    """How many shards the pair merge being traced folds, one pair at a time (0: not known); a combiner may
-    spend more compile on a merge that runs many times (:func:`merging_shards`)."""
-    return _merge_shards.get()
+def merges_many_shards() -> bool:
+    """Whether the pair merge being traced folds :data:`MANY_SHARDS` or more shards, one pair at a time: a combiner
+    may spend more compile on a merge that runs that often (:func:`merging_many_shards`). A flag, not the count, so
+    that one program serves jobs of every shard count on each side of it."""
+    return _many_shards.get()
 
 
 @contextlib.contextmanager
@@ -96,9 +99,9 @@ def _setting(var: contextvars.ContextVar, value):
         var.reset(token)
 
 
-def merging_shards(shards: int):
-    """While tracing a pair merge: :func:`merge_shards` is ``shards`` (a context manager)."""
-    return _setting(_merge_shards, int(shards))
+def merging_many_shards(many: bool):
+    """While tracing a pair merge: :func:`merges_many_shards` is ``many`` (a context manager)."""
+    return _setting(_many_shards, bool(many))
 
 
 def folding_few_microbatches(few: int):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharded_scan.combiners.base import folds_few_microbatches, folds_one_microbatch, merge_shards
+from sharded_scan.combiners.base import folds_few_microbatches, folds_one_microbatch, merges_many_shards
 from sharded_scan.combiners.sketches.keys import GOLDEN, empty_slot, fill, fold32, mix32
 
 LEVELS = 48          # level h weighs 2^h: room for far more than 2^60 rows
@@ -252,17 +252,14 @@ def insert_sorted_rows(
     return jax.lax.while_loop(lambda c: c[1] | jnp.any(_full(c[0], k)), move, (s, length > 0))[0]
 
 
-#: Shards from which a merge sorts in windows of several sizes, as an ``add`` does (:func:`merge_windows`).
-MANY_SHARDS = 8
-
-
 def merge_windows(k: int) -> tuple[int, ...]:
     """The window sizes a merge's moves may sort. Each size compiles one more move in the merge program:
     a pair merge of 8 ``Quantiles(num_buckets=100)`` columns (``k`` 8192) took 0.21 CPU-s to compile with
     one size and 0.35 with :func:`window_sizes`' three, and its run 50 against 29 ms (8 shards of 125,000
-    rows, the same sketch bitwise). So a job of :data:`MANY_SHARDS` or more shards (``shards - 1`` pair
-    merges; :func:`~sharded_scan.combiners.base.merge_shards`) sorts in three sizes, a smaller one in one."""
-    return window_sizes(k, k) if merge_shards() >= MANY_SHARDS else (window_size(k),)
+    rows, the same sketch bitwise). So a job of :data:`~sharded_scan.combiners.base.MANY_SHARDS` or more shards
+    (``shards - 1`` pair merges; :func:`~sharded_scan.combiners.base.merges_many_shards`) sorts in three sizes, a
+    smaller one in one."""
+    return window_sizes(k, k) if merges_many_shards() else (window_size(k),)
 
 
 def merge(a: Sketch, b: Sketch, k: int, fields: tuple[str, ...] = ("items",), move_window=None) -> Sketch:
