@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sharded_scan as ss  # noqa: E402
-from sharded_scan.combiners.wrappers.each_column import EachColumn  # noqa: E402
+from bench.each_column import EachColumn  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

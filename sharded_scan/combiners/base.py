@@ -330,8 +330,8 @@ class Combiner(abc.ABC):
         """Folds the rows ``keep`` (of the real rows ``mask``) less their NaN and inf values (``nan_policy="omit"``).
 
         The default: :meth:`finite_values`' batch, else every row holding one skipped (:meth:`add_omitting`
-        of the finite rows, right for the statistics of whole rows). ``Moments`` (as
-        :class:`~sharded_scan.combiners.wrappers.each_column.EachColumn`) and the pairwise ``Covariance`` override it.
+        of the finite rows, right for the statistics of whole rows). ``FiniteMoments``, ``TopK``, ``DistinctCount`` and
+        the pairwise ``Covariance`` override it.
         """
         values = self.finite_values(batch)
         if values is None:

@@ -126,7 +126,6 @@ def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK, inverse:
     if inverse:
         a = jnp.concatenate([a, jnp.eye(size, dtype=a.dtype) + jnp.zeros_like(a)], axis=1)  # varying like a
     columns = jnp.arange(size)
-    blank = jnp.zeros_like(a[:block, :size])
 
     def step(k, carry):
         a, u, deflated = carry
@@ -134,6 +133,7 @@ def cholesky_upper(a: jax.Array, deflate_below=0.0, block: int = BLOCK, inverse:
         after = start + block
         ukk, flat, ukk_inv = _factor_block(jax.lax.dynamic_slice(a, (start, start), (block, block)), deflate_below)
         if inverse:
+            blank = jnp.zeros_like(a[:block, :size])
             # the columns still to come: U's after the block and U⁻ᵀ's up to its end, ``size`` in a row (U⁻ᵀ is lower
             # triangular); the ones outside hold zeros the products would only carry along
             live = jax.lax.dynamic_slice(a, (0, after), (size, size))

@@ -448,9 +448,14 @@ def _fresh(acc: WhitenedAcc, rows: _Rows) -> WhitenedAcc:
     )
 
 
+def _young_parts(acc: WhitenedAcc) -> tuple[jax.Array, jax.Array]:
+    """A young accumulator's rows in the two parts that hold them, in order (:func:`_young_rows`)."""
+    return acc.gram, acc.compensation
+
+
 def _young_rows(acc: WhitenedAcc) -> jax.Array:
     """A young accumulator's rows ``b`` (``2 n`` of room: its first ``count`` rows, zero after them)."""
-    return jnp.concatenate([acc.gram, acc.compensation])
+    return jnp.concatenate(_young_parts(acc))
 
 
 def _grown(acc: WhitenedAcc, rows: jax.Array, keep: jax.Array, sums: jax.Array) -> WhitenedAcc:
@@ -493,7 +498,7 @@ def _whiten(acc: WhitenedAcc, b: jax.Array, sums: jax.Array, targets: int) -> Wh
     """``acc`` with the rows ``b`` folded in (``sums``: the data's sums of them): an adult folds them; a
     young accumulator, which then has enough rows, becomes one with its own rows and ``b``."""
     grows_up = acc.young
-    rows = _Rows.of(b, (acc.gram, acc.compensation), grows_up)  # an adult's: never read
+    rows = _Rows.of(b, _young_parts(acc), grows_up)  # an adult's gram and compensation: never read
     rows_sums = jnp.where(grows_up, acc.sums + sums, sums)
     acc = jax.lax.cond(grows_up, lambda acc: _fresh(acc, rows), lambda acc: acc, acc)
     return fold(acc, rows, rows_sums, targets)

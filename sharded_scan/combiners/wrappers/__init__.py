@@ -1,2 +1,2 @@
-"""Wrappers: a combiner run per key (``GroupBy``), weighted (``Weighted``), per column (``EachColumn``), and the
-policies every run applies (compensation, non-finite rows)."""
+"""Wrappers: a combiner run per key (``GroupBy``), weighted (``Weighted``), and the policies every run applies
+(compensation, non-finite rows)."""

@@ -1,4 +1,6 @@
-"""A per-column combiner run on each column alone, so that each column skips its own NaN and Inf.
+"""A per-column combiner run on each column alone, so that each column skips its own NaN and Inf: the route
+``nan_policy="omit"`` took for ``Moments``, ``TopK`` and ``DistinctCount`` before they folded with a mask per column,
+kept here as the reference ``bench/omit_agreement.py`` compares them with (no built-in runs it).
 
 ``nan_policy="omit"`` skips a NaN or Inf where it stands, as pandas' ``skipna``: a column's count is its
 own count of finite values, and a NaN in one column hides none of the row's other values. A combiner
