@@ -520,10 +520,15 @@ def test_groupby_moments_finalizes_every_key_at_once_as_each_keys_moments_and_pa
 
 
 def _eqns(jaxpr):
-    """The equations of ``jaxpr`` with those of its nested ``jit`` calls (not of its branches and loops)."""
+    """The equations of ``jaxpr`` with those of its nested ``jit`` calls and of the CPU's branch where it chooses by
+    platform (``jax.lax.platform_dependent``: ``keyed_sums.keyed_sum``), not of its other branches and loops."""
     for e in jaxpr.eqns:
         if e.primitive.name in ("jit", "pjit"):
             yield from _eqns(e.params["jaxpr"].jaxpr)
+        elif e.primitive.name == "cond" and e.params.get("branches_platforms"):
+            platforms = e.params["branches_platforms"]
+            cpu = next((i for i, p in enumerate(platforms) if p and "cpu" in p), platforms.index(None))
+            yield from _eqns(e.params["branches"][cpu].jaxpr)
         else:
             yield e
 

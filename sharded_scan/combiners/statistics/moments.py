@@ -34,6 +34,7 @@ from sharded_scan.combiners.column_split import (
     padded_columns,
     round_up,
 )
+from sharded_scan.combiners.keyed_sums import keyed_sum
 from sharded_scan.combiners.results import frame
 from sharded_scan.combiners.statistics.sums import check_matrix_spec
 from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
@@ -678,19 +679,19 @@ def moments_fold_keyed(acc: MomentsAcc, x, keep, keys, num_keys: int, weights=No
     keys = jnp.clip(keys, 0, num_keys - 1)
     if keep.ndim == 1:
         kept = jnp.where(keep, keys, num_keys)  # the rows not kept: dropped by every scatter below
-        nb = jax.ops.segment_sum(jnp.ones(keys.shape, jnp.int32), kept, num_keys)
+        nb = keyed_sum(jnp.ones(keys.shape, jnp.int32), kept, num_keys)
         shift = keyed_shift(c, x, kept, nb, num_keys)
         dev = (x - shift[kept]) - c.mean[kept]  # rows not kept: any value (index num_keys: the last key's), dropped
         values = _powers(dev, x, weights, parts)  # of the rows not kept too: dropped
         low_x = high_x = x
     else:  # each column's values keep: the others 0 (a scatter-add starts at +0.0: adding +0.0 changes none)
         kept = keys
-        nb = jax.ops.segment_sum(keep.astype(jnp.int32), keys, num_keys)
+        nb = keyed_sum(keep.astype(jnp.int32), keys, num_keys)
         shift = keyed_shift(c, x, kept, nb, num_keys, keep)
         dev = (x - shift[kept]) - c.mean[kept]
         values = [values_masked(v, keep) for v in _powers(dev, x, weights, parts)]
         low_x, high_x = values_masked(x, keep, jnp.inf), values_masked(x, keep, -jnp.inf)
-    sums = jax.ops.segment_sum(stacked(values), kept, num_keys)
+    sums = keyed_sum(stacked(values), kept, num_keys)
 
     def extremes():
         return jax.ops.segment_min(low_x, kept, num_keys), jax.ops.segment_max(high_x, kept, num_keys)

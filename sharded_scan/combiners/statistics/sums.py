@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import AdditiveCombiner, Combiner, masked, nonfinite_as
 from sharded_scan.combiners.column_split import column_block, round_up
+from sharded_scan.combiners.keyed_sums import keyed_sum
 from sharded_scan.combiners.results import frame
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
@@ -89,7 +90,7 @@ class Sum(AdditiveCombiner):
         def fold(a, x):
             if wide.is_wide(a):
                 return wide.add(a, wide.segment_sum_rows(x, mask, keys, num_keys, a.limbs.shape[-1]))
-            return a + jax.ops.segment_sum(masked(x, mask).astype(a.dtype), keys, num_keys)
+            return a + keyed_sum(masked(x, mask).astype(a.dtype), keys, num_keys)
 
         sums = jax.tree.map(fold, acc.sum, batch, is_leaf=wide.is_wide)
         return SumResult(sums, wide.add_int32(acc.count, key_counts(mask, keys, num_keys)))
@@ -140,11 +141,11 @@ class WeightedSum(AdditiveCombiner):
 
         def fold(a, x):
             weighted = w.reshape(w.shape + (1,) * (x.ndim - 1)).astype(a.dtype) * x.astype(a.dtype)
-            return a + jax.ops.segment_sum(weighted, keys, num_keys)
+            return a + keyed_sum(weighted, keys, num_keys)
 
         sums = jax.tree.map(fold, acc.sum, data)
         return WeightedSumResult(sums, wide.add_int32(acc.count, key_counts(mask, keys, num_keys)),
-                                 acc.weight + jax.ops.segment_sum(w, keys, num_keys))
+                                 acc.weight + keyed_sum(w, keys, num_keys))
 
     def finalize(self, acc):
         return WeightedSumResult(acc.sum, wide.to_int(acc.count), acc.weight)
@@ -152,7 +153,7 @@ class WeightedSum(AdditiveCombiner):
 
 def key_counts(mask: jax.Array, keys: jax.Array, num_keys: int) -> jax.Array:
     """The real rows of each key in a micro-batch, int32 ``(num_keys,)`` (for :func:`wide.add_int32`)."""
-    return jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
+    return keyed_sum(mask.astype(jnp.int32), keys, num_keys)
 
 
 def check_matrix_spec(spec, who: str) -> None:

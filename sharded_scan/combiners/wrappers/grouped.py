@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.base import Combiner, folding_per_key
+from sharded_scan.combiners.keyed_sums import keyed_sum
 from sharded_scan.combiners.passes import check_one_pass
 from sharded_scan.combiners.results import pandas
 from sharded_scan.combiners.wrappers.policies import Wrapper
@@ -358,7 +359,7 @@ class GroupBy(Wrapper):
         keys, data = batch
         inside = (keys >= 0) & (keys < self.num_keys)
         slot = jnp.where(inside, keys, self.num_keys).astype(jnp.int32)
-        counts = jax.ops.segment_sum(keep.astype(jnp.int32), slot, self.num_keys + 1)
+        counts = keyed_sum(keep.astype(jnp.int32), slot, self.num_keys + 1)
         ours = inside | (self.out_of_range == "other")  # the rows folded into a slot
         fold = self.inner.add_keyed_finite if finite else self.inner.add_keyed_omitting
         with folding_per_key():  # a KLL sketch's small windows kept for its many small insertions
