@@ -105,12 +105,22 @@ def crash_at(step):
 
 def control_flow(jaxpr):
     """The conds, loops and sorts of a traced ``jaxpr``, nested as traced (``jax.vmap`` turns a ``lax.cond`` of a
-    batched predicate into a select of both branches: its sorts then sit outside any cond)."""
+    batched predicate into a select of both branches: its sorts then sit outside any cond); of a choice by platform
+    (``jax.lax.platform_dependent``, which a program lowers as its platform's branch alone), the CPU's branch's."""
     out = []
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and eqn.params.get("branches_platforms"):
+            out.extend(control_flow(cpu_branch(eqn).jaxpr))
+            continue
         params = [p for v in eqn.params.values() for p in (v if isinstance(v, tuple | list) else (v,))]
         subs = [getattr(p, "jaxpr", p) for p in params]  # a cond's branches, a loop's body, a jit's
         subs = tuple(flow for flow in (control_flow(sub) for sub in subs if hasattr(sub, "eqns")) if flow)
         if eqn.primitive.name in ("cond", "while", "sort") or subs:
             out.append((eqn.primitive.name, subs))
     return tuple(out)
+
+
+def cpu_branch(eqn):
+    """The branch a CPU's program lowers of a choice by platform (a ``cond`` with ``branches_platforms``)."""
+    platforms = eqn.params["branches_platforms"]
+    return eqn.params["branches"][next((i for i, p in enumerate(platforms) if p and "cpu" in p), platforms.index(None))]

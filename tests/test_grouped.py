@@ -13,7 +13,7 @@ from launch import data as launch_data
 from launch.data import make_combiner, make_source
 from sharded_scan.combiners import wide
 from sharded_scan.combiners.statistics import sums
-from tests.helpers import assert_usage_error
+from tests.helpers import assert_usage_error, cpu_branch
 
 K = 7
 RUN = {"microbatch": 64, "steps_per_call": 2}  # one layout for every case: programs shared
@@ -526,9 +526,7 @@ def _eqns(jaxpr):
         if e.primitive.name in ("jit", "pjit"):
             yield from _eqns(e.params["jaxpr"].jaxpr)
         elif e.primitive.name == "cond" and e.params.get("branches_platforms"):
-            platforms = e.params["branches_platforms"]
-            cpu = next((i for i, p in enumerate(platforms) if p and "cpu" in p), platforms.index(None))
-            yield from _eqns(e.params["branches"][cpu].jaxpr)
+            yield from _eqns(cpu_branch(e).jaxpr)
         else:
             yield e
 

@@ -76,7 +76,7 @@ def test_few_values_are_counted_exactly_like_value_counts_with_nan_and_signed_ze
 
 # nan_policy="omit" (pandas' value_counts(): NaN dropped, and an inf here) folds each column's summary with a mask per
 # column. Main ran EachColumn(TopK): one-column states under jax.vmap, whose lax.conds became selects, so the hash and
-# its sort fallback both ran every micro-batch (2.8x propagate's CPU, bench/README.md).
+# its sort fallback both ran every micro-batch (3.0-3.7x propagate's CPU, bench/README.md).
 def test_omit_skips_each_value_where_it_stands_like_value_counts_with_the_control_flow_of_propagate():
     from sharded_scan.combiners.wrappers.policies import apply_policies
 
