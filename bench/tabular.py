@@ -212,6 +212,18 @@ def kll_k_for(rank_error: float) -> int:
     return k
 
 
+def ours_k_for(path: str, rank_error: float) -> tuple[int, float]:
+    """The smallest power-of-two ``Quantiles`` k whose result's rank error bound on this file is at most
+    ``rank_error`` (the default k at most), and that bound: sharded_scan at a peer's accuracy."""
+    k = 64
+    while True:
+        result = ss.run(ss.Quantiles(num_buckets=100, k=k), ParquetSource(path, columns=FLOATS))
+        bound = float(np.max(result.rank_error))
+        if bound <= rank_error or k >= ss.Quantiles(num_buckets=100).k:
+            return k, bound
+        k *= 2
+
+
 def datasketches_kll(path: str, k: int) -> np.ndarray:
     sketches = vector_of_kll_floats_sketches(k, len(FLOATS))
     for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 17, columns=FLOATS):
@@ -219,11 +231,13 @@ def datasketches_kll(path: str, k: int) -> np.ndarray:
     return np.asarray(sketches.get_quantiles(QS))
 
 
-def quantiles(path: str, equal_error_k: int) -> dict[str, Callable[[], np.ndarray]]:
-    """(8, 99) answers."""
+def quantiles(path: str, equal_error_k: int, small_k: int) -> dict[str, Callable[[], np.ndarray]]:
+    """(8, 99) answers; ``small_k``: sharded_scan's k at the KLL k=200's error (:func:`ours_k_for`)."""
     qlist = "[" + ", ".join(f"{q:.2f}" for q in QS) + "]"
     return {
         "sharded_scan": lambda: run_ours(path, "quantiles").quantiles,
+        f"sharded_scan, k={small_k}": lambda: ss.run(ss.Quantiles(num_buckets=100, k=small_k),
+                                                    ParquetSource(path, columns=FLOATS)).quantiles,
         "duckdb approx": lambda: np.array(duck("SELECT " + ", ".join(
             f"approx_quantile({c}, {qlist})" for c in FLOATS) + " FROM FILE", path)[0]),
         "duckdb exact": lambda: np.array(duck("SELECT " + ", ".join(
@@ -440,9 +454,12 @@ def main() -> None:
         if "quantiles" in only:
             ours = run_ours(path, "quantiles")
             k = kll_k_for(float(np.max(ours.rank_error)))
+            small_k, small_bound = ours_k_for(path, kll_floats_sketch.get_normalized_rank_error(200, False))
             out.append(measure(f"quantiles (99 a column; sharded_scan's bound {np.max(ours.rank_error):.2g}, "
-                               f"datasketches k={k} for it)", quantiles(path, k), rank_error(np.sort(floats, 0)),
-                               repeats, parts("quantiles")))
+                               f"datasketches k={k} for it; at k={small_k} {small_bound:.2g}, the KLL k=200's "
+                               f"{kll_floats_sketch.get_normalized_rank_error(200, False):.2g})",
+                               quantiles(path, k, small_k), rank_error(np.sort(floats, 0)), repeats,
+                               parts("quantiles")))
         if "distinct" in only:
             ids = read_columns(path, IDS)
             want = np.array([len(np.unique(ids[:, j])) for j in range(len(IDS))], np.float64)
