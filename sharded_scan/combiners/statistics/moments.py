@@ -173,7 +173,7 @@ def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.
     into range (padding rows may hold any key)."""
     x = x.astype(acc.m2.dtype)
     keys = jnp.clip(keys, 0, num_keys - 1)
-    nb = jax.ops.segment_sum(mask.astype(jnp.int32), keys, num_keys)
+    nb = keyed_sum(mask.astype(jnp.int32), keys, num_keys)
     shift = keyed_shift(acc, x, jnp.where(mask, keys, num_keys), nb, num_keys)
     return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
 
@@ -203,13 +203,13 @@ def centered_fold_keyed(acc: CenteredAcc, x, mask, keys, num_keys: int, full: bo
     products for the full co-moments), folded into each key's accumulator by the same formulas."""
     shift, dev, nb, keys = keyed_deviations(acc, x, mask, keys, num_keys)
     wdev = dev if weights is None else dev * weights[:, None]
-    s1 = jax.ops.segment_sum(wdev, keys, num_keys)
+    s1 = keyed_sum(wdev, keys, num_keys)
     if full:
         right = own_columns(dev, acc.m2.shape[-1], shards)
-        s2 = jax.ops.segment_sum(wdev[:, :, None] * right[:, None, :], keys, num_keys)
+        s2 = keyed_sum(wdev[:, :, None] * right[:, None, :], keys, num_keys)
     else:
-        s2 = jax.ops.segment_sum(wdev * dev, keys, num_keys)
-    weight = nb.astype(dev.dtype) if weights is None else jax.ops.segment_sum(weights, keys, num_keys)
+        s2 = keyed_sum(wdev * dev, keys, num_keys)
+    weight = nb.astype(dev.dtype) if weights is None else keyed_sum(weights, keys, num_keys)
     before = wide.to_float(acc.count, dev.dtype) if before is None else before
     out = jax.vmap(lambda *a: folded(*a, full, shards)[0])(acc, shift, nb, before, weight, s1, s2)
     return keyed_without_overflow(acc, out, before, weight, x.astype(dev.dtype), mask, keys, weights)
