@@ -112,9 +112,13 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     if dtype in EXACT_IN_FLOAT64 and min(m, n) == 1 and b * m * n * k <= CHUNK_ELEMENTS:
         # a matrix-vector product (or a dot of vectors): each term exact in float64, added in tree_sum64's order
         with jax.enable_x64(True):
-            terms = (operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
-                     * operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64))
-            return tree_sum64(terms.reshape(k, b * m * n)).astype(dtype).reshape(out_shape)
+            left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
+            right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64)
+            # the terms' products made where the tree's first levels read them (each exact: where an add takes its
+            # product in, an FMA or not, the sum is the same), those levels one pass (_tree_levels)
+            count, rows = _tree_levels(k, lambda i, j: (left[i:j] * right[i:j]).reshape(j - i, b * m * n),
+                                       MATVEC_LEVELS)
+            return tree_sum64(rows(0, count)).astype(dtype).reshape(out_shape)
     if dtype in EXACT_IN_FLOAT64:
         with jax.enable_x64(True):
             left = jnp.transpose(lhs, (*lhs_batch, *lhs_free, *lhs_contract)).reshape(b, m, k)
@@ -126,6 +130,8 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     ).reshape(out_shape)
 
 
+# A matrix-vector product's tree levels computed in its first pass (_tree_levels).
+MATVEC_LEVELS = 3
 # Float dtypes whose values are exact in float64 with room to spare (significands of at most 24 bits).
 EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloat16))
 # exact_block_dot: contraction indices a block (one float64 matmul), and the bits each operand keeps below its
@@ -177,13 +183,16 @@ def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
     scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
     left, right = left.astype(np.float64), right.astype(np.float64)
     # the blocks before the rows as they are rounded (one pass), so the matmul's batch comes first: no copy of the
-    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks)
-    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]), 2, 1)  # (b, blocks, m, w)
-    q_right = _rounded(right, scale_right[:, :, None, :])
-    # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
-    # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
-    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
-    return sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
+    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks); each value
+    # on its grid times the grid's power of two (exact), as ordered_column_sums_and_gram's: the products of a row
+    # and a column then share one power of two, their sums exact as the integers' (float32 values' powers of two
+    # stay far inside float64's range), the same bits; and the m x n fusion after the matmul, where XLA computed
+    # each power from its row's and column's largest again for each entry, scales nothing
+    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]) * unit_left[..., None], 2, 1)  # (b, blocks, m, w)
+    q_right = _rounded(right, scale_right[:, :, None, :]) * unit_right[:, :, None, :]
+    # (b, blocks, m, n): integers below 2^53 times one power of two each, exact whatever order the matmul adds them
+    # in; a NaN or inf stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
+    return jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
 
 
 def ordered_gram(x: jax.Array) -> jax.Array:
@@ -622,6 +631,27 @@ def _tree_sum(terms: jax.Array, dtype=None) -> jax.Array:
         pairs = terms[:half].astype(dtype) + terms[half : 2 * half].astype(dtype)
         terms = jnp.concatenate([pairs, terms[2 * half :].astype(dtype)]) if count % 2 else pairs
     return terms[0].astype(dtype)
+
+
+def _tree_levels(count: int, rows: Callable, levels: int) -> tuple[int, Callable]:
+    """The first ``levels`` levels of :func:`_tree_sum`'s tree over ``count`` terms, as an expression: ``rows(i, j)``
+    gives terms ``i`` to ``j`` (an array, leading axis), and so does the callable returned, of the level ``levels``
+    down (its ``count`` returned beside it). Each of its rows is the same adds of the same terms, in the same order,
+    as :func:`_tree_sum`'s at that level, read from slices of the terms: one expression XLA computes in one pass,
+    where each level of its own was a pass that wrote its sums and the next read them."""
+    for _ in range(levels):
+        if count <= 1:
+            break
+        half = count // 2
+
+        def pairs(i, j, rows=rows, half=half):
+            parts = [rows(i, min(j, half)) + rows(i + half, min(j, half) + half)] if i < half else []
+            if j > half:  # the odd term, carried: the last one
+                parts.append(rows(2 * half, 2 * half + 1))
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+        rows, count = pairs, half + count % 2
+    return count, rows
 
 
 # ordered_qr_r: columns a panel of Householder reflections holds (factored one column after another), whose
