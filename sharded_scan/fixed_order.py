@@ -255,7 +255,9 @@ def _in_block_order(blocks: jax.Array) -> jax.Array:
 # (a dotted one, which no ``def`` of a user's can take): the statistics family's ``column_sums_and_gram``
 # (``(column sums of v, vᵀv)``: Covariance's, Correlation's co-moments) gets both from one pass for each column's
 # largest. Its arguments and results as the call's; a rule
-# returns None for operands it does not take (a vmapped call), whose body is then followed.
+# returns None for operands it does not take (a vmapped call), whose body is then followed. A module may add its own
+# (``dense``'s Cholesky block rows: under fixed_order a formulation XLA:CPU runs faster, the same bits, where the
+# plain program keeps the one it rounded with).
 def _column_sums_and_gram(v, *rest):
     if rest or v.ndim != 2 or np.dtype(v.dtype) not in EXACT_IN_FLOAT64:
         return None
