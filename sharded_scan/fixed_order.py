@@ -268,12 +268,13 @@ TOGETHER: dict[str, Callable] = {"sharded_scan.column_sums_and_gram": _column_su
 
 
 # ordered_gram cuts a Gram's columns into groups at least this wide (at most GRAM_MAX_PARTS) and computes the
-# blocks on and above the diagonal. Narrower blocks lose more than they save where the process has an Eigen thread
-# pool (XLA:CPU's default; 8 simulated devices on 2 cores, CPU-ms a 256-row block): Eigen splits a small block's
-# 256-row sum between threads and packs each part (d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=128 0.28
-# against 0.25; d=192 0.48 against 0.49), where wide blocks save their share (d=256 in halves 0.79 against 0.88,
-# d=512 in quarters 2.92 against 3.17 in halves). Without the pool (xla_cpu_multi_thread_eigen=false) d=96 halves
-# were faster (0.107-0.111 against 0.132-0.147).
+# blocks on and above the diagonal. Chosen when its products were Eigen's (XLA:CPU's kernel for a contraction over
+# the rows' axis, xᵀx as it is stored), which split a small block's 256-row sum between threads and packed each part
+# (8 simulated devices on 2 cores, CPU-ms a 256-row block: d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=256
+# in halves 0.79 against 0.88). Its products now take both operands as rows (_symmetric_products: YNNPACK's kernel,
+# one thread). 64-wide groups measured so (--add, three pairs, load 4-6): Gram's and LinearRegression's add at d=256
+# cheaper (ratios 0.62-0.77 against 0.57-0.66, 0.48-0.61 against 0.40-0.48), Covariance's dearer (0.39-0.51
+# against 0.49-0.69, its rounded values then sliced into 8 copies): not taken, to measure apart.
 GRAM_PART_WIDTH, GRAM_MAX_PARTS = 128, 4
 
 
@@ -285,13 +286,24 @@ def gram_parts(d: int) -> int:
 def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:
     """``finish`` (elementwise over the last two axes) of ``qᵀ q`` per leading block (exact sums of integers below
     2^53, so each block of the result is the same whichever matmul computes it): the blocks on and above the diagonal
-    of ``parts`` column groups computed and finished, the rest their transposes."""
+    of ``parts`` column groups computed and finished, the rest their transposes.
+
+    Each product takes both operands as rows (``qᵀ``'s, a row per column of ``q``: ``A Bᵀ``), which XLA:CPU hands to
+    YNNPACK's float64 kernel, where ``q``'s columns contracted over its rows went to Eigen's, split between the
+    thread pool's threads: the three products of a d=256 Gram's halves 0.52 -> 0.29 CPU-ms (jitted alone), a steady
+    ``logical_shards`` ``add`` (``python bench/fixed_order.py --add --only "d=256"``) Gram 0.63-0.80 -> 0.44-0.47,
+    Covariance 0.77-0.97 -> 0.52-0.62, LinearRegression 1.13-1.55 -> 0.95. A Gram's rounding writes each
+    group's rows of ``qᵀ`` as it goes (Covariance's, which its column sums read too, is copied into them)."""
     d = q.shape[2]
+    rows_of = jnp.swapaxes(q, 1, 2)
+
+    def product(i0, i1, j0, j1):
+        return finish(jax.lax.dot_general(rows_of[:, i0:i1], rows_of[:, j0:j1], (((2,), (2,)), ((0,), (0,)))))
+
     if parts == 1:
-        return finish(jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,)))))
+        return product(0, d, 0, d)
     edges = [d * i // parts for i in range(parts + 1)]
-    cols = [q[:, :, edges[i] : edges[i + 1]] for i in range(parts)]
-    product = {(i, j): finish(jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,)))))
+    product = {(i, j): product(edges[i], edges[i + 1], edges[j], edges[j + 1])
                for i in range(parts) for j in range(i, parts)}
     rows = [jnp.concatenate([product[i, j] if j >= i else product[j, i].T for j in range(parts)], axis=1)
             for i in range(parts)]
