@@ -200,7 +200,7 @@ def ordered_gram(x: jax.Array) -> jax.Array:
     column of a block rounded to its grid once (the product's left rows are its right columns, on the same
     grids), and each block's sums (integers, exact) computed for the blocks of columns on and above the diagonal
     (:func:`gram_parts`), the rest their transposes: every entry is the same exact sum, computed once."""
-    return ordered_column_sums_and_gram(x)[1]
+    return ordered_column_sums_and_gram(x, gram_parts(x.shape[1], GRAM_ALONE_WIDTH))[1]
 
 
 def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -267,20 +267,24 @@ def _column_sums_and_gram(v, *rest):
 TOGETHER: dict[str, Callable] = {"sharded_scan.column_sums_and_gram": _column_sums_and_gram}
 
 
-# ordered_gram cuts a Gram's columns into groups at least this wide (at most GRAM_MAX_PARTS) and computes the
-# blocks on and above the diagonal. Chosen when its products were Eigen's (XLA:CPU's kernel for a contraction over
-# the rows' axis, xᵀx as it is stored), which split a small block's 256-row sum between threads and packed each part
+# ordered_gram cuts a Gram's columns into groups at least GRAM_ALONE_WIDTH wide, a Gram beside its column sums
+# (ordered_column_sums_and_gram: Covariance's) at least GRAM_PART_WIDTH (at most GRAM_MAX_PARTS), and computes the
+# blocks on and above the diagonal. 128 was chosen when the products were Eigen's (XLA:CPU's kernel for a contraction
+# over the rows' axis, xᵀx as stored), which split a small block's 256-row sum between threads and packed each part
 # (8 simulated devices on 2 cores, CPU-ms a 256-row block: d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=256
-# in halves 0.79 against 0.88). Its products now take both operands as rows (_symmetric_products: YNNPACK's kernel,
-# one thread). 64-wide groups measured so (--add, three pairs, load 4-6): Gram's and LinearRegression's add at d=256
-# cheaper (ratios 0.62-0.77 against 0.57-0.66, 0.48-0.61 against 0.40-0.48), Covariance's dearer (0.39-0.51
-# against 0.49-0.69, its rounded values then sliced into 8 copies): not taken, to measure apart.
+# in halves 0.79 against 0.88). The products now take both operands as rows (_symmetric_products: YNNPACK's kernel,
+# one thread), and 64-wide groups (d=256 in quarters: 10 products of 16) make a steady add at d=256 cheaper where
+# the rounding writes each group's rows itself (--add, three pairs, load 2-5: Gram 0.43-0.47 -> 0.38-0.41 CPU-ms,
+# LinearRegression 0.90-0.92 -> 0.75-0.84), not Covariance's, whose rounded values its column sums read too and which
+# are then copied into each group (ratios 0.39-0.51 against 0.49-0.69). The same bits for any groups.
 GRAM_PART_WIDTH, GRAM_MAX_PARTS = 128, 4
+GRAM_ALONE_WIDTH = 64
 
 
-def gram_parts(d: int) -> int:
-    """How many column groups :func:`ordered_gram` cuts a ``d``-wide Gram into."""
-    return max(1, min(GRAM_MAX_PARTS, d // GRAM_PART_WIDTH))
+def gram_parts(d: int, width: int = 0) -> int:
+    """How many column groups a ``d``-wide Gram is cut into, each at least ``width`` wide (``GRAM_PART_WIDTH`` if
+    0)."""
+    return max(1, min(GRAM_MAX_PARTS, d // (width or GRAM_PART_WIDTH)))
 
 
 def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:
