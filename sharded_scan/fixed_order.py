@@ -112,9 +112,13 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     if dtype in EXACT_IN_FLOAT64 and min(m, n) == 1 and b * m * n * k <= CHUNK_ELEMENTS:
         # a matrix-vector product (or a dot of vectors): each term exact in float64, added in tree_sum64's order
         with jax.enable_x64(True):
-            terms = (operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
-                     * operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64))
-            return tree_sum64(terms.reshape(k, b * m * n)).astype(dtype).reshape(out_shape)
+            left = operand(lhs, lhs_contract, lhs_batch, lhs_free, (b, m, 1), np.float64)
+            right = operand(rhs, rhs_contract, rhs_batch, rhs_free, (b, 1, n), np.float64)
+            # the terms' products made where the tree's first levels read them (each exact: where an add takes its
+            # product in, an FMA or not, the sum is the same), those levels one pass (_tree_levels)
+            count, rows = _tree_levels(k, lambda i, j: (left[i:j] * right[i:j]).reshape(j - i, b * m * n),
+                                       MATVEC_LEVELS)
+            return tree_sum64(rows(0, count)).astype(dtype).reshape(out_shape)
     if dtype in EXACT_IN_FLOAT64:
         with jax.enable_x64(True):
             left = jnp.transpose(lhs, (*lhs_batch, *lhs_free, *lhs_contract)).reshape(b, m, k)
@@ -126,6 +130,8 @@ def ordered_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None
     ).reshape(out_shape)
 
 
+# A matrix-vector product's tree levels computed in its first pass (_tree_levels).
+MATVEC_LEVELS = 3
 # Float dtypes whose values are exact in float64 with room to spare (significands of at most 24 bits).
 EXACT_IN_FLOAT64 = tuple(np.dtype(t) for t in (np.float32, np.float16, jnp.bfloat16))
 # exact_block_dot: contraction indices a block (one float64 matmul), and the bits each operand keeps below its
@@ -177,13 +183,16 @@ def _block_sums(left: jax.Array, right: jax.Array) -> jax.Array:
     scale_right, unit_right = _grid(_largest_finite(right, axis=2), BITS)  # (b, blocks, n)
     left, right = left.astype(np.float64), right.astype(np.float64)
     # the blocks before the rows as they are rounded (one pass), so the matmul's batch comes first: no copy of the
-    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks)
-    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]), 2, 1)  # (b, blocks, m, w)
-    q_right = _rounded(right, scale_right[:, :, None, :])
-    # (b, blocks, m, n): integers below 2^53, exact whatever order the matmul adds them in; a NaN or inf
-    # stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
-    sums = jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
-    return sums * jnp.swapaxes(unit_left, 1, 2)[..., None] * unit_right[:, :, None, :]  # powers of two: exact
+    # rounded left operand to move it there (a 256 x 258 one cost a pass, where k = 258 is two blocks); each value
+    # on its grid times the grid's power of two (exact), as ordered_column_sums_and_gram's: the products of a row
+    # and a column then share one power of two, their sums exact as the integers' (float32 values' powers of two
+    # stay far inside float64's range), the same bits; and the m x n fusion after the matmul, where XLA computed
+    # each power from its row's and column's largest again for each entry, scales nothing
+    q_left = jnp.moveaxis(_rounded(left, scale_left[..., None]) * unit_left[..., None], 2, 1)  # (b, blocks, m, w)
+    q_right = _rounded(right, scale_right[:, :, None, :]) * unit_right[:, :, None, :]
+    # (b, blocks, m, n): integers below 2^53 times one power of two each, exact whatever order the matmul adds them
+    # in; a NaN or inf stays one, and IEEE's NaN (a NaN, inf * 0, +inf + -inf) or +-inf comes out of any order alike
+    return jax.lax.dot_general(q_left, q_right, (((3,), (2,)), ((0, 1), (0, 1))))
 
 
 def ordered_gram(x: jax.Array) -> jax.Array:
@@ -191,7 +200,7 @@ def ordered_gram(x: jax.Array) -> jax.Array:
     column of a block rounded to its grid once (the product's left rows are its right columns, on the same
     grids), and each block's sums (integers, exact) computed for the blocks of columns on and above the diagonal
     (:func:`gram_parts`), the rest their transposes: every entry is the same exact sum, computed once."""
-    return ordered_column_sums_and_gram(x)[1]
+    return ordered_column_sums_and_gram(x, gram_parts(x.shape[1], GRAM_ALONE_WIDTH))[1]
 
 
 def ordered_column_sums_and_gram(x: jax.Array, parts: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -246,7 +255,9 @@ def _in_block_order(blocks: jax.Array) -> jax.Array:
 # (a dotted one, which no ``def`` of a user's can take): the statistics family's ``column_sums_and_gram``
 # (``(column sums of v, vᵀv)``: Covariance's, Correlation's co-moments) gets both from one pass for each column's
 # largest. Its arguments and results as the call's; a rule
-# returns None for operands it does not take (a vmapped call), whose body is then followed.
+# returns None for operands it does not take (a vmapped call), whose body is then followed. A module may add its own
+# (``dense``'s Cholesky block rows: under fixed_order a formulation XLA:CPU runs faster, the same bits, where the
+# plain program keeps the one it rounded with).
 def _column_sums_and_gram(v, *rest):
     if rest or v.ndim != 2 or np.dtype(v.dtype) not in EXACT_IN_FLOAT64:
         return None
@@ -256,31 +267,47 @@ def _column_sums_and_gram(v, *rest):
 TOGETHER: dict[str, Callable] = {"sharded_scan.column_sums_and_gram": _column_sums_and_gram}
 
 
-# ordered_gram cuts a Gram's columns into groups at least this wide (at most GRAM_MAX_PARTS) and computes the
-# blocks on and above the diagonal. Narrower blocks lose more than they save where the process has an Eigen thread
-# pool (XLA:CPU's default; 8 simulated devices on 2 cores, CPU-ms a 256-row block): Eigen splits a small block's
-# 256-row sum between threads and packs each part (d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=128 0.28
-# against 0.25; d=192 0.48 against 0.49), where wide blocks save their share (d=256 in halves 0.79 against 0.88,
-# d=512 in quarters 2.92 against 3.17 in halves). Without the pool (xla_cpu_multi_thread_eigen=false) d=96 halves
-# were faster (0.107-0.111 against 0.132-0.147).
+# ordered_gram cuts a Gram's columns into groups at least GRAM_ALONE_WIDTH wide, a Gram beside its column sums
+# (ordered_column_sums_and_gram: Covariance's) at least GRAM_PART_WIDTH (at most GRAM_MAX_PARTS), and computes the
+# blocks on and above the diagonal. 128 was chosen when the products were Eigen's (XLA:CPU's kernel for a contraction
+# over the rows' axis, xᵀx as stored), which split a small block's 256-row sum between threads and packed each part
+# (8 simulated devices on 2 cores, CPU-ms a 256-row block: d=96 in halves 0.19-0.22 against 0.14-0.15 whole; d=256
+# in halves 0.79 against 0.88). The products now take both operands as rows (_symmetric_products: YNNPACK's kernel,
+# one thread), and 64-wide groups (d=256 in quarters: 10 products of 16) make a steady add at d=256 cheaper where
+# the rounding writes each group's rows itself (--add, three pairs, load 2-5: Gram 0.43-0.47 -> 0.38-0.41 CPU-ms,
+# LinearRegression 0.90-0.92 -> 0.75-0.84), not Covariance's, whose rounded values its column sums read too and which
+# are then copied into each group (ratios 0.39-0.51 against 0.49-0.69). The same bits for any groups.
 GRAM_PART_WIDTH, GRAM_MAX_PARTS = 128, 4
+GRAM_ALONE_WIDTH = 64
 
 
-def gram_parts(d: int) -> int:
-    """How many column groups :func:`ordered_gram` cuts a ``d``-wide Gram into."""
-    return max(1, min(GRAM_MAX_PARTS, d // GRAM_PART_WIDTH))
+def gram_parts(d: int, width: int = 0) -> int:
+    """How many column groups a ``d``-wide Gram is cut into, each at least ``width`` wide (``GRAM_PART_WIDTH`` if
+    0)."""
+    return max(1, min(GRAM_MAX_PARTS, d // (width or GRAM_PART_WIDTH)))
 
 
 def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:
     """``finish`` (elementwise over the last two axes) of ``qᵀ q`` per leading block (exact sums of integers below
     2^53, so each block of the result is the same whichever matmul computes it): the blocks on and above the diagonal
-    of ``parts`` column groups computed and finished, the rest their transposes."""
+    of ``parts`` column groups computed and finished, the rest their transposes.
+
+    Each product takes both operands as rows (``qᵀ``'s, a row per column of ``q``: ``A Bᵀ``), which XLA:CPU hands to
+    YNNPACK's float64 kernel, where ``q``'s columns contracted over its rows went to Eigen's, split between the
+    thread pool's threads: the three products of a d=256 Gram's halves 0.52 -> 0.29 CPU-ms (jitted alone), a steady
+    ``logical_shards`` ``add`` (``python bench/fixed_order.py --add --only "d=256"``) Gram 0.63-0.80 -> 0.44-0.47,
+    Covariance 0.77-0.97 -> 0.52-0.62, LinearRegression 1.13-1.55 -> 0.95. A Gram's rounding writes each
+    group's rows of ``qᵀ`` as it goes (Covariance's, which its column sums read too, is copied into them)."""
     d = q.shape[2]
+    rows_of = jnp.swapaxes(q, 1, 2)
+
+    def product(i0, i1, j0, j1):
+        return finish(jax.lax.dot_general(rows_of[:, i0:i1], rows_of[:, j0:j1], (((2,), (2,)), ((0,), (0,)))))
+
     if parts == 1:
-        return finish(jax.lax.dot_general(q, q, (((1,), (1,)), ((0,), (0,)))))
+        return product(0, d, 0, d)
     edges = [d * i // parts for i in range(parts + 1)]
-    cols = [q[:, :, edges[i] : edges[i + 1]] for i in range(parts)]
-    product = {(i, j): finish(jax.lax.dot_general(cols[i], cols[j], (((1,), (1,)), ((0,), (0,)))))
+    product = {(i, j): product(edges[i], edges[i + 1], edges[j], edges[j + 1])
                for i in range(parts) for j in range(i, parts)}
     rows = [jnp.concatenate([product[i, j] if j >= i else product[j, i].T for j in range(parts)], axis=1)
             for i in range(parts)]
@@ -622,6 +649,27 @@ def _tree_sum(terms: jax.Array, dtype=None) -> jax.Array:
         pairs = terms[:half].astype(dtype) + terms[half : 2 * half].astype(dtype)
         terms = jnp.concatenate([pairs, terms[2 * half :].astype(dtype)]) if count % 2 else pairs
     return terms[0].astype(dtype)
+
+
+def _tree_levels(count: int, rows: Callable, levels: int) -> tuple[int, Callable]:
+    """The first ``levels`` levels of :func:`_tree_sum`'s tree over ``count`` terms, as an expression: ``rows(i, j)``
+    gives terms ``i`` to ``j`` (an array, leading axis), and so does the callable returned, of the level ``levels``
+    down (its ``count`` returned beside it). Each of its rows is the same adds of the same terms, in the same order,
+    as :func:`_tree_sum`'s at that level, read from slices of the terms: one expression XLA computes in one pass,
+    where each level of its own was a pass that wrote its sums and the next read them."""
+    for _ in range(levels):
+        if count <= 1:
+            break
+        half = count // 2
+
+        def pairs(i, j, rows=rows, half=half):
+            parts = [rows(i, min(j, half)) + rows(i + half, min(j, half) + half)] if i < half else []
+            if j > half:  # the odd term, carried: the last one
+                parts.append(rows(2 * half, 2 * half + 1))
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+        rows, count = pairs, half + count % 2
+    return count, rows
 
 
 # ordered_qr_r: columns a panel of Householder reflections holds (factored one column after another), whose

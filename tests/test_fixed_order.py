@@ -146,6 +146,11 @@ def test_batched_and_matrix_vector_products_keep_the_order():
     np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(tiny, v)), tree_sum(terms))
     np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(v, tiny.T)), tree_sum(terms))
     np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(v, tiny[0])), tree_sum(terms[:, :1])[0])
+    # longer contractions: the tree's first levels come from slices of the operands in one pass, odd terms carried
+    for k in (100, 257):
+        m, w = rows(k, 6, seed=3), rows(k, 1, seed=4)[:, 0] * np.float32(2.0**-20) ** (np.arange(k) % 3)
+        want = tree_sum(m.astype(np.float64) * w[:, None].astype(np.float64))
+        np.testing.assert_array_equal(np.asarray(jax.jit(fixed_order(jnp.dot))(w, m)), want)
 
 
 def test_data_rows_times_a_whitening_basis_keep_the_bits_of_their_small_columns():
