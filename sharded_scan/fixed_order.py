@@ -281,10 +281,9 @@ GRAM_PART_WIDTH, GRAM_MAX_PARTS = 128, 4
 GRAM_ALONE_WIDTH = 64
 
 
-def gram_parts(d: int, width: int = 0) -> int:
-    """How many column groups a ``d``-wide Gram is cut into, each at least ``width`` wide (``GRAM_PART_WIDTH`` if
-    0)."""
-    return max(1, min(GRAM_MAX_PARTS, d // (width or GRAM_PART_WIDTH)))
+def gram_parts(d: int, width: int = GRAM_PART_WIDTH) -> int:
+    """How many column groups a ``d``-wide Gram is cut into, each at least ``width`` wide."""
+    return max(1, min(GRAM_MAX_PARTS, d // width))
 
 
 def _symmetric_products(q: jax.Array, parts: int, finish: Callable) -> jax.Array:

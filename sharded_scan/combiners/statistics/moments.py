@@ -36,7 +36,7 @@ from sharded_scan.combiners.column_split import (
 )
 from sharded_scan.combiners.keyed_sums import keyed_sum
 from sharded_scan.combiners.results import frame
-from sharded_scan.combiners.statistics.sums import check_matrix_spec
+from sharded_scan.combiners.statistics.sums import check_matrix_spec, key_counts
 from sharded_scan.combiners.wrappers.policies import kahan_add, kahan_total
 from sharded_scan.dtypes import accumulator_dtype
 from sharded_scan.errors import UsageError
@@ -173,7 +173,7 @@ def keyed_deviations(acc: CenteredAcc, x: jax.Array, mask: jax.Array, keys: jax.
     into range (padding rows may hold any key)."""
     x = x.astype(acc.m2.dtype)
     keys = jnp.clip(keys, 0, num_keys - 1)
-    nb = keyed_sum(mask.astype(jnp.int32), keys, num_keys)
+    nb = key_counts(mask, keys, num_keys)
     shift = keyed_shift(acc, x, jnp.where(mask, keys, num_keys), nb, num_keys)
     return shift, masked((x - shift[keys]) - acc.mean[keys], mask), nb, keys
 
